@@ -1,0 +1,240 @@
+"""The pipeline config: one section per stage, loaded from YAML and overridden by slime-spelled flags.
+
+`slimeflow run demo.yaml --rollout-batch-size 32` routes each flag to the stage section that defines it. A flag
+that several stages define with one meaning (SHARED, e.g. --input-key) goes to each configured section; any other
+flag that several stages define must say which: `--train.save DIR`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, model_validator
+
+from slimeflow import stages
+from slimeflow.config.base import ConfigModel
+from slimeflow.config.flags import ConfigError, FlagIndex, merge, nest_keys, parse_flags, validate
+from slimeflow.config.infra import InfraConfig
+from slimeflow.config.slime_flags import explain_unknown
+from slimeflow.stages.convert.config import ConvertConfig
+from slimeflow.stages.evaluate.config import EvaluateConfig
+from slimeflow.stages.export.config import ExportConfig
+from slimeflow.stages.model.config import ModelConfig
+from slimeflow.stages.preprocess.config import PreprocessConfig
+from slimeflow.stages.rl.config import TrainConfig
+
+STAGE_CONFIGS: dict[str, type[ConfigModel]] = {
+    "model": ModelConfig,
+    "convert": ConvertConfig,
+    "preprocess": PreprocessConfig,
+    "train": TrainConfig,
+    "evaluate": EvaluateConfig,
+    "export": ExportConfig,
+}
+
+SHARED = frozenset({
+    "input_key", "label_key", "metadata_key", "tool_key", "apply_chat_template", "rollout_max_prompt_len",
+    "eval_prompt_data", "n_samples_per_eval_prompt", "eval_max_response_len", "eval_temperature", "eval_top_p",
+    "eval_top_k", "rm_type", "make_vocab_size_divisible_by", "tensor_model_parallel_size",
+})
+"""Flags that mean the same in every stage that defines them."""
+
+PIPELINE_OWNED = {"--hf-checkpoint": "model"}
+"""In a pipeline, the base checkpoint is the model stage's input; later stages get its resolved local copy."""
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class PipelineConfig(ConfigModel):
+    """The whole pipeline: where it writes, which stages run, and one config per stage."""
+
+    name: str = "slimeflow"
+    """Run name: the MLflow experiment and the default work directory runs/<name>."""
+    workdir: str | None = None
+    """Local directory for scratch files and the embedded MLflow database (default: runs/<name>)."""
+    output: str | None = None
+    """Artifact root: a local path or s3:// URI (default: the work directory)."""
+    stages: list[str] | None = None
+    """Stages to run, in pipeline order (default: every available stage that is configured)."""
+    infra: InfraConfig = Field(default_factory=InfraConfig)
+    model: ModelConfig | None = None
+    convert: ConvertConfig | None = None
+    preprocess: PreprocessConfig | None = None
+    train: TrainConfig | None = None
+    evaluate: EvaluateConfig | None = None
+    export: ExportConfig | None = None
+
+    @model_validator(mode="after")
+    def _resolve(self) -> PipelineConfig:
+        if not _NAME.match(self.name):
+            raise ValueError(f"--name {self.name!r}: use letters, digits, '.', '_' and '-' (it names a directory)")
+        workdir = self.workdir or str(Path("runs") / self.name)
+        configured = [s for s in stages.PIPELINE_ORDER if getattr(self, s) is not None]
+        chosen = self.stages if self.stages is not None else [s for s in configured if s in stages.available()]
+        unknown = [s for s in chosen if s not in stages.PIPELINE_ORDER]
+        if unknown:
+            raise ValueError(f"--stages {unknown}: unknown stage; the stages are {', '.join(stages.PIPELINE_ORDER)}")
+        missing = [s for s in chosen if s not in stages.available()]
+        if missing:
+            raise ValueError(
+                f"--stages: {', '.join(missing)} not available in this version of slimeflow "
+                f"(available: {', '.join(stages.available())}); remove it from the stage list"
+            )
+        unconfigured = [s for s in chosen if getattr(self, s) is None]
+        if unconfigured:
+            raise ValueError(f"--stages: {', '.join(unconfigured)} selected but has no config section")
+        self.__dict__.update(
+            workdir=workdir, output=self.output or workdir, stages=[s for s in stages.PIPELINE_ORDER if s in chosen]
+        )
+        return self
+
+    def tracking_uri(self) -> str:
+        """The MLflow tracking URI: the configured server, else sqlite inside the work directory."""
+        return self.infra.mlflow_tracking_uri or f"sqlite:///{Path(self.workdir).resolve() / 'mlflow.db'}"
+
+
+class _TopLevel(ConfigModel):
+    """The pipeline's own flags (not a stage's): run name, paths, stage list, infrastructure."""
+
+    name: str | None = None
+    workdir: str | None = None
+    output: str | None = None
+    stages: list[str] | None = None
+    infra: InfraConfig = Field(default_factory=InfraConfig)
+
+
+TOP_INDEX = FlagIndex(_TopLevel)
+STAGE_INDEX = {name: FlagIndex(cls) for name, cls in STAGE_CONFIGS.items()}
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML mapping from a file; errors name the file and the line."""
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError([f"{path}: not valid YAML: {err}"]) from None
+    if not isinstance(data, Mapping):
+        raise ConfigError([f"{path}: the top level must be a mapping of sections, got {type(data).__name__}"])
+    return dict(data)
+
+
+def load_pipeline_config(
+    data: Mapping[str, Any] | None = None,
+    argv: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+    *,
+    only_stage: str | None = None,
+    where: str = "config",
+) -> PipelineConfig:
+    """YAML data, then flags, then the environment for unset endpoints -> a validated PipelineConfig.
+
+    With `only_stage`, every stage flag goes to that stage and only that stage runs (a stage subcommand).
+    """
+    tree = _nest_sections(dict(data or {}), where)
+    tree = merge(tree, _route_flags(argv, tree, only_stage))
+    if only_stage is not None:
+        tree["stages"] = [only_stage]
+        tree.setdefault(only_stage, {})
+    for name in STAGE_CONFIGS:  # sections first, so that errors name the stage's own flags
+        if tree.get(name) is not None:
+            validate(STAGE_CONFIGS[name], tree[name], STAGE_INDEX[name], f"{where}: {name}")
+    config = validate(PipelineConfig, tree, TOP_INDEX, where)
+    if environ is not None:
+        config = config.model_copy(update={"infra": config.infra.with_environment(environ)})
+    return config
+
+
+def load_stage_config(stage: str, data: Mapping[str, Any] | None = None, argv: Sequence[str] = ()) -> ConfigModel:
+    """One stage's config from a YAML section and flags (no pipeline around it)."""
+    index = STAGE_INDEX[stage]
+    tree = merge(nest_keys(data or {}, index, stage), parse_flags(argv, index, prog=f"slimeflow {stage}"))
+    return validate(STAGE_CONFIGS[stage], tree, index, stage)
+
+
+def _nest_sections(data: dict[str, Any], where: str) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    problems: list[str] = []
+    for key, value in data.items():
+        if key in STAGE_CONFIGS:
+            tree[key] = None if value is None else nest_keys(value, STAGE_INDEX[key], f"{where}: {key}")
+        elif key == "hf_checkpoint":
+            tree.setdefault("model", {})["hf_checkpoint"] = value
+        else:
+            try:
+                tree = merge(tree, nest_keys({key: value}, TOP_INDEX, where))
+            except ConfigError as err:
+                problems += err.problems
+    if problems:
+        raise ConfigError(problems, where)
+    return tree
+
+
+def _split(argv: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """argv -> [(flag, values)]; values are the tokens up to the next `--flag`."""
+    out: list[tuple[str, list[str]]] = []
+    for token in argv:
+        if token.startswith("--"):
+            flag, eq, value = token.partition("=")
+            out.append((flag, [value] if eq else []))
+        elif out:
+            out[-1][1].append(token)
+        else:
+            raise ConfigError([f"{token!r}: a value with no flag before it; flags are spelled --name value"])
+    return out
+
+
+def _route_flags(argv: Sequence[str], tree: Mapping[str, Any], only_stage: str | None) -> dict[str, Any]:
+    """Send each flag to the pipeline's own section or to the stage section(s) that define it."""
+    per_section: dict[str, list[str]] = {}
+    problems: list[str] = []
+    for flag, values in _split(argv):
+        targets = _targets(flag, tree, only_stage)
+        if isinstance(targets, str):
+            problems.append(targets)
+            continue
+        for section, spelled in targets:
+            per_section.setdefault(section, []).extend([spelled, *values])
+    if problems:
+        raise ConfigError(problems, "command line")
+    routed: dict[str, Any] = {}
+    for section, args in per_section.items():
+        if section == "":
+            routed = merge(routed, parse_flags(args, TOP_INDEX))
+        else:
+            routed = merge(routed, {section: parse_flags(args, STAGE_INDEX[section], prog=f"slimeflow {section}")})
+    return routed
+
+
+def _targets(flag: str, tree: Mapping[str, Any], only_stage: str | None) -> list[tuple[str, str]] | str:
+    """Where one flag goes, as [(section, flag spelling)], or a message saying why it cannot be placed."""
+    stage, dot, bare = flag.removeprefix("--").partition(".")
+    if dot:
+        if stage not in STAGE_INDEX:
+            return f"{flag}: {stage!r} is not a stage; the stages are {', '.join(STAGE_INDEX)}"
+        return [(stage, "--" + bare)]
+    if flag in TOP_INDEX.by_flag:
+        return [("", flag)]
+    if only_stage is not None:
+        return [(only_stage, flag)]
+    if flag in PIPELINE_OWNED:
+        return [(PIPELINE_OWNED[flag], flag)]
+    if flag.startswith("--sglang-"):
+        return [("train", flag)]
+    owners = [name for name, index in STAGE_INDEX.items() if flag in index.by_flag]
+    if len(owners) == 1:
+        return [(owners[0], flag)]
+    if not owners:
+        known = sorted({f for index in STAGE_INDEX.values() for f in index.by_flag} | set(TOP_INDEX.by_flag))
+        return explain_unknown(flag, known)
+    if flag.removeprefix("--").replace("-", "_") in SHARED:
+        present = [name for name in owners if tree.get(name) is not None]
+        if not present:
+            return f"{flag}: no configured stage takes it (defined by {', '.join(owners)}); add that stage's section"
+        return [(name, flag) for name in present]
+    spelled = " or ".join(f"--{name}.{flag.removeprefix('--')}" for name in owners)
+    return f"{flag}: stages {', '.join(owners)} each define it with their own meaning; say which: {spelled}"

@@ -1,0 +1,30 @@
+"""The work of each pipeline stage, as plain Python (no Prefect here).
+
+A stage is `run(config, context) -> Manifest`. RUNNERS lists the stages that have landed; the pipeline and the
+CLI refuse, by name, a stage that is configured but not yet available.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+PIPELINE_ORDER: tuple[str, ...] = ("model", "convert", "preprocess", "train", "evaluate", "export")
+
+RUNNERS: dict[str, str] = {
+    "model": "slimeflow.stages.model.stage:run",
+}
+
+
+def available() -> tuple[str, ...]:
+    """The stages that can run, in pipeline order."""
+    return tuple(name for name in PIPELINE_ORDER if name in RUNNERS)
+
+
+def runner(name: str) -> Callable[..., Any]:
+    """The `run` function of stage `name`; a clear error for a stage that is not available."""
+    if name not in RUNNERS:
+        raise KeyError(f"stage {name!r} is not available in this version (available: {', '.join(available())})")
+    module, function = RUNNERS[name].split(":")
+    return getattr(importlib.import_module(module), function)

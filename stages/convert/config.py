@@ -1,0 +1,46 @@
+"""The convert stage's config: slime's converter flags (tools/convert_hf_to_torch_dist.py and back)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import model_validator
+
+from slimeflow.config.base import ConfigModel, OptionalPositiveInt, PositiveInt
+
+
+class ConvertConfig(ConfigModel):
+    """HF <-> Megatron torch_dist conversion."""
+
+    direction: Literal["hf-to-torch-dist", "torch-dist-to-hf"] = "hf-to-torch-dist"
+    """Which way to convert."""
+    hf_checkpoint: str | None = None
+    """HF model directory or URI to convert (hf-to-torch-dist)."""
+    save: str | None = None
+    """Checkpoint root the torch_dist checkpoint is written to, as release/ (hf-to-torch-dist)."""
+    input_dir: str | None = None
+    """torch_dist checkpoint: a root (latest), release/ or iter_XXXXXXX/ (torch-dist-to-hf)."""
+    output_dir: str | None = None
+    """Directory the HF safetensors are written to (torch-dist-to-hf)."""
+    origin_hf_dir: str | None = None
+    """HF directory whose config and tokenizer are copied next to the converted weights (torch-dist-to-hf)."""
+    vocab_size: OptionalPositiveInt = None
+    """True vocabulary size, to strip Megatron's padding (default: from origin_hf_dir's config)."""
+    make_vocab_size_divisible_by: PositiveInt = 128
+    """Pad the vocabulary to a multiple of this times tensor_model_parallel_size."""
+    tensor_model_parallel_size: PositiveInt = 1
+    """Tensor parallel size the padding is computed for."""
+    overwrite: bool = False
+    """Replace a checkpoint that already exists at the target."""
+
+    @model_validator(mode="after")
+    def _endpoints(self) -> ConvertConfig:
+        needed = (
+            {"hf_checkpoint": "--hf-checkpoint", "save": "--save"}
+            if self.direction == "hf-to-torch-dist"
+            else {"input_dir": "--input-dir", "output_dir": "--output-dir", "origin_hf_dir": "--origin-hf-dir"}
+        )
+        missing = [flag for name, flag in needed.items() if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"{self.direction} needs {', '.join(missing)}")
+        return self

@@ -1,0 +1,30 @@
+"""The evaluate stage's config: a checkpoint on named eval sets."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from slimeflow.config.base import ConfigModel, OptionalPositiveInt, PositiveInt
+
+
+class EvaluateConfig(ConfigModel):
+    """Evaluate a checkpoint on named eval sets (avg reward, pass@k over n samples)."""
+
+    load: str | None = None
+    """Checkpoint to evaluate: a torch_dist root (latest), release/ or iter_XXXXXXX/."""
+    hf_checkpoint: str | None = None
+    """HF directory of the tokenizer and config."""
+    eval_prompt_data: dict[str, str] = Field(default_factory=dict)
+    """Named eval sets: --eval-prompt-data NAME PATH [NAME PATH ...]."""
+    n_samples_per_eval_prompt: PositiveInt = 1
+    """Responses per prompt."""
+    eval_max_response_len: OptionalPositiveInt = None
+    """Maximum new tokens."""
+    eval_temperature: float = Field(1.0, ge=0)
+    """Sampling temperature (0: greedy)."""
+    eval_top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    eval_top_k: int = Field(-1, ge=-1)
+    """Top-k; -1 disables it."""
+    rm_type: str | None = None
+    """Built-in reward used to score responses (metadata['rm_type'] overrides)."""

@@ -1,0 +1,404 @@
+"""The training stage's config: a tree of small groups whose field names are slime's flags in snake_case.
+
+`--rollout-batch-size 32` sets `TrainConfig.batch.rollout_batch_size`; every leaf name is unique across the tree,
+so a slime flag list maps onto it flag for flag (slimeflow.config.flags). Functions take the group they use.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from slimeflow.config.base import ConfigModel, OptionalPositiveInt, PluginPath, PositiveInt
+
+
+class BatchConfig(ConfigModel):
+    """Batch accounting: rollout_batch_size x n_samples_per_prompt = global_batch_size x num_steps_per_rollout."""
+
+    rollout_batch_size: PositiveInt
+    """Prompts per rollout (required, as in slime)."""
+    n_samples_per_prompt: PositiveInt = 1
+    """Responses generated per prompt (the GRPO group size)."""
+    global_batch_size: OptionalPositiveInt = None
+    """Samples per optimizer step; derived from num_steps_per_rollout when that is given."""
+    num_steps_per_rollout: OptionalPositiveInt = None
+    """Optimizer steps per rollout; default 1 (on-policy) when global_batch_size is not given either."""
+    num_rollout: OptionalPositiveInt = None
+    """Rollouts to run (the loop's length)."""
+    num_epoch: OptionalPositiveInt = None
+    """Epochs over the prompt data; used only when num_rollout is not set."""
+    micro_batch_size: PositiveInt = 1
+    """Samples per micro-batch; ignored with use_dynamic_batch_size."""
+    use_dynamic_batch_size: bool = False
+    """Pack samples into micro-batches of up to max_tokens_per_gpu tokens."""
+    max_tokens_per_gpu: OptionalPositiveInt = None
+    """Token budget of one packed micro-batch (a longer sample gets a micro-batch of its own)."""
+    balance_data: bool = False
+    """Balance tokens across data-parallel ranks."""
+
+    @model_validator(mode="after")
+    def _batch_invariant(self) -> BatchConfig:
+        samples = self.rollout_batch_size * self.n_samples_per_prompt
+        steps, gbs = self.num_steps_per_rollout, self.global_batch_size
+        if steps is not None:
+            if samples % steps:
+                raise ValueError(
+                    f"--num-steps-per-rollout {steps} does not divide rollout_batch_size x n_samples_per_prompt = "
+                    f"{self.rollout_batch_size} x {self.n_samples_per_prompt} = {samples}; choose a divisor of {samples}"
+                )
+            derived = samples // steps
+            if gbs is not None and gbs != derived:
+                raise ValueError(
+                    f"--global-batch-size {gbs} contradicts rollout_batch_size x n_samples_per_prompt / "
+                    f"num_steps_per_rollout = {samples} / {steps} = {derived}; set one of the two, or make them agree"
+                )
+            gbs = derived
+        elif gbs is None:
+            steps, gbs = 1, samples
+        elif samples % gbs:
+            raise ValueError(
+                f"rollout_batch_size x n_samples_per_prompt = {self.rollout_batch_size} x "
+                f"{self.n_samples_per_prompt} = {samples} is not a multiple of --global-batch-size {gbs}"
+            )
+        else:
+            steps = samples // gbs
+        if self.num_rollout is None and self.num_epoch is None:
+            raise ValueError("set --num-rollout (rollouts to run) or --num-epoch (epochs over the prompt data)")
+        if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
+            raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget per micro-batch)")
+        # Derived values are stored without re-running validation (validate_assignment would recurse).
+        self.__dict__["num_steps_per_rollout"] = steps
+        self.__dict__["global_batch_size"] = gbs
+        return self
+
+
+class DataConfig(ConfigModel):
+    """Where prompts come from and how rows map onto samples."""
+
+    prompt_data: str | None = None
+    """Prompt parquet (or jsonl) path or URI; in a pipeline, the preprocess stage's output."""
+    input_key: str = "input"
+    """Column holding the prompt (a string or an OpenAI messages list)."""
+    label_key: str | None = None
+    """Column holding the label the reward compares against."""
+    metadata_key: str = "metadata"
+    """Column holding a dict or JSON string loaded into Sample.metadata."""
+    tool_key: str | None = None
+    """Column holding tool schemas for tool-aware chat templates."""
+    apply_chat_template: bool = False
+    """Render message lists with the tokenizer's chat template."""
+    rollout_shuffle: bool = False
+    """Shuffle prompts each epoch, seeded by (rollout_seed, epoch)."""
+    rollout_seed: int = 42
+    """Seed of the data order and of sampling."""
+    rollout_max_prompt_len: OptionalPositiveInt = None
+    """Drop prompts longer than this many tokens."""
+
+
+class RolloutConfig(ConfigModel):
+    """Generation: sampling parameters, custom generate functions and sampling strategies."""
+
+    rollout_max_response_len: PositiveInt = 1024
+    """Maximum new tokens per response."""
+    rollout_temperature: float = Field(1.0, gt=0)
+    """Sampling temperature (must be > 0: RL needs the sampling distribution)."""
+    rollout_top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass, in (0, 1]."""
+    rollout_top_k: int = Field(-1, ge=-1)
+    """Top-k sampling; -1 disables it."""
+    rollout_stop: list[str] | None = None
+    """Stop strings."""
+    rollout_stop_token_ids: list[int] | None = None
+    """Stop token ids."""
+    custom_generate_function_path: PluginPath = None
+    """async generate(args, sample, sampling_params) -> Sample, for multi-turn and agentic rollouts."""
+    rollout_function_path: PluginPath = None
+    """Replace the whole rollout function."""
+    over_sampling_batch_size: OptionalPositiveInt = None
+    """Prompts requested per over-sampling round (>= rollout_batch_size; defaults to it)."""
+    dynamic_sampling_filter_path: PluginPath = None
+    """Keep a group only if this filter passes, e.g. check_reward_nonzero_std."""
+    partial_rollout: bool = False
+    """Keep aborted half-generated samples in the buffer and continue them next rollout."""
+    mask_offpolicy_in_partial_rollout: bool = False
+    """Mask the tokens of a partial sample that an older policy generated."""
+    buffer_filter_path: PluginPath = None
+    """How groups are taken from the buffer (default pop_first: FIFO)."""
+
+
+class RewardConfig(ConfigModel):
+    """How responses are scored."""
+
+    rm_type: str | None = None
+    """Built-in reward: math, deepscaler, dapo, f1, gpqa (a `boxed_` prefix is accepted); metadata['rm_type'] overrides."""
+    custom_rm_path: PluginPath = None
+    """async reward(args, sample) -> float, or a group function with group_rm."""
+    rm_url: str | None = None
+    """Remote reward server (HTTP)."""
+    group_rm: bool = False
+    """Reward a whole group at once."""
+
+
+class AlgorithmConfig(ConfigModel):
+    """Advantage estimation and the policy loss."""
+
+    advantage_estimator: Literal[
+        "grpo", "gspo", "cispo", "ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"
+    ] = "grpo"
+    """Advantage estimator."""
+    loss_type: Literal["policy_loss", "sft_loss", "custom_loss"] = "policy_loss"
+    """Policy-gradient loss, supervised loss, or custom_loss_function_path."""
+    eps_clip: float = Field(0.2, ge=0)
+    """Lower clip range of the ratio: 1 - eps_clip."""
+    eps_clip_high: float | None = Field(None, ge=0)
+    """Upper clip range of the ratio: 1 + eps_clip_high (defaults to eps_clip)."""
+    eps_clip_c: float | None = Field(None, gt=1)
+    """Dual-clip constant (> 1) for negative advantages."""
+    use_kl_loss: bool = False
+    """Load the reference model and compute the KL against it."""
+    kl_loss_coef: float = Field(0.0, ge=0)
+    """Weight of the KL loss (0: KL is only reported)."""
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl"] = "k1"
+    """KL estimator."""
+    kl_coef: float = Field(0.0, ge=0)
+    """KL penalty folded into the reward (REINFORCE++, PPO)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight."""
+    calculate_per_token_loss: bool = False
+    """Average over all tokens of the batch instead of per sample."""
+    use_tis: bool = False
+    """Truncated importance sampling between the rollout engine's and the trainer's probabilities."""
+    tis_clip: float = Field(2.0, gt=0)
+    """Upper clip of the TIS weight."""
+    disable_grpo_std_normalization: bool = False
+    """Subtract the group mean only."""
+    normalize_advantages: bool = False
+    """Whiten advantages over the batch."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount (REINFORCE++, PPO)."""
+    lambd: float = Field(1.0, ge=0, le=1)
+    """GAE lambda (PPO)."""
+    custom_loss_function_path: PluginPath = None
+    """A custom loss (with loss_type custom_loss)."""
+    custom_advantage_function_path: PluginPath = None
+    """A custom advantage estimator."""
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgorithmConfig:
+        if self.kl_coef and self.kl_loss_coef:
+            raise ValueError(
+                f"--kl-coef {self.kl_coef} and --kl-loss-coef {self.kl_loss_coef} are both non-zero; "
+                "slime allows only one: the KL goes into the reward (kl_coef) or into the loss (kl_loss_coef)"
+            )
+        if self.loss_type == "custom_loss" and self.custom_loss_function_path is None:
+            raise ValueError("--loss-type custom_loss needs --custom-loss-function-path module:function")
+        if self.eps_clip_high is None:
+            self.__dict__["eps_clip_high"] = self.eps_clip
+        return self
+
+
+class OptimizerConfig(ConfigModel):
+    """The optimizer and its schedule."""
+
+    optimizer: Literal["adam"] = "adam"
+    """Optimizer (AdamW)."""
+    lr: float = Field(1e-6, gt=0)
+    """Peak learning rate."""
+    min_lr: float = Field(0.0, ge=0)
+    """Floor of the decay."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up."""
+    lr_warmup_iters: int = Field(0, ge=0)
+    """Linear warm-up steps."""
+    lr_decay_iters: OptionalPositiveInt = None
+    """Steps over which the learning rate decays (default: the whole run)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay."""
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    """Adam beta1."""
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    """Adam beta2."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """Adam epsilon."""
+    clip_grad: float = Field(1.0, ge=0)
+    """Gradient-norm clip (0 disables it)."""
+    bf16: bool = False
+    """Train in bfloat16 (fp32 otherwise)."""
+
+
+class CheckpointConfig(ConfigModel):
+    """Where the model comes from and where checkpoints go (slime's CKPT_ARGS)."""
+
+    hf_checkpoint: str | None = None
+    """HF model directory: tokenizer and config source (and the weights for the torch backend)."""
+    ref_load: str | None = None
+    """torch_dist checkpoint of the reference model."""
+    load: str | None = None
+    """Actor checkpoint root; falls back to ref_load when empty or holding no valid checkpoint."""
+    save: str | None = None
+    """Checkpoint root the actor saves to."""
+    save_interval: OptionalPositiveInt = None
+    """Save every this many rollouts."""
+    save_hf: str | None = None
+    """Also write HF weights here at each save."""
+    start_rollout_id: int | None = Field(None, ge=0)
+    """Override the rollout id to start from (default: from the loaded checkpoint)."""
+
+
+class EvalConfig(ConfigModel):
+    """Evaluation during training."""
+
+    eval_interval: OptionalPositiveInt = None
+    """Evaluate every this many rollouts."""
+    eval_prompt_data: dict[str, str] = Field(default_factory=dict)
+    """Named eval sets: --eval-prompt-data NAME PATH [NAME PATH ...]."""
+    n_samples_per_eval_prompt: PositiveInt = 1
+    """Responses per eval prompt (pass@k, avg@n)."""
+    eval_max_response_len: OptionalPositiveInt = None
+    """Maximum new tokens in eval (default: rollout_max_response_len)."""
+    eval_temperature: float | None = Field(None, ge=0)
+    """Eval temperature (default: rollout_temperature)."""
+    eval_top_p: float | None = Field(None, gt=0, le=1)
+    """Eval top-p (default: rollout_top_p)."""
+    eval_top_k: int | None = Field(None, ge=-1)
+    """Eval top-k (default: rollout_top_k)."""
+    skip_eval_before_train: bool = False
+    """Do not evaluate before the first rollout."""
+    eval_config: str | None = None
+    """YAML file with per-dataset eval settings."""
+
+
+class PlacementConfig(ConfigModel):
+    """Devices for training and rollout, and which training backend runs."""
+
+    train_backend: Literal["torch", "megatron"] = "torch"
+    """torch (transformers + AdamW; CPU or GPU) or megatron (megatron-core)."""
+    actor_num_nodes: PositiveInt = 1
+    """Training nodes."""
+    actor_num_gpus_per_node: PositiveInt = 1
+    """Training devices per node (data-parallel ranks on CPU)."""
+    rollout_num_gpus: OptionalPositiveInt = None
+    """Devices for rollout engines (ignored with colocate)."""
+    rollout_num_gpus_per_engine: PositiveInt = 1
+    """Devices per engine (SGLang tp_size)."""
+    colocate: bool = False
+    """Share devices between training and rollout."""
+    offload: bool = False
+    """Offload training state while rollout runs (colocated mode)."""
+
+    @model_validator(mode="after")
+    def _colocate(self) -> PlacementConfig:
+        if self.colocate:
+            # As slime: colocated rollout uses exactly the training devices.
+            self.__dict__["rollout_num_gpus"] = self.actor_num_nodes * self.actor_num_gpus_per_node
+        return self
+
+
+class MegatronConfig(ConfigModel):
+    """Megatron parallelism and model-shape flags (slime's MODEL_ARGS); checked against the HF config."""
+
+    tensor_model_parallel_size: PositiveInt = 1
+    """Tensor parallel size."""
+    pipeline_model_parallel_size: PositiveInt = 1
+    """Pipeline parallel size."""
+    context_parallel_size: PositiveInt = 1
+    """Context parallel size."""
+    expert_model_parallel_size: PositiveInt = 1
+    """Expert parallel size."""
+    expert_tensor_parallel_size: PositiveInt = 1
+    """Expert tensor parallel size."""
+    sequence_parallel: bool = False
+    """Sequence parallelism (with tensor parallelism)."""
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """Activation recomputation granularity."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """Activation recomputation method."""
+    recompute_num_layers: OptionalPositiveInt = None
+    """Layers per recomputation unit."""
+    num_layers: OptionalPositiveInt = None
+    """Transformer layers."""
+    hidden_size: OptionalPositiveInt = None
+    """Hidden size."""
+    ffn_hidden_size: OptionalPositiveInt = None
+    """MLP intermediate size."""
+    num_attention_heads: OptionalPositiveInt = None
+    """Attention heads."""
+    group_query_attention: bool = False
+    """Grouped-query attention."""
+    num_query_groups: OptionalPositiveInt = None
+    """KV heads with group_query_attention."""
+    kv_channels: OptionalPositiveInt = None
+    """Head dimension."""
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    """Normalisation layer."""
+    norm_epsilon: float | None = Field(None, gt=0)
+    """Normalisation epsilon."""
+    swiglu: bool = False
+    """SwiGLU MLP."""
+    disable_bias_linear: bool = False
+    """No bias in linear layers."""
+    add_qkv_bias: bool = False
+    """Bias on QKV (Qwen2)."""
+    qk_layernorm: bool = False
+    """Norm on q and k (Qwen3)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Separate output layer."""
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
+    """Position embedding."""
+    use_rotary_position_embeddings: bool = False
+    """Rotary embeddings (Megatron's older spelling of position_embedding_type rope)."""
+    rotary_base: float | None = Field(None, gt=0)
+    """RoPE theta."""
+    rotary_percent: float = Field(1.0, gt=0, le=1)
+    """Fraction of the head dimension that is rotated."""
+    vocab_size: OptionalPositiveInt = None
+    """True vocabulary size (before padding)."""
+    make_vocab_size_divisible_by: PositiveInt = 128
+    """Pad the vocabulary to a multiple of this times the tensor parallel size."""
+    seq_length: OptionalPositiveInt = None
+    """Sequence length."""
+    max_position_embeddings: OptionalPositiveInt = None
+    """Maximum positions."""
+    attention_dropout: float = Field(0.0, ge=0, lt=1)
+    """Attention dropout."""
+    hidden_dropout: float = Field(0.0, ge=0, lt=1)
+    """Hidden dropout."""
+
+
+class SglangConfig(ConfigModel):
+    """Every `--sglang-X value` flag, passed through to SGLang as `--X value` (e.g. --sglang-mem-fraction-static)."""
+
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Pass-through SGLang server arguments, keyed by name without the sglang_ prefix."""
+
+
+class TrainConfig(ConfigModel):
+    """The train stage: slime's train.py flags, grouped."""
+
+    seed: int = 1234
+    """Seed of model initialisation and training randomness."""
+    batch: BatchConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    sglang: SglangConfig = Field(default_factory=SglangConfig)
+
+    @model_validator(mode="after")
+    def _cross_group(self) -> TrainConfig:
+        over = self.rollout.over_sampling_batch_size
+        if over is not None and over < self.batch.rollout_batch_size:
+            raise ValueError(
+                f"--over-sampling-batch-size {over} is smaller than --rollout-batch-size "
+                f"{self.batch.rollout_batch_size}; it must be >= rollout_batch_size (or left unset)"
+            )
+        if self.batch.n_samples_per_prompt == 1 and self.algorithm.advantage_estimator in ("grpo", "gspo", "cispo"):
+            # As slime: the std of a one-sample group is undefined, so std normalisation is switched off.
+            self.algorithm.__dict__["disable_grpo_std_normalization"] = True
+        return self
