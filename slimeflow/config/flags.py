@@ -127,9 +127,13 @@ def build_parser(index: FlagIndex, prog: str, description: str) -> argparse.Argu
     return parser
 
 
-def add_flags(parser: argparse.ArgumentParser, index: FlagIndex, dest_prefix: str = "") -> None:
+def add_flags(parser: argparse.ArgumentParser, index: FlagIndex, dest_prefix: str = "",
+              skip: frozenset[str] = frozenset()) -> None:
+    """Add every flag of `index` (but those in `skip`) to `parser`, one argument group per config group."""
     groups: dict[tuple[str, ...], argparse._ArgumentGroup] = {}
     for leaf in index.by_flag.values():
+        if leaf.flag in skip:
+            continue
         key = leaf.path[:-1]
         if key not in groups:
             groups[key] = parser.add_argument_group(".".join(key) or index.model.__name__)
@@ -283,4 +287,6 @@ def _describe(error: Mapping[str, Any], index: FlagIndex) -> str:
         return f"{' and '.join(inside) or flag or '.'.join(prefix)} is required"
     if flag is None:
         return message
-    return f"{flag} {error.get('input')!r}: {message}"
+    value = error.get("input")
+    shown = value if isinstance(value, str) and value and not any(c.isspace() for c in value) else repr(value)
+    return f"{flag} {shown}: {message}"

@@ -49,8 +49,8 @@ PIPELINE_OWNED = {"--hf-checkpoint": "model"}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
-class PipelineConfig(ConfigModel):
-    """The whole pipeline: where it writes, which stages run, and one config per stage."""
+class RunSettings(ConfigModel):
+    """What every stage flow needs besides its config: the run's name, directories and infrastructure."""
 
     name: str = "slimeflow"
     """Run name: the MLflow experiment and the default work directory runs/<name>."""
@@ -58,9 +58,28 @@ class PipelineConfig(ConfigModel):
     """Local directory for scratch files and the embedded MLflow database (default: runs/<name>)."""
     output: str | None = None
     """Artifact root: a local path or s3:// URI (default: the work directory)."""
+    show_progress: bool = False
+    """Draw progress bars for long work (the CLI turns this on at a terminal)."""
+    infra: InfraConfig = Field(default_factory=InfraConfig)
+
+    @model_validator(mode="after")
+    def _directories(self) -> RunSettings:
+        if not _NAME.match(self.name):
+            raise ValueError(f"--name {self.name!r}: use letters, digits, '.', '_' and '-' (it names a directory)")
+        workdir = self.workdir or str(Path("runs") / self.name)
+        self.__dict__.update(workdir=workdir, output=self.output or workdir)
+        return self
+
+    def tracking_uri(self) -> str:
+        """The MLflow tracking URI: the configured server, else sqlite inside the work directory."""
+        return self.infra.mlflow_tracking_uri or f"sqlite:///{Path(self.workdir).resolve() / 'mlflow.db'}"
+
+
+class PipelineConfig(RunSettings):
+    """The whole pipeline: the run settings, which stages run, and one config per stage."""
+
     stages: list[str] | None = None
     """Stages to run, in pipeline order (default: every available stage that is configured)."""
-    infra: InfraConfig = Field(default_factory=InfraConfig)
     model: ModelConfig | None = None
     convert: ConvertConfig | None = None
     preprocess: PreprocessConfig | None = None
@@ -69,10 +88,7 @@ class PipelineConfig(ConfigModel):
     export: ExportConfig | None = None
 
     @model_validator(mode="after")
-    def _resolve(self) -> PipelineConfig:
-        if not _NAME.match(self.name):
-            raise ValueError(f"--name {self.name!r}: use letters, digits, '.', '_' and '-' (it names a directory)")
-        workdir = self.workdir or str(Path("runs") / self.name)
+    def _stages(self) -> PipelineConfig:
         configured = [s for s in stages.PIPELINE_ORDER if getattr(self, s) is not None]
         chosen = self.stages if self.stages is not None else [s for s in configured if s in stages.available()]
         unknown = [s for s in chosen if s not in stages.PIPELINE_ORDER]
@@ -87,24 +103,20 @@ class PipelineConfig(ConfigModel):
         unconfigured = [s for s in chosen if getattr(self, s) is None]
         if unconfigured:
             raise ValueError(f"--stages: {', '.join(unconfigured)} selected but has no config section")
-        self.__dict__.update(
-            workdir=workdir, output=self.output or workdir, stages=[s for s in stages.PIPELINE_ORDER if s in chosen]
-        )
+        if not chosen:
+            raise ValueError(f"no stage to run: configure at least one of {', '.join(stages.available())}")
+        self.__dict__["stages"] = [s for s in stages.PIPELINE_ORDER if s in chosen]
         return self
 
-    def tracking_uri(self) -> str:
-        """The MLflow tracking URI: the configured server, else sqlite inside the work directory."""
-        return self.infra.mlflow_tracking_uri or f"sqlite:///{Path(self.workdir).resolve() / 'mlflow.db'}"
+    def settings(self) -> RunSettings:
+        return RunSettings.model_validate(self.model_dump(include=set(RunSettings.model_fields)))
 
 
-class _TopLevel(ConfigModel):
-    """The pipeline's own flags (not a stage's): run name, paths, stage list, infrastructure."""
+class _TopLevel(RunSettings):
+    """The pipeline's own flags (not a stage's): run settings and the stage list."""
 
-    name: str | None = None
-    workdir: str | None = None
-    output: str | None = None
     stages: list[str] | None = None
-    infra: InfraConfig = Field(default_factory=InfraConfig)
+    """Stages to run, in pipeline order."""
 
 
 TOP_INDEX = FlagIndex(_TopLevel)
@@ -217,10 +229,10 @@ def _targets(flag: str, tree: Mapping[str, Any], only_stage: str | None) -> list
         if stage not in STAGE_INDEX:
             return f"{flag}: {stage!r} is not a stage; the stages are {', '.join(STAGE_INDEX)}"
         return [(stage, "--" + bare)]
+    if only_stage is not None:  # a stage subcommand: the stage's own flag wins (preprocess --output)
+        return [(only_stage if flag in STAGE_INDEX[only_stage].by_flag or flag not in TOP_INDEX.by_flag else "", flag)]
     if flag in TOP_INDEX.by_flag:
         return [("", flag)]
-    if only_stage is not None:
-        return [(only_stage, flag)]
     if flag in PIPELINE_OWNED:
         return [(PIPELINE_OWNED[flag], flag)]
     if flag.startswith("--sglang-"):

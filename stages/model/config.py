@@ -10,5 +10,5 @@ class ModelConfig(ConfigModel):
 
     hf_checkpoint: str
     """A local HF directory, a file:// or s3:// URI, or a tiny-model spec such as 'tiny:qwen3?seed=1'."""
-    output: str | None = None
-    """Where a remote or generated checkpoint is materialised locally (default: <workdir>/model)."""
+    cache_dir: str | None = None
+    """Local directory a remote or generated checkpoint is materialised in (default: <workdir>/model)."""

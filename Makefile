@@ -1,0 +1,37 @@
+# The two commands a newcomer needs:  `make demo`  (set up + run the pipeline)  and  `make test`.
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONFIG ?= examples/tiny.yaml
+
+.PHONY: demo test install install-dev lint clean
+
+$(BIN)/python:
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11) on PATH, or: make PYTHON=/path/to/python3.11"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade "pip>=24" "setuptools>=68" wheel
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
+	$(BIN)/pip install --quiet -c constraints.txt -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+demo: $(VENV)/.installed
+	$(BIN)/slimeflow run $(CONFIG)
+
+# pytest exits 5 when it collects no tests: that is a broken suite here, and it is said so.
+test: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is missing or mis-selected"; exit 1; fi; exit $$rc
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) runs build dist *.egg-info

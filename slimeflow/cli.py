@@ -1,0 +1,120 @@
+"""`slimeflow`: a subcommand per stage, `run` for the whole pipeline, `deploy` for Prefect deployments.
+
+    slimeflow run examples/tiny.yaml [--flag value ...]      the pipeline, flags routed to the stages
+    slimeflow <stage> [section.yaml] [--flag value ...]      one stage (model, convert, preprocess, train, ...)
+    slimeflow <command> --help                               every flag under slime's name
+    ... --print-config                                       validate and print the resolved config as YAML
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+import yaml
+
+from slimeflow import __version__, stages
+from slimeflow.config.flags import ConfigError, add_flags
+from slimeflow.config.pipeline import STAGE_CONFIGS, STAGE_INDEX, TOP_INDEX, load_pipeline_config, read_yaml
+
+EXIT_CONFIG = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_overview())
+        return 0
+    if argv[0] == "--version":
+        print(__version__)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "deploy":
+        from slimeflow.deployments.deploy import main as deploy_main
+
+        return deploy_main(rest)
+    if command != "run" and command not in STAGE_CONFIGS:
+        print(f"slimeflow: unknown command {command!r}; commands: run, {', '.join(STAGE_CONFIGS)}, deploy",
+              file=sys.stderr)
+        return EXIT_CONFIG
+    only_stage = None if command == "run" else command
+    if "-h" in rest or "--help" in rest:
+        _help_parser(command, only_stage).print_help()
+        return 0
+    try:
+        config = _load(command, rest, only_stage)
+    except (ConfigError, OSError) as err:
+        print(f"slimeflow {command}: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    if "--print-config" in rest:
+        print(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True), sort_keys=False), end="")
+        return 0
+    return _execute(config)
+
+
+def _load(command: str, rest: list[str], only_stage: str | None):
+    data, flags = {}, [a for a in rest if a != "--print-config"]
+    if flags and not flags[0].startswith("--"):
+        path, flags = flags[0], flags[1:]
+        data = read_yaml(path)
+        if only_stage is not None and only_stage not in data:
+            data = {only_stage: data}  # a bare stage section
+        where = path
+    else:
+        if command == "run":
+            raise ConfigError(["give a pipeline YAML file: slimeflow run CONFIG.yaml [--flag value ...]"])
+        where = "command line"
+    if only_stage is not None:
+        data = {k: v for k, v in data.items() if k not in STAGE_CONFIGS or k == only_stage}
+    config = load_pipeline_config(data, flags, os.environ, only_stage=only_stage, where=where)
+    return config.model_copy(update={"show_progress": sys.stderr.isatty()})
+
+
+def _execute(config) -> int:
+    from slimeflow.flows.runner import run_pipeline
+
+    try:
+        manifests = run_pipeline(config)
+    except Exception as err:  # the flow already logged the traceback; the user gets one clear line
+        print(f"slimeflow: the run failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    for stage, manifest in manifests.items():
+        outputs = ", ".join(f"{k}={v}" for k, v in manifest["outputs"].items())
+        print(f"{stage}: {outputs}")
+    print(f"manifests under {config.output}/manifests; MLflow: {config.tracking_uri()}")
+    return 0
+
+
+def _help_parser(command: str, only_stage: str | None) -> argparse.ArgumentParser:
+    description = (
+        stages.__doc__ if only_stage is None else (STAGE_CONFIGS[only_stage].__doc__ or "")
+    )
+    usage = (f"slimeflow {command} CONFIG.yaml [--flag value ...] [--print-config]" if only_stage is None
+             else f"slimeflow {command} [SECTION.yaml] [--flag value ...] [--print-config]")
+    parser = argparse.ArgumentParser(prog=f"slimeflow {command}", usage=usage, description=description,
+                                     allow_abbrev=False, add_help=False)
+    own = frozenset(STAGE_INDEX[only_stage].by_flag) if only_stage else frozenset()
+    add_flags(parser, TOP_INDEX, "run.", skip=own)
+    if only_stage is not None:
+        add_flags(parser, STAGE_INDEX[only_stage])
+        if only_stage not in stages.available():
+            parser.epilog = (f"The {only_stage} stage is not available in this version; --print-config validates "
+                             "and translates a slime flag list into its YAML section.")
+    else:
+        for name, index in STAGE_INDEX.items():
+            group = parser.add_argument_group(f"{name} stage", f"flags of `slimeflow {name}` (see its --help); "
+                                              f"a flag several stages define is spelled --{name}.FLAG")
+            group.add_argument(f"--{name}.FLAG", help=f"{len(index.by_flag)} flags", metavar="VALUE")
+    return parser
+
+
+def _overview() -> str:
+    rows = [f"  {name:<11} {(STAGE_CONFIGS[name].__doc__ or '').strip().splitlines()[0]}"
+            + ("" if name in stages.available() else "  [not available yet]") for name in STAGE_CONFIGS]
+    return "\n".join([(__doc__ or "").strip(), "", "stages:", *rows])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

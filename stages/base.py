@@ -1,0 +1,29 @@
+"""What every stage receives besides its config: storage, its directories, and whether to show progress."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from slimeflow.io.storage import Storage
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """Storage for URIs, a local work directory, the artifact root URI, and whether progress bars are shown."""
+
+    storage: Storage
+    workdir: Path
+    output: str
+    show_progress: bool = False
+
+
+class StageInputError(ValueError):
+    """An input a stage cannot use: the message names it, lists each problem and says how to fix it."""
+
+    def __init__(self, what: str, problems: list[str], fix: str = ""):
+        self.problems = problems
+        lines = [f"{what}:", *(f"  - {p}" for p in problems)]
+        if fix:
+            lines.append(fix)
+        super().__init__("\n".join(lines))

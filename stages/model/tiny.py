@@ -1,0 +1,512 @@
+"""Tiny, deterministic HF causal-LM checkpoints (Llama 3, Qwen2, Qwen3 style) built offline from a seed.
+
+Tests of later stages (the HF <-> Megatron converter, preprocessing, RL) and the CPU demo need real HF
+directories with the odd shapes of real models: GQA, tied or untied embeddings, vocabularies that are not a
+multiple of 128, bf16/fp16/fp32 weights. `build_tiny_model` writes one in about a second; a spec is also
+written as a URI, ``tiny:qwen3?seed=3&hidden_size=96``, so a pipeline config can name one as its checkpoint.
+
+The tokenizer is byte-level BPE without merges: ids 0..255 are the UTF-8 bytes, so any text round-trips,
+followed by each family's special tokens.
+
+torch, tokenizers and transformers are imported inside the builders, so parsing a spec stays cheap.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+Family = Literal["llama", "qwen2", "qwen3"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+URI_PREFIX = "tiny:"
+NUM_BYTE_TOKENS = 256
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+# Constant-initialised tensors (norm weights, biases) get noise of this scale; see `_perturb_constant_params`.
+_PERTURB_STD = 0.02
+
+# --------------------------------------------------------------------------------------------------------------
+# Per-family knowledge
+# --------------------------------------------------------------------------------------------------------------
+
+CHATML_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags.<|im_end|>\\n' }}"
+    "{%- elif messages and messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (loop.first and message.role == 'system') %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""ChatML as Qwen2/Qwen3 write it; a `tools` list is rendered into the system turn."""
+
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if tools %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+    "{%- if messages and messages[0].role == 'system' %}{{- messages[0].content | trim + '\\n\\n' }}{%- endif %}"
+    "{{- 'You have access to the following functions:\\n' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (tools and loop.first and message.role == 'system') %}"
+    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content | trim + '<|eot_id|>' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+"""Llama 3 header style; the template writes BOS itself, as Meta's does."""
+
+
+@dataclass(frozen=True)
+class FamilyInfo:
+    """What distinguishes one model family: architecture switches, special tokens and chat format."""
+
+    model_type: str
+    """transformers' `model_type`, i.e. which config and model classes are used."""
+    special_tokens: tuple[str, ...]
+    """Appended after the 256 byte tokens, in this id order (ids 256, 257, ...)."""
+    bos_token: str | None
+    eos_token: str
+    """Ends an assistant turn; the config's `eos_token_id`."""
+    pad_token: str
+    stop_tokens: tuple[str, ...]
+    """Every token that ends generation (generation_config's `eos_token_id`), eos first."""
+    add_bos_token: bool
+    """The tokenizer prepends BOS to every encoded text (Llama 3 does, Qwen does not)."""
+    nfc_normalize: bool
+    """The tokenizer NFC-normalizes text first, as Qwen's does (and transformers 5 always rebuilds a qwen2
+    tokenizer that way on loading, whatever tokenizer.json says)."""
+    chat_template: str
+    attention_bias: bool
+    """q/k/v projections carry a bias (Qwen2)."""
+    qk_norm: bool
+    """Per-head RMSNorm on queries and keys (Qwen3)."""
+    configurable_head_dim: bool
+    """The config has a `head_dim` field, so head_dim may differ from hidden_size / num_attention_heads."""
+    config_overrides: Mapping[str, Any] = field(default_factory=dict)
+    """Fixed config fields that pin the switches above where the config class has them."""
+
+
+_QWEN_TOKENS = dict(
+    special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    bos_token=None,
+    eos_token="<|im_end|>",
+    pad_token="<|endoftext|>",
+    stop_tokens=("<|im_end|>", "<|endoftext|>"),
+    add_bos_token=False,
+    nfc_normalize=True,
+    chat_template=CHATML_TEMPLATE,
+)
+
+FAMILIES: dict[str, FamilyInfo] = {
+    "llama": FamilyInfo(
+        model_type="llama",
+        special_tokens=(
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+        ),
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        pad_token="<|end_of_text|>",
+        stop_tokens=("<|eot_id|>", "<|end_of_text|>"),
+        add_bos_token=True,
+        nfc_normalize=False,
+        chat_template=LLAMA3_TEMPLATE,
+        attention_bias=False,
+        qk_norm=False,
+        configurable_head_dim=True,
+        config_overrides={"attention_bias": False, "mlp_bias": False},
+    ),
+    "qwen2": FamilyInfo(
+        model_type="qwen2", attention_bias=True, qk_norm=False, configurable_head_dim=False, **_QWEN_TOKENS
+    ),
+    "qwen3": FamilyInfo(
+        model_type="qwen3",
+        attention_bias=False,
+        qk_norm=True,
+        configurable_head_dim=True,
+        config_overrides={"attention_bias": False},
+        **_QWEN_TOKENS,
+    ),
+}
+
+# --------------------------------------------------------------------------------------------------------------
+# The spec and its URI form
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered not in ("true", "false"):
+        raise ValueError(text)
+    return lowered == "true"
+
+
+@dataclass(frozen=True)
+class SpecParam:
+    """How one URI query value is parsed; `allowed` is said in the error when it does not parse."""
+
+    parse: Callable[[str], Any]
+    allowed: str
+
+
+_INT = SpecParam(int, "an integer")
+_POSITIVE_INT = SpecParam(int, "a positive integer")
+_FLOAT = SpecParam(float, "a positive number")
+_BOOL = SpecParam(_parse_bool, "true or false")
+
+SPEC_PARAMS: dict[str, SpecParam] = {
+    "seed": _INT,
+    "hidden_size": _POSITIVE_INT,
+    "num_hidden_layers": _POSITIVE_INT,
+    "num_attention_heads": _POSITIVE_INT,
+    "num_key_value_heads": _POSITIVE_INT,
+    "intermediate_size": _POSITIVE_INT,
+    "head_dim": _POSITIVE_INT,
+    "tie_word_embeddings": _BOOL,
+    "dtype": SpecParam(str, "one of " + ", ".join(DTYPES)),
+    "max_position_embeddings": _POSITIVE_INT,
+    "rope_theta": _FLOAT,
+    "rms_norm_eps": _FLOAT,
+    "max_shard_size": SpecParam(str, "a size such as 100KB, 5MB or 1GiB"),
+}
+"""The query keys of a `tiny:<family>?key=value&...` URI: every spec field but `family`."""
+
+_SIZE_RE = re.compile(r"\d+(GiB|MiB|KiB|GB|MB|KB)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape, dtype and seed of a tiny model; validated on construction (ValueError naming the field)."""
+
+    family: Family = "llama"
+    seed: int = 0
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 128
+    head_dim: int | None = None
+    """None: hidden_size // num_attention_heads."""
+    tie_word_embeddings: bool = False
+    dtype: DType = "float32"
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_shard_size: str | None = None
+    """Passed to `save_pretrained` (e.g. "100KB") to force several safetensors shards and an index."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @property
+    def info(self) -> FamilyInfo:
+        return FAMILIES[self.family]
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_uri(cls, uri: str) -> TinyModelSpec:
+        """Parse ``tiny:<family>[?key=value&...]`` (keys: `SPEC_PARAMS`); ValueError names the bad part."""
+        if not uri.startswith(URI_PREFIX):
+            raise ValueError(
+                f"tiny model spec {uri!r} must start with {URI_PREFIX!r}, e.g. 'tiny:qwen3?seed=1'"
+            )
+        family, _, query = uri[len(URI_PREFIX) :].partition("?")
+        values: dict[str, Any] = {"family": family}
+        for pair in query.split("&") if query else []:
+            key, value = _parse_pair(uri, pair)
+            if key in values:
+                raise ValueError(f"tiny model spec {uri!r}: {key!r} is given more than once")
+            values[key] = value
+        try:
+            return cls(**values)
+        except ValueError as err:
+            raise ValueError(f"tiny model spec {uri!r}: {err}") from err
+
+    def to_uri(self) -> str:
+        """The URI that `from_uri` turns back into this spec; only fields that differ from the defaults."""
+        defaults = TinyModelSpec()
+        query = [
+            f"{f.name}={_format_value(getattr(self, f.name))}"
+            for f in fields(self)
+            if f.name != "family" and getattr(self, f.name) != getattr(defaults, f.name)
+        ]
+        return URI_PREFIX + self.family + ("?" + "&".join(query) if query else "")
+
+
+def is_tiny_uri(checkpoint: str) -> bool:
+    """True when a checkpoint spec names a generated tiny model rather than a directory or URI."""
+    return checkpoint.startswith(URI_PREFIX)
+
+
+def _parse_pair(uri: str, pair: str) -> tuple[str, Any]:
+    key, sep, text = pair.partition("=")
+    param = SPEC_PARAMS.get(key)
+    if param is None:
+        raise ValueError(
+            f"tiny model spec {uri!r}: unknown key {key!r}; allowed keys: {', '.join(SPEC_PARAMS)}"
+        )
+    if not sep:
+        raise ValueError(f"tiny model spec {uri!r}: {key!r} has no value; write {key}=<{param.allowed}>")
+    try:
+        return key, param.parse(text)
+    except ValueError:
+        raise ValueError(
+            f"tiny model spec {uri!r}: bad value {text!r} for {key!r}; expected {param.allowed}"
+        ) from None
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def _validate(spec: TinyModelSpec) -> None:
+    """Raise ValueError, naming the field, its value and what is allowed, for the first problem found."""
+    if spec.family not in FAMILIES:
+        raise ValueError(f"unknown family {spec.family!r}; allowed: {', '.join(FAMILIES)}")
+    if not _is_int(spec.seed) or not 0 <= spec.seed < 2**63:
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {spec.seed!r}")
+    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "intermediate_size", "max_position_embeddings"):  # fmt: skip
+        _require_positive_int(name, getattr(spec, name))
+    if spec.head_dim is not None:
+        _require_positive_int("head_dim", spec.head_dim)
+    _validate_attention(spec)
+    for name in ("rope_theta", "rms_norm_eps"):
+        value = getattr(spec, name)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not (math.isfinite(value) and value > 0)
+        ):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    if not isinstance(spec.tie_word_embeddings, bool):
+        raise ValueError(f"tie_word_embeddings must be true or false, got {spec.tie_word_embeddings!r}")
+    if spec.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {spec.dtype!r}")
+    if spec.max_shard_size is not None and not _SIZE_RE.fullmatch(str(spec.max_shard_size)):
+        raise ValueError(
+            f"max_shard_size must be a size such as 100KB, 5MB or 1GiB, got {spec.max_shard_size!r}"
+        )
+
+
+def _validate_attention(spec: TinyModelSpec) -> None:
+    heads, kv_heads = spec.num_attention_heads, spec.num_key_value_heads
+    if heads % kv_heads:
+        raise ValueError(
+            f"num_attention_heads ({heads}) must be divisible by num_key_value_heads ({kv_heads})"
+        )
+    if spec.head_dim is None and spec.hidden_size % heads:
+        raise ValueError(
+            f"hidden_size ({spec.hidden_size}) must be divisible by num_attention_heads ({heads}) "
+            "unless head_dim is given"
+        )
+    if (
+        spec.head_dim is not None
+        and not spec.info.configurable_head_dim
+        and spec.head_dim != spec.hidden_size // heads
+    ):
+        raise ValueError(
+            f"{spec.family} has no head_dim setting: head_dim must be unset or hidden_size // num_attention_heads "
+            f"({spec.hidden_size // heads}), got {spec.head_dim}; families with a free head_dim: "
+            + ", ".join(name for name, info in FAMILIES.items() if info.configurable_head_dim)
+        )
+    if spec.resolved_head_dim % 2:
+        raise ValueError(f"head_dim must be even for rotary embeddings, got {spec.resolved_head_dim}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require_positive_int(name: str, value: Any) -> None:
+    if not _is_int(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Builders
+# --------------------------------------------------------------------------------------------------------------
+
+
+def build_tiny_tokenizer(family: str, *, model_max_length: int | None = None) -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer for `family`: ids 0..255 are UTF-8 bytes, then `FAMILIES[family].special_tokens`.
+
+    `len(tokenizer)` is 256 + the number of special tokens (Qwen: 259, Llama 3: 261). Encoding text without
+    special tokens gives exactly its UTF-8 bytes (after NFC normalization where the family normalizes), so
+    `decode(encode(text)) == text` for any (NFC) text. Padding is on the left, for batched generation.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; allowed: {', '.join(FAMILIES)}")
+    info = FAMILIES[family]
+    byte_to_char = bytes_to_unicode()
+    backend = Tokenizer(models.BPE(vocab={byte_to_char[b]: b for b in range(NUM_BYTE_TOKENS)}, merges=[]))
+    backend.normalizer = normalizers.NFC() if info.nfc_normalize else None
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in info.special_tokens])
+    optional = {} if model_max_length is None else {"model_max_length": model_max_length}
+    named = {info.bos_token, info.eos_token, info.pad_token}
+    # add_bos_token and padding_side must be constructor arguments: transformers 5 rebuilds the post-processor
+    # from add_bos_token, and only constructor arguments are saved with the tokenizer.
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=info.bos_token,
+        eos_token=info.eos_token,
+        pad_token=info.pad_token,
+        extra_special_tokens=[token for token in info.special_tokens if token not in named],
+        add_bos_token=info.add_bos_token,
+        chat_template=info.chat_template,
+        padding_side="left",
+        **optional,
+    )
+
+
+def build_tiny_model(
+    path: str | Path, spec: TinyModelSpec = TinyModelSpec(), *, overwrite: bool = False
+) -> Path:
+    """Write the HF directory of `spec` (config, safetensors, generation config, tokenizer) to `path`.
+
+    The same spec gives byte-identical safetensors. The directory is written next to `path` and renamed into
+    place, so `path` never holds a half-written model. An existing non-empty `path` is an error unless
+    `overwrite`, which replaces it. Returns `path`.
+    """
+    target = Path(path)
+    _check_target(target, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        _write_model_dir(staging, spec)
+        _move_into_place(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _check_target(target: Path, overwrite: bool) -> None:
+    if overwrite or not target.exists() or (target.is_dir() and not any(target.iterdir())):
+        return
+    raise FileExistsError(f"{target} already exists and is not empty; pass overwrite=True to replace it")
+
+
+def _move_into_place(staging: Path, target: Path) -> None:
+    """Rename `staging` to `target`, first moving any existing `target` aside and deleting it afterwards."""
+    old = None
+    if target.exists() or target.is_symlink():
+        old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+        target.rename(old)
+    staging.rename(target)
+    if old is None:
+        return
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
+
+
+def _write_model_dir(directory: Path, spec: TinyModelSpec) -> None:
+    tokenizer = build_tiny_tokenizer(spec.family, model_max_length=spec.max_position_embeddings)
+    model = _init_model(spec, tokenizer)
+    shard_kwargs = {} if spec.max_shard_size is None else {"max_shard_size": spec.max_shard_size}
+    model.save_pretrained(directory, **shard_kwargs)
+    tokenizer.save_pretrained(directory)
+
+
+def _model_config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast):
+    """The transformers config of `spec`; the vocabulary is the tokenizer's, special tokens included."""
+    from transformers import AutoConfig
+
+    info = spec.info
+    head_dim = {"head_dim": spec.resolved_head_dim} if info.configurable_head_dim else {}
+    return AutoConfig.for_model(
+        info.model_type,
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=spec.rms_norm_eps,
+        # transformers 5 keeps RoPE settings in one dict; there is no `rope_theta` field any more.
+        rope_parameters={"rope_type": "default", "rope_theta": float(spec.rope_theta)},
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **head_dim,
+        **info.config_overrides,
+    )
+
+
+def _init_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
+    """A randomly initialised model from `spec.seed`, in `spec.dtype`, with its generation config set.
+
+    Weights are drawn in float32 and then cast, so a bf16 model is the rounded fp32 model of the same seed.
+    The caller's global torch RNG state is left untouched.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    config = _model_config(spec, tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _perturb_constant_params(model, spec.seed)
+    model.to(getattr(torch, spec.dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=list(tokenizer.convert_tokens_to_ids(list(spec.info.stop_tokens))),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model
+
+
+def _perturb_constant_params(model: PreTrainedModel, seed: int) -> None:
+    """Add small seeded noise to every tensor initialised to a constant (norm weights 1, biases 0).
+
+    With constant tensors, a converter that swaps two norms or drops a bias would still give the same
+    logits; with every tensor distinct, such a mistake shows.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            if param.numel() > 1 and bool((param == param.flatten()[0]).all()):
+                param.add_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * _PERTURB_STD)

@@ -1,0 +1,58 @@
+# From slime-quickstart-zh.md: CKPT_ARGS, ROLLOUT_ARGS, EVAL_ARGS, PERF_ARGS, GRPO_ARGS, OPTIMIZER_ARGS, SGLANG_ARGS
+# of run-glm4-9B.sh, plus the dynamic-sampling and colocate flags of the same page.
+--hf-checkpoint /root/GLM-Z1-9B-0414
+--ref-load /root/GLM-Z1-9B-0414_torch_dist
+--load /root/GLM-Z1-9B-0414_slime/
+--save /root/GLM-Z1-9B-0414_slime/
+--save-interval 20
+--prompt-data /root/dapo-math-17k/dapo-math-17k.jsonl
+--input-key prompt
+--label-key label
+--apply-chat-template
+--rollout-shuffle
+--rm-type deepscaler
+--num-rollout 3000
+--rollout-batch-size 16
+--n-samples-per-prompt 8
+--num-steps-per-rollout 1
+--global-batch-size 128
+--rollout-max-response-len 8192
+--rollout-temperature 0.8
+--balance-data
+--eval-interval 5
+--eval-prompt-data aime /root/aime-2024/aime-2024.jsonl
+--n-samples-per-eval-prompt 16
+--eval-max-response-len 16384
+--eval-top-p 0.7
+--tensor-model-parallel-size 2
+--sequence-parallel
+--pipeline-model-parallel-size 1
+--context-parallel-size 2
+--expert-model-parallel-size 1
+--expert-tensor-parallel-size 1
+--recompute-granularity full
+--recompute-method uniform
+--recompute-num-layers 1
+--use-dynamic-batch-size
+--max-tokens-per-gpu 4608
+--advantage-estimator grpo
+--use-kl-loss
+--kl-loss-coef 0.00
+--kl-loss-type low_var_kl
+--entropy-coef 0.00
+--eps-clip 0.2
+--eps-clip-high 0.28
+--optimizer adam
+--lr 1e-6
+--lr-decay-style constant
+--weight-decay 0.1
+--adam-beta1 0.9
+--adam-beta2 0.98
+--rollout-num-gpus-per-engine 2
+--sglang-mem-fraction-static 0.8
+--over-sampling-batch-size 64
+--dynamic-sampling-filter-path slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std
+--partial-rollout
+--actor-num-nodes 1
+--actor-num-gpus-per-node 8
+--colocate

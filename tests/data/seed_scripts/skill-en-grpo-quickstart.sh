@@ -1,0 +1,11 @@
+# From slime-skill-en.md, "Quick Start: GRPO Training" (the flags after `python train.py`).
+--actor-num-nodes 1 \
+--actor-num-gpus-per-node 4 \
+--rollout-num-gpus 4 \
+--advantage-estimator grpo \
+--use-kl-loss --kl-loss-coef 0.001 \
+--rollout-batch-size 32 \
+--n-samples-per-prompt 8 \
+--global-batch-size 256 \
+--num-rollout 3000 \
+--prompt-data /path/to/data.jsonl

@@ -1,0 +1,17 @@
+# From slime-skill-en.md, "Workflow 1: Standard GRPO Training", step 3.
+--actor-num-nodes 1 \
+--actor-num-gpus-per-node 8 \
+--rollout-num-gpus 8 \
+--advantage-estimator grpo \
+--use-kl-loss \
+--kl-loss-coef 0.001 \
+--prompt-data /path/to/train.jsonl \
+--input-key prompt \
+--label-key label \
+--apply-chat-template \
+--rollout-batch-size 32 \
+--n-samples-per-prompt 8 \
+--global-batch-size 256 \
+--num-rollout 3000 \
+--save-interval 100 \
+--eval-interval 50

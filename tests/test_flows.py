@@ -1,0 +1,99 @@
+"""Prefect: every prefect.yaml entrypoint imports with a parameter schema; the pipeline runs and logs to MLflow."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from slimeflow.config.pipeline import load_pipeline_config
+from slimeflow.io.storage import ArtifactRecord, Storage
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOYMENTS = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
+
+
+@pytest.mark.parametrize("deployment", DEPLOYMENTS, ids=[d["name"] for d in DEPLOYMENTS])
+def test_prefect_yaml_entrypoints_import_and_their_parameters_validate(deployment, monkeypatch):
+    from prefect.flows import load_flow_from_entrypoint
+    from prefect.utilities.callables import parameter_schema
+
+    monkeypatch.chdir(ROOT)
+    flow = load_flow_from_entrypoint(deployment["entrypoint"])
+    schema = parameter_schema(flow.fn).model_dump()
+    assert "config" in schema["properties"], schema
+    assert schema["definitions"], "the config models should appear in the schema"
+    validated = flow.validate_parameters(deployment.get("parameters", {}))
+    assert validated["config"] is not None
+    assert deployment["work_pool"]["name"] == "slimeflow"
+
+
+def test_prefect_yaml_has_a_deployment_per_available_stage_and_the_pipeline():
+    from slimeflow import stages
+
+    names = {d["name"] for d in DEPLOYMENTS}
+    assert names == {"pipeline", *stages.available()}
+    crons = [s["cron"] for d in DEPLOYMENTS for s in d.get("schedules", [])]
+    assert crons, "an example cron schedule"
+
+
+@pytest.mark.slow
+def test_pipeline_flow_runs_under_prefect_and_logs_to_mlflow(prefect_harness, tmp_path, mlflow_uri):
+    from mlflow.tracking import MlflowClient
+
+    from slimeflow.flows.runner import run_pipeline
+
+    config = load_pipeline_config(
+        {"name": "flowtest", "hf_checkpoint": "tiny:qwen2?seed=1", "workdir": str(tmp_path / "work"),
+         "infra": {"mlflow_tracking_uri": mlflow_uri}}
+    )
+    manifests = run_pipeline(config)
+
+    model = manifests["model"]
+    checkpoint = Path(model["outputs"]["hf_checkpoint"])
+    assert (checkpoint / "config.json").is_file()
+    assert model["facts"]["model_type"] == "qwen2" and model["counts"]["parameters"] > 0
+    manifest_uri = str(tmp_path / "work" / "manifests" / "model.json")
+    on_disk = json.loads(Path(manifest_uri).read_text())
+    assert on_disk["hashes"]["content"] == model["hashes"]["content"]
+    for record in model["artifacts"]:  # every fingerprint verifies against the files
+        Storage().read_bytes(str(checkpoint / record["path"]), expect=ArtifactRecord.model_validate(record))
+
+    client = MlflowClient(mlflow_uri)
+    experiment = client.get_experiment_by_name("flowtest")
+    runs = client.search_runs([experiment.experiment_id])
+    parent = next(r for r in runs if r.info.run_name == "flowtest")
+    stage = next(r for r in runs if r.info.run_name == "model")
+    assert parent.info.status == stage.info.status == "FINISHED"
+    assert stage.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert stage.data.params["model.hf_checkpoint"] == "tiny:qwen2?seed=1"
+    assert stage.data.metrics["model.parameters"] == model["counts"]["parameters"]
+    assert stage.data.tags["manifest_uri"] == manifest_uri
+
+
+@pytest.mark.slow
+def test_a_rerun_reuses_the_built_model_and_reports_the_same_content_hash(prefect_harness, tmp_path, mlflow_uri):
+    from slimeflow.flows.runner import run_pipeline
+
+    data = {"name": "rerun", "hf_checkpoint": "tiny:llama", "workdir": str(tmp_path),
+            "infra": {"mlflow_tracking_uri": mlflow_uri}}
+    first = run_pipeline(load_pipeline_config(data))["model"]
+    second = run_pipeline(load_pipeline_config(data))["model"]
+    assert first["hashes"]["content"] == second["hashes"]["content"]
+    assert first["outputs"]["hf_checkpoint"] == second["outputs"]["hf_checkpoint"]
+
+
+@pytest.mark.slow
+def test_pipeline_writes_its_manifests_to_s3(prefect_harness, tmp_path, mlflow_uri, s3_bucket, s3_config):
+    from slimeflow.flows.runner import run_pipeline
+
+    infra = {"mlflow_tracking_uri": mlflow_uri, "s3_endpoint_url": s3_config.endpoint_url,
+             "s3_access_key_id": s3_config.access_key_id,
+             "s3_secret_access_key": s3_config.secret_access_key.get_secret_value(), "s3_region": "us-east-1"}
+    config = load_pipeline_config({"name": "s3run", "hf_checkpoint": "tiny:llama", "workdir": str(tmp_path),
+                                   "output": f"{s3_bucket}/runs/s3run", "infra": infra})
+    model = run_pipeline(config)["model"]
+    stored = json.loads(Storage(s3_config).read_text(f"{s3_bucket}/runs/s3run/manifests/model.json"))
+    assert stored["hashes"] == model["hashes"]
