@@ -48,6 +48,6 @@ def publish(stage: str, manifest: Manifest, uri: str) -> None:
 
 
 @flow(name="slimeflow-model", log_prints=True)
-def model_flow(config: ModelConfig, settings: RunSettings = RunSettings(), parent_run_id: str | None = None) -> dict:
+def model_flow(config: ModelConfig, settings: RunSettings | None = None, parent_run_id: str | None = None) -> dict:
     """Resolve the base HF checkpoint, validate it and fingerprint every file."""
-    return execute_stage("model", config, settings, parent_run_id)
+    return execute_stage("model", config, settings or RunSettings(), parent_run_id)

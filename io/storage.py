@@ -89,15 +89,19 @@ def join(uri: str, *parts: str) -> str:
     pieces = [part.strip("/") for part in parts if part.strip("/")]
     if not pieces:
         return uri
-    return "/".join([uri.rstrip("/"), *pieces])
+    scheme, sep, rest = uri.rpartition("://")
+    return "/".join([scheme + sep + rest.rstrip("/"), *pieces])
 
 
 def split(uri: str) -> tuple[str, str]:
     """(parent, last name) of `uri`, ignoring a trailing '/'; the parent of a bare relative name is '.'."""
-    head, sep, name = uri.rstrip("/").rpartition("/")
-    if not sep:
-        return ".", name
-    return head or "/", name
+    scheme, sep, rest = uri.rpartition("://")
+    head, slash, name = rest.rstrip("/").rpartition("/")
+    if not slash:
+        head = "" if sep else "."
+    elif not head:
+        head = "/"
+    return scheme + sep + head, name
 
 
 def _scheme(uri: str) -> str:
@@ -293,10 +297,10 @@ class Storage:
         """The object's bytes in chunks of at most CHUNK_SIZE; a generator, so errors surface on first next()."""
         fs, path = self._locate(uri)
         try:
+            if fs.info(path)["type"] == "directory":  # s3fs would open a prefix and read it as empty
+                raise StorageError(f"{uri} is a directory; expected a file or object")
             file = fs.open(path, "rb")
-        except (FileNotFoundError, IsADirectoryError) as exc:
-            if fs.isdir(path):
-                raise StorageError(f"{uri} is a directory; expected a file or object") from exc
+        except FileNotFoundError as exc:
             raise NotFoundError(
                 f"{uri}: no such file or object; check the path (and bucket/endpoint for s3://)"
             ) from exc
@@ -333,8 +337,15 @@ class Storage:
         return self.write_bytes(uri, text.encode("utf-8"))
 
     def makedirs(self, uri: str) -> None:
+        """Create the local directory `uri` and its parents. On s3, which has no directories, check only that
+        the bucket exists: Storage never creates buckets (that takes permissions and settings it does not own)."""
         fs, path = self._locate(uri)
-        fs.makedirs(path, exist_ok=True)
+        if isinstance(fs, LocalFileSystem):
+            fs.makedirs(path, exist_ok=True)
+            return
+        bucket = path.split("/", 1)[0]
+        if not fs.exists(bucket):
+            raise NotFoundError(f"{uri}: bucket s3://{bucket} does not exist or is not accessible; create it first")
 
     def remove(self, uri: str, recursive: bool = False) -> None:
         """Delete the file at `uri`, or with `recursive` the directory and everything under it."""

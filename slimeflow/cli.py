@@ -17,7 +17,14 @@ import yaml
 
 from slimeflow import __version__, stages
 from slimeflow.config.flags import ConfigError, add_flags
-from slimeflow.config.pipeline import STAGE_CONFIGS, STAGE_INDEX, TOP_INDEX, load_pipeline_config, read_yaml
+from slimeflow.config.pipeline import (
+    STAGE_CONFIGS,
+    STAGE_INDEX,
+    TOP_INDEX,
+    load_pipeline_config,
+    load_stage_config,
+    read_yaml,
+)
 
 EXIT_CONFIG = 2
 
@@ -44,12 +51,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _help_parser(command, only_stage).print_help()
         return 0
     try:
-        config = _load(command, rest, only_stage)
+        config, section = _load(command, rest, only_stage)
     except (ConfigError, OSError) as err:
         print(f"slimeflow {command}: {err}", file=sys.stderr)
         return EXIT_CONFIG
     if "--print-config" in rest:
-        print(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True), sort_keys=False), end="")
+        dumped = config.model_dump(mode="json", exclude_none=True)
+        print(yaml.safe_dump({section: dumped} if section else dumped, sort_keys=False), end="")
         return 0
     return _execute(config)
 
@@ -68,8 +76,11 @@ def _load(command: str, rest: list[str], only_stage: str | None):
         where = "command line"
     if only_stage is not None:
         data = {k: v for k, v in data.items() if k not in STAGE_CONFIGS or k == only_stage}
+        if only_stage not in stages.available() and "--print-config" in rest:
+            # Translate and validate a stage that cannot run yet: its section alone.
+            return load_stage_config(only_stage, data.get(only_stage), flags), only_stage
     config = load_pipeline_config(data, flags, os.environ, only_stage=only_stage, where=where)
-    return config.model_copy(update={"show_progress": sys.stderr.isatty()})
+    return config.model_copy(update={"show_progress": sys.stderr.isatty()}), None
 
 
 def _execute(config) -> int:

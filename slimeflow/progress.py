@@ -5,7 +5,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 
 @contextlib.contextmanager

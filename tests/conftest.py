@@ -73,7 +73,7 @@ def s3_bucket(s3_config):
     fs = s3fs.S3FileSystem(
         key=S3_KEY,
         secret=S3_SECRET,
-        client_kwargs={"endpoint_url": s3_config.endpoint_url, "region_name": "us-east-1"},
+        client_kwargs={"endpoint_url": s3_config.endpoint_url},
         skip_instance_cache=True,
     )
     name = f"test-{uuid.uuid4().hex[:12]}"

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
 from slimeflow.stages.model import tiny
 from slimeflow.stages.model.tiny import (
     FAMILIES,
@@ -20,7 +22,6 @@ from slimeflow.stages.model.tiny import (
     build_tiny_tokenizer,
     is_tiny_uri,
 )
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 FAMILY_NAMES = ["llama", "qwen2", "qwen3"]
 # What each family must look like, written out independently of the FAMILIES table.
@@ -385,7 +386,7 @@ def test_qwen_tokenizers_nfc_normalize_and_llama_keeps_text_as_is(built):
 def test_special_tokens_and_bos(built, family):
     tokenizer = AutoTokenizer.from_pretrained(built[family])
     specials = tokenizer.convert_ids_to_tokens(list(range(256, len(tokenizer))))
-    assert specials == list(FAMILIES[family].special_tokens)
+    assert specials == list(FAMILIES[family].tokenizer.special_tokens)
     assert sorted(tokenizer.all_special_ids) == list(range(256, len(tokenizer)))
     ids = tokenizer.encode("hi")
     if EXPECTED[family]["bos"] is None:
@@ -428,3 +429,14 @@ def test_llama3_template(built):
     assert not tokenizer.apply_chat_template(MESSAGES, tokenize=False).endswith("<|end_header_id|>\n\n")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert ids.count(tokenizer.bos_token_id) == 1 and ids[0] == tokenizer.bos_token_id
+
+    tool = {"type": "function", "function": {"name": "add"}}
+    with_tools = tokenizer.apply_chat_template(
+        MESSAGES, tools=[tool], add_generation_prompt=True, tokenize=False
+    )
+    system_turn = with_tools.split("<|eot_id|>")[0]
+    assert system_turn.startswith(
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou add numbers."
+    )
+    assert '"name": "add"' in system_turn
+    assert with_tools.count("<|start_header_id|>system") == 1

@@ -87,6 +87,17 @@ class PipelineConfig(RunSettings):
     evaluate: EvaluateConfig | None = None
     export: ExportConfig | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        """`hf_checkpoint: X` at the top is the model stage's input (in YAML files and Prefect parameters alike)."""
+        if isinstance(data, Mapping) and "hf_checkpoint" in data:
+            data = dict(data)
+            model = dict(data.get("model") or {})
+            model.setdefault("hf_checkpoint", data.pop("hf_checkpoint"))
+            data["model"] = model
+        return data
+
     @model_validator(mode="after")
     def _stages(self) -> PipelineConfig:
         configured = [s for s in stages.PIPELINE_ORDER if getattr(self, s) is not None]
@@ -230,7 +241,12 @@ def _targets(flag: str, tree: Mapping[str, Any], only_stage: str | None) -> list
             return f"{flag}: {stage!r} is not a stage; the stages are {', '.join(STAGE_INDEX)}"
         return [(stage, "--" + bare)]
     if only_stage is not None:  # a stage subcommand: the stage's own flag wins (preprocess --output)
-        return [(only_stage if flag in STAGE_INDEX[only_stage].by_flag or flag not in TOP_INDEX.by_flag else "", flag)]
+        own = STAGE_INDEX[only_stage]
+        if flag in own.by_flag or (flag.startswith("--sglang-") and own.passthrough):
+            return [(only_stage, flag)]
+        if flag in TOP_INDEX.by_flag:
+            return [("", flag)]
+        return explain_unknown(flag, [*own.by_flag, *TOP_INDEX.by_flag])
     if flag in TOP_INDEX.by_flag:
         return [("", flag)]
     if flag in PIPELINE_OWNED:

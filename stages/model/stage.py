@@ -17,9 +17,8 @@ from slimeflow.manifest import Manifest, content_hash
 from slimeflow.progress import byte_progress
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.model.config import ModelConfig
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model, is_tiny_uri
 
-TINY_PREFIX = "tiny:"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -45,7 +44,7 @@ def materialise(config: ModelConfig, ctx: StageContext) -> Path:
     """A local directory holding the checkpoint: built (tiny spec), downloaded (remote URI) or used in place."""
     spec = config.hf_checkpoint
     target_root = Path(config.cache_dir) if config.cache_dir else ctx.workdir / "model"
-    if spec.startswith(TINY_PREFIX):
+    if is_tiny_uri(spec):
         tiny = TinyModelSpec.from_uri(spec)
         target = target_root / ("tiny-" + hashlib.sha256(tiny.to_uri().encode()).hexdigest()[:12])
         # The factory is deterministic and writes atomically: an existing directory is that same model.

@@ -5,8 +5,8 @@ directories with the odd shapes of real models: GQA, tied or untied embeddings, 
 multiple of 128, bf16/fp16/fp32 weights. `build_tiny_model` writes one in about a second; a spec is also
 written as a URI, ``tiny:qwen3?seed=3&hidden_size=96``, so a pipeline config can name one as its checkpoint.
 
-The tokenizer is byte-level BPE without merges: ids 0..255 are the UTF-8 bytes, so any text round-trips,
-followed by each family's special tokens.
+The tokenizer is byte-level BPE without merges: ids 0..255 are the UTF-8 bytes, so any text round-trips
+(Qwen's NFC-normalized first, as the real ones), followed by each family's special tokens.
 
 torch, tokenizers and transformers are imported inside the builders, so parsing a spec stays cheap.
 """
@@ -18,7 +18,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -38,52 +38,52 @@ _PERTURB_STD = 0.02
 # Per-family knowledge
 # --------------------------------------------------------------------------------------------------------------
 
-CHATML_TEMPLATE = (
-    "{%- if tools %}"
-    "{{- '<|im_start|>system\\n' }}"
-    "{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags.<|im_end|>\\n' }}"
-    "{%- elif messages and messages[0].role == 'system' %}"
-    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if not (loop.first and message.role == 'system') %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+# Every tag starts with `{{-` or `{%-`, so the layout whitespace below is not rendered.
+CHATML_TEMPLATE = r"""
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+    {%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments ' }}
+    {{- 'within <tool_call></tool_call> XML tags.<|im_end|>\n' }}
+{%- elif messages and messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if not (loop.first and message.role == 'system') %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
 """ChatML as Qwen2/Qwen3 write it; a `tools` list is rendered into the system turn."""
 
-LLAMA3_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- if tools %}"
-    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
-    "{%- if messages and messages[0].role == 'system' %}{{- messages[0].content | trim + '\\n\\n' }}{%- endif %}"
-    "{{- 'You have access to the following functions:\\n' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '<|eot_id|>' }}"
-    "{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if not (tools and loop.first and message.role == 'system') %}"
-    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content | trim + '<|eot_id|>' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
-)
+LLAMA3_TEMPLATE = r"""
+{{- bos_token }}
+{%- if tools %}
+    {{- '<|start_header_id|>system<|end_header_id|>\n\n' }}
+    {%- if messages and messages[0].role == 'system' %}{{- messages[0].content | trim + '\n\n' }}{%- endif %}
+    {{- 'You have access to the following functions:\n' }}
+    {%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+    {{- '<|eot_id|>' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if not (tools and loop.first and message.role == 'system') %}
+        {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' }}
+        {{- message.content | trim + '<|eot_id|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}
+"""
 """Llama 3 header style; the template writes BOS itself, as Meta's does."""
 
 
 @dataclass(frozen=True)
-class FamilyInfo:
-    """What distinguishes one model family: architecture switches, special tokens and chat format."""
+class TokenizerInfo:
+    """A family's special tokens and chat format; the byte-level vocabulary is the same for all."""
 
-    model_type: str
-    """transformers' `model_type`, i.e. which config and model classes are used."""
     special_tokens: tuple[str, ...]
     """Appended after the 256 byte tokens, in this id order (ids 256, 257, ...)."""
     bos_token: str | None
@@ -93,22 +93,31 @@ class FamilyInfo:
     stop_tokens: tuple[str, ...]
     """Every token that ends generation (generation_config's `eos_token_id`), eos first."""
     add_bos_token: bool
-    """The tokenizer prepends BOS to every encoded text (Llama 3 does, Qwen does not)."""
+    """Every encoded text starts with BOS (Llama 3's does, Qwen's does not)."""
     nfc_normalize: bool
-    """The tokenizer NFC-normalizes text first, as Qwen's does (and transformers 5 always rebuilds a qwen2
-    tokenizer that way on loading, whatever tokenizer.json says)."""
+    """Text is NFC-normalized first, as Qwen's is (transformers 5 rebuilds any qwen2 tokenizer that way on
+    loading, whatever tokenizer.json says)."""
     chat_template: str
+
+
+@dataclass(frozen=True)
+class FamilyInfo:
+    """What distinguishes one model family: architecture switches, then its tokenizer."""
+
+    model_type: str
+    """transformers' `model_type`, i.e. which config and model classes are used."""
     attention_bias: bool
     """q/k/v projections carry a bias (Qwen2)."""
     qk_norm: bool
     """Per-head RMSNorm on queries and keys (Qwen3)."""
     configurable_head_dim: bool
     """The config has a `head_dim` field, so head_dim may differ from hidden_size / num_attention_heads."""
-    config_overrides: Mapping[str, Any] = field(default_factory=dict)
+    config_overrides: Mapping[str, Any]
     """Fixed config fields that pin the switches above where the config class has them."""
+    tokenizer: TokenizerInfo
 
 
-_QWEN_TOKENS = dict(
+QWEN_TOKENIZER = TokenizerInfo(
     special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
     bos_token=None,
     eos_token="<|im_end|>",
@@ -118,31 +127,39 @@ _QWEN_TOKENS = dict(
     nfc_normalize=True,
     chat_template=CHATML_TEMPLATE,
 )
+LLAMA3_TOKENIZER = TokenizerInfo(
+    special_tokens=(
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+    ),
+    bos_token="<|begin_of_text|>",
+    eos_token="<|eot_id|>",
+    pad_token="<|end_of_text|>",
+    stop_tokens=("<|eot_id|>", "<|end_of_text|>"),
+    add_bos_token=True,
+    nfc_normalize=False,
+    chat_template=LLAMA3_TEMPLATE,
+)
 
 FAMILIES: dict[str, FamilyInfo] = {
     "llama": FamilyInfo(
         model_type="llama",
-        special_tokens=(
-            "<|begin_of_text|>",
-            "<|end_of_text|>",
-            "<|start_header_id|>",
-            "<|end_header_id|>",
-            "<|eot_id|>",
-        ),
-        bos_token="<|begin_of_text|>",
-        eos_token="<|eot_id|>",
-        pad_token="<|end_of_text|>",
-        stop_tokens=("<|eot_id|>", "<|end_of_text|>"),
-        add_bos_token=True,
-        nfc_normalize=False,
-        chat_template=LLAMA3_TEMPLATE,
         attention_bias=False,
         qk_norm=False,
         configurable_head_dim=True,
         config_overrides={"attention_bias": False, "mlp_bias": False},
+        tokenizer=LLAMA3_TOKENIZER,
     ),
     "qwen2": FamilyInfo(
-        model_type="qwen2", attention_bias=True, qk_norm=False, configurable_head_dim=False, **_QWEN_TOKENS
+        model_type="qwen2",
+        attention_bias=True,  # hard-wired in transformers' Qwen2 attention; its config has no such field
+        qk_norm=False,
+        configurable_head_dim=False,
+        config_overrides={},
+        tokenizer=QWEN_TOKENIZER,
     ),
     "qwen3": FamilyInfo(
         model_type="qwen3",
@@ -150,7 +167,7 @@ FAMILIES: dict[str, FamilyInfo] = {
         qk_norm=True,
         configurable_head_dim=True,
         config_overrides={"attention_bias": False},
-        **_QWEN_TOKENS,
+        tokenizer=QWEN_TOKENIZER,
     ),
 }
 
@@ -302,13 +319,7 @@ def _validate(spec: TinyModelSpec) -> None:
         _require_positive_int("head_dim", spec.head_dim)
     _validate_attention(spec)
     for name in ("rope_theta", "rms_norm_eps"):
-        value = getattr(spec, name)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not (math.isfinite(value) and value > 0)
-        ):
-            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        _require_positive_number(name, getattr(spec, name))
     if not isinstance(spec.tie_word_embeddings, bool):
         raise ValueError(f"tie_word_embeddings must be true or false, got {spec.tie_word_embeddings!r}")
     if spec.dtype not in DTYPES:
@@ -353,6 +364,11 @@ def _require_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _require_positive_number(name: str, value: Any) -> None:
+    if not (_is_int(value) or isinstance(value, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Builders
 # --------------------------------------------------------------------------------------------------------------
@@ -371,7 +387,7 @@ def build_tiny_tokenizer(family: str, *, model_max_length: int | None = None) ->
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; allowed: {', '.join(FAMILIES)}")
-    info = FAMILIES[family]
+    info = FAMILIES[family].tokenizer
     byte_to_char = bytes_to_unicode()
     backend = Tokenizer(models.BPE(vocab={byte_to_char[b]: b for b in range(NUM_BYTE_TOKENS)}, merges=[]))
     backend.normalizer = normalizers.NFC() if info.nfc_normalize else None
@@ -491,7 +507,7 @@ def _init_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> PreT
     model.to(getattr(torch, spec.dtype))
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=list(tokenizer.convert_tokens_to_ids(list(spec.info.stop_tokens))),
+        eos_token_id=list(tokenizer.convert_tokens_to_ids(list(spec.info.tokenizer.stop_tokens))),
         pad_token_id=tokenizer.pad_token_id,
     )
     return model
