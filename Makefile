@@ -27,6 +27,7 @@ demo: $(VENV)/.installed
 
 # pytest exits 5 when it collects no tests: that is a broken suite here, and it is said so.
 test: $(VENV)/.installed-dev
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is missing or mis-selected"; exit 1; fi; exit $$rc
 

@@ -89,7 +89,11 @@ def read_tracker(storage: Storage, root: str) -> Iteration | None:
 
 def missing_markers(storage: Storage, ckpt_uri: str) -> list[str]:
     """The files of COMPLETE_MARKERS absent from the checkpoint directory `ckpt_uri` (all of them if it is absent)."""
-    return [marker for marker in COMPLETE_MARKERS if not storage.exists(join(ckpt_uri, marker))]
+    try:
+        present = {split(uri)[1] for uri in storage.list(ckpt_uri)}
+    except NotFoundError:
+        present = set()
+    return [marker for marker in COMPLETE_MARKERS if marker not in present]
 
 
 def is_complete(storage: Storage, ckpt_uri: str) -> bool:
@@ -163,6 +167,7 @@ def resolve(storage: Storage, uri: str) -> CheckpointRef:
 
     CheckpointError when `uri` is none of these, or names an incomplete checkpoint.
     """
+    uri = uri.rstrip("/") or "/"
     parent, name = split(uri)
     iteration = parse_iteration_dirname(name)
     if iteration is not None:

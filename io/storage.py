@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import closing, contextmanager
 from functools import cached_property
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import pydantic
 from fsspec import AbstractFileSystem
@@ -129,6 +129,15 @@ def _check(uri: str, expect: ArtifactRecord, actual: ArtifactRecord) -> None:
         )
 
 
+class _Sink(Protocol):
+    """Where an atomic write goes: bytes are written, then either committed into place or discarded."""
+
+    def write(self, data: bytes | bytearray | memoryview) -> object: ...
+    def flush(self) -> None: ...
+    def commit(self) -> None: ...
+    def discard(self) -> None: ...
+
+
 class ArtifactWriter:
     """The binary file object `Storage.open_write` yields: forwards writes to a temporary target, hashing them.
 
@@ -136,23 +145,23 @@ class ArtifactWriter:
     object stored under `uri`. Not seekable (it streams).
     """
 
-    def __init__(self, uri: str, raw: BinaryIO) -> None:
+    def __init__(self, uri: str, sink: _Sink) -> None:
         self.uri = uri
-        self._raw = raw
+        self._sink = sink
         self._hash = hashlib.sha256()
         self._size = 0
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         self._hash.update(data)
         self._size += memoryview(data).nbytes
-        self._raw.write(data)
+        self._sink.write(data)
         return memoryview(data).nbytes
 
     def tell(self) -> int:
         return self._size
 
     def flush(self) -> None:
-        self._raw.flush()
+        self._sink.flush()
 
     def writable(self) -> bool:
         return True
@@ -172,38 +181,61 @@ class _LocalSink:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._final = path
         self._tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-        self.file: BinaryIO = open(self._tmp, "wb")  # closed by commit() or discard()
+        self._file: BinaryIO = open(self._tmp, "wb")  # closed by commit() or discard()
+        self.write = self._file.write
+        self.flush = self._file.flush
 
     def commit(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())  # the rename must not outrun the data after a crash
-        self.file.close()
+        self._file.flush()
+        os.fsync(self._file.fileno())  # the rename must not outrun the data after a crash
+        self._file.close()
         os.replace(self._tmp, self._final)
 
     def discard(self) -> None:
-        self.file.close()
+        self._file.close()
         self._tmp.unlink(missing_ok=True)
 
 
-class _DeferredUploadSink:
-    """Uploads with fsspec's autocommit off: S3 shows the object only when commit() completes the upload.
+class _ObjectSink:
+    """Writes an object store key so that it appears only once complete, without a temporary key.
 
-    This is atomic without a temporary key (no second copy of a multi-GB object, no temporary name ever listed);
-    discard() aborts the multipart upload, so a failed write leaves nothing behind.
+    Up to `small` bytes are held in memory and sent as one PUT at commit. Past that, they stream into a
+    multipart upload opened with fsspec's autocommit off: S3 shows the object only when commit() completes the
+    upload, and discard() aborts it. No second copy of a multi-GB object, no temporary name in any listing.
     """
 
-    def __init__(self, fs: AbstractFileSystem, path: str) -> None:
-        self.file: Any = fs.open(path, "wb", autocommit=False)
+    def __init__(self, fs: AbstractFileSystem, path: str, small: int = CHUNK_SIZE) -> None:
+        self._fs, self._path, self._small = fs, path, small
+        self._head = bytearray()
+        self._upload: Any = None
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._upload is None and len(self._head) + memoryview(data).nbytes <= self._small:
+            self._head += data
+            return
+        if self._upload is None:
+            self._upload = self._fs.open(self._path, "wb", autocommit=False)
+            self._upload.write(bytes(self._head))
+            self._head = bytearray()
+        self._upload.write(data)
+
+    def flush(self) -> None:
+        """Nothing to do: parts go out as they fill; a partial object can never be made visible."""
 
     def commit(self) -> None:
-        self.file.close()
-        self.file.commit()
+        if self._upload is None:
+            self._fs.pipe_file(self._path, bytes(self._head))
+            return
+        self._upload.close()
+        self._upload.commit()
 
     def discard(self) -> None:
+        if self._upload is None:
+            return
         try:
-            self.file.close()
+            self._upload.close()
         finally:
-            self.file.discard()
+            self._upload.discard()
 
 
 def _s3_filesystem(config: S3Config) -> AbstractFileSystem:
@@ -300,7 +332,7 @@ class Storage:
             if fs.info(path)["type"] == "directory":  # s3fs would open a prefix and read it as empty
                 raise StorageError(f"{uri} is a directory; expected a file or object")
             file = fs.open(path, "rb")
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, NotADirectoryError) as exc:  # the latter: a local path under a file
             raise NotFoundError(
                 f"{uri}: no such file or object; check the path (and bucket/endpoint for s3://)"
             ) from exc
@@ -319,8 +351,8 @@ class Storage:
         uncommitted until the block ends. An existing object under `uri` is replaced only on success.
         """
         fs, path = self._locate(uri)
-        sink = _LocalSink(Path(path)) if isinstance(fs, LocalFileSystem) else _DeferredUploadSink(fs, path)
-        writer = ArtifactWriter(uri, sink.file)
+        sink: _Sink = _LocalSink(Path(path)) if isinstance(fs, LocalFileSystem) else _ObjectSink(fs, path)
+        writer = ArtifactWriter(uri, sink)
         try:
             yield writer
         except BaseException:
@@ -345,7 +377,9 @@ class Storage:
             return
         bucket = path.split("/", 1)[0]
         if not fs.exists(bucket):
-            raise NotFoundError(f"{uri}: bucket s3://{bucket} does not exist or is not accessible; create it first")
+            raise NotFoundError(
+                f"{uri}: bucket s3://{bucket} does not exist or is not accessible; create it first"
+            )
 
     def remove(self, uri: str, recursive: bool = False) -> None:
         """Delete the file at `uri`, or with `recursive` the directory and everything under it."""
@@ -452,7 +486,7 @@ def _relative_to(root: str, paths: list[str]) -> list[str]:
     )
 
 
-def _discard_quietly(uri: str, sink: _LocalSink | _DeferredUploadSink) -> None:
+def _discard_quietly(uri: str, sink: _Sink) -> None:
     """Discard a failed write; a cleanup failure is logged, so the body's own exception is the one raised."""
     try:
         sink.discard()

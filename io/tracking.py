@@ -32,8 +32,13 @@ class Tracker:
         )
 
     @contextlib.contextmanager
-    def run(self, name: str, params: Mapping[str, Any] | None = None, parent_run_id: str | None = None,
-            tags: Mapping[str, str] | None = None) -> Iterator[str]:
+    def run(
+        self,
+        name: str,
+        params: Mapping[str, Any] | None = None,
+        parent_run_id: str | None = None,
+        tags: Mapping[str, str] | None = None,
+    ) -> Iterator[str]:
         """Open a run (nested under `parent_run_id` when given), yield its id, close it FINISHED or FAILED."""
         all_tags = {MLFLOW_RUN_NAME: name, **(tags or {})}
         if parent_run_id:
@@ -52,7 +57,7 @@ class Tracker:
         """Log a nested mapping as flat dotted params (`train.batch.rollout_batch_size`)."""
         flat = [Param(k, _param_value(v)) for k, v in flatten(params).items()]
         for start in range(0, len(flat), BATCH):
-            self.client.log_batch(run_id, params=flat[start:start + BATCH])
+            self.client.log_batch(run_id, params=flat[start : start + BATCH])
 
     def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
         import time
@@ -60,7 +65,7 @@ class Tracker:
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
         for start in range(0, len(batch), BATCH):
-            self.client.log_batch(run_id, metrics=batch[start:start + BATCH])
+            self.client.log_batch(run_id, metrics=batch[start : start + BATCH])
 
     def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
         for key, value in tags.items():

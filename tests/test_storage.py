@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from slimeflow.io.storage import (
+    CHUNK_SIZE,
     ArtifactRecord,
     ChecksumError,
     NotFoundError,
@@ -224,6 +225,25 @@ def test_failed_writes_leave_nothing_behind(place):
     assert not fresh.exists(new_uri)
     assert fresh.read_bytes(old_uri, expect=old) == b"old weights"
     assert fresh.list(place.base, recursive=True) == [old_uri]  # no temporary object either
+    assert _pending_uploads(place) == []
+
+
+def test_large_s3_writes_stream_through_an_uncommitted_upload(s3_config, s3_bucket):
+    storage = Storage(s3_config)
+    place = Place(storage, join(s3_bucket, "big"), s3_config)
+    data = bytes(range(256)) * (CHUNK_SIZE // 256 + 1)  # past what is held in memory for a single PUT
+    uri = join(place.base, "weights.bin")
+    with storage.open_write(uri) as writer:
+        for start in range(0, len(data), 2**20):
+            writer.write(data[start : start + 2**20])
+        assert not storage.exists(uri)
+    assert storage.sha256(uri) == ArtifactRecord(path=uri, sha256=_record(data)[0], size=len(data))
+
+    with pytest.raises(RuntimeError, match="half-way"):
+        with storage.open_write(join(place.base, "half.bin")) as writer:
+            writer.write(data)
+            raise RuntimeError("failed half-way")
+    assert storage.list(place.base) == [uri]
     assert _pending_uploads(place) == []
 
 
