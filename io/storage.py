@@ -15,8 +15,8 @@ import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import closing, contextmanager
-from functools import cached_property
+from contextlib import contextmanager
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
@@ -120,12 +120,20 @@ def local_path(uri: str) -> Path:
     return Path(uri[len("file://") :] if _scheme(uri) == "file" else uri)
 
 
+def _mismatch(expect: ArtifactRecord, actual: ArtifactRecord) -> str | None:
+    """How `actual` differs from `expect` in size or sha256, or None when they match."""
+    if (expect.size, expect.sha256) == (actual.size, actual.sha256):
+        return None
+    return (
+        f"expected size {expect.size} sha256 {expect.sha256}, got size {actual.size} sha256 {actual.sha256}"
+    )
+
+
 def _check(uri: str, expect: ArtifactRecord, actual: ArtifactRecord) -> None:
-    if (expect.size, expect.sha256) != (actual.size, actual.sha256):
+    if difference := _mismatch(expect, actual):
         raise ChecksumError(
-            f"{uri}: expected size {expect.size} sha256 {expect.sha256}, "
-            f"got size {actual.size} sha256 {actual.sha256}; the object is corrupt or was replaced "
-            "since the record was made: rewrite it, or refresh the record if the change was intended"
+            f"{uri}: {difference}; the object is corrupt or was replaced since the record was made: "
+            "rewrite it, or refresh the record if the change was intended"
         )
 
 
@@ -182,8 +190,12 @@ class _LocalSink:
         self._final = path
         self._tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
         self._file: BinaryIO = open(self._tmp, "wb")  # closed by commit() or discard()
-        self.write = self._file.write
-        self.flush = self._file.flush
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
 
     def commit(self) -> None:
         self._file.flush()
@@ -325,20 +337,21 @@ class Storage:
     def read_text(self, uri: str, expect: ArtifactRecord | None = None) -> str:
         return self.read_bytes(uri, expect).decode("utf-8")
 
-    def _chunks(self, uri: str) -> Iterator[bytes]:
-        """The object's bytes in chunks of at most CHUNK_SIZE; a generator, so errors surface on first next()."""
+    def _open_read(self, uri: str) -> BinaryIO:
+        """The object at `uri` opened for reading; NotFoundError if absent, StorageError if a directory."""
         fs, path = self._locate(uri)
         try:
             if fs.info(path)["type"] == "directory":  # s3fs would open a prefix and read it as empty
                 raise StorageError(f"{uri} is a directory; expected a file or object")
-            file = fs.open(path, "rb")
+            return fs.open(path, "rb")
         except (FileNotFoundError, NotADirectoryError) as exc:  # the latter: a local path under a file
             raise NotFoundError(
                 f"{uri}: no such file or object; check the path (and bucket/endpoint for s3://)"
             ) from exc
-        with file:
-            while chunk := file.read(CHUNK_SIZE):
-                yield chunk
+
+    def _chunks(self, uri: str) -> Iterator[bytes]:
+        with self._open_read(uri) as file:
+            yield from iter(partial(file.read, CHUNK_SIZE), b"")
 
     # -- writing ---------------------------------------------------------------------------------------------
 
@@ -431,15 +444,11 @@ class Storage:
         for record in records:
             target = join(uri, record.path)
             try:
-                actual = self.sha256(target)
+                difference = _mismatch(record, self.sha256(target))
             except NotFoundError:
-                problems.append(f"{record.path}: missing")
-                continue
-            if (actual.size, actual.sha256) != (record.size, record.sha256):
-                problems.append(
-                    f"{record.path}: expected size {record.size} sha256 {record.sha256}, "
-                    f"got size {actual.size} sha256 {actual.sha256}"
-                )
+                difference = "missing"
+            if difference:
+                problems.append(f"{record.path}: {difference}")
         if problems:
             raise ChecksumError(
                 f"{uri}: {len(problems)} of {len(records)} files do not match their records:\n  "
@@ -453,15 +462,14 @@ class Storage:
         expect: ArtifactRecord | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> ArtifactRecord:
-        with closing(self._chunks(src_uri)) as chunks:
-            first = next(chunks, b"")  # fail on a missing source before creating anything at the destination
-            with self.open_write(dst_uri) as writer:
-                for chunk in _prepend(first, chunks):
-                    writer.write(chunk)
-                    if progress is not None:
-                        progress(len(chunk))
-                if expect is not None:
-                    _check(src_uri, expect, writer.record)
+        # The source is opened first, so a missing one fails before anything is created at the destination.
+        with self._open_read(src_uri) as src, self.open_write(dst_uri) as writer:
+            for chunk in iter(partial(src.read, CHUNK_SIZE), b""):
+                writer.write(chunk)
+                if progress is not None:
+                    progress(len(chunk))
+            if expect is not None:
+                _check(src_uri, expect, writer.record)
         return writer.record
 
     def _require_dir(self, uri: str, fs: AbstractFileSystem, path: str) -> None:
@@ -470,12 +478,6 @@ class Storage:
         if fs.exists(path):
             raise StorageError(f"{uri} is a file; expected a directory")
         raise NotFoundError(f"{uri}: no such directory (nothing exists under it)")
-
-
-def _prepend(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
-    if first:
-        yield first
-    yield from rest
 
 
 def _relative_to(root: str, paths: list[str]) -> list[str]:
