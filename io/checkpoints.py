@@ -27,7 +27,8 @@ RELEASE: Literal["release"] = "release"
 
 Iteration = int | Literal["release"]
 
-_ITER_DIR = re.compile(r"iter_(\d{7,})")
+_ITER_DIR = re.compile(r"iter_([0-9]{7,})")
+_DIGITS = re.compile(r"[0-9]+")
 
 
 class CheckpointError(RuntimeError):
@@ -67,7 +68,7 @@ def _ref(root: str, iteration: Iteration) -> CheckpointRef:
 
 
 def _order(ref: CheckpointRef) -> int:
-    return -1 if ref.iteration == RELEASE else ref.iteration
+    return ref.iteration if isinstance(ref.iteration, int) else -1
 
 
 def read_tracker(storage: Storage, root: str) -> Iteration | None:
@@ -79,7 +80,7 @@ def read_tracker(storage: Storage, root: str) -> Iteration | None:
         return None
     if text == RELEASE:
         return RELEASE
-    if not text.isdigit():
+    if not _DIGITS.fullmatch(text):
         raise CheckpointError(
             f"{uri} holds {text!r}; expected an iteration number or 'release'. "
             "Fix the file, or delete it to fall back to the newest complete checkpoint"
@@ -108,7 +109,7 @@ def list_checkpoints(storage: Storage, root: str, include_incomplete: bool = Fal
     """
     if not storage.isdir(root):
         return []
-    prefix_len = len(root.rstrip("/")) + 1
+    prefix_len = len(join(root, "x")) - 1  # where the relative part starts in the URIs list() returns
     files: dict[str, set[str]] = defaultdict(set)
     for entry in storage.list(root, recursive=True):
         dirname, _, filename = entry[prefix_len:].partition("/")
