@@ -217,3 +217,11 @@ def test_the_example_grpo_yaml_is_a_valid_train_config():
     data = read_yaml(Path(__file__).parent.parent / "examples" / "grpo-qwen3.yaml")
     config = load_stage_config("train", data["train"])
     assert isinstance(config, TrainConfig) and config.batch.global_batch_size == 256
+
+
+def test_dict_flags_add_to_the_yaml_by_name():
+    data = {"rollout_batch_size": 1, "num_rollout": 1, "eval_prompt_data": {"aime": "a.jsonl", "gsm8k": "g.jsonl"},
+            "sglang": {"mem_fraction_static": 0.7, "log_level": "INFO"}}
+    config = load_stage_config("train", data, ["--eval-prompt-data", "aime", "a2.jsonl", "--sglang-log-level", "DEBUG"])
+    assert config.eval.eval_prompt_data == {"aime": "a2.jsonl", "gsm8k": "g.jsonl"}
+    assert config.sglang.args == {"mem_fraction_static": 0.7, "log_level": "DEBUG"}

@@ -218,10 +218,11 @@ def set_path(tree: dict[str, Any], path: Sequence[str], value: Any) -> None:
 
 
 def merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """Deep merge of nested dicts: values in `override` win; dicts are merged key by key."""
+    """Deep merge of nested dicts: values in `override` win; dicts are merged key by key (so a flag's named
+    eval set or `--sglang-*` argument adds to, or replaces by name, those of the YAML file)."""
     out = dict(base)
     for key, value in override.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) and key != "args":
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
             out[key] = merge(out[key], value)
         else:
             out[key] = value
