@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import types
 import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -94,13 +94,10 @@ def leaves(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[Leaf]:
 class FlagIndex:
     """The flags of one config tree, by flag spelling; leaf names must be unique within the tree."""
 
-    def __init__(self, model: type[BaseModel], *, exclude: Iterable[tuple[str, ...]] = ()):
+    def __init__(self, model: type[BaseModel]):
         self.model = model
-        excluded = set(exclude)
         self.by_flag: dict[str, Leaf] = {}
         for leaf in leaves(model):
-            if leaf.path in excluded:
-                continue
             if leaf.flag in self.by_flag:
                 raise TypeError(f"{model.__name__}: {leaf.flag} is defined twice ({self.by_flag[leaf.flag].path}, {leaf.path})")
             self.by_flag[leaf.flag] = leaf

@@ -12,7 +12,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from slimeflow.io.storage import ArtifactRecord, is_local, local_path
+from slimeflow.io.storage import ArtifactRecord, Storage, is_local, local_path
 from slimeflow.manifest import Manifest, content_hash
 from slimeflow.progress import byte_progress
 from slimeflow.stages.base import StageContext, StageInputError
@@ -27,7 +27,7 @@ def run(config: ModelConfig, ctx: StageContext) -> Manifest:
     """Materialise `config.hf_checkpoint` locally, validate it, and return its manifest."""
     local = materialise(config, ctx)
     facts = inspect_hf_dir(local)
-    records = fingerprint(local, ctx.show_progress)
+    records = fingerprint(local, ctx.storage, ctx.show_progress)
     return Manifest(
         stage="model",
         outputs={"hf_checkpoint": str(local), "source": config.hf_checkpoint},
@@ -157,17 +157,13 @@ def _numel(shape: list[int]) -> int:
     return count
 
 
-def fingerprint(path: Path, show_progress: bool = False) -> list[ArtifactRecord]:
-    """sha256 and size of every file under `path` (paths relative to it, sorted), streamed in 8 MiB chunks."""
+def fingerprint(path: Path, storage: Storage, show_progress: bool = False) -> list[ArtifactRecord]:
+    """sha256 and size of every file under `path` (paths relative to it, sorted), streamed by `storage`."""
     files = sorted(p for p in path.rglob("*") if p.is_file())
     records = []
     with byte_progress(f"fingerprint {path.name}", sum(p.stat().st_size for p in files), show_progress) as advance:
         for file in files:
-            digest = hashlib.sha256()
-            with file.open("rb") as f:
-                while chunk := f.read(8 << 20):
-                    digest.update(chunk)
-                    advance(len(chunk))
-            records.append(ArtifactRecord(path=file.relative_to(path).as_posix(), sha256=digest.hexdigest(),
-                                          size=file.stat().st_size))
+            record = storage.sha256(str(file))
+            advance(record.size)
+            records.append(record.model_copy(update={"path": file.relative_to(path).as_posix()}))
     return records
