@@ -17,12 +17,12 @@ LOW_VAR_KL_CLAMP = 10.0
 
 
 def compute_approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor, kl_loss_type: str) -> torch.Tensor:
-    """Per-token KL estimate of pi against pi_base from log_ratio = log_probs - log_probs_base (fp32).
+    """Per-token KL estimate of pi against pi_base from log_ratio = log_probs - log_probs_base (at least fp32).
 
     k1 = log_ratio; k2 = log_ratio^2 / 2; k3 = low_var_kl = exp(-log_ratio) - 1 + log_ratio, and low_var_kl is
     clamped to [-10, 10] (slime's Schulman estimators).
     """
-    log_ratio = log_probs.float() - log_probs_base.float()
+    log_ratio = _upcast(log_probs) - _upcast(log_probs_base)
     if kl_loss_type == "k1":
         return log_ratio
     if kl_loss_type == "k2":
@@ -87,13 +87,13 @@ def compute_tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Te
 
 
 def compute_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log p(tokens[t]) under logits[t] ([T, V] and [T]); fp32."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    """log p(tokens[t]) under logits[t] ([T, V] and [T]); at least fp32."""
+    return torch.log_softmax(_upcast(logits), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def compute_entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax of each row of `logits` ([T, V] -> [T]); fp32."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    """Entropy of the softmax of each row of `logits` ([T, V] -> [T]); at least fp32."""
+    logp = torch.log_softmax(_upcast(logits), dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)
 
 
@@ -218,3 +218,8 @@ def sum_of_token(values: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tens
 
 def _zero_like(values: Sequence[torch.Tensor]) -> torch.Tensor:
     return values[0].new_zeros(()) if len(values) else torch.zeros(())
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """fp16/bf16 -> fp32 (as slime computes these in fp32); fp32 and fp64 stay as they are."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
