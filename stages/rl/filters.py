@@ -80,9 +80,9 @@ class DynamicSampler:
 
     def offer(self, group: Sequence[Sample]) -> bool:
         """Account for one finished group; returns whether it was kept."""
-        self.finished += 1
-        if self.finished > self.requested:
+        if self.finished >= self.requested:
             raise ValueError("a group was offered that was never requested; call groups_to_request() first")
+        self.finished += 1
         failed = [s for s in group if s.status is Status.FAILED]
         if failed:
             self.dropped["failed_sample"] += 1
