@@ -72,7 +72,8 @@ class DynamicSampler:
         return len(self.kept) >= self.target_groups
 
     def groups_to_request(self) -> int:
-        """How many new groups to submit now: a full over-sampling batch when those in flight cannot reach the target."""
+        """How many new groups to submit now (counted as requested): a full over-sampling batch when the groups kept
+        and in flight cannot reach the target, else 0."""
         if self.done or len(self.kept) + self.in_flight >= self.target_groups:
             return 0
         self.requested += self.over_sampling_batch_size

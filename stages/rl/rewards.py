@@ -164,15 +164,24 @@ def _reward_value(body: Any) -> float:
 
 
 class RewardScorer:
-    """Scores samples in place: sets `reward`, or marks the sample failed with the reason when scoring raised."""
+    """Scores samples in place: sets `reward`, or marks the sample failed with the reason when scoring raised.
+
+    A judge passed in stays the caller's to close; one made here is closed by `close()`.
+    """
 
     def __init__(self, config: RewardConfig, judge: MathJudge | None = None, remote: RemoteReward | None = None):
         self.config = config
+        self._owns_judge = judge is None
         self.judge = judge or MathJudge()
         self.custom = load_plugin(config.custom_rm_path, "custom-rm-path") if config.custom_rm_path else None
         if config.group_rm and self.custom is None:
             raise ValueError("--group-rm needs --custom-rm-path (a function that rewards a whole group)")
         self.remote = remote or (RemoteReward(config.rm_url) if config.rm_url else None)
+
+    def close(self) -> None:
+        """Stop the math-verify worker process of a judge this scorer made."""
+        if self._owns_judge:
+            self.judge.close()
 
     async def score_group(self, group: Sequence[Sample]) -> None:
         """Reward every sample of one group (a group function with --group-rm, else sample by sample)."""
