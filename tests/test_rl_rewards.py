@@ -52,6 +52,9 @@ ANSWER_TABLE = [
     ("gpqa", "(A) looks tempting, but the answer is (B)", "A", {}, 0.0),
     ("gpqa", "Answer: C", "blue", {"choices": ["red", "green", "blue", "yellow"]}, 1.0),
     ("boxed_f1", r"It is \boxed{Paris}", "Paris", {}, 1.0),
+    ("boxed_f1", "It is Paris", "Paris", {}, 0.0),
+    ("boxed_math", r"\boxed{\frac{2}{4}}", "0.5", {}, 1.0),
+    ("boxed_gpqa", r"(A) or \boxed{C}", "C", {}, 1.0),
 ]
 
 
@@ -197,3 +200,20 @@ def test_math_rewards_work_off_the_main_thread(judge):
     assert plain_math_verify and "threaded environment" in plain_math_verify[0]
     assert results == [row[4] for row in rows]
     assert judge.worker_timeouts == 0
+
+
+def test_a_worker_check_past_the_backstop_is_killed_and_counts_as_not_equal():
+    judge = MathJudge(backstop_s=0.01)  # shorter than the worker's start-up: the first check always overruns
+    try:
+        results: list[bool] = []
+        thread = threading.Thread(target=lambda: results.append(judge.equal("1", "1")))
+        thread.start()
+        thread.join(timeout=60)
+        assert results == [False] and judge.worker_timeouts == 1
+        judge.backstop_s = 60
+        thread = threading.Thread(target=lambda: results.append(judge.equal("1", "1")))  # a fresh worker
+        thread.start()
+        thread.join(timeout=90)
+        assert results == [False, True]
+    finally:
+        judge.close()

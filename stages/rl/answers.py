@@ -60,14 +60,15 @@ class MathJudge:
 
     On the main thread math-verify's own timeouts apply (a timeout counts as not equal, math-verify's rule). On
     other threads the check runs in one spawned worker process (started on first use, ~1 s); a check that
-    outlives 3 x `timeout_s` + 30 s kills the worker, counts as not equal, and the next check starts a new one.
+    outlives `backstop_s` (default 3 x `timeout_s` + 30 s) kills the worker, counts as not equal, and the next check starts a new one.
     Close the judge (or use it as a context manager) to stop the worker.
     """
 
-    def __init__(self, timeout_s: int = 5):
+    def __init__(self, timeout_s: int = 5, backstop_s: float | None = None):
         if timeout_s < 1:
             raise ValueError(f"the math-verify timeout must be >= 1 second, got {timeout_s}")
         self.timeout_s = timeout_s
+        self.backstop_s = 3 * timeout_s + 30 if backstop_s is None else backstop_s
         self._pool: Any = None
         self._lock = threading.Lock()
         self.worker_timeouts = 0
@@ -83,7 +84,7 @@ class MathJudge:
         # The worker's main thread applies math-verify's timeouts; this outer bound covers its start-up too.
         pending = pool.apply_async(_verify, (pred, gold, self.timeout_s))
         try:
-            return pending.get(timeout=self.timeout_s * 3 + 30)
+            return pending.get(timeout=self.backstop_s)
         except multiprocessing.TimeoutError:
             with self._lock:
                 if self._pool is pool:

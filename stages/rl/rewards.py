@@ -121,7 +121,9 @@ def builtin_reward(rm_type: str, response: str, label: str | None, metadata: dic
                    judge: MathJudge) -> float:
     """The reward of built-in `rm_type` (with an optional `boxed_` prefix)."""
     if rm_type.startswith("boxed_"):
-        response, rm_type = last_boxed(response) or "", rm_type[len("boxed_"):]
+        # Only the last boxed answer is scored; it stays boxed so that boxed-answer rm_types still find it.
+        boxed = last_boxed(response)
+        response, rm_type = ("" if boxed is None else f"\\boxed{{{boxed}}}"), rm_type[len("boxed_"):]
     if rm_type not in BUILTIN_REWARDS:
         raise ValueError(f"unknown rm_type {rm_type!r}; built-ins are {', '.join(BUILTIN_REWARDS)} "
                          "(optionally with a boxed_ prefix), or remote_rm with --rm-url")
