@@ -56,7 +56,7 @@ def load_custom_advantage(config: AlgorithmConfig) -> CustomAdvantage | None:
 def token_kl(config: AlgorithmConfig, inputs: AdvantageInputs) -> list[torch.Tensor]:
     """Per-token KL of the policy against the reference with --kl-loss-type (zeros without a reference)."""
     if inputs.log_probs is None or inputs.ref_log_probs is None:
-        return [torch.zeros(n) for n in inputs.response_lengths]
+        return [torch.zeros_like(m, dtype=torch.float32) for m in inputs.loss_masks]
     return [alg.compute_approx_kl(lp, ref, config.kl_loss_type)
             for lp, ref in zip(inputs.log_probs, inputs.ref_log_probs, strict=True)]
 

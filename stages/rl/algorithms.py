@@ -135,7 +135,8 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 
 def broadcast_returns(rewards: torch.Tensor, response_lengths: Sequence[int]) -> list[torch.Tensor]:
     """GRPO/GSPO/CISPO: each sample's (normalised) reward on every response token."""
-    return [torch.full((n,), float(r)) for r, n in zip(rewards.tolist(), response_lengths, strict=True)]
+    return [torch.full((n,), float(r), device=rewards.device) for r, n in zip(rewards.tolist(), response_lengths,
+                                                                              strict=True)]
 
 
 def reinforce_plus_plus_returns(rewards: torch.Tensor, kl: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor],
