@@ -59,8 +59,11 @@ def dapo_reward(response: str, label: str | None, metadata: dict[str, Any], judg
     return 1.0 if judge.equal(last_boxed(answer) or answer, gold) else -1.0
 
 
+_PUNCTUATION = frozenset(string.punctuation)
+
+
 def _f1_tokens(text: str) -> list[str]:
-    text = "".join(ch for ch in text.lower() if ch not in set(string.punctuation))
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
     return re.sub(r"\b(a|an|the)\b", " ", text).split()
 
 
@@ -188,8 +191,7 @@ class RewardScorer:
     async def score_group(self, group: Sequence[Sample]) -> None:
         """Reward every sample of one group (a group function with --group-rm, else sample by sample)."""
         if not self.config.group_rm:
-            for sample in group:
-                await self.score(sample)
+            await asyncio.gather(*(self.score(sample) for sample in group))
             return
         try:
             rewards = await _maybe_await(self.custom(self.config, list(group)))
