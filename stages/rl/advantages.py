@@ -1,0 +1,114 @@
+"""Advantage estimation for a whole rollout batch: grpo, gspo, cispo, reinforce_plus_plus(_baseline), ppo, custom.
+
+Runs over the global batch (all samples of the rollout, in group order) before it is split into micro-batches,
+because group statistics and whitening are batch-wide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from slimeflow.stages.rl import algorithms as alg
+from slimeflow.stages.rl.config import AlgorithmConfig
+from slimeflow.stages.rl.plugins import load_plugin
+
+
+@dataclass
+class AdvantageInputs:
+    """Per-sample inputs over response tokens; `rewards` holds the raw scalar rewards in group order.
+
+    log_probs are the trainer's log-probs under the policy that generated the batch; ref_log_probs the
+    reference model's (None without a reference: the KL term is then 0); values the critic's (PPO only).
+    """
+
+    rewards: torch.Tensor
+    loss_masks: list[torch.Tensor]
+    log_probs: list[torch.Tensor] | None = None
+    ref_log_probs: list[torch.Tensor] | None = None
+    values: list[torch.Tensor] | None = None
+
+    @property
+    def response_lengths(self) -> list[int]:
+        return [int(m.numel()) for m in self.loss_masks]
+
+
+@dataclass
+class Advantages:
+    """Per-token advantages of each sample, and the returns (the critic's targets; equal to advantages but PPO's)."""
+
+    advantages: list[torch.Tensor]
+    returns: list[torch.Tensor]
+
+
+CustomAdvantage = Callable[[AlgorithmConfig, AdvantageInputs], list[torch.Tensor]]
+"""(config, inputs) -> per-sample advantages over response tokens (whitened afterwards if normalize_advantages)."""
+
+
+def load_custom_advantage(config: AlgorithmConfig) -> CustomAdvantage | None:
+    """The function at --custom-advantage-function-path, or None."""
+    path = config.custom_advantage_function_path
+    return None if path is None else load_plugin(path, "custom-advantage-function-path")
+
+
+def token_kl(config: AlgorithmConfig, inputs: AdvantageInputs) -> list[torch.Tensor]:
+    """Per-token KL of the policy against the reference with --kl-loss-type (zeros without a reference)."""
+    if inputs.log_probs is None or inputs.ref_log_probs is None:
+        return [torch.zeros_like(m, dtype=torch.float32) for m in inputs.loss_masks]
+    return [alg.compute_approx_kl(lp, ref, config.kl_loss_type)
+            for lp, ref in zip(inputs.log_probs, inputs.ref_log_probs, strict=True)]
+
+
+def compute_advantages(config: AlgorithmConfig, inputs: AdvantageInputs, n_samples_per_prompt: int,
+                       custom: CustomAdvantage | None = None) -> Advantages:
+    """Advantages for --advantage-estimator (or `custom`), then whitening where slime whitens.
+
+    REINFORCE++ and REINFORCE++-baseline are always whitened over the batch's loss-masked tokens; the others
+    when --normalize-advantages is set. Whitening raises when no token of the batch is loss-masked in.
+    """
+    kl = token_kl(config, inputs)
+    estimator = config.advantage_estimator
+    returns = None
+    if custom is not None:
+        advantages = list(custom(config, inputs))
+        _check_shapes(advantages, inputs.response_lengths)
+    elif estimator in ("grpo", "gspo", "cispo"):
+        rewards = alg.normalize_group_rewards(inputs.rewards, n_samples_per_prompt,
+                                              std_normalization=not config.disable_grpo_std_normalization)
+        advantages = alg.broadcast_returns(rewards, inputs.response_lengths)
+    elif estimator == "reinforce_plus_plus":
+        advantages = alg.reinforce_plus_plus_returns(inputs.rewards.float(), kl, inputs.loss_masks,
+                                                     config.kl_coef, config.gamma)
+    elif estimator == "reinforce_plus_plus_baseline":
+        centered = alg.normalize_group_rewards(inputs.rewards, n_samples_per_prompt, std_normalization=False)
+        advantages = alg.reinforce_plus_plus_baseline_advantages(centered, kl, config.kl_coef)
+    elif estimator == "ppo":
+        if inputs.values is None:
+            raise ValueError("--advantage-estimator ppo needs the critic's values for every sample")
+        token_rewards = alg.ppo_token_rewards(inputs.rewards.float(), kl, config.kl_coef)
+        pairs = [alg.gae(r, v, config.gamma, config.lambd) for r, v in zip(token_rewards, inputs.values, strict=True)]
+        advantages, returns = [a for a, _ in pairs], [r for _, r in pairs]
+    else:
+        raise ValueError(f"unknown --advantage-estimator {estimator!r}")
+    if returns is None:
+        returns = [a.clone() for a in advantages]
+    whiten = config.normalize_advantages or (custom is None and estimator.startswith("reinforce_plus_plus"))
+    if whiten:
+        advantages = whiten_batch(advantages, inputs.loss_masks)
+    return Advantages(advantages=advantages, returns=returns)
+
+
+def whiten_batch(advantages: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Whiten all samples' advantages together over their loss-masked tokens."""
+    lengths = [a.numel() for a in advantages]
+    flat = alg.masked_whiten(torch.cat(list(advantages)).float(), torch.cat(list(loss_masks)).float())
+    return list(torch.split(flat, lengths))
+
+
+def _check_shapes(advantages: Sequence[torch.Tensor], lengths: Sequence[int]) -> None:
+    got = [int(a.numel()) for a in advantages]
+    if got != list(lengths):
+        raise ValueError(f"the custom advantage function returned per-sample lengths {got[:8]}..., "
+                         f"expected the response lengths {list(lengths)[:8]}...")

@@ -1,0 +1,226 @@
+"""The mathematics of slime's RL algorithms, as plain torch functions (the public API for custom losses).
+
+Conventions: per-token quantities cover the response tokens of one sample as a 1-D tensor, or of several samples
+concatenated; lists hold one such tensor per sample. `ppo_kl = old_log_probs - log_probs` per token, so
+`ratio = exp(-ppo_kl) = pi / pi_old`. Definitions and constants follow slime (reference: slime-notes.md §5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+GROUP_STD_EPS = 1e-6
+WHITEN_EPS = 1e-8
+LOW_VAR_KL_CLAMP = 10.0
+
+
+def compute_approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor, kl_loss_type: str) -> torch.Tensor:
+    """Per-token KL estimate of pi against pi_base from log_ratio = log_probs - log_probs_base (at least fp32).
+
+    k1 = log_ratio; k2 = log_ratio^2 / 2; k3 = low_var_kl = exp(-log_ratio) - 1 + log_ratio, and low_var_kl is
+    clamped to [-10, 10] (slime's Schulman estimators).
+    """
+    log_ratio = _upcast(log_probs) - _upcast(log_probs_base)
+    if kl_loss_type == "k1":
+        return log_ratio
+    if kl_loss_type == "k2":
+        return log_ratio.pow(2) / 2.0
+    if kl_loss_type in ("k3", "low_var_kl"):
+        kl = torch.exp(-log_ratio) - 1 + log_ratio
+        return kl.clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP) if kl_loss_type == "low_var_kl" else kl
+    raise ValueError(f"kl_loss_type {kl_loss_type!r} is not one of k1, k2, k3, low_var_kl")
+
+
+def compute_policy_loss(ppo_kl: torch.Tensor, advantages: torch.Tensor, eps_clip: float, eps_clip_high: float,
+                        eps_clip_c: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token: (pg_losses, clipfrac), clipfrac 1.0 where the clipped term won.
+
+    l = max(-ratio * A, -clip(ratio, 1 - eps_clip, 1 + eps_clip_high) * A); with dual clip (eps_clip_c > 1),
+    l = min(l, -eps_clip_c * A) where A < 0.
+    """
+    ratio = torch.exp(-ppo_kl)
+    unclipped = -ratio * advantages
+    clipped = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages
+    losses = torch.maximum(unclipped, clipped)
+    clipfrac = (clipped > unclipped).float()
+    if eps_clip_c is not None:
+        if eps_clip_c <= 1.0:
+            raise ValueError(f"eps_clip_c (dual clip) must be > 1, got {eps_clip_c}")
+        losses = torch.where(advantages < 0, torch.minimum(losses, -eps_clip_c * advantages), losses)
+    return losses, clipfrac
+
+
+def compute_cispo_loss(ppo_kl: torch.Tensor, log_probs: torch.Tensor, advantages: torch.Tensor, eps_clip: float,
+                       eps_clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO per token: l = -stopgrad(clip(ratio, 1 - eps_clip, 1 + eps_clip_high)) * A * log_probs.
+
+    Returns (losses, clipfrac), clipfrac 1.0 where the ratio lay outside the clip range.
+    """
+    ratio = torch.exp(-ppo_kl).detach()
+    clipped = ratio.clamp(1 - eps_clip, 1 + eps_clip_high)
+    return -clipped * advantages * log_probs, (clipped != ratio).float()
+
+
+def compute_gspo_kl(log_probs: Sequence[torch.Tensor], old_log_probs: Sequence[torch.Tensor],
+                    loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """GSPO's sequence-level ppo_kl: the masked mean of (old - new) log-probs of each sample, on every token.
+
+    A fully masked sample gets 0 (slime divides by max(mask sum, 1)).
+    """
+    out = []
+    for logp, old, mask in zip(log_probs, old_log_probs, loss_masks, strict=True):
+        seq = ((old - logp) * mask).sum() / mask.sum().clamp_min(1)
+        out.append(seq.expand_as(logp))
+    return out
+
+
+def compute_tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                        tis_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated importance sampling: (min(pi_train_old / pi_rollout, tis_clip), the unclipped ratio), per token.
+
+    Both inputs are log-probs of the same tokens: the trainer's (old policy) and the rollout engine's.
+    """
+    ratio = torch.exp(old_log_probs.detach() - rollout_log_probs.detach())
+    return ratio.clamp(max=tis_clip), ratio
+
+
+def compute_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log p(tokens[t]) under logits[t] ([T, V] and [T]); at least fp32."""
+    return torch.log_softmax(_upcast(logits), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def compute_entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax of each row of `logits` ([T, V] -> [T]); at least fp32."""
+    logp = torch.log_softmax(_upcast(logits), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def normalize_group_rewards(rewards: torch.Tensor, n_samples_per_prompt: int,
+                            std_normalization: bool = True) -> torch.Tensor:
+    """Rewards of consecutive groups of `n_samples_per_prompt`: r - group mean, then / (group std + 1e-6).
+
+    std is torch's unbiased std (NaN for a group of one, so a group of one needs std_normalization=False,
+    which the train config sets automatically, as slime does).
+    """
+    rewards = rewards.float()
+    if rewards.numel() % n_samples_per_prompt:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {n_samples_per_prompt}")
+    groups = rewards.reshape(-1, n_samples_per_prompt)
+    centered = groups - groups.mean(dim=-1, keepdim=True)
+    if std_normalization:
+        if n_samples_per_prompt == 1:
+            raise ValueError("std normalisation needs groups of >= 2 samples; pass std_normalization=False")
+        centered = centered / (groups.std(dim=-1, keepdim=True) + GROUP_STD_EPS)
+    return centered.reshape(-1)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+                  epsilon: float = WHITEN_EPS) -> torch.Tensor:
+    """(values - mean) / sqrt(var + epsilon) over masked entries; var is unbiased when >= 2 entries are masked.
+
+    Raises ValueError when nothing is masked in (slime raises too). shift_mean=False adds the mean back.
+    """
+    count = mask.sum()
+    if count.item() == 0:
+        raise ValueError("cannot whiten: the loss mask of the whole batch is empty (no response token trains)")
+    mean = (values * mask).sum() / count
+    var = (values.pow(2) * mask).sum() / count - mean.pow(2)
+    if count.item() >= 2:
+        var = var * count / (count - 1)
+    whitened = (values - mean) * torch.rsqrt(var + epsilon)
+    return whitened if shift_mean else whitened + mean
+
+
+def broadcast_returns(rewards: torch.Tensor, response_lengths: Sequence[int]) -> list[torch.Tensor]:
+    """GRPO/GSPO/CISPO: each sample's (normalised) reward on every response token."""
+    return [torch.full((n,), float(r), device=rewards.device) for r, n in zip(rewards.tolist(), response_lengths,
+                                                                              strict=True)]
+
+
+def reinforce_plus_plus_returns(rewards: torch.Tensor, kl: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor],
+                                kl_coef: float, gamma: float) -> list[torch.Tensor]:
+    """REINFORCE++ discounted returns: token rewards -kl_coef * kl, plus the reward at the last loss-masked token.
+
+    G_t = r_t + gamma * G_{t+1}. A fully masked sample has no last token and raises (slime asserts).
+    """
+    out = []
+    for i, (reward, kl_i, mask) in enumerate(zip(rewards.tolist(), kl, loss_masks, strict=True)):
+        if mask.sum().item() == 0:
+            raise ValueError(f"REINFORCE++: sample {i} is fully masked (no token to put its reward on)")
+        token_rewards = -kl_coef * kl_i.float()
+        last = int(mask.nonzero()[-1])
+        token_rewards[last] += reward
+        out.append(discounted_cumsum(token_rewards, gamma))
+    return out
+
+
+def discounted_cumsum(values: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = values_t + gamma * G_{t+1}, G_T = 0."""
+    out = torch.empty_like(values)
+    running = values.new_zeros(())
+    for t in range(values.numel() - 1, -1, -1):
+        running = values[t] + gamma * running
+        out[t] = running
+    return out
+
+
+def reinforce_plus_plus_baseline_advantages(centered_rewards: torch.Tensor, kl: Sequence[torch.Tensor],
+                                            kl_coef: float) -> list[torch.Tensor]:
+    """REINFORCE++-baseline before whitening: (r - group mean) on every token, minus kl_coef * kl."""
+    return [torch.ones_like(k, dtype=torch.float32) * r - kl_coef * k.float()
+            for r, k in zip(centered_rewards.tolist(), kl, strict=True)]
+
+
+def ppo_token_rewards(rewards: torch.Tensor, kl: Sequence[torch.Tensor], kl_coef: float) -> list[torch.Tensor]:
+    """PPO token rewards: -kl_coef * kl, with the scalar reward added at the last response token."""
+    out = []
+    for i, (reward, k) in enumerate(zip(rewards.tolist(), kl, strict=True)):
+        if k.numel() == 0:
+            raise ValueError(f"PPO: sample {i} has a zero-length response (no token to put its reward on)")
+        token_rewards = -kl_coef * k.float()
+        token_rewards[-1] += reward
+        out.append(token_rewards)
+    return out
+
+
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, gamma: float,
+        lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over one response: (advantages, returns = advantages + values).
+
+    delta_t = r_t + gamma * V_{t+1} - V_t (V after the last token is 0); A_t = delta_t + gamma * lambd * A_{t+1}.
+    """
+    values = values.detach().float()
+    next_values = torch.cat([values[1:], values.new_zeros(1)])
+    deltas = token_rewards.float() + gamma * next_values - values
+    advantages = discounted_cumsum(deltas, gamma * lambd)
+    return advantages, advantages + values
+
+
+def sum_of_sample_mean(values: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum over samples of (masked token sum / max(masked token count, 1)): a fully masked sample adds 0.
+
+    Divided by the global batch's sample count this is the per-sample (default) aggregation.
+    """
+    total = _zero_like(values)
+    for v, m in zip(values, loss_masks, strict=True):
+        total = total + (v * m).sum() / m.sum().clamp_min(1)
+    return total
+
+
+def sum_of_token(values: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum of all masked token values; divided by the global batch's masked token count it is the per-token mean."""
+    total = _zero_like(values)
+    for v, m in zip(values, loss_masks, strict=True):
+        total = total + (v * m).sum()
+    return total
+
+
+def _zero_like(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    return values[0].new_zeros(()) if len(values) else torch.zeros(())
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """fp16/bf16 -> fp32 (as slime computes these in fp32); fp32 and fp64 stay as they are."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()

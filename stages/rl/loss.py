@@ -1,0 +1,158 @@
+"""The training loss of one micro-batch: policy loss (PPO clip, GSPO, CISPO, TIS), KL and entropy terms, SFT, custom.
+
+The normaliser is the global batch's (its sample count, or its loss-masked token count with
+--calculate-per-token-loss), passed in, so the losses and metrics of micro-batches add up to exactly the values
+of one pass over the whole batch, however the samples were packed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from slimeflow.stages.rl import algorithms as alg
+from slimeflow.stages.rl.config import AlgorithmConfig
+from slimeflow.stages.rl.plugins import load_plugin
+
+Reduce = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+"""Per-sample token values -> this micro-batch's share of the global-batch aggregate."""
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch, a list entry per sample over its response tokens.
+
+    log_probs carry the gradient (current policy); old_log_probs are the trainer's under the policy that generated
+    the batch; rollout_log_probs the rollout engine's (TIS); entropy per token (for entropy_coef and the metric).
+    """
+
+    log_probs: list[torch.Tensor]
+    old_log_probs: list[torch.Tensor]
+    advantages: list[torch.Tensor]
+    loss_masks: list[torch.Tensor]
+    ref_log_probs: list[torch.Tensor] | None = None
+    rollout_log_probs: list[torch.Tensor] | None = None
+    entropy: list[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class LossNormalizer:
+    """The global batch's sample count and loss-masked token count (summed over micro-batches and DP ranks)."""
+
+    num_samples: int
+    num_tokens: float
+
+    @classmethod
+    def for_batch(cls, loss_masks: Sequence[torch.Tensor]) -> LossNormalizer:
+        """The normaliser of a global batch given all its loss masks."""
+        return cls(num_samples=len(loss_masks), num_tokens=float(sum(m.sum().item() for m in loss_masks)))
+
+    def reducer(self, loss_masks: Sequence[torch.Tensor], per_token: bool) -> Reduce:
+        """Aggregation of one micro-batch's token values with these masks.
+
+        Per sample (default): sum over its samples of (masked mean of the sample) / global sample count; a
+        zero-length or fully masked sample contributes 0 but still counts as a sample (as in slime).
+        Per token: sum of its masked token values / global masked token count; raises when the whole global batch
+        has no loss-masked token (the mean would be 0/0).
+        """
+        if self.num_samples == 0:
+            raise ValueError("the global batch is empty: no sample to compute a loss over")
+        if per_token:
+            if self.num_tokens == 0:
+                raise ValueError("--calculate-per-token-loss: no token of the global batch is loss-masked in, "
+                                 "so the per-token mean is undefined; check the loss masks of the rollout")
+            return lambda values: alg.sum_of_token(values, loss_masks) / self.num_tokens
+        return lambda values: alg.sum_of_sample_mean(values, loss_masks) / self.num_samples
+
+
+@dataclass
+class LossOutput:
+    """The micro-batch's loss (backward on it) and its metrics (detached; summing over micro-batches gives the batch's)."""
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+CustomLoss = Callable[[AlgorithmConfig, LossInputs, Reduce], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""(config, inputs, reduce) -> (loss, metrics); use `reduce` for every aggregate so packing does not change it."""
+
+
+def load_custom_loss(config: AlgorithmConfig) -> CustomLoss | None:
+    """The function at --custom-loss-function-path when --loss-type custom_loss, else None."""
+    if config.loss_type != "custom_loss":
+        return None
+    return load_plugin(config.custom_loss_function_path, "custom-loss-function-path")
+
+
+def compute_loss(config: AlgorithmConfig, inputs: LossInputs, normalizer: LossNormalizer,
+                 custom: CustomLoss | None = None) -> LossOutput:
+    """The loss of --loss-type for one micro-batch."""
+    reduce = normalizer.reducer(inputs.loss_masks, config.calculate_per_token_loss)
+    if config.loss_type == "policy_loss":
+        return policy_loss(config, inputs, reduce)
+    if config.loss_type == "sft_loss":
+        return sft_loss(inputs, reduce)
+    if custom is None:
+        raise ValueError("--loss-type custom_loss: pass the function loaded from --custom-loss-function-path")
+    loss, metrics = custom(config, inputs, reduce)
+    return LossOutput(loss=loss, metrics={k: torch.as_tensor(v).detach() for k, v in metrics.items()})
+
+
+def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce) -> LossOutput:
+    """pg_loss - entropy_coef * entropy + kl_loss_coef * kl_loss (slime's policy_loss_function).
+
+    Metrics: pg_loss, pg_clipfrac, ppo_kl, entropy (when given), kl_loss (with use_kl_loss), tis and
+    tis_clipfrac (with use_tis), each aggregated like the loss.
+    """
+    lengths = [lp.numel() for lp in inputs.log_probs]
+    log_probs = torch.cat(inputs.log_probs)
+    if config.advantage_estimator == "gspo":
+        ppo_kl = torch.cat(alg.compute_gspo_kl(inputs.log_probs, inputs.old_log_probs, inputs.loss_masks))
+    else:
+        ppo_kl = torch.cat(inputs.old_log_probs) - log_probs
+    advantages = torch.cat(inputs.advantages)
+    if config.advantage_estimator == "cispo":
+        losses, clipfrac = alg.compute_cispo_loss(ppo_kl, log_probs, advantages, config.eps_clip,
+                                                  config.eps_clip_high)
+    else:
+        losses, clipfrac = alg.compute_policy_loss(ppo_kl, advantages, config.eps_clip, config.eps_clip_high,
+                                                   config.eps_clip_c)
+
+    def agg(flat: torch.Tensor) -> torch.Tensor:
+        return reduce(torch.split(flat, lengths))
+
+    metrics: dict[str, torch.Tensor] = {}
+    if config.use_tis:
+        if inputs.rollout_log_probs is None:
+            raise ValueError("--use-tis needs the rollout engine's log-probs of every sample (rollout_log_probs)")
+        weights, ratio = alg.compute_tis_weights(torch.cat(inputs.old_log_probs), torch.cat(inputs.rollout_log_probs),
+                                                 config.tis_clip)
+        losses = losses * weights
+        metrics["tis"] = agg(ratio)
+        metrics["tis_clipfrac"] = agg((ratio > config.tis_clip).float())
+    pg_loss = agg(losses)
+    loss = pg_loss
+    metrics.update(pg_loss=pg_loss, pg_clipfrac=agg(clipfrac), ppo_kl=agg(ppo_kl))
+    if inputs.entropy is not None:
+        entropy = reduce(inputs.entropy)
+        loss = loss - config.entropy_coef * entropy
+        metrics["entropy"] = entropy
+    elif config.entropy_coef:
+        raise ValueError(f"--entropy-coef {config.entropy_coef} needs the per-token entropy of every sample")
+    if config.use_kl_loss:
+        if inputs.ref_log_probs is None:
+            raise ValueError("--use-kl-loss needs the reference model's log-probs (ref_log_probs)")
+        kl = [alg.compute_approx_kl(lp, ref, config.kl_loss_type)
+              for lp, ref in zip(inputs.log_probs, inputs.ref_log_probs, strict=True)]
+        kl_loss = reduce(kl)
+        loss = loss + config.kl_loss_coef * kl_loss
+        metrics["kl_loss"] = kl_loss
+    return LossOutput(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
+
+
+def sft_loss(inputs: LossInputs, reduce: Reduce) -> LossOutput:
+    """Supervised loss: the aggregated negative log-likelihood of the loss-masked response tokens."""
+    loss = reduce([-lp for lp in inputs.log_probs])
+    return LossOutput(loss=loss, metrics={"loss": loss.detach()})

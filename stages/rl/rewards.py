@@ -1,0 +1,243 @@
+"""Rewards: built-in rm_types, a custom function, or a remote reward server; a reward that raises fails the sample.
+
+Precedence, as slime: --custom-rm-path, else the rm_type of the sample (metadata["rm_type"], else --rm-type);
+rm_type "remote_rm" (or no rm_type with --rm-url set) asks the reward server. A `boxed_` prefix scores the content
+of the response's last \\boxed{} with the rm_type after the prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import re
+import string
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import httpx
+
+from slimeflow.stages.rl.answers import MathJudge, after_thinking, last_boxed
+from slimeflow.stages.rl.config import RewardConfig
+from slimeflow.stages.rl.plugins import load_plugin
+from slimeflow.stages.rl.types import Sample
+
+BuiltinReward = Callable[[str, str | None, dict[str, Any], MathJudge], float]
+"""(response, label, metadata, judge) -> reward."""
+
+
+def _need_label(label: str | None, rm_type: str) -> str:
+    if label is None:
+        raise ValueError(f"rm_type {rm_type!r} compares against a label, and this sample has none (set --label-key)")
+    return label
+
+
+def math_reward(response: str, label: str | None, metadata: dict[str, Any], judge: MathJudge) -> float:
+    """1.0 when the last \\boxed{} answer equals the label (math-verify), else 0.0 (also when nothing is boxed)."""
+    gold = _need_label(label, "math")
+    answer = last_boxed(response)
+    return float(answer is not None and judge.equal(answer, last_boxed(gold) or gold))
+
+
+def deepscaler_reward(response: str, label: str | None, metadata: dict[str, Any], judge: MathJudge) -> float:
+    """DeepScaleR: 0.0 unless the response closes its reasoning (</think>); then the math reward of the rest."""
+    solution = after_thinking(response)
+    return 0.0 if solution is None else math_reward(solution, label, metadata, judge)
+
+
+_DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+
+
+def dapo_reward(response: str, label: str | None, metadata: dict[str, Any], judge: MathJudge) -> float:
+    """DAPO: the last `Answer: ...` in the final 300 characters; 1.0 when it equals the label, else -1.0."""
+    gold = _need_label(label, "dapo")
+    found = _DAPO_ANSWER.findall(response[-300:])
+    if not found:
+        return -1.0
+    answer = found[-1].strip().rstrip(".")
+    return 1.0 if judge.equal(last_boxed(answer) or answer, gold) else -1.0
+
+
+_PUNCTUATION = frozenset(string.punctuation)
+
+
+def _f1_tokens(text: str) -> list[str]:
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return re.sub(r"\b(a|an|the)\b", " ", text).split()
+
+
+def f1_reward(response: str, label: str | None, metadata: dict[str, Any], judge: MathJudge) -> float:
+    """SQuAD token F1 between the answer (boxed, else the text after the reasoning, else all) and the label."""
+    gold = _f1_tokens(_need_label(label, "f1"))
+    answer = last_boxed(response) or after_thinking(response) or response
+    pred = _f1_tokens(answer)
+    common = sum((Counter(pred) & Counter(gold)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+_CHOICE_PATTERNS = (
+    r"\\boxed\{\s*\(?([A-Z])\)?\s*\}",
+    r"(?i:answer)\s*(?:is|:)?\s*:?\s*\(?([A-Z])\)?(?![A-Za-z])",
+    r"\(([A-Z])\)",
+)
+
+
+def choice_letter(text: str, letters: str) -> str | None:
+    """The multiple-choice letter a response commits to (boxed, `answer is (B)`, `Answer: B`, `(B)`), else None."""
+    for pattern in _CHOICE_PATTERNS:
+        found = [m for m in re.findall(pattern, text) if m in letters]
+        if found:
+            return found[-1]
+    return None
+
+
+def gpqa_reward(response: str, label: str | None, metadata: dict[str, Any], judge: MathJudge) -> float:
+    """GPQA-style multiple choice: 1.0 when the chosen letter is the label's.
+
+    The label is a letter (`B` or `(B)`), or the text of the right option when metadata["choices"] lists them.
+    """
+    gold = _need_label(label, "gpqa").strip()
+    choices = metadata.get("choices") or []
+    letters = string.ascii_uppercase[:max(len(choices), 4)]
+    if gold in choices:
+        gold = letters[choices.index(gold)]
+    gold = gold.strip("()")
+    if gold not in letters:
+        raise ValueError(f"gpqa label {label!r} is neither a choice letter ({letters}) nor one of metadata['choices']")
+    return float(choice_letter(after_thinking(response) or response, letters) == gold)
+
+
+BUILTIN_REWARDS: dict[str, BuiltinReward] = {
+    "math": math_reward,
+    "deepscaler": deepscaler_reward,
+    "dapo": dapo_reward,
+    "f1": f1_reward,
+    "gpqa": gpqa_reward,
+}
+
+
+def builtin_reward(rm_type: str, response: str, label: str | None, metadata: dict[str, Any],
+                   judge: MathJudge) -> float:
+    """The reward of built-in `rm_type` (with an optional `boxed_` prefix)."""
+    if rm_type.startswith("boxed_"):
+        # Only the last boxed answer is scored; it stays boxed so that boxed-answer rm_types still find it.
+        boxed = last_boxed(response)
+        response, rm_type = ("" if boxed is None else f"\\boxed{{{boxed}}}"), rm_type[len("boxed_"):]
+    if rm_type not in BUILTIN_REWARDS:
+        raise ValueError(f"unknown rm_type {rm_type!r}; built-ins are {', '.join(BUILTIN_REWARDS)} "
+                         "(optionally with a boxed_ prefix), or remote_rm with --rm-url")
+    return BUILTIN_REWARDS[rm_type](response, label, metadata, judge)
+
+
+class RemoteRewardError(RuntimeError):
+    """The reward server did not answer usefully after all retries."""
+
+
+class RemoteReward:
+    """A reward server over HTTP: POST {prompt, response, label, metadata} -> a number, or {"reward": number}."""
+
+    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.5):
+        self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
+
+    async def __call__(self, sample: Sample) -> float:
+        payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label,
+                   "metadata": sample.metadata, "index": sample.index, "group_index": sample.group_index}
+        last = ""
+        for attempt in range(self.retries):
+            try:
+                async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+                    reply = await client.post(self.url, json=payload)
+                reply.raise_for_status()
+                return _reward_value(reply.json())
+            except (httpx.HTTPError, ValueError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                if attempt + 1 < self.retries:
+                    await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise RemoteRewardError(f"reward server {self.url} failed after {self.retries} attempts "
+                                f"(timeout {self.timeout_s} s each); last error: {last}. Check --rm-url and the server")
+
+
+def _reward_value(body: Any) -> float:
+    value = body.get("reward", body.get("score")) if isinstance(body, dict) else body
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"the reward server answered {str(body)[:200]!r}; expected a number or {{'reward': number}}")
+    return float(value)
+
+
+class RewardScorer:
+    """Scores samples in place: sets `reward`, or marks the sample failed with the reason when scoring raised.
+
+    A judge passed in stays the caller's to close; one made here is closed by `close()`.
+    """
+
+    def __init__(self, config: RewardConfig, judge: MathJudge | None = None, remote: RemoteReward | None = None):
+        self.config = config
+        self._owns_judge = judge is None
+        self.judge = judge or MathJudge()
+        self.custom = load_plugin(config.custom_rm_path, "custom-rm-path") if config.custom_rm_path else None
+        if config.group_rm and self.custom is None:
+            raise ValueError("--group-rm needs --custom-rm-path (a function that rewards a whole group)")
+        self.remote = remote or (RemoteReward(config.rm_url) if config.rm_url else None)
+
+    def close(self) -> None:
+        """Stop the math-verify worker process of a judge this scorer made."""
+        if self._owns_judge:
+            self.judge.close()
+
+    async def score_group(self, group: Sequence[Sample]) -> None:
+        """Reward every sample of one group (a group function with --group-rm, else sample by sample)."""
+        if not self.config.group_rm:
+            await asyncio.gather(*(self.score(sample) for sample in group))
+            return
+        try:
+            rewards = await _maybe_await(self.custom(self.config, list(group)))
+            if len(rewards) != len(group):
+                raise ValueError(f"returned {len(rewards)} rewards for a group of {len(group)}")
+            values = [_finite(r) for r in rewards]
+        except Exception as exc:
+            for sample in group:
+                sample.mark_failed(f"group reward {self.config.custom_rm_path} raised {type(exc).__name__}: {exc}")
+            return
+        for sample, value in zip(group, values, strict=True):
+            sample.reward = value
+
+    async def score(self, sample: Sample) -> None:
+        """Reward one sample."""
+        source = "reward"
+        try:
+            source = self._source(sample)
+            if self.custom is not None:
+                value = await _maybe_await(self.custom(self.config, sample))
+            elif source == "remote_rm":
+                value = await self.remote(sample)
+            else:
+                value = builtin_reward(source, sample.response, sample.label, sample.metadata, self.judge)
+            sample.reward = _finite(value)
+        except Exception as exc:
+            sample.mark_failed(f"{source} raised {type(exc).__name__}: {exc}")
+
+    def _source(self, sample: Sample) -> str:
+        if self.custom is not None:
+            return str(self.config.custom_rm_path)
+        rm_type = sample.metadata.get("rm_type") or self.config.rm_type
+        if rm_type is None and self.remote is not None:
+            return "remote_rm"
+        if rm_type is None:
+            raise ValueError("no reward is configured: set --rm-type, metadata['rm_type'], --custom-rm-path or --rm-url")
+        if rm_type == "remote_rm" and self.remote is None:
+            raise ValueError("rm_type remote_rm needs --rm-url (the reward server's URL)")
+        return rm_type
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+def _finite(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"the reward must be a finite number, got {value!r}")
+    return float(value)

@@ -1,0 +1,136 @@
+"""The two records of the loop: a row-wise `Sample` for rollouts and a columnar `TrainBatch` for training."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class Status(enum.Enum):
+    """Where a sample is in its life: waiting to be generated, done, cut at the length limit, aborted, failed."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass
+class Sample:
+    """One response to one prompt, from the data source through rollout and reward to training (as slime's Sample).
+
+    `tokens` is prompt + response token ids; `response_length` counts the response part, and `loss_mask` (when set)
+    has exactly `response_length` entries: 1 for tokens the model generated, 0 for tool or environment tokens.
+    `rollout_log_probs` are the rollout engine's log-probs of the response tokens. A reward that raised leaves
+    `status` FAILED and the reason in `failure_reason`.
+    """
+
+    group_index: int
+    index: int
+    prompt: str | list[dict[str, Any]]
+    label: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tokens: list[int] = field(default_factory=list)
+    response: str = ""
+    response_length: int = 0
+    reward: float | None = None
+    loss_mask: list[int] | None = None
+    rollout_log_probs: list[float] | None = None
+    status: Status = Status.PENDING
+    failure_reason: str | None = None
+
+    def mark_failed(self, reason: str) -> None:
+        """Record that this sample cannot be used, and why (it is then dropped with that reason, never scored 0)."""
+        self.status = Status.FAILED
+        self.failure_reason = reason
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (for checkpointing the buffer)."""
+        data = dataclasses.asdict(self)
+        data["status"] = self.status.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sample:
+        """The inverse of to_dict."""
+        return cls(**{**data, "status": Status(data["status"])})
+
+
+@dataclass
+class TrainBatch:
+    """Columnar training data: one entry per sample in every field; per-token fields cover the response only.
+
+    tokens[i] is prompt + response (1-D long); loss_masks[i], rollout_log_probs[i] have response_lengths[i]
+    entries; rewards is 1-D float (already group-normalised or raw, as the caller documents).
+    """
+
+    tokens: list[torch.Tensor]
+    response_lengths: list[int]
+    loss_masks: list[torch.Tensor]
+    rewards: torch.Tensor
+    rollout_log_probs: list[torch.Tensor] | None = None
+    group_indices: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        sizes = {"response_lengths": len(self.response_lengths), "loss_masks": len(self.loss_masks),
+                 "rewards": int(self.rewards.numel())}
+        if self.rollout_log_probs is not None:
+            sizes["rollout_log_probs"] = len(self.rollout_log_probs)
+        if self.group_indices:
+            sizes["group_indices"] = len(self.group_indices)
+        wrong = {name: size for name, size in sizes.items() if size != n}
+        if wrong:
+            raise ValueError(f"TrainBatch has {n} token sequences but field sizes {wrong}; every field needs {n}")
+        for i, (mask, length, toks) in enumerate(zip(self.loss_masks, self.response_lengths, self.tokens, strict=True)):
+            if mask.numel() != length or length > toks.numel():
+                raise ValueError(
+                    f"TrainBatch sample {i}: loss_mask has {mask.numel()} entries, response_length is {length}, "
+                    f"tokens has {toks.numel()}; the mask must cover exactly the response"
+                )
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def total_lengths(self) -> list[int]:
+        """Prompt + response tokens of each sample (what a packed micro-batch's budget counts)."""
+        return [int(t.numel()) for t in self.tokens]
+
+    def select(self, indices: Sequence[int]) -> TrainBatch:
+        """The sub-batch of `indices`, in that order."""
+        pick = list(indices)
+        return TrainBatch(
+            tokens=[self.tokens[i] for i in pick],
+            response_lengths=[self.response_lengths[i] for i in pick],
+            loss_masks=[self.loss_masks[i] for i in pick],
+            rewards=self.rewards[pick] if pick else self.rewards[:0],
+            rollout_log_probs=None if self.rollout_log_probs is None else [self.rollout_log_probs[i] for i in pick],
+            group_indices=[self.group_indices[i] for i in pick] if self.group_indices else [],
+        )
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[Sample]) -> TrainBatch:
+        """Columns from scored samples; a sample without a loss mask trains on its whole response."""
+        bad = [s.index for s in samples if s.reward is None or s.status in (Status.FAILED, Status.PENDING)]
+        if bad:
+            raise ValueError(f"samples {bad[:10]} have no reward or failed; drop them before building a TrainBatch")
+        has_logp = all(s.rollout_log_probs is not None for s in samples)
+        return cls(
+            tokens=[torch.tensor(s.tokens, dtype=torch.long) for s in samples],
+            response_lengths=[s.response_length for s in samples],
+            loss_masks=[
+                torch.tensor(s.loss_mask if s.loss_mask is not None else [1] * s.response_length, dtype=torch.float32)
+                for s in samples
+            ],
+            rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
+            rollout_log_probs=[torch.tensor(s.rollout_log_probs, dtype=torch.float32) for s in samples]
+            if has_logp and samples else None,
+            group_indices=[s.group_index for s in samples],
+        )

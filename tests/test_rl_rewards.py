@@ -1,0 +1,219 @@
+"""Rewards: real answer formats per rm_type, custom and group rewards, the remote server, failures, threads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from slimeflow.stages.rl.answers import MathJudge, last_boxed
+from slimeflow.stages.rl.config import RewardConfig
+from slimeflow.stages.rl.rewards import RemoteReward, RewardScorer, builtin_reward
+from slimeflow.stages.rl.types import Sample, Status
+
+
+@pytest.fixture(scope="module")
+def judge():
+    with MathJudge() as judge:
+        yield judge
+
+
+ANSWER_TABLE = [
+    # rm_type, response, label, metadata, expected
+    ("math", r"So the probability is \boxed{\frac{1}{2}}.", "0.5", {}, 1.0),
+    ("math", r"\boxed{0.5}", r"\frac{1}{2}", {}, 1.0),
+    ("math", r"\boxed{\dfrac{3}{4}}", "0.75", {}, 1.0),
+    ("math", r"The answer is \boxed{42}.", "42", {}, 1.0),
+    ("math", r"\boxed{41}", "42", {}, 0.0),
+    ("math", "The answer is 42", "42", {}, 0.0),  # math needs a boxed answer
+    ("math", r"\boxed{2\sqrt{2}}", r"\sqrt{8}", {}, 1.0),
+    ("math", r"\boxed{x^2+2x}", "2x + x^2", {}, 1.0),
+    ("math", r"\boxed{1,000}", "1000", {}, 1.0),
+    ("math", r"\boxed{7}", r"\boxed{7}", {}, 1.0),
+    ("math", r"\boxed{(1,2)}", "(1, 2)", {}, 1.0),
+    ("math", r"first \boxed{3}, finally \boxed{5}", "5", {}, 1.0),
+    ("deepscaler", r"<think>maybe \boxed{3}</think> so \boxed{5}", "5", {}, 1.0),
+    ("deepscaler", r"<think>I never stop thinking \boxed{5}", "5", {}, 0.0),
+    ("dapo", "Let me compute.\nAnswer: 12", "12", {}, 1.0),
+    ("dapo", r"Answer: \frac{1}{2}", "0.5", {}, 1.0),
+    ("dapo", "Answer: 13", "12", {}, -1.0),
+    ("dapo", "I give up", "12", {}, -1.0),
+    ("f1", "Paris", "Paris", {}, 1.0),
+    ("f1", "the city of Paris", "Paris", {}, 0.5),  # 'the' dropped: precision 1/3, recall 1
+    ("f1", "<think>hmm</think>Barack Obama", "Obama", {}, 2 / 3),
+    ("f1", "London", "Paris", {}, 0.0),
+    ("gpqa", "The answer is (B)", "B", {}, 1.0),
+    ("gpqa", "Answer: C", "(C)", {}, 1.0),
+    ("gpqa", r"Therefore \boxed{D}", "D", {}, 1.0),
+    ("gpqa", "(A) looks tempting, but the answer is (B)", "A", {}, 0.0),
+    ("gpqa", "Answer: C", "blue", {"choices": ["red", "green", "blue", "yellow"]}, 1.0),
+    ("boxed_f1", r"It is \boxed{Paris}", "Paris", {}, 1.0),
+    ("boxed_f1", "It is Paris", "Paris", {}, 0.0),
+    ("boxed_math", r"\boxed{\frac{2}{4}}", "0.5", {}, 1.0),
+    ("boxed_gpqa", r"(A) or \boxed{C}", "C", {}, 1.0),
+]
+
+
+@pytest.mark.parametrize("rm_type, response, label, metadata, expected", ANSWER_TABLE)
+def test_answer_formats(judge, rm_type, response, label, metadata, expected):
+    assert builtin_reward(rm_type, response, label, metadata, judge) == pytest.approx(expected)
+
+
+def test_last_boxed_matches_nested_braces():
+    assert last_boxed(r"\boxed{\frac{1}{\sqrt{2}}} tail") == r"\frac{1}{\sqrt{2}}"
+    assert last_boxed(r"\boxed 5 and more") == "5"
+    assert last_boxed(r"\boxed{unclosed") is None
+    assert last_boxed("nothing here") is None
+
+
+def sample(response: str, label: str | None = "0.5", **metadata) -> Sample:
+    return Sample(group_index=0, index=0, prompt="q", response=response, label=label, metadata=metadata)
+
+
+def score(scorer: RewardScorer, *samples: Sample) -> list[Sample]:
+    asyncio.run(scorer.score_group(list(samples)))
+    return list(samples)
+
+
+def test_metadata_rm_type_overrides_the_flag(judge):
+    scorer = RewardScorer(RewardConfig(rm_type="f1"), judge=judge)
+    by_flag, by_metadata = score(scorer, sample(r"\boxed{1/2}"), sample(r"\boxed{1/2}", rm_type="math"))
+    assert by_flag.reward == 0.0 and by_metadata.reward == 1.0
+
+
+def test_unknown_or_missing_rm_type_fails_the_sample_with_the_reason(judge):
+    unknown, missing = score(RewardScorer(RewardConfig(), judge=judge), sample("x", rm_type="nope"), sample("x"))
+    assert unknown.status is Status.FAILED and "built-ins are math, deepscaler, dapo, f1, gpqa" in unknown.failure_reason
+    assert missing.status is Status.FAILED and "no reward is configured" in missing.failure_reason
+    (no_label,) = score(RewardScorer(RewardConfig(rm_type="math"), judge=judge), sample(r"\boxed{1}", label=None))
+    assert "has none (set --label-key)" in no_label.failure_reason
+
+
+async def length_reward(args, sample):
+    return len(sample.response) / 10
+
+
+def failing_reward(args, sample):
+    raise RuntimeError(f"judge model is down for {sample.response!r}")
+
+
+def nan_reward(args, sample):
+    return math.nan
+
+
+async def group_reward(args, samples):
+    best = max(len(s.response) for s in samples)
+    return [float(len(s.response) == best) for s in samples]
+
+
+def test_custom_rewards_sync_async_and_failing(judge):
+    (ok,) = score(RewardScorer(RewardConfig(custom_rm_path=f"{__name__}:length_reward"), judge=judge), sample("abcde"))
+    assert ok.reward == 0.5 and ok.status is Status.PENDING
+    (bad,) = score(RewardScorer(RewardConfig(custom_rm_path=f"{__name__}:failing_reward"), judge=judge), sample("xy"))
+    assert bad.status is Status.FAILED and bad.reward is None
+    assert bad.failure_reason == (f"{__name__}:failing_reward raised RuntimeError: judge model is down for 'xy'")
+    (nan,) = score(RewardScorer(RewardConfig(custom_rm_path=f"{__name__}:nan_reward"), judge=judge), sample("xy"))
+    assert nan.status is Status.FAILED and "finite number" in nan.failure_reason
+
+
+def test_group_reward(judge):
+    scorer = RewardScorer(RewardConfig(custom_rm_path=f"{__name__}:group_reward", group_rm=True), judge=judge)
+    assert [s.reward for s in score(scorer, sample("a"), sample("abc"), sample("ab"))] == [0.0, 1.0, 0.0]
+    with pytest.raises(ValueError, match="--group-rm needs --custom-rm-path"):
+        RewardScorer(RewardConfig(group_rm=True, rm_type="math"))
+
+
+class _RewardHandler(BaseHTTPRequestHandler):
+    calls = 0
+
+    def do_POST(self):  # noqa: N802 (http.server's naming)
+        type(self).calls += 1
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body["response"] == "flaky" and type(self).calls % 2:
+            self.send_response(503)
+            self.end_headers()
+            return
+        reply = json.dumps({"reward": 1.0 if body["response"] == body["label"] else 0.0}).encode()
+        if body["response"] == "garbage":
+            reply = b'"not a number"'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def reward_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _RewardHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/reward"
+    server.shutdown()
+    server.server_close()
+
+
+def test_remote_reward_server(judge, reward_server):
+    remote = RemoteReward(reward_server, timeout_s=5, retries=3, backoff_s=0.01)
+    scorer = RewardScorer(RewardConfig(rm_url=reward_server), judge=judge, remote=remote)
+    right, wrong, flaky = score(scorer, sample("0.5"), sample("7"), sample("flaky", label="flaky"))
+    assert (right.reward, wrong.reward, flaky.reward) == (1.0, 0.0, 1.0)  # flaky: a 503, then a retry
+    (garbage,) = score(scorer, sample("garbage"))
+    assert garbage.status is Status.FAILED and "after 3 attempts" in garbage.failure_reason
+    assert "expected a number" in garbage.failure_reason
+
+
+def test_unreachable_reward_server_fails_the_sample_with_url_and_attempts(judge):
+    url = "http://127.0.0.1:9/reward"  # the discard port: nothing listens
+    scorer = RewardScorer(RewardConfig(rm_url=url), judge=judge,
+                          remote=RemoteReward(url, timeout_s=1, retries=2, backoff_s=0.01))
+    (down,) = score(scorer, sample("0.5"))
+    assert down.status is Status.FAILED
+    assert f"reward server {url} failed after 2 attempts" in down.failure_reason and "ConnectError" in down.failure_reason
+
+
+def test_math_rewards_work_off_the_main_thread(judge):
+    """math-verify's signal timeouts fail outside the main thread; the judge's worker process gives the same answers."""
+    from math_verify import parse
+    rows = [row for row in ANSWER_TABLE if row[0] in ("math", "dapo")]
+    results: list[float] = []
+    plain_math_verify: list[str] = []
+
+    def worker():
+        try:
+            parse("$1$")
+        except ValueError as exc:
+            plain_math_verify.append(str(exc))
+        async def main():
+            return await asyncio.gather(*(asyncio.to_thread(builtin_reward, *row[:4], judge) for row in rows))
+        results.extend(asyncio.run(main()))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(timeout=120)
+    assert plain_math_verify and "threaded environment" in plain_math_verify[0]
+    assert results == [row[4] for row in rows]
+    assert judge.worker_timeouts == 0
+
+
+def test_a_worker_check_past_the_backstop_is_killed_and_counts_as_not_equal():
+    judge = MathJudge(backstop_s=0.01)  # shorter than the worker's start-up: the first check always overruns
+    try:
+        results: list[bool] = []
+        thread = threading.Thread(target=lambda: results.append(judge.equal("1", "1")))
+        thread.start()
+        thread.join(timeout=60)
+        assert results == [False] and judge.worker_timeouts == 1
+        judge.backstop_s = 60
+        thread = threading.Thread(target=lambda: results.append(judge.equal("1", "1")))  # a fresh worker
+        thread.start()
+        thread.join(timeout=90)
+        assert results == [False, True]
+    finally:
+        judge.close()
