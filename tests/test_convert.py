@@ -21,7 +21,7 @@ from slimeflow.stages.convert.stage import run
 from slimeflow.stages.convert.torch_dist import load_torch_dist, read_common, tensor_metadata
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 
-ALL_CASES = {
+CASES = {
     "llama-bf16-gqa-1p": ("tiny:llama?dtype=bfloat16&num_hidden_layers=3&seed=1", 1),
     "qwen2-fp16-tied-1p": ("tiny:qwen2?dtype=float16&tie_word_embeddings=true&seed=2", 1),
     "qwen3-fp32-mqa-headdim-1p": ("tiny:qwen3?head_dim=24&num_key_value_heads=1&seed=3", 1),
@@ -31,8 +31,6 @@ ALL_CASES = {
     "qwen3-fp16-tied-2p": ("tiny:qwen3?dtype=float16&tie_word_embeddings=true&hidden_size=96"
                            "&num_attention_heads=6&num_key_value_heads=2&seed=6", 2),
 }
-import os
-CASES = {k: v for k, v in ALL_CASES.items() if os.environ.get("ONLY", k) in k}
 
 
 def context(tmp: Path) -> StageContext:
@@ -188,3 +186,195 @@ def _leaves(tree):
             yield from _leaves(value)
     else:
         yield tree
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The mapping itself (no processes): QKV grouped by KV group, fc1 = [gate; up], padding, inverse
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _shape(uri: str):
+    from slimeflow.stages.convert.families import FAMILIES
+    from slimeflow.stages.convert.mapping import ModelShape
+
+    spec = TinyModelSpec.from_uri(uri)
+    config = {"num_hidden_layers": spec.num_hidden_layers, "hidden_size": spec.hidden_size,
+              "intermediate_size": spec.intermediate_size, "num_attention_heads": spec.num_attention_heads,
+              "num_key_value_heads": spec.num_key_value_heads, "head_dim": spec.resolved_head_dim, "vocab_size": 259,
+              "tie_word_embeddings": spec.tie_word_embeddings}
+    return ModelShape.from_hf_config(config, FAMILIES[spec.family])
+
+
+def test_qkv_is_grouped_by_kv_group_and_fc1_is_gate_then_up():
+    from slimeflow.stages.convert.mapping import hf_to_megatron
+
+    shape = _shape("tiny:qwen2?num_hidden_layers=1&hidden_size=8&num_attention_heads=4&num_key_value_heads=2")
+    head_dim = 2
+    hf = {}
+    for name, heads, tag in (("q", 4, 100), ("k", 2, 200), ("v", 2, 300)):
+        # every row says which projection and head it came from: tag + head
+        rows = torch.arange(heads).repeat_interleave(head_dim).float() + tag
+        hf[f"model.layers.0.self_attn.{name}_proj.weight"] = rows[:, None].expand(-1, 8).clone()
+        hf[f"model.layers.0.self_attn.{name}_proj.bias"] = rows.clone()
+    hf["model.layers.0.mlp.gate_proj.weight"] = torch.zeros(shape.ffn_hidden_size, 8)
+    hf["model.layers.0.mlp.up_proj.weight"] = torch.ones(shape.ffn_hidden_size, 8)
+    mega = hf_to_megatron(hf, shape, layers=[0], globals_=(),
+                          rules=["self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                                 "mlp.linear_fc1.weight"])
+    heads_in_order = mega["decoder.layers.0.self_attention.linear_qkv.bias"][::head_dim].tolist()
+    assert heads_in_order == [100, 101, 200, 300, 102, 103, 201, 301]  # group 0: q0 q1 k0 v0; group 1: q2 q3 k1 v1
+    assert torch.equal(mega["decoder.layers.0.self_attention.linear_qkv.weight"][:, 0],
+                       mega["decoder.layers.0.self_attention.linear_qkv.bias"])
+    fc1 = mega["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert fc1.shape == (2 * shape.ffn_hidden_size, 8) and not fc1[: shape.ffn_hidden_size].any()
+    assert fc1[shape.ffn_hidden_size:].eq(1).all()
+
+
+@pytest.mark.parametrize("uri", ["tiny:llama?num_key_value_heads=1", "tiny:qwen2", "tiny:qwen3?head_dim=24",
+                                 "tiny:llama?tie_word_embeddings=true"])
+def test_megatron_to_hf_inverts_hf_to_megatron_and_pads_with_zero_rows(uri):
+    from slimeflow.stages.convert.mapping import expected_hf_tensors, hf_to_megatron, megatron_to_hf
+
+    shape = _shape(uri)
+    generator = torch.Generator().manual_seed(0)
+    hf = {name: torch.randn(size, generator=generator) for name, size in expected_hf_tensors(shape).items()}
+    mega = hf_to_megatron(hf, shape)
+    assert mega["embedding.word_embeddings.weight"].shape[0] == shape.padded_vocab_size == 384
+    assert not mega["embedding.word_embeddings.weight"][259:].any()
+    assert ("output_layer.weight" in mega) == (not shape.tie_word_embeddings)
+    back = megatron_to_hf(mega, shape)
+    assert sorted(back) == sorted(hf) and all(torch.equal(back[n], hf[n]) for n in hf)
+
+
+def test_vocab_padding_follows_megatron():
+    from slimeflow.stages.convert.mapping import padded_vocab_size
+
+    assert padded_vocab_size(259, 128) == 384
+    assert padded_vocab_size(256, 128) == 256
+    assert padded_vocab_size(151936, 128, 8) == 152576
+    assert padded_vocab_size(100, 7, 3) == 105
+
+
+def test_shares_balance_bytes_and_cover_every_layer_once(tmp_path):
+    from slimeflow.stages.convert.stage import assign_shares, read_hf_source
+
+    hf = build_tiny_model(tmp_path / "hf", TinyModelSpec.from_uri("tiny:llama?num_hidden_layers=5"))
+    source = read_hf_source(hf)
+    shares = assign_shares(source, 2)
+    assert sorted(layer for share in shares for layer in share.layers) == list(range(5))
+    assert sorted(g for share in shares for g in share.globals_) == [
+        "decoder.final_layernorm.weight", "embedding.word_embeddings.weight", "output_layer.weight"]
+    assert all(share.layers or share.globals_ for share in shares)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Bad inputs: a clear error before anything is written
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def good_hf(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("good") / "hf", TinyModelSpec.from_uri("tiny:qwen2?seed=9"))
+
+
+def broken_copy(good: Path, tmp: Path) -> Path:
+    copy = tmp / "broken"
+    shutil.copytree(good, copy)
+    return copy
+
+
+def edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def drop_tensor(path: Path, name: str) -> None:
+    tensors = load_file(path / "model.safetensors")
+    del tensors[name]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def add_tensor(path: Path, name: str) -> None:
+    tensors = load_file(path / "model.safetensors")
+    tensors[name] = torch.zeros(4)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def truncate(path: Path) -> None:
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+
+
+BAD_INPUTS = {
+    "unknown architecture": (lambda p: edit_config(p, architectures=["MistralForCausalLM"], model_type="mistral"),
+                             "unsupported architecture ['MistralForCausalLM']"),
+    "missing tensor": (lambda p: drop_tensor(p, "model.layers.1.self_attn.k_proj.bias"),
+                       "1 missing tensor(s): model.layers.1.self_attn.k_proj.bias"),
+    "unexpected tensor": (lambda p: add_tensor(p, "model.layers.0.self_attn.rotary_emb.inv_freq"),
+                          "1 unexpected tensor(s): model.layers.0.self_attn.rotary_emb.inv_freq"),
+    "truncated safetensors": (truncate, "model.safetensors is truncated"),
+    "heads not divisible": (lambda p: edit_config(p, num_key_value_heads=3),
+                            "num_attention_heads (4) is not divisible by num_key_value_heads (3)"),
+}
+
+
+@pytest.mark.parametrize("problem", BAD_INPUTS)
+def test_bad_hf_input_is_refused_before_any_write(good_hf, tmp_path, problem):
+    breaks, message = BAD_INPUTS[problem]
+    hf = broken_copy(good_hf, tmp_path)
+    breaks(hf)
+    save = tmp_path / "ckpt"
+    with pytest.raises(StageInputError) as err:
+        run(ConvertConfig(hf_checkpoint=str(hf), save=str(save)), context(tmp_path))
+    assert message in str(err.value) and str(hf) in str(err.value)
+    assert not save.exists()
+
+
+@pytest.mark.slow
+def test_a_target_holding_a_checkpoint_is_refused_unless_overwrite(converted, tmp_path):
+    item = converted["qwen3-fp32-mqa-headdim-1p"]
+    before = {p: p.stat().st_mtime_ns for p in item["root"].rglob("*")}
+    with pytest.raises(StageInputError, match=r"already holds a checkpoint[\s\S]*--overwrite"):
+        run(ConvertConfig(hf_checkpoint=str(item["hf"]), save=str(item["root"])), context(tmp_path))
+    assert {p: p.stat().st_mtime_ns for p in item["root"].rglob("*")} == before
+    with pytest.raises(StageInputError, match="exists and is not empty"):
+        run(ConvertConfig(direction="torch-dist-to-hf", input_dir=str(item["root"]), output_dir=str(item["back"]),
+                          origin_hf_dir=str(item["hf"])), context(tmp_path))
+    replaced = run(ConvertConfig(direction="torch-dist-to-hf", input_dir=str(item["root"] / "release"),
+                                 output_dir=str(item["back"]), origin_hf_dir=str(item["hf"]), overwrite=True),
+                   context(tmp_path))
+    assert replaced.hashes["content"] == item["reverse"].hashes["content"]
+
+
+def test_reverse_refuses_a_directory_that_is_no_checkpoint(good_hf, tmp_path):
+    with pytest.raises(StageInputError, match="is not a checkpoint"):
+        run(ConvertConfig(direction="torch-dist-to-hf", input_dir=str(tmp_path), output_dir=str(tmp_path / "o"),
+                          origin_hf_dir=str(good_hf)), context(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_failed_rank_leaves_no_checkpoint(good_hf, tmp_path):
+    from dataclasses import replace
+
+    from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
+
+    source = read_hf_source(good_hf)
+    hf = broken_copy(good_hf, tmp_path)
+    broken = replace(source, path=hf)
+    (hf / "model.safetensors").unlink()  # validated, then gone: the rank that reads it fails mid-conversion
+    with pytest.raises(RuntimeError, match="conversion rank . exited"):
+        convert_hf_to_torch_dist(broken, tmp_path / "ckpt", processes=2)
+    assert list((tmp_path / "ckpt").iterdir()) == []
+
+
+def test_cli_takes_the_direction_as_a_positional_or_a_flag(capsys):
+    import yaml
+
+    from slimeflow.cli import main
+
+    for argv in (["convert", "torch-dist-to-hf"], ["convert", "--direction", "torch-dist-to-hf"]):
+        assert main([*argv, "--input-dir", "a", "--output-dir", "b", "--origin-hf-dir", "c", "--vocab-size",
+                     "259", "--print-config"]) == 0
+        printed = yaml.safe_load(capsys.readouterr().out)["convert"]
+        assert printed["direction"] == "torch-dist-to-hf" and printed["vocab_size"] == 259
