@@ -378,3 +378,20 @@ def test_cli_takes_the_direction_as_a_positional_or_a_flag(capsys):
                      "259", "--print-config"]) == 0
         printed = yaml.safe_load(capsys.readouterr().out)["convert"]
         assert printed["direction"] == "torch-dist-to-hf" and printed["vocab_size"] == 259
+
+
+@pytest.mark.slow
+def test_a_release_is_published_to_s3_and_committed_last(converted, tmp_path, s3_bucket, s3_config):
+    from slimeflow.io import checkpoints
+    from slimeflow.stages.convert.stage import check_target_root, publish_release
+
+    storage = Storage(s3_config)
+    staged = tmp_path / "staged"
+    shutil.copytree(converted["llama-bf16-gqa-1p"]["root"] / "release", staged)
+    root = f"{s3_bucket}/ckpt"
+    check_target_root(storage, root, overwrite=False)
+    ref = publish_release(storage, staged, root)
+    assert ref.uri == f"{root}/release" and checkpoints.read_tracker(storage, root) == "release"
+    assert checkpoints.resolve(storage, root) == ref
+    with pytest.raises(StageInputError, match="already holds a checkpoint"):
+        check_target_root(storage, root, overwrite=False)

@@ -85,9 +85,16 @@ class LazySafetensors(Mapping[str, torch.Tensor]):
 
 
 def peak_rss_bytes() -> dict[str, int]:
-    """Peak resident memory of this process and of its largest finished child (the forked writers)."""
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    """Peak resident memory of this process (VmHWM) and of its largest finished child (the forked writers).
+
+    Not getrusage(RUSAGE_SELF): Linux carries a forking parent's high-water mark across fork and exec into it,
+    so a rank started by a large process would report that process's peak. VmHWM belongs to this process's own
+    address space. The writers' figure (RUSAGE_CHILDREN) counts the pages they share with this process.
+    """
+    status = Path("/proc/self/status")
+    own = next((int(line.split()[1]) * 1024 for line in status.read_text().splitlines()
+                if line.startswith("VmHWM:")), 0) if status.is_file() else 0
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux reports KiB
     return {"peak_rss": own, "peak_rss_writers": children}
 
 
