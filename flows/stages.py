@@ -13,6 +13,7 @@ from slimeflow.io.tracking import Tracker
 from slimeflow.manifest import Manifest
 from slimeflow.stages import runner
 from slimeflow.stages.base import StageContext
+from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.model.config import ModelConfig
 
 
@@ -51,3 +52,9 @@ def publish(stage: str, manifest: Manifest, uri: str) -> None:
 def model_flow(config: ModelConfig, settings: RunSettings | None = None, parent_run_id: str | None = None) -> dict:
     """Resolve the base HF checkpoint, validate it and fingerprint every file."""
     return execute_stage("model", config, settings or RunSettings(), parent_run_id)
+
+
+@flow(name="slimeflow-convert", log_prints=True)
+def convert_flow(config: ConvertConfig, settings: RunSettings | None = None, parent_run_id: str | None = None) -> dict:
+    """HF <-> Megatron torch_dist conversion (hf-to-torch-dist or torch-dist-to-hf)."""
+    return execute_stage("convert", config, settings or RunSettings(), parent_run_id)

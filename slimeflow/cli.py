@@ -27,6 +27,7 @@ from slimeflow.config.pipeline import (
 )
 
 EXIT_CONFIG = 2
+CONVERT_DIRECTIONS = ("hf-to-torch-dist", "torch-dist-to-hf")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,6 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_CONFIG
     only_stage = None if command == "run" else command
+    if command == "convert" and rest and rest[0] in CONVERT_DIRECTIONS:
+        rest = ["--direction", *rest]  # `slimeflow convert hf-to-torch-dist ...`, as the direction positional
     if "-h" in rest or "--help" in rest:
         _help_parser(command, only_stage).print_help()
         return 0

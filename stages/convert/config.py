@@ -15,9 +15,9 @@ class ConvertConfig(ConfigModel):
     direction: Literal["hf-to-torch-dist", "torch-dist-to-hf"] = "hf-to-torch-dist"
     """Which way to convert."""
     hf_checkpoint: str | None = None
-    """HF model directory or URI to convert (hf-to-torch-dist)."""
+    """HF model directory, URI or tiny-model spec to convert (hf-to-torch-dist; in a pipeline, the model stage's)."""
     save: str | None = None
-    """Checkpoint root the torch_dist checkpoint is written to, as release/ (hf-to-torch-dist)."""
+    """Checkpoint root the torch_dist checkpoint is written to, as release/ (default: <workdir>/torch_dist)."""
     input_dir: str | None = None
     """torch_dist checkpoint: a root (latest), release/ or iter_XXXXXXX/ (torch-dist-to-hf)."""
     output_dir: str | None = None
@@ -32,11 +32,14 @@ class ConvertConfig(ConfigModel):
     """Tensor parallel size the padding is computed for."""
     overwrite: bool = False
     """Replace a checkpoint that already exists at the target."""
+    processes: PositiveInt = 1
+    """Cooperating conversion processes (hf-to-torch-dist); each loads and writes only its share of the layers."""
 
     @model_validator(mode="after")
     def _endpoints(self) -> ConvertConfig:
+        # hf-to-torch-dist: the pipeline supplies hf_checkpoint (the model stage's output) and save has a default.
         needed = (
-            {"hf_checkpoint": "--hf-checkpoint", "save": "--save"}
+            {}
             if self.direction == "hf-to-torch-dist"
             else {"input_dir": "--input-dir", "output_dir": "--output-dir", "origin_hf_dir": "--origin-hf-dir"}
         )

@@ -1,0 +1,121 @@
+"""HF -> torch_dist conversion of a synthetic ~2 GB bf16 Llama-style model, against `cp` of the same files.
+
+    .venv/bin/python benchmarks/convert_bench.py [--layers 20] [--workdir /tmp]
+
+Prints, for 1 and 2 conversion processes: wall time as a ratio to `cp -r` of the HF directory (goal <= 2x),
+and each rank's peak RSS (the rank itself and its largest forked dist_checkpointing writer) as a fraction of
+the model's size (goals <= 1.1 with one process, <= 0.6 with two). The baseline RSS of a process that has only
+imported torch and megatron-core is printed too: it is part of every rank's figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from slimeflow.io.storage import Storage
+from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, publish_release, read_hf_source
+from slimeflow.stages.model.tiny import build_tiny_tokenizer
+
+SHAPE = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 4,
+         "vocab_size": 32000}
+
+
+def write_synthetic_model(path: Path, layers: int) -> int:
+    """A Llama-architecture HF directory with random bf16 weights, one safetensors shard per layer; its bytes."""
+    path.mkdir(parents=True)
+    h, ffn, heads, kv, vocab = (SHAPE[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                   "num_key_value_heads", "vocab_size"))
+    head_dim = h // heads
+    generator = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator) * 0.02).to(torch.bfloat16)
+
+    shards = [{"model.embed_tokens.weight": rand(vocab, h), "model.norm.weight": rand(h),
+               "lm_head.weight": rand(vocab, h)}]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shards.append({p + "input_layernorm.weight": rand(h), p + "post_attention_layernorm.weight": rand(h),
+                       p + "self_attn.q_proj.weight": rand(heads * head_dim, h),
+                       p + "self_attn.k_proj.weight": rand(kv * head_dim, h),
+                       p + "self_attn.v_proj.weight": rand(kv * head_dim, h),
+                       p + "self_attn.o_proj.weight": rand(h, heads * head_dim),
+                       p + "mlp.gate_proj.weight": rand(ffn, h), p + "mlp.up_proj.weight": rand(ffn, h),
+                       p + "mlp.down_proj.weight": rand(h, ffn)})
+    weight_map, total = {}, 0
+    for n, tensors in enumerate(shards, start=1):
+        name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(path / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers,
+              "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "head_dim": head_dim,
+              "dtype": "bfloat16", **SHAPE}
+    (path / "config.json").write_text(json.dumps(config))
+    build_tiny_tokenizer("llama").save_pretrained(path)
+    return total
+
+
+def baseline_rss() -> int:
+    """Peak RSS of a fresh process that imports what a conversion rank imports, and nothing more."""
+    code = ("import megatron.core.dist_checkpointing; from slimeflow.stages.convert import worker; "
+            "print(worker.peak_rss_bytes()['peak_rss'])")
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+               .stdout.split()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--workdir", default=tempfile.gettempdir())
+    options = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="convert-bench-", dir=options.workdir))
+    try:
+        hf = work / "hf"
+        size = write_synthetic_model(hf, options.layers)
+        print(f"synthetic model: {options.layers} layers, {size / 1e9:.2f} GB bf16 in {len(list(hf.glob('*.safetensors')))} files")
+        started = time.perf_counter()
+        subprocess.run(["cp", "-r", str(hf), str(work / "copy")], check=True)
+        subprocess.run(["sync"], check=True)
+        copy_seconds = time.perf_counter() - started
+        shutil.rmtree(work / "copy")
+        print(f"cp -r + sync: {copy_seconds:.2f} s")
+        base = baseline_rss()
+        print(f"baseline RSS of a process importing torch + megatron-core: {base / 1e9:.2f} GB "
+              f"({base / size:.2f} of the model)")
+        source = read_hf_source(hf)
+        for processes in (1, 2):
+            root = work / f"ckpt-{processes}"
+            started = time.perf_counter()
+            staged, ranks = convert_hf_to_torch_dist(source, root, processes)
+            publish_release(Storage(), staged, str(root))
+            subprocess.run(["sync"], check=True)
+            seconds = time.perf_counter() - started
+            goal = 1.1 if processes == 1 else 0.6
+            print(f"{processes} process(es): {seconds:.2f} s = {seconds / copy_seconds:.2f}x cp (goal <= 2x)")
+            for r in ranks:
+                print(f"  rank {r['rank']}: peak RSS {r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / size:.2f} "
+                      f"of the model (goal <= {goal}); its largest writer {r['peak_rss_writers'] / 1e9:.2f} GB "
+                      f"= {r['peak_rss_writers'] / size:.2f}; net of the baseline "
+                      f"{(r['peak_rss'] - base) / size:.2f}")
+            shutil.rmtree(root)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("command: .venv/bin/python benchmarks/convert_bench.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""megatron-core on a CPU-only machine: the few CUDA-only calls it makes, redirected to the CPU, in one place.
+
+megatron-core 0.16 assumes a GPU in a handful of spots that matter to us (saving a torch_dist checkpoint,
+running a GPTModel forward). Nothing is patched at import time: `megatron_on_cpu()` applies every shim for the
+duration of a `with` block and restores the originals afterwards, and only when CUDA is unavailable (on a GPU
+machine it changes nothing). Each shim says why it exists; tests/test_compat.py shows, for each, that the
+unshimmed call still fails here, so a shim whose reason has gone away is noticed and deleted.
+
+The convert stage's writer and the Megatron training backend both use this module; nothing else may shim
+megatron-core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+"""The RNG tracker state that megatron-core's attention forks (megatron.core.tensor_parallel.random)."""
+
+
+@dataclass(frozen=True)
+class Shim:
+    """Replace `owner.attribute` by `replacement` while shimmed; `why` is the reason it is needed."""
+
+    owner: Callable[[], Any]
+    """Returns the module or class holding the attribute (imported lazily: megatron is heavy)."""
+    attribute: str
+    replacement: Callable[..., Any]
+    why: str
+
+
+def _torch_cuda() -> Any:
+    import torch
+
+    return torch.cuda
+
+
+def _megatron_random() -> Any:
+    from megatron.core.tensor_parallel import random
+
+    return random
+
+
+def _no_sync() -> None:
+    return None
+
+
+def _cpu_device() -> str:
+    return "cpu"
+
+
+def _get_cpu_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> Any:
+    import torch
+
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: Any, device: int = -1, graph_safe: bool = False) -> None:
+    import torch
+
+    torch.set_rng_state(new_state)
+
+
+SHIMS: tuple[Shim, ...] = (
+    Shim(_torch_cuda, "synchronize", _no_sync,
+         why="dist_checkpointing.save's FileSystemWriterAsync.preload_tensors calls torch.cuda.synchronize() "
+             "after its (no-op on CPU) device-to-host copies; on a CPU-only torch that raises."),
+    Shim(_torch_cuda, "current_device", _cpu_device,
+         why="RotaryEmbedding.forward moves inv_freq to torch.cuda.current_device(); on a CPU-only torch that "
+             "raises. 'cpu' is a valid device argument at every call site."),
+    Shim(_megatron_random, "_get_cuda_rng_state", _get_cpu_rng_state,
+         why="CudaRNGStatesTracker.fork (entered by attention around its dropout) saves the CUDA generator's "
+             "state; with no CUDA generator the CPU generator stands in."),
+    Shim(_megatron_random, "_set_cuda_rng_state", _set_cpu_rng_state,
+         why="CudaRNGStatesTracker.fork restores the CUDA generator's state on exit; see _get_cuda_rng_state."),
+)
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def megatron_on_cpu(seed: int = 1234) -> Iterator[None]:
+    """Apply SHIMS (when CUDA is unavailable) and seed the RNG tracker's model-parallel state on the CPU.
+
+    megatron-core's own seeding (`model_parallel_cuda_manual_seed`) reads CUDA generator states, so the
+    tracker's state is set through its public `set_states` instead. Everything is restored on exit.
+    """
+    if cuda_available():
+        yield
+        return
+    import torch
+    from megatron.core import tensor_parallel
+
+    saved = [(shim, getattr(shim.owner(), shim.attribute)) for shim in SHIMS]
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    saved_states = tracker.get_states()
+    try:
+        for shim, _ in saved:
+            setattr(shim.owner(), shim.attribute, shim.replacement)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            tracker.set_states({MODEL_PARALLEL_RNG: torch.get_rng_state()})
+        yield
+    finally:
+        for shim, original in saved:
+            setattr(shim.owner(), shim.attribute, original)
+        tracker.set_states(saved_states)

@@ -1,0 +1,161 @@
+"""torch_dist -> HF: a torch_dist checkpoint (ours, Megatron's or a training backend's) as HF safetensors.
+
+One Megatron tensor (all its layers) is loaded at a time, mapped back to HF names with the padding stripped and
+written as its own safetensors shard(s), so memory stays near the largest stacked tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from slimeflow.io import checkpoints
+from slimeflow.io.storage import local_path
+from slimeflow.manifest import Manifest, content_hash
+from slimeflow.stages.base import StageContext, StageInputError
+from slimeflow.stages.convert.config import ConvertConfig
+from slimeflow.stages.convert.families import Family, family_for, supported_architectures
+from slimeflow.stages.convert.mapping import ModelShape, global_rules, megatron_to_hf
+from slimeflow.stages.convert.torch_dist import load_torch_dist, read_common, tensor_metadata, unstack_layers
+from slimeflow.stages.model.stage import INDEX_FILE, fingerprint
+
+MAX_SHARD_BYTES = 4 * 1024**3
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def run_to_hf(config: ConvertConfig, ctx: StageContext) -> Manifest:
+    """The stage's torch-dist-to-hf direction (config validation guarantees the three paths are set)."""
+    assert config.input_dir and config.output_dir and config.origin_hf_dir
+    try:
+        ref = checkpoints.resolve(ctx.storage, config.input_dir)
+    except checkpoints.CheckpointError as err:
+        raise StageInputError(f"--input-dir {config.input_dir}", [str(err)],
+                              "Point it at a checkpoint root, release/ or an iter_XXXXXXX/ directory.") from None
+    origin = local_path(config.origin_hf_dir)
+    output = local_path(config.output_dir)
+    if output.exists() and any(output.iterdir()) and not config.overwrite:
+        raise StageInputError(f"--output-dir {output}", ["exists and is not empty"],
+                              "Choose another --output-dir, or pass --overwrite to replace it.")
+    weights = write_hf(local_path(ref.uri), output, origin, config.vocab_size)
+    records = fingerprint(output, ctx.storage)
+    return Manifest(
+        stage="convert",
+        outputs={"hf_checkpoint": str(output), "checkpoint": ref.uri},
+        artifacts=records, artifact_root=str(output),
+        counts={"files": len(records), "bytes": sum(r.size for r in records), "tensors": weights},
+        hashes={"content": content_hash(records)},
+        facts={"iteration": str(ref.iteration)},
+        config=config.model_dump(mode="json"),
+    )
+
+
+def origin_family(origin: Path) -> tuple[dict, Family]:
+    """The origin HF config and its family; StageInputError when it is missing or unsupported."""
+    config_file = origin / "config.json"
+    if not config_file.is_file():
+        raise StageInputError(f"--origin-hf-dir {origin}", ["has no config.json"],
+                              "Give the HF directory the checkpoint was converted from (config and tokenizer).")
+    hf_config = json.loads(config_file.read_text(encoding="utf-8"))
+    family = family_for(hf_config.get("architectures"))
+    if family is None:
+        raise StageInputError(f"--origin-hf-dir {origin}",
+                              [f"unsupported architecture {hf_config.get('architectures')}"],
+                              f"Supported: {', '.join(supported_architectures())}.")
+    return hf_config, family
+
+
+def write_hf(checkpoint_dir: Path, output: Path, origin: Path, vocab_size: int | None = None) -> int:
+    """Write the HF directory of a torch_dist checkpoint directory to `output` (atomically: staged, renamed).
+
+    Returns the number of tensors written. `vocab_size` defaults to the origin config's.
+    """
+    hf_config, family = origin_family(origin)
+    args = read_common(checkpoint_dir)["args"]
+    shape = ModelShape.from_megatron_args(args, family, vocab_size or hf_config["vocab_size"])
+    plan = _plan(shape, tensor_metadata(checkpoint_dir), checkpoint_dir)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.with_name(f".{output.name}.tmp-{uuid.uuid4().hex[:8]}")
+    staging.mkdir()
+    try:
+        weight_map = _write_shards(checkpoint_dir, staging, shape, plan)
+        _copy_non_weights(origin, staging)
+        replace_dir(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return len(weight_map)
+
+
+def _plan(shape: ModelShape, available: dict, checkpoint_dir: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """(Megatron checkpoint key, its rule names) for every tensor to convert; StageInputError if any is missing."""
+    layer_keys = [("decoder.layers." + rule.megatron, (rule.megatron,)) for rule in shape.info.layer_rules]
+    plan = [(rule.megatron, (rule.megatron,)) for rule in global_rules(shape)] + layer_keys
+    missing = [key for key, _ in plan if key not in available]
+    if missing:
+        raise StageInputError(f"torch_dist checkpoint {checkpoint_dir}", [f"no tensor {key}" for key in missing],
+                              f"It is not a {shape.family} checkpoint with this shape; check --origin-hf-dir.")
+    return plan
+
+
+def _write_shards(checkpoint_dir: Path, staging: Path, shape: ModelShape,
+                  plan: list[tuple[str, tuple[str, ...]]]) -> dict[str, str]:
+    from safetensors.torch import save_file
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    parts: list[Path] = []
+    for key, names in plan:
+        loaded, _ = load_torch_dist(checkpoint_dir, [key])
+        is_layer = key.startswith("decoder.layers.")
+        hf = megatron_to_hf(unstack_layers(loaded), shape, range(shape.num_layers) if is_layer else (),
+                            () if is_layer else names, rules=names if is_layer else None)
+        for tensors in _chunks(hf):
+            parts.append(staging / f"part-{len(parts):05d}.safetensors")
+            save_file(tensors, str(parts[-1]), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, parts[-1].name))
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del loaded, hf
+    names_now = {}
+    for number, part in enumerate(parts, start=1):  # HF's shard names, now that the count is known
+        names_now[part.name] = f"model-{number:05d}-of-{len(parts):05d}.safetensors"
+        part.rename(part.with_name(names_now[part.name]))
+    weight_map = {name: names_now[filename] for name, filename in weight_map.items()}
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (staging / INDEX_FILE).write_text(json.dumps(index, indent=2), encoding="utf-8")
+    return weight_map
+
+
+def _chunks(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Split a dict of tensors into shards of at most MAX_SHARD_BYTES (a single larger tensor is its own)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def _copy_non_weights(origin: Path, staging: Path) -> None:
+    """Config, generation config, tokenizer and chat template: every top-level file that is not weights."""
+    for path in sorted(origin.iterdir()):
+        if path.is_file() and path.name != INDEX_FILE and not path.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(path, staging / path.name)
+
+
+def replace_dir(staging: Path, output: Path) -> None:
+    """Rename `staging` to `output`, moving an existing `output` aside first and deleting it afterwards."""
+    old = None
+    if output.exists():
+        old = output.with_name(f".{output.name}.old-{uuid.uuid4().hex[:8]}")
+        output.rename(old)
+    staging.rename(output)
+    if old is not None:
+        shutil.rmtree(old)

@@ -1,0 +1,243 @@
+"""HF <-> Megatron tensors: the model shape, the name map with its fusions, and vocabulary padding.
+
+Megatron-side names are the names torch_dist checkpoints use, one layer at a time:
+`decoder.layers.<i>.self_attention.linear_qkv.weight` is layer i's shard of the stacked global tensor
+`decoder.layers.self_attention.linear_qkv.weight` (stages/convert/torch_dist.py does the stacking). Nothing here
+touches a file or a process group, so a training backend maps its HF-named state dict through the same code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slimeflow.stages.convert.families import FAMILIES, GLOBAL_RULES, VOCAB_PADDED, Family, Rule
+
+HF_LAYER = "model.layers.{}."
+MEGATRON_LAYER = "decoder.layers.{}."
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the conversion needs to know about a model, in Megatron's terms."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int
+    padded_vocab_size: int
+    norm_epsilon: float
+    rotary_base: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @property
+    def info(self) -> Family:
+        return FAMILIES[self.family]
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any], family: Family, make_vocab_size_divisible_by: int = 128,
+                       tensor_model_parallel_size: int = 1) -> ModelShape:
+        """The shape of an HF `config.json` (a dict); KeyError names a missing field."""
+        heads = config["num_attention_heads"]
+        rope = config.get("rope_parameters") or {}
+        # transformers 5 keeps RoPE settings in `rope_parameters`; older configs have a top-level rope_theta.
+        rotary_base = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+        return cls(
+            family=family.name,
+            num_layers=config["num_hidden_layers"],
+            hidden_size=config["hidden_size"],
+            ffn_hidden_size=config["intermediate_size"],
+            num_attention_heads=heads,
+            num_query_groups=config.get("num_key_value_heads") or heads,
+            kv_channels=config.get("head_dim") or config["hidden_size"] // heads,
+            vocab_size=config["vocab_size"],
+            padded_vocab_size=padded_vocab_size(config["vocab_size"], make_vocab_size_divisible_by,
+                                                tensor_model_parallel_size),
+            norm_epsilon=config.get("rms_norm_eps", 1e-6),
+            rotary_base=rotary_base,
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_megatron_args(cls, args: argparse.Namespace, family: Family, vocab_size: int) -> ModelShape:
+        """The shape `megatron_args` wrote; `vocab_size` is the true (unpadded) vocabulary."""
+        return cls(
+            family=family.name, num_layers=args.num_layers, hidden_size=args.hidden_size,
+            ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
+            num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, vocab_size=vocab_size,
+            padded_vocab_size=args.padded_vocab_size, norm_epsilon=args.norm_epsilon, rotary_base=args.rotary_base,
+            max_position_embeddings=args.max_position_embeddings,
+            tie_word_embeddings=not args.untie_embeddings_and_output_weights,
+        )
+
+    def problems(self) -> list[str]:
+        """What makes this shape unconvertible (empty when it is fine)."""
+        found = []
+        if self.num_attention_heads % self.num_query_groups:
+            found.append(f"num_attention_heads ({self.num_attention_heads}) is not divisible by "
+                         f"num_key_value_heads ({self.num_query_groups}): query heads cannot be grouped by KV head")
+        if self.padded_vocab_size < self.vocab_size:
+            found.append(f"padded vocabulary {self.padded_vocab_size} is smaller than vocab_size {self.vocab_size}")
+        return found
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int = 1) -> int:
+    """Megatron's padding: the next multiple of divisible_by x TP at or above `vocab_size`."""
+    multiple = divisible_by * tensor_model_parallel_size
+    return math.ceil(vocab_size / multiple) * multiple
+
+
+def megatron_args(shape: ModelShape, dtype: torch.dtype, make_vocab_size_divisible_by: int,
+                  tensor_model_parallel_size: int) -> argparse.Namespace:
+    """Megatron-LM's `args` for common.pt: the model shape under Megatron's flag names, so that readers that
+    take the shape from `args` (Megatron-LM, slime's converter) build the right model."""
+    info = shape.info
+    return argparse.Namespace(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+        group_query_attention=shape.num_query_groups != shape.num_attention_heads, kv_channels=shape.kv_channels,
+        vocab_size=shape.vocab_size, padded_vocab_size=shape.padded_vocab_size,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        tensor_model_parallel_size=tensor_model_parallel_size, pipeline_model_parallel_size=1,
+        normalization="RMSNorm", norm_epsilon=shape.norm_epsilon, swiglu=True, add_bias_linear=False,
+        add_qkv_bias=info.add_qkv_bias, qk_layernorm=info.qk_layernorm, position_embedding_type="rope",
+        rotary_base=shape.rotary_base, max_position_embeddings=shape.max_position_embeddings,
+        untie_embeddings_and_output_weights=not shape.tie_word_embeddings,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype, ckpt_format="torch_dist",
+        model_family=shape.family,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Names and shapes
+# ---------------------------------------------------------------------------------------------------------------
+
+_HF_SHAPES: dict[str, Callable[[ModelShape], tuple[int, ...]]] = {
+    "model.embed_tokens.weight": lambda s: (s.vocab_size, s.hidden_size),
+    "model.norm.weight": lambda s: (s.hidden_size,),
+    "lm_head.weight": lambda s: (s.vocab_size, s.hidden_size),
+    "input_layernorm.weight": lambda s: (s.hidden_size,),
+    "post_attention_layernorm.weight": lambda s: (s.hidden_size,),
+    "self_attn.q_proj.weight": lambda s: (s.num_attention_heads * s.kv_channels, s.hidden_size),
+    "self_attn.k_proj.weight": lambda s: (s.num_query_groups * s.kv_channels, s.hidden_size),
+    "self_attn.v_proj.weight": lambda s: (s.num_query_groups * s.kv_channels, s.hidden_size),
+    "self_attn.q_proj.bias": lambda s: (s.num_attention_heads * s.kv_channels,),
+    "self_attn.k_proj.bias": lambda s: (s.num_query_groups * s.kv_channels,),
+    "self_attn.v_proj.bias": lambda s: (s.num_query_groups * s.kv_channels,),
+    "self_attn.o_proj.weight": lambda s: (s.hidden_size, s.num_attention_heads * s.kv_channels),
+    "self_attn.q_norm.weight": lambda s: (s.kv_channels,),
+    "self_attn.k_norm.weight": lambda s: (s.kv_channels,),
+    "mlp.gate_proj.weight": lambda s: (s.ffn_hidden_size, s.hidden_size),
+    "mlp.up_proj.weight": lambda s: (s.ffn_hidden_size, s.hidden_size),
+    "mlp.down_proj.weight": lambda s: (s.hidden_size, s.ffn_hidden_size),
+}
+"""HF tensor shapes by name (per-layer names without their `model.layers.<i>.` prefix)."""
+
+
+def global_rules(shape: ModelShape) -> tuple[Rule, ...]:
+    return tuple(r for r in GLOBAL_RULES if not (shape.tie_word_embeddings and r.megatron == "output_layer.weight"))
+
+
+def expected_hf_tensors(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the model must have, with its shape."""
+    expected = {name: _HF_SHAPES[name](shape) for rule in global_rules(shape) for name in rule.hf}
+    for layer in range(shape.num_layers):
+        for rule in shape.info.layer_rules:
+            expected.update({HF_LAYER.format(layer) + name: _HF_SHAPES[name](shape) for name in rule.hf})
+    return expected
+
+
+def _placed(shape: ModelShape, layers: Iterable[int] | None, globals_: Iterable[str] | None,
+            rules: Iterable[str] | None = None) -> list[tuple[str, Rule, str]]:
+    """(megatron name, rule, HF prefix) of each wanted tensor: the chosen globals, then each layer's.
+
+    Defaults: every layer, every global, every per-layer rule; `rules` names per-layer rules by Megatron name.
+    """
+    layers = range(shape.num_layers) if layers is None else layers
+    wanted = {r.megatron for r in global_rules(shape)} if globals_ is None else set(globals_)
+    layer_rules = [r for r in shape.info.layer_rules if rules is None or r.megatron in set(rules)]
+    placed = [(r.megatron, r, "") for r in global_rules(shape) if r.megatron in wanted]
+    for layer in layers:
+        placed += [(MEGATRON_LAYER.format(layer) + r.megatron, r, HF_LAYER.format(layer)) for r in layer_rules]
+    return placed
+
+
+def megatron_names(shape: ModelShape, layers: Iterable[int] | None = None,
+                   globals_: Iterable[str] | None = None) -> list[str]:
+    """The Megatron names of the chosen layers and globals (default: the whole model)."""
+    return [name for name, _, _ in _placed(shape, layers, globals_)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The conversion itself
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape, layers: Iterable[int] | None = None,
+                   globals_: Iterable[str] | None = None, rules: Iterable[str] | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """HF tensors -> Megatron tensors for the chosen layers and globals (default: all), vocabulary padded.
+
+    `hf` is read one tensor at a time (`hf[name]`), so a lazy mapping over safetensors files keeps only the
+    tensors of the returned dict in memory. `rules` limits the per-layer tensors to those Megatron names.
+    """
+    out = {}
+    for name, rule, prefix in _placed(shape, layers, globals_, rules):
+        tensor = _fuse(rule, [hf[prefix + part] for part in rule.hf], shape)
+        out[name] = _pad_vocab(tensor, shape.padded_vocab_size) if rule.megatron in VOCAB_PADDED else tensor
+    return out
+
+
+def megatron_to_hf(megatron: Mapping[str, torch.Tensor], shape: ModelShape, layers: Iterable[int] | None = None,
+                   globals_: Iterable[str] | None = None, rules: Iterable[str] | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """Megatron tensors -> HF tensors for the chosen layers, globals and rules (default: all), vocabulary
+    unpadded. The inverse of `hf_to_megatron`, bit for bit."""
+    out = {}
+    for name, rule, prefix in _placed(shape, layers, globals_, rules):
+        tensor = megatron[name]
+        if rule.megatron in VOCAB_PADDED:
+            tensor = tensor[: shape.vocab_size]
+        for part, value in zip(rule.hf, _split(rule, tensor, shape), strict=True):
+            out[prefix + part] = value.contiguous()
+    return out
+
+
+def _fuse(rule: Rule, parts: list[torch.Tensor], shape: ModelShape) -> torch.Tensor:
+    if rule.fusion == "copy":
+        return parts[0]
+    if rule.fusion == "gate_up":
+        return torch.cat(parts, dim=0)
+    q, k, v = parts  # grouped by KV group: each group's query heads, then its K head, then its V head
+    groups = shape.num_query_groups
+    grouped = [t.reshape(groups, -1, *t.shape[1:]) for t in (q, k, v)]
+    return torch.cat(grouped, dim=1).reshape(-1, *q.shape[1:])
+
+
+def _split(rule: Rule, tensor: torch.Tensor, shape: ModelShape) -> list[torch.Tensor]:
+    if rule.fusion == "copy":
+        return [tensor]
+    if rule.fusion == "gate_up":
+        return list(torch.chunk(tensor, 2, dim=0))
+    groups, head_dim = shape.num_query_groups, shape.kv_channels
+    per_group = shape.num_attention_heads // groups * head_dim
+    grouped = tensor.reshape(groups, per_group + 2 * head_dim, *tensor.shape[1:])
+    q, k, v = torch.split(grouped, [per_group, head_dim, head_dim], dim=1)
+    return [t.reshape(-1, *tensor.shape[1:]) for t in (q, k, v)]
+
+
+def _pad_vocab(tensor: torch.Tensor, padded: int) -> torch.Tensor:
+    if tensor.shape[0] == padded:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros(padded - tensor.shape[0], *tensor.shape[1:])], dim=0)

@@ -1,0 +1,113 @@
+"""Megatron's torch_dist checkpoint: written through megatron-core's `dist_checkpointing`, read back as tensors.
+
+Writing is collective: every rank of the default process group calls `save_torch_dist` with its own share of
+the Megatron-named tensors (mapping.py's names: `decoder.layers.<i>.<name>` per layer, plus globals), and each
+layer tensor becomes the shard [i] of the layer-stacked global tensor `decoder.layers.<name>`, exactly as
+megatron-core's GPTModel.sharded_state_dict() declares it. Linear layers also get their (empty) `_extra_state`
+objects, as GPTModel has them, so that Megatron-LM loads the checkpoint with its default strictness.
+
+Reading needs no process group: the checkpoint is a PyTorch Distributed Checkpoint, loaded key by key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+CHECKPOINT_VERSION = 3.0
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LINEARS_WITH_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+                             "mlp.linear_fc2")
+"""Linear layers whose (empty) `_extra_state` megatron-core checkpoints next to their weight."""
+_REPLICA = (0, 0, 0)  # (pipeline, tensor, data) replica: every tensor here has exactly one writer
+
+
+def sharded_state_dict(tensors: Mapping[str, torch.Tensor], num_layers: int) -> dict:
+    """megatron-core ShardedTensors (and `_extra_state` ShardedObjects) for this rank's tensors."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    out: dict = {}
+    for name, tensor in tensors.items():
+        match = _LAYER.match(name)
+        if match is None:
+            out[name] = ShardedTensor.from_rank_offsets(name, tensor, replica_id=_REPLICA)
+            continue
+        layer, inner = int(match.group(1)), match.group(2)
+        key = f"decoder.layers.{inner}"
+        out[name] = ShardedTensor.from_rank_offsets(key, tensor, (0, layer, num_layers), replica_id=_REPLICA,
+                                                    prepend_axis_num=1)
+        module = inner.rsplit(".", 1)[0]
+        if module in _LINEARS_WITH_EXTRA_STATE and inner.endswith(".weight"):
+            extra = f"decoder.layers.{module}._extra_state"
+            out[f"decoder.layers.{layer}.{module}._extra_state"] = ShardedObject(
+                extra, None, (num_layers,), (layer,), replica_id=_REPLICA)
+    return out
+
+
+def save_torch_dist(tensors: Mapping[str, torch.Tensor], args: argparse.Namespace, checkpoint_dir: str | Path,
+                    iteration: int = 1) -> None:
+    """Write this rank's share of a torch_dist checkpoint into `checkpoint_dir` (collective over all ranks).
+
+    `checkpoint_dir` is the checkpoint directory itself (e.g. <root>/iter_0000001); committing it (the tracker)
+    is the caller's job, after every rank has returned: slimeflow.io.checkpoints.commit.
+    Must run in a process whose `__main__` is import-safe: megatron-core forks writer processes.
+    """
+    from megatron.core import dist_checkpointing
+
+    from slimeflow._compat import megatron_on_cpu
+
+    state = sharded_state_dict(tensors, args.num_layers)
+    state.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration)
+    Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+    with megatron_on_cpu():
+        dist_checkpointing.save(state, str(checkpoint_dir), sharded_strategy=("torch_dist", 1))
+
+
+def read_common(checkpoint_dir: str | Path) -> dict:
+    """common.pt: `args`, `checkpoint_version`, `iteration` (pickled objects: only read checkpoints you trust)."""
+    return torch.load(Path(checkpoint_dir) / "common.pt", map_location="cpu", weights_only=False)
+
+
+def tensor_metadata(checkpoint_dir: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Global shape and dtype of every tensor in the checkpoint (from `.metadata`; objects left out)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(checkpoint_dir)).read_metadata()
+    return {key: (tuple(meta.size), meta.properties.dtype)
+            for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+
+
+def load_torch_dist(checkpoint_dir: str | Path, keys: Iterable[str] | None = None
+                    ) -> tuple[dict[str, torch.Tensor], argparse.Namespace]:
+    """The global tensors of a torch_dist checkpoint directory (only `keys` if given) and its Megatron args.
+
+    Optimizer state (keys containing 'optimizer') is skipped unless asked for by key.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    available = tensor_metadata(checkpoint_dir)
+    wanted = [k for k in available if "optimizer" not in k] if keys is None else list(keys)
+    missing = [k for k in wanted if k not in available]
+    if missing:
+        raise KeyError(f"{checkpoint_dir} has no tensor {missing[0]!r} ({len(missing)} missing)")
+    state = {k: torch.empty(available[k][0], dtype=available[k][1]) for k in wanted}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(checkpoint_dir)), no_dist=True)
+    return state, read_common(checkpoint_dir)["args"]
+
+
+def unstack_layers(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Global tensors -> mapping.py's names: `decoder.layers.<name>` [L, ...] becomes L tensors
+    `decoder.layers.<i>.<name>` (views, no copy); other tensors pass through."""
+    out = {}
+    for key, tensor in tensors.items():
+        if key.startswith("decoder.layers."):
+            inner = key.removeprefix("decoder.layers.")
+            out.update({f"decoder.layers.{i}.{inner}": tensor[i] for i in range(tensor.shape[0])})
+        else:
+            out[key] = tensor
+    return out

@@ -1,0 +1,133 @@
+"""One rank of an HF -> torch_dist conversion: `python -m slimeflow.stages.convert.worker JOB.json RANK`.
+
+Every rank joins a gloo process group (rendezvous through the job's `init_method`), reads only the HF tensors
+of its share (lazily, one tensor at a time from memory-mapped safetensors), maps them to Megatron's names and
+fusions, and writes them with megatron-core's dist_checkpointing; rank 0's common.pt carries the args. Each
+rank leaves `rank-<r>.json` with its peak RSS next to the job file. Run as its own process (never imported
+into a caller's process): dist_checkpointing forks writers and a process group is process-global.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slimeflow.stages.convert.mapping import ModelShape, hf_to_megatron, megatron_args
+
+JOB_TIMEOUT = timedelta(minutes=60)
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one rank converts: its layers and its global (non-layer) Megatron tensors."""
+
+    layers: tuple[int, ...]
+    globals_: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a rank needs, written as JSON by the stage (see stage.py `_launch`)."""
+
+    hf_dir: str
+    weight_map: dict[str, str]
+    """HF tensor name -> safetensors file name inside hf_dir."""
+    shape: dict[str, Any]
+    dtype: str
+    make_vocab_size_divisible_by: int
+    tensor_model_parallel_size: int
+    checkpoint_dir: str
+    iteration: int
+    init_method: str
+    shares: list[Share]
+
+    def write(self, path: Path) -> None:
+        data = {**self.__dict__, "shares": [s.__dict__ for s in self.shares]}
+        path.write_text(json.dumps(data, indent=1), encoding="utf-8")
+
+    @classmethod
+    def read(cls, path: Path) -> Job:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        shares = [Share(tuple(s["layers"]), tuple(s["globals_"])) for s in data.pop("shares")]
+        return cls(**data, shares=shares)
+
+
+class LazySafetensors(Mapping[str, torch.Tensor]):
+    """HF tensors by name, each read from its memory-mapped safetensors file only when asked for."""
+
+    def __init__(self, directory: str | Path, weight_map: Mapping[str, str]):
+        self._directory = Path(directory)
+        self._weight_map = dict(weight_map)
+        self._handles: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        filename = self._weight_map[name]
+        if filename not in self._handles:
+            self._handles[filename] = safe_open(self._directory / filename, framework="pt", device="cpu")
+        return self._handles[filename].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._weight_map)
+
+    def __len__(self) -> int:
+        return len(self._weight_map)
+
+
+def peak_rss_bytes() -> dict[str, int]:
+    """Peak resident memory of this process (VmHWM) and of its largest finished child (the forked writers).
+
+    Not getrusage(RUSAGE_SELF): Linux carries a forking parent's high-water mark across fork and exec into it,
+    so a rank started by a large process would report that process's peak. VmHWM belongs to this process's own
+    address space. The writers' figure (RUSAGE_CHILDREN) counts the pages they share with this process.
+    """
+    status = Path("/proc/self/status")
+    own = next((int(line.split()[1]) * 1024 for line in status.read_text().splitlines()
+                if line.startswith("VmHWM:")), 0) if status.is_file() else 0
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux reports KiB
+    return {"peak_rss": own, "peak_rss_writers": children}
+
+
+def convert_share(job: Job, rank: int) -> dict[str, int]:
+    """Convert and save rank `rank`'s share; returns its tensor count and bytes."""
+    from slimeflow.stages.convert.torch_dist import save_torch_dist
+
+    shape = ModelShape(**job.shape)
+    dtype = getattr(torch, job.dtype)
+    share = job.shares[rank]
+    tensors = hf_to_megatron(LazySafetensors(job.hf_dir, job.weight_map), shape, share.layers, share.globals_)
+    args = megatron_args(shape, dtype, job.make_vocab_size_divisible_by, job.tensor_model_parallel_size)
+    save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration)
+    return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m slimeflow.stages.convert.worker")
+    parser.add_argument("job", type=Path)
+    parser.add_argument("rank", type=int)
+    options = parser.parse_args(argv)
+    job = Job.read(options.job)
+    torch.distributed.init_process_group("gloo", init_method=job.init_method, rank=options.rank,
+                                         world_size=len(job.shares), timeout=JOB_TIMEOUT)
+    try:
+        written = convert_share(job, options.rank)
+        torch.distributed.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+    result = {"rank": options.rank, **written, **peak_rss_bytes()}
+    (options.job.parent / f"rank-{options.rank}.json").write_text(json.dumps(result), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
