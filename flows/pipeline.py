@@ -8,7 +8,8 @@ from __future__ import annotations
 from prefect import flow
 
 from slimeflow.config.pipeline import PipelineConfig
-from slimeflow.flows.stages import model_flow, tracker_for
+from slimeflow.flows.stages import model_flow, preprocess_flow, tracker_for
+from slimeflow.stages.preprocess.config import PreprocessConfig
 
 
 @flow(name="slimeflow-pipeline", log_prints=True)
@@ -19,4 +20,14 @@ def pipeline_flow(config: PipelineConfig) -> dict[str, dict]:
     with tracker_for(settings).run(config.name, {"stages": ",".join(config.stages)}) as run_id:
         if "model" in config.stages:
             manifests["model"] = model_flow(config.model, settings, parent_run_id=run_id)
+        if "preprocess" in config.stages:
+            preprocess = with_model_tokenizer(config.preprocess, manifests.get("model"))
+            manifests["preprocess"] = preprocess_flow(preprocess, settings, parent_run_id=run_id)
     return manifests
+
+
+def with_model_tokenizer(config: PreprocessConfig, model: dict | None) -> PreprocessConfig:
+    """Preprocess without its own --hf-checkpoint uses the model stage's checkpoint (template, token counts)."""
+    if config.hf_checkpoint is not None or model is None:
+        return config
+    return config.model_copy(update={"hf_checkpoint": model["outputs"]["hf_checkpoint"]})

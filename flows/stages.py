@@ -14,6 +14,7 @@ from slimeflow.manifest import Manifest
 from slimeflow.stages import runner
 from slimeflow.stages.base import StageContext
 from slimeflow.stages.model.config import ModelConfig
+from slimeflow.stages.preprocess.config import PreprocessConfig
 
 
 def tracker_for(settings: RunSettings) -> Tracker:
@@ -51,3 +52,10 @@ def publish(stage: str, manifest: Manifest, uri: str) -> None:
 def model_flow(config: ModelConfig, settings: RunSettings | None = None, parent_run_id: str | None = None) -> dict:
     """Resolve the base HF checkpoint, validate it and fingerprint every file."""
     return execute_stage("model", config, settings or RunSettings(), parent_run_id)
+
+
+@flow(name="slimeflow-preprocess", log_prints=True)
+def preprocess_flow(config: PreprocessConfig, settings: RunSettings | None = None,
+                    parent_run_id: str | None = None) -> dict:
+    """Raw datasets -> prompt parquet per named set, with a quarantine of bad rows and a manifest."""
+    return execute_stage("preprocess", config, settings or RunSettings(), parent_run_id)

@@ -74,7 +74,8 @@ class TokenStats:
         self.counts[: len(binned)] += binned
 
     def summary(self) -> dict[str, Any]:
-        """min, max, mean, p50/p90/p99 and a histogram over HISTOGRAM_EDGES ('[lo, hi)': rows); {} if no counts."""
+        """min, max, mean, p50/p90/p99 and a histogram over HISTOGRAM_EDGES ('[lo, hi)': rows, up to the bin of
+        the longest prompt; past the last edge, hi is max + 1); {} when nothing was counted."""
         total = int(self.counts.sum())
         if not total:
             return {}
@@ -85,7 +86,9 @@ class TokenStats:
         def percentile(q: float) -> int:
             return int(np.searchsorted(cumulative, q * total, side="left"))
 
-        edges = [e for e in HISTOGRAM_EDGES if e < len(self.counts)] + [len(self.counts)]
+        top = int(nonzero[-1])
+        edges = [e for e in HISTOGRAM_EDGES if e <= top]
+        edges.append(next((e for e in HISTOGRAM_EDGES if e > top), top + 1))
         histogram = {f"[{lo}, {hi})": int(self.counts[lo:hi].sum()) for lo, hi in zip(edges, edges[1:], strict=False)}
         return {"rows": total, "min": int(nonzero[0]), "max": int(nonzero[-1]),
                 "mean": round(float((lengths * self.counts).sum() / total), 2), "p50": percentile(0.5),
