@@ -137,8 +137,7 @@ class _Batcher:
     def process(self, batch: SourceBatch) -> None:
         counts = self.result.counts
         counts["rows_in"] += len(batch)
-        for problem in batch.problems:
-            self._quarantine(problem)
+        problems = list(batch.problems)
         rows: list[tuple[Prepared, str]] = []
         for position, row in batch.rows:
             try:
@@ -149,7 +148,9 @@ class _Batcher:
                 rows.append((prepared, self._text(prepared)))
             except RowError as err:
                 raw = orjson.dumps(row, default=json_default, option=orjson.OPT_NON_STR_KEYS).decode()
-                self._quarantine(Problem(batch.file, position, batch.unit, err.reason, str(err), raw[:2000]))
+                problems.append(Problem(batch.file, position, batch.unit, err.reason, str(err), raw[:2000]))
+        for problem in sorted(problems, key=lambda p: p.position):  # file order, so --strict names the first
+            self._quarantine(problem)
         self._write(self._filter(rows))
 
     def _quarantine(self, problem: Problem) -> None:
