@@ -75,8 +75,12 @@ def run_pandas(data: Path, out: Path, tokenizer_dir: Path | None) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        encoded = tokenizer(df["prompt"].tolist(), add_special_tokens=False)["input_ids"]
-        df["prompt_tokens"] = [len(ids) for ids in encoded]
+        prompts = df["prompt"].tolist()
+        counts = []
+        for start in range(0, len(prompts), 8192):  # in one call, the id lists of 1M prompts take > 12 GB
+            encoded = tokenizer(prompts[start : start + 8192], add_special_tokens=False)["input_ids"]
+            counts += [len(ids) for ids in encoded]
+        df["prompt_tokens"] = counts
     df["tools"] = None
     df["label"] = df["label"].astype(str)
     out.mkdir(parents=True)

@@ -11,7 +11,6 @@ import hashlib
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,8 +42,10 @@ def run(config: PreprocessConfig, ctx: StageContext) -> Manifest:
         sets = {"train": config.input, **config.eval_input} if config.input else dict(config.eval_input)
         if not sets:
             raise StageInputError("preprocess", ["no input"], "Give --input PATH and/or --eval-input NAME PATH.")
-        results = [_process(name, specs, config, tokenizer, ctx.storage, staging, quarantine)
-                   for name, specs in sets.items()]
+        inputs = {name: _resolve([specs] if isinstance(specs, str) else specs, ctx.storage)
+                  for name, specs in sets.items()}  # every input checked before any work
+        results = [_process(name, files, config, tokenizer, ctx.storage, staging, quarantine)
+                   for name, files in inputs.items()]
         quarantine.close()
         _fail_if_empty(results, quarantine)
         return _publish(results, quarantine, config, ctx.storage, staging, output)
@@ -96,15 +97,16 @@ class SetResult:
     dropped_columns: Counter[str] = field(default_factory=Counter)
 
 
-def _process(name: str, specs: str | list[str], config: PreprocessConfig, tokenizer: PromptTokenizer | None,
-             storage: Storage, staging: Path, quarantine: Quarantine) -> SetResult:
-    result = SetResult(name)
+def _process(name: str, inputs: tuple[list[str], list[str]], config: PreprocessConfig,
+             tokenizer: PromptTokenizer | None, storage: Storage, staging: Path, quarantine: Quarantine) -> SetResult:
+    files, result = inputs[0], SetResult(name, skipped=inputs[1])
     seed = config.data_seed if config.shuffle else None
     outputs = [name] + ([config.eval_split_name] if name == "train" and config.eval_split_fraction else [])
     for output in outputs:
         result.writers[output] = DatasetWriter(staging / _relative_dir(output, name) / PART, config.row_group_size, seed)
     batcher = _Batcher(result, config, tokenizer, quarantine)
-    for uri in _files(result, [specs] if isinstance(specs, str) else specs, storage):
+    for uri in files:
+        result.files.append(storage.sha256(uri))
         for batch in read_batches(uri, storage, config.read_batch_size):
             batcher.process(batch)
     for writer in result.writers.values():
@@ -116,13 +118,15 @@ def _relative_dir(output: str, input_set: str) -> str:
     return "train" if output == "train" and input_set == "train" else f"eval/{output}"
 
 
-def _files(result: SetResult, specs: list[str], storage: Storage) -> Iterator[str]:
+def _resolve(specs: list[str], storage: Storage) -> tuple[list[str], list[str]]:
+    """(data files, skipped files) of a set's input specs."""
+    files: list[str] = []
+    skipped: list[str] = []
     for spec in specs:
-        files, skipped = resolve(spec, storage)
-        result.skipped += skipped
-        for uri in files:
-            result.files.append(storage.sha256(uri))
-            yield uri
+        found, passed_over = resolve(spec, storage)
+        files += found
+        skipped += passed_over
+    return files, skipped
 
 
 class _Batcher:
