@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -28,9 +28,8 @@ class RowError(ValueError):
         self.reason = reason
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """A row mapped onto the output schema, before rendering and tokenisation."""
+class Prepared(NamedTuple):
+    """A row mapped onto the output schema, before rendering and tokenisation (a tuple: cheap per row)."""
 
     prompt: Prompt
     label: str | None

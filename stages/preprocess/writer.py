@@ -109,8 +109,11 @@ class Deduper:
     """Exact-duplicate detection by a 64-bit content hash, in 8 bytes per distinct prompt.
 
     Seen hashes live in sorted numpy runs merged like a binary counter (a run is merged into the previous one
-    when it has grown as large), so a lookup is a few binary searches and memory stays near 8 bytes a prompt.
+    when it has grown as large) up to MAX_RUN entries, so a lookup is a few binary searches, and memory stays
+    near 8 bytes a prompt: merging never copies more than two runs of MAX_RUN.
     """
+
+    MAX_RUN = 1 << 18
 
     def __init__(self) -> None:
         self._runs: list[np.ndarray] = []
@@ -130,6 +133,6 @@ class Deduper:
         if not len(run):
             return
         self._runs.append(run)
-        while len(self._runs) > 1 and len(self._runs[-2]) <= len(self._runs[-1]):
+        while len(self._runs) > 1 and len(self._runs[-2]) <= len(self._runs[-1]) < self.MAX_RUN:
             newer = self._runs.pop()
             self._runs[-1] = np.union1d(self._runs[-1], newer)
