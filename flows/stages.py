@@ -15,6 +15,7 @@ from slimeflow.stages import runner
 from slimeflow.stages.base import StageContext
 from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.model.config import ModelConfig
+from slimeflow.stages.preprocess.config import PreprocessConfig
 
 
 def tracker_for(settings: RunSettings) -> Tracker:
@@ -58,3 +59,8 @@ def model_flow(config: ModelConfig, settings: RunSettings | None = None, parent_
 def convert_flow(config: ConvertConfig, settings: RunSettings | None = None, parent_run_id: str | None = None) -> dict:
     """HF <-> Megatron torch_dist conversion (hf-to-torch-dist or torch-dist-to-hf)."""
     return execute_stage("convert", config, settings or RunSettings(), parent_run_id)
+@flow(name="slimeflow-preprocess", log_prints=True)
+def preprocess_flow(config: PreprocessConfig, settings: RunSettings | None = None,
+                    parent_run_id: str | None = None) -> dict:
+    """Raw datasets -> prompt parquet per named set, with a quarantine of bad rows and a manifest."""
+    return execute_stage("preprocess", config, settings or RunSettings(), parent_run_id)

@@ -337,6 +337,10 @@ class Storage:
     def read_text(self, uri: str, expect: ArtifactRecord | None = None) -> str:
         return self.read_bytes(uri, expect).decode("utf-8")
 
+    def open_read(self, uri: str) -> BinaryIO:
+        """The object at `uri` opened for streaming reads (seekable: parquet readers need it); close it after use."""
+        return self._open_read(uri)
+
     def _open_read(self, uri: str) -> BinaryIO:
         """The object at `uri` opened for reading; NotFoundError if absent, StorageError if a directory."""
         fs, path = self._locate(uri)

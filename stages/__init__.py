@@ -15,6 +15,7 @@ PIPELINE_ORDER: tuple[str, ...] = ("model", "convert", "preprocess", "train", "e
 RUNNERS: dict[str, str] = {
     "model": "slimeflow.stages.model.stage:run",
     "convert": "slimeflow.stages.convert.stage:run",
+    "preprocess": "slimeflow.stages.preprocess.stage:run",
 }
 
 

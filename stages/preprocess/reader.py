@@ -1,0 +1,126 @@
+"""Reading the prompt parquet back as slime-style prompt dicts.
+
+`PromptDataset(uri)` is a Sequence over a parquet file or a directory of them (the files in name order): it
+holds only the row-group layout and decodes one row group at a time on access (a small cache makes sequential
+and nearby reads cheap), so a dataset of any size costs about one row group of memory. `iter_prompts` streams.
+Items: {"prompt": str | list[dict], "label": str | None, "metadata": dict, "tools": list | None, "row_id": str};
+the prompt is a messages list when the file says `slimeflow.prompt_format = messages`.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from slimeflow.io.storage import Storage, is_local, local_path
+from slimeflow.stages.preprocess.writer import PROMPT_FORMAT_KEY, SCHEMA
+
+COLUMNS = [f.name for f in SCHEMA]
+CACHED_ROW_GROUPS = 4
+
+
+def parquet_files(uri: str, storage: Storage) -> list[str]:
+    """The parquet files of `uri` (itself, or every .parquet below a directory, in name order)."""
+    if not storage.isdir(uri):
+        return [uri]
+    files = [u for u in storage.list(uri, recursive=True)
+             if u.endswith(".parquet") and not u.rsplit("/", 1)[-1].startswith((".", "_"))]
+    if not files:
+        raise FileNotFoundError(f"{uri}: no .parquet files under it; point at the preprocess stage's output set")
+    return files
+
+
+def _open(uri: str, storage: Storage) -> pq.ParquetFile:
+    if is_local(uri):
+        return pq.ParquetFile(str(local_path(uri)), memory_map=True)
+    return pq.ParquetFile(storage.open_read(uri))
+
+
+def _check_schema(uri: str, schema: pa.Schema) -> str:
+    missing = [name for name in COLUMNS if name not in schema.names]
+    if missing:
+        raise ValueError(f"{uri}: not a prompt parquet, it lacks {missing}; write it with the preprocess stage")
+    return (schema.metadata or {}).get(PROMPT_FORMAT_KEY, b"text").decode()
+
+
+def to_prompt(row: dict[str, Any], prompt_format: str) -> dict[str, Any]:
+    """One stored row -> the prompt dict the data source takes."""
+    prompt = orjson.loads(row["prompt"]) if prompt_format == "messages" else row["prompt"]
+    tools = row["tools"]
+    return {"prompt": prompt, "label": row["label"], "metadata": orjson.loads(row["metadata"]),
+            "tools": None if tools is None else orjson.loads(tools), "row_id": row["row_id"]}
+
+
+class PromptDataset(Sequence):
+    """Random access to a prompt parquet; see the module docstring."""
+
+    def __init__(self, uri: str, storage: Storage | None = None):
+        self.uri = uri
+        self._storage = storage or Storage()
+        uris = parquet_files(uri, self._storage)
+        self._files = [_open(u, self._storage) for u in uris]
+        self._formats = [_check_schema(u, f.schema_arrow) for u, f in zip(uris, self._files, strict=True)]
+        self._starts: list[int] = []  # first global row of each (file, row group)
+        self._groups: list[tuple[int, int]] = []
+        total = 0
+        for index, file in enumerate(self._files):
+            for group in range(file.metadata.num_row_groups):
+                self._starts.append(total)
+                self._groups.append((index, group))
+                total += file.metadata.row_group(group).num_rows
+        self._len = total
+        self._cache: OrderedDict[int, list[dict[str, Any]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[dict[str, Any]]: ...
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._len))]
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            raise IndexError(f"prompt index {index} out of range for {self._len} rows")
+        slot = bisect.bisect_right(self._starts, index) - 1
+        return to_prompt(self._rows(slot)[index - self._starts[slot]], self._formats[self._groups[slot][0]])
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for slot, (file, _) in enumerate(self._groups):
+            for row in self._read(slot):
+                yield to_prompt(row, self._formats[file])
+
+    def _rows(self, slot: int) -> list[dict[str, Any]]:
+        if slot in self._cache:
+            self._cache.move_to_end(slot)
+            return self._cache[slot]
+        rows = self._read(slot)
+        self._cache[slot] = rows
+        if len(self._cache) > CACHED_ROW_GROUPS:
+            self._cache.popitem(last=False)
+        return rows
+
+    def _read(self, slot: int) -> list[dict[str, Any]]:
+        file, group = self._groups[slot]
+        return self._files[file].read_row_group(group, columns=COLUMNS).to_pylist()
+
+
+def iter_prompts(uri: str, batch_size: int = 1024, storage: Storage | None = None) -> Iterator[dict[str, Any]]:
+    """Every prompt dict of `uri` in order, decoding `batch_size` rows at a time."""
+    storage = storage or Storage()
+    for file_uri in parquet_files(uri, storage):
+        file = _open(file_uri, storage)
+        prompt_format = _check_schema(file_uri, file.schema_arrow)
+        for batch in file.iter_batches(batch_size=batch_size, columns=COLUMNS):
+            for row in batch.to_pylist():
+                yield to_prompt(row, prompt_format)

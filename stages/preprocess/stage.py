@@ -1,0 +1,298 @@
+"""The preprocess stage: raw datasets -> prompt parquet per named set, a quarantine and a manifest.
+
+Layout under the output URI: `train/part-00000.parquet`, `eval/<name>/part-00000.parquet` (named eval sets and
+the held-out split), `quarantine.jsonl` (one JSON object per bad row: dataset, file, line or row, reason,
+detail, raw) and `manifest.json`. For every input set, rows_in = rows_out + filtered + quarantined, by reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from slimeflow.io.storage import ArtifactRecord, Storage, join
+from slimeflow.manifest import Manifest, content_hash
+from slimeflow.stages.base import StageContext, StageInputError
+from slimeflow.stages.preprocess.config import PreprocessConfig
+from slimeflow.stages.preprocess.rows import Prepared, RowError, RowMapper, is_empty
+from slimeflow.stages.preprocess.sources import Problem, SourceBatch, json_default, read_batches, resolve
+from slimeflow.stages.preprocess.tokens import PromptTokenizer, TokenStats
+from slimeflow.stages.preprocess.writer import SCHEMA, DatasetWriter, Deduper
+
+PART = "part-00000.parquet"
+QUARANTINE = "quarantine.jsonl"
+
+
+def run(config: PreprocessConfig, ctx: StageContext) -> Manifest:
+    """Process the training input and every eval input; raise StageInputError when a set yields no rows."""
+    tokenizer = _tokenizer(config)
+    output = config.output or join(ctx.output, "preprocess")
+    ctx.workdir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix="preprocess-", dir=ctx.workdir))
+    try:
+        quarantine = Quarantine(staging / QUARANTINE, config.strict)
+        sets = {"train": config.input, **config.eval_input} if config.input else dict(config.eval_input)
+        if not sets:
+            raise StageInputError("preprocess", ["no input"], "Give --input PATH and/or --eval-input NAME PATH.")
+        inputs = {name: _resolve([specs] if isinstance(specs, str) else specs, ctx.storage)
+                  for name, specs in sets.items()}  # every input checked before any work
+        results = [_process(name, files, config, tokenizer, ctx.storage, staging, quarantine)
+                   for name, files in inputs.items()]
+        quarantine.close()
+        _fail_if_empty(results, quarantine)
+        return _publish(results, quarantine, config, ctx.storage, staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _tokenizer(config: PreprocessConfig) -> PromptTokenizer | None:
+    if config.hf_checkpoint is None:
+        if config.needs_tokenizer():
+            raise StageInputError("preprocess", ["--apply-chat-template and --rollout-max-prompt-len need a tokenizer"],
+                                  "Give --hf-checkpoint DIR (in a pipeline, the model stage's checkpoint is used).")
+        return None
+    return PromptTokenizer(config.hf_checkpoint, need_template=config.apply_chat_template)
+
+
+class Quarantine:
+    """The quarantine file, written as problems arrive; counts them by reason and keeps a few for summaries."""
+
+    def __init__(self, path: Path, strict: bool):
+        self.path, self.strict = path, strict
+        self.examples: list[str] = []
+        self._file = path.open("wb")
+
+    def add(self, dataset: str, problem: Problem) -> None:
+        if self.strict:
+            raise StageInputError(f"{problem.where()}: {problem.reason}", [problem.detail],
+                                  "Fix the row, or run without --strict to quarantine bad rows and go on.")
+        self._file.write(orjson.dumps(problem.record(dataset)) + b"\n")
+        if len(self.examples) < 5:
+            self.examples.append(f"{problem.where()}: {problem.reason}: {problem.detail}")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass
+class SetResult:
+    """What became of one input set: its files, counts by outcome, token statistics and output writers."""
+
+    name: str
+    files: list[ArtifactRecord] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    counts: Counter[str] = field(default_factory=Counter)
+    tokens: TokenStats = field(default_factory=TokenStats)
+    writers: dict[str, DatasetWriter] = field(default_factory=dict)
+    prompt_format: str | None = None
+    packed_columns: Counter[str] = field(default_factory=Counter)
+    dropped_columns: Counter[str] = field(default_factory=Counter)
+
+
+def _process(name: str, inputs: tuple[list[str], list[str]], config: PreprocessConfig,
+             tokenizer: PromptTokenizer | None, storage: Storage, staging: Path, quarantine: Quarantine) -> SetResult:
+    files, result = inputs[0], SetResult(name, skipped=inputs[1])
+    seed = config.data_seed if config.shuffle else None
+    outputs = [name] + ([config.eval_split_name] if name == "train" and config.eval_split_fraction else [])
+    for output in outputs:
+        result.writers[output] = DatasetWriter(staging / _relative_dir(output, name) / PART, config.row_group_size, seed)
+    batcher = _Batcher(result, config, tokenizer, quarantine)
+    for uri in files:
+        result.files.append(storage.sha256(uri))
+        for batch in read_batches(uri, storage, config.read_batch_size):
+            batcher.process(batch)
+    for writer in result.writers.values():
+        writer.close()
+    return result
+
+
+def _relative_dir(output: str, input_set: str) -> str:
+    return "train" if output == "train" and input_set == "train" else f"eval/{output}"
+
+
+def _resolve(specs: list[str], storage: Storage) -> tuple[list[str], list[str]]:
+    """(data files, skipped files) of a set's input specs."""
+    files: list[str] = []
+    skipped: list[str] = []
+    for spec in specs:
+        found, passed_over = resolve(spec, storage)
+        files += found
+        skipped += passed_over
+    return files, skipped
+
+
+class _Batcher:
+    """Maps, renders, counts, filters and writes one source batch at a time."""
+
+    def __init__(self, result: SetResult, config: PreprocessConfig, tokenizer: PromptTokenizer | None,
+                 quarantine: Quarantine):
+        self.result, self.config, self.tokenizer, self.quarantine = result, config, tokenizer, quarantine
+        self.mapper = RowMapper(config, packed=result.packed_columns, dropped=result.dropped_columns)
+        self.deduper = Deduper() if config.dedup else None
+
+    def process(self, batch: SourceBatch) -> None:
+        counts = self.result.counts
+        counts["rows_in"] += len(batch)
+        problems = list(batch.problems)
+        rows: list[tuple[Prepared, str]] = []
+        for position, row in batch.rows:
+            try:
+                prepared = self.mapper.map(row)
+                if is_empty(prepared.prompt):
+                    counts["filtered.empty_prompt"] += 1
+                    continue
+                rows.append((prepared, self._text(prepared)))
+            except RowError as err:
+                raw = orjson.dumps(row, default=json_default, option=orjson.OPT_NON_STR_KEYS).decode()
+                problems.append(Problem(batch.file, position, batch.unit, err.reason, str(err), raw[:2000]))
+        for problem in sorted(problems, key=lambda p: p.position):  # file order, so --strict names the first
+            self._quarantine(problem)
+        self._write(self._filter(rows))
+
+    def _quarantine(self, problem: Problem) -> None:
+        self.result.counts[f"quarantined.{problem.reason}"] += 1
+        self.quarantine.add(self.result.name, problem)
+
+    def _text(self, prepared: Prepared) -> str:
+        """The prompt as stored: rendered text, the string itself, or the messages' JSON (one format per set)."""
+        if self.config.apply_chat_template and self.tokenizer is not None:
+            text, fmt = self.tokenizer.render(prepared.prompt, prepared.tools), "text"
+        elif isinstance(prepared.prompt, str):
+            text, fmt = prepared.prompt, "text"
+        else:
+            text, fmt = orjson.dumps(prepared.prompt).decode(), "messages"
+        if self.result.prompt_format is None:
+            self.result.prompt_format = fmt
+        elif fmt != self.result.prompt_format:
+            raise RowError("mixed_prompt_format", f"a {fmt} prompt in a set whose prompts are "
+                           f"{self.result.prompt_format}; use one kind, or --apply-chat-template to render both")
+        return text
+
+    def _filter(self, rows: list[tuple[Prepared, str]]) -> list[tuple[Prepared, str, int | None]]:
+        counts = self.result.counts
+        tokens = self._counts(rows)
+        limit = self.config.rollout_max_prompt_len
+        kept = [(p, t, n) for (p, t), n in zip(rows, tokens, strict=True) if limit is None or n <= limit]
+        if limit is not None:
+            counts["filtered.too_long"] += len(rows) - len(kept)
+        if self.deduper is not None and kept:
+            hashes = np.array([_hash64(t) for _, t, _ in kept], dtype=np.uint64)
+            mask = self.deduper.first_seen(hashes)
+            counts["filtered.duplicate_prompt"] += int(len(kept) - mask.sum())
+            kept = [row for row, keep in zip(kept, mask, strict=True) if keep]
+        return kept
+
+    def _counts(self, rows: list[tuple[Prepared, str]]) -> list[int | None]:
+        if self.tokenizer is None:
+            return [None] * len(rows)
+        if self.result.prompt_format == "messages":  # unrendered: count what the template will render
+            if not self.tokenizer.has_template:
+                raise StageInputError("--hf-checkpoint", ["its tokenizer has no chat template to count messages with"],
+                                      "Use a tokenizer with a chat template, or give string prompts.")
+            texts = [self.tokenizer.render(p.prompt, p.tools) for p, _ in rows]
+        else:
+            texts = [t for _, t in rows]
+        return self.tokenizer.count(texts)
+
+    def _write(self, rows: list[tuple[Prepared, str, int | None]]) -> None:
+        if not rows:
+            return
+        self.result.counts["rows_out"] += len(rows)
+        self.result.tokens.add([n for _, _, n in rows if n is not None])
+        by_output: dict[str, list[tuple[Prepared, str, int | None]]] = {}
+        for row in rows:
+            by_output.setdefault(self._destination(row[0].row_id), []).append(row)
+        for output, chosen in by_output.items():
+            self.result.writers[output].write(_columns(chosen), self.result.prompt_format or "text")
+
+    def _destination(self, row_id: str) -> str:
+        fraction = self.config.eval_split_fraction
+        if self.result.name != "train" or not fraction:
+            return self.result.name
+        keyed = _hash64(f"{self.config.data_seed}:{row_id}")
+        return self.config.eval_split_name if keyed < fraction * 2**64 else "train"
+
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def _columns(rows: list[tuple[Prepared, str, int | None]]) -> dict[str, list[Any]]:
+    return {
+        "row_id": [p.row_id for p, _, _ in rows],
+        "prompt": [t for _, t, _ in rows],
+        "label": [p.label for p, _, _ in rows],
+        "metadata": [p.metadata for p, _, _ in rows],
+        "tools": [None if p.tools is None else orjson.dumps(p.tools).decode() for p, _, _ in rows],
+        "prompt_tokens": [n for _, _, n in rows],
+    }
+
+
+def _fail_if_empty(results: list[SetResult], quarantine: Quarantine) -> None:
+    """A set that yields no row is an error with a summary of what became of its rows, not an empty success."""
+    empty = [r for r in results if not r.counts["rows_out"]]
+    if not empty:
+        return
+    problems = [f"{r.name}: {r.counts['rows_in']} rows in, 0 out ("
+                + ", ".join(f"{k} {v}" for k, v in sorted(r.counts.items()) if "." in k and v) + ")" for r in empty]
+    problems += [f"e.g. {example}" for example in quarantine.examples]
+    raise StageInputError("preprocess: no usable rows", problems,
+                          f"The quarantine ({quarantine.path.name}) lists every bad row with its file, line and reason.")
+
+
+def _publish(results: list[SetResult], quarantine: Quarantine, config: PreprocessConfig, storage: Storage,
+             staging: Path, output: str) -> Manifest:
+    """Upload the parquet files and the quarantine, then manifest.json, and return the manifest."""
+    records, outputs, sets = [], {"root": output}, {}
+    for result in results:
+        for name, writer in result.writers.items():
+            if not writer.rows:
+                continue
+            relative = writer.path.relative_to(staging).as_posix()
+            records.append(storage.put_file(writer.path, join(output, relative)).model_copy(update={"path": relative}))
+            outputs["train" if relative.startswith("train/") else f"eval.{name}"] = join(output, str(Path(relative).parent))
+        sets[result.name] = _set_facts(result)
+    records.append(storage.put_file(quarantine.path, join(output, QUARANTINE)).model_copy(update={"path": QUARANTINE}))
+    outputs.update(quarantine=join(output, QUARANTINE), manifest=join(output, "manifest.json"))
+    inputs = [f for r in results for f in r.files]
+    manifest = Manifest(
+        stage="preprocess", outputs=outputs, artifacts=records, artifact_root=output,
+        counts=_counts(results),
+        hashes={"content": content_hash(records), "inputs": content_hash(inputs)},
+        facts={"sets": sets, "schema": {f.name: str(f.type) for f in SCHEMA},
+               "quarantine_examples": quarantine.examples},
+        config=config.model_dump(mode="json"),
+    )
+    storage.write_text(outputs["manifest"], manifest.model_dump_json(indent=2))
+    return manifest
+
+
+def _set_facts(result: SetResult) -> dict[str, Any]:
+    mapper_counts = {k: v for k, v in result.counts.items() if k.startswith(("filtered.", "quarantined."))}
+    return {
+        "inputs": [f.model_dump() for f in result.files],
+        "skipped_files": result.skipped,
+        "prompt_format": result.prompt_format,
+        "packed_columns": dict(result.packed_columns), "dropped_columns": dict(result.dropped_columns),
+        "outputs": {name: w.rows for name, w in result.writers.items()},
+        "rows_in": result.counts["rows_in"], "rows_out": result.counts["rows_out"], **mapper_counts,
+        "prompt_tokens": result.tokens.summary(),
+    }
+
+
+def _counts(results: list[SetResult]) -> dict[str, int]:
+    """Totals (rows_in, rows_out, filtered.REASON, quarantined.REASON) and the same per set as SET.KEY."""
+    totals: Counter[str] = Counter()
+    per_set = {}
+    for result in results:
+        totals.update(result.counts)
+        per_set.update({f"{result.name}.{k}": v for k, v in result.counts.items()})
+    return {**dict(sorted(totals.items())), **per_set}

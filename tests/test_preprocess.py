@@ -1,0 +1,246 @@
+"""The preprocess stage on real shapes of data: dapo-math JSONL, a Search-R1 table, CSV, parquet shards, s3."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from preprocess_helpers import messages, quarantine, reasons, run_stage, write_jsonl
+
+from slimeflow.io.storage import Storage
+from slimeflow.stages.base import StageInputError
+from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.stages.preprocess.reader import PromptDataset, iter_prompts
+
+DAPO = [{"prompt": messages(f"Compute {a} * {a + 3}. Answer in \\boxed{{}}."), "label": str(a * (a + 3)),
+         "metadata": {"source": "dapo", "level": a % 5}} for a in range(40)]
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tok") / "qwen3", TinyModelSpec.from_uri("tiny:qwen3?seed=0"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen_dir)
+
+
+def test_dapo_math_jsonl_round_trips_through_the_reader_exactly(tmp_path):
+    source = write_jsonl(tmp_path / "dapo.jsonl", DAPO)
+    manifest = run_stage(tmp_path, input=[str(source)], input_key="prompt", label_key="label")
+
+    assert manifest.counts["rows_in"] == manifest.counts["rows_out"] == 40
+    train = manifest.outputs["train"]
+    assert pq.ParquetFile(f"{train}/part-00000.parquet").schema_arrow.metadata[b"slimeflow.prompt_format"] == b"messages"
+    dataset = PromptDataset(train)
+    got = [(d["prompt"], d["label"], d["metadata"]) for d in dataset]
+    assert got == [(r["prompt"], r["label"], r["metadata"]) for r in DAPO]
+    assert list(iter_prompts(train, batch_size=7)) == list(dataset)
+    assert len({d["row_id"] for d in dataset}) == 40 and dataset[0]["tools"] is None
+
+
+def test_chat_template_renders_and_counts_tokens_with_the_same_tokenizer(tmp_path, qwen_dir, tokenizer):
+    source = write_jsonl(tmp_path / "dapo.jsonl", DAPO)
+    manifest = run_stage(tmp_path, input=[str(source)], input_key="prompt", label_key="label",
+                         apply_chat_template=True, hf_checkpoint=str(qwen_dir))
+
+    table = pq.read_table(f"{manifest.outputs['train']}/part-00000.parquet")
+    assert table.schema.metadata[b"slimeflow.prompt_format"] == b"text"
+    expected = [tokenizer.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in DAPO]
+    assert table.column("prompt").to_pylist() == expected
+    lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in expected]
+    assert table.column("prompt_tokens").to_pylist() == lengths
+    stats = manifest.facts["sets"]["train"]["prompt_tokens"]
+    assert (stats["min"], stats["max"], stats["rows"]) == (min(lengths), max(lengths), 40)
+    assert sum(stats["histogram"].values()) == 40
+    assert [f.name for f in table.schema] == ["row_id", "prompt", "label", "metadata", "tools", "prompt_tokens"]
+
+
+def test_search_r1_table_packs_extra_columns_into_metadata_and_reports_collisions(tmp_path):
+    rows = [{"question": f"Who wrote book {i}?", "final_answer": f"author {i}", "session_id": f"s{i}",
+             "tool_code": f"search('book {i}')", "metadata": json.dumps({"split": "train"})} for i in range(6)]
+    rows[4]["metadata"] = json.dumps({"session_id": "other"})  # collides with the session_id column
+    rows[5]["metadata"] = json.dumps({"session_id": "s5"})  # same value: merged, not a collision
+    path = tmp_path / "search_r1.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    manifest = run_stage(tmp_path, input=[str(path)], input_key="question", label_key="final_answer")
+
+    assert reasons(quarantine(manifest)) == [("search_r1.parquet", 5, "metadata_collision")]
+    assert "session_id" in quarantine(manifest)[0]["detail"]
+    got = list(PromptDataset(manifest.outputs["train"]))
+    assert [g["prompt"] for g in got] == [r["question"] for r in rows if r is not rows[4]]
+    assert got[0]["metadata"] == {"split": "train", "session_id": "s0", "tool_code": "search('book 0')"}
+    assert got[-1]["metadata"] == {"session_id": "s5", "tool_code": "search('book 5')"}
+    assert manifest.facts["sets"]["train"]["packed_columns"] == {"session_id": 5, "tool_code": 5}
+
+    kept = run_stage(tmp_path / "keep", input=[str(path)], input_key="question", label_key="final_answer",
+                     drop_columns=["session_id"])
+    assert kept.counts["rows_out"] == 6  # no collision once the column is dropped
+    assert kept.facts["sets"]["train"]["dropped_columns"] == {"session_id": 6}
+    only = run_stage(tmp_path / "only", input=[str(path)], input_key="question", metadata_key="none",
+                     keep_columns=["tool_code"])
+    assert PromptDataset(only.outputs["train"])[1]["metadata"] == {"tool_code": "search('book 1')"}
+
+
+def test_csv_input_with_missing_labels_bad_rows_and_header_only_files(tmp_path):
+    data = tmp_path / "csv"
+    data.mkdir()
+    (data / "qa.csv").write_bytes(
+        b'question,answer,topic\n"What is 2+2?",4,math\n"Multi\nline?",yes,misc\nNo answer,,misc\n'
+        b"too,many,fields,here\n\xff\xfe broken,1,x\nLast,5,math\n")
+    (data / "header.csv").write_text("question,answer,topic\n")
+    (data / "README.md").write_text("not data")
+    manifest = run_stage(tmp_path, input=[str(data)], input_key="question", label_key="answer")
+
+    assert reasons(quarantine(manifest)) == [
+        ("header.csv", 1, "header_only_csv"), ("qa.csv", 5, "missing_label"), ("qa.csv", 6, "bad_csv_row"),
+        ("qa.csv", 7, "invalid_utf8")]
+    got = list(PromptDataset(manifest.outputs["train"]))
+    assert [(g["prompt"], g["label"], g["metadata"]) for g in got] == [
+        ("What is 2+2?", "4", {"topic": "math"}), ("Multi\nline?", "yes", {"topic": "misc"}),
+        ("Last", "5", {"topic": "math"})]
+    assert manifest.facts["sets"]["train"]["skipped_files"] == [str(data / "README.md")]
+
+    kept = run_stage(tmp_path / "keep", input=[str(data / "qa.csv")], input_key="question", label_key="answer",
+                     missing_label="keep")
+    assert [g["label"] for g in PromptDataset(kept.outputs["train"])] == ["4", "yes", None, "5"]
+
+
+def test_sharded_parquet_by_directory_and_glob_with_small_row_groups(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for shard in range(3):
+        rows = [{"prompt": f"shard {shard} row {i}", "label": str(i), "score": i / 2} for i in range(7)]
+        pq.write_table(pa.Table.from_pylist(rows), shards / f"part-{shard}.parquet")
+    (shards / "_SUCCESS").write_text("")
+    by_dir = run_stage(tmp_path / "a", input=[str(shards)], input_key="prompt", label_key="label",
+                       row_group_size=4, read_batch_size=3)
+    by_glob = run_stage(tmp_path / "b", input=[str(shards / "part-*.parquet")], input_key="prompt",
+                        label_key="label", row_group_size=4)
+
+    assert by_dir.counts["rows_out"] == by_glob.counts["rows_out"] == 21
+    file = pq.ParquetFile(f"{by_dir.outputs['train']}/part-00000.parquet")
+    assert [file.metadata.row_group(i).num_rows for i in range(file.num_row_groups)] == [4, 4, 4, 4, 4, 1]
+    assert list(PromptDataset(by_dir.outputs["train"])) == list(PromptDataset(by_glob.outputs["train"]))
+    assert [f["path"] for f in by_dir.facts["sets"]["train"]["inputs"]] == [
+        str(shards / f"part-{i}.parquet") for i in range(3)]
+    assert PromptDataset(by_dir.outputs["train"])[8]["metadata"] == {"score": 0.5}
+
+
+def test_s3_input_and_output_on_the_moto_server(tmp_path, s3_config, s3_bucket):
+    storage = Storage(s3_config)
+    body = "".join(json.dumps({"input": f"q{i}", "label": str(i)}) + "\n" for i in range(12))
+    storage.write_bytes(f"{s3_bucket}/raw/a.jsonl.gz", gzip.compress(body.encode()))
+    storage.write_text(f"{s3_bucket}/raw/eval.json", json.dumps([{"input": "e1", "label": "1"}, 7]))
+    manifest = run_stage(tmp_path, storage, input=[f"{s3_bucket}/raw/*.jsonl.gz"], eval_input={"aime": f"{s3_bucket}/raw/eval.json"},
+                         output=f"{s3_bucket}/prompts", label_key="label")
+
+    assert manifest.outputs["train"] == f"{s3_bucket}/prompts/train"
+    train = PromptDataset(manifest.outputs["train"], storage)
+    assert [d["prompt"] for d in train] == [f"q{i}" for i in range(12)]
+    assert [d["prompt"] for d in iter_prompts(manifest.outputs["eval.aime"], storage=storage)] == ["e1"]
+    assert reasons(quarantine(manifest, storage)) == [("eval.json", 2, "wrong_type")]
+    on_s3 = json.loads(storage.read_text(f"{s3_bucket}/prompts/manifest.json"))
+    assert on_s3["counts"] == manifest.counts and manifest.facts["sets"]["aime"]["inputs"][0]["size"] > 0
+
+
+def test_every_bad_input_lands_in_the_quarantine_with_file_line_and_reason(tmp_path):
+    bad = tmp_path / "in"
+    write_jsonl(bad / "a.jsonl", [{"prompt": "ok 1", "label": "1"}])
+    with (bad / "a.jsonl").open("ab") as f:
+        f.write(b'{"prompt": "cut off\n')                          # line 2
+        f.write(b'{"prompt": "caf\xe9", "label": "1"}\n')          # line 3: latin-1, not UTF-8
+        f.write(b'{"question": "no prompt key", "label": "1"}\n')  # line 4
+        f.write(b'{"prompt": 42, "label": "1"}\n')                 # line 5
+        f.write(b'["an", "array"]\n\n')                            # line 6, then a blank line (not a row)
+        f.write(b'{"prompt": "ok 2", "label": {"a": 1}}\n')        # line 8: a structured label
+        f.write(b'{"prompt": "ok 3", "label": "3", "metadata": "not json"}\n')  # line 9
+        f.write(b'{"prompt": "ok 4", "label": "4"}\n')
+    (bad / "b.jsonl").write_bytes(b"")
+    (bad / "c.json").write_text('[{"prompt": "x"')
+    (bad / "d.jsonl.gz").write_bytes(b"not gzip at all")
+    manifest = run_stage(tmp_path, input=[str(bad)], label_key="label", input_key="prompt")
+
+    assert reasons(quarantine(manifest)) == [
+        ("a.jsonl", 2, "malformed_json"), ("a.jsonl", 3, "invalid_utf8"), ("a.jsonl", 4, "missing_key"),
+        ("a.jsonl", 5, "wrong_type"), ("a.jsonl", 6, "wrong_type"), ("a.jsonl", 8, "wrong_type"),
+        ("a.jsonl", 9, "wrong_type"), ("b.jsonl", 0, "empty_file"), ("c.json", 0, "malformed_json"),
+        ("d.jsonl.gz", 0, "unreadable_file")]
+    assert [d["prompt"] for d in PromptDataset(manifest.outputs["train"])] == ["ok 1", "ok 4"]
+    records = quarantine(manifest)
+    assert records[0]["raw"].startswith('{"prompt": "cut off') and records[2]["raw"] == '{"question":"no prompt key","label":"1"}'
+
+
+def test_strict_mode_fails_on_the_first_problem_naming_file_and_line(tmp_path):
+    source = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "fine"}, {"prompt": ""}, {"prompt": None}, "x"])
+    with pytest.raises(StageInputError, match=r"a\.jsonl line 3: missing_key") as err:
+        run_stage(tmp_path, input=[str(source)], input_key="prompt", strict=True)
+    assert "without --strict" in str(err.value)
+
+
+def test_inputs_that_are_entirely_bad_fail_with_a_summary(tmp_path):
+    source = write_jsonl(tmp_path / "bad.jsonl", [{"q": "no key"}, {"prompt": " "}])
+    (tmp_path / "bad.jsonl").open("a").write("{oops\n")
+    with pytest.raises(StageInputError) as err:
+        run_stage(tmp_path, input=[str(source)], input_key="prompt")
+    message = str(err.value)
+    assert "train: 3 rows in, 0 out" in message and "quarantined.missing_key 1" in message
+    assert "filtered.empty_prompt 1" in message and "bad.jsonl line 3: malformed_json" in message
+    with pytest.raises(StageInputError, match="no such file"):
+        run_stage(tmp_path, input=[str(tmp_path / "missing.jsonl")])
+    with pytest.raises(StageInputError, match="need a tokenizer"):
+        run_stage(tmp_path, input=[str(source)], rollout_max_prompt_len=5)
+
+
+def test_length_empty_and_duplicate_filters(tmp_path, qwen_dir):
+    rows = [{"prompt": "short", "label": "1"}, {"prompt": "x" * 300, "label": "2"}, {"prompt": "", "label": "3"},
+            {"prompt": "short", "label": "4"}, {"prompt": [], "label": "5"}, {"prompt": "other", "label": "6"}]
+    a = write_jsonl(tmp_path / "a.jsonl", rows)
+    b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "other", "label": "7"}])
+    manifest = run_stage(tmp_path, input=[str(a), str(b)], input_key="prompt", label_key="label",
+                         hf_checkpoint=str(qwen_dir), rollout_max_prompt_len=100)
+
+    counts = manifest.counts
+    assert (counts["filtered.too_long"], counts["filtered.empty_prompt"], counts["filtered.duplicate_prompt"]) == (1, 2, 2)
+    got = list(PromptDataset(manifest.outputs["train"]))
+    assert [(g["prompt"], g["label"]) for g in got] == [("short", "1"), ("other", "6")]
+    assert pq.read_table(f"{manifest.outputs['train']}/part-00000.parquet").column("prompt_tokens").to_pylist() == [5, 5]
+    no_dedup = run_stage(tmp_path / "d", input=[str(a), str(b)], input_key="prompt", dedup=False)
+    assert no_dedup.counts["rows_out"] == 5 and "filtered.duplicate_prompt" not in no_dedup.counts
+
+
+def test_tools_are_stored_and_rendered_by_the_template(tmp_path, qwen_dir):
+    tool = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
+    rows = [{"input": messages("Find it."), "tools": [tool]}, {"input": messages("No tools."), "tools": None}]
+    source = write_jsonl(tmp_path / "t.jsonl", rows)
+    manifest = run_stage(tmp_path, input=[str(source)], tool_key="tools", apply_chat_template=True,
+                         hf_checkpoint=str(qwen_dir))
+
+    got = list(PromptDataset(manifest.outputs["train"]))
+    assert got[0]["tools"] == [tool] and got[1]["tools"] is None
+    assert '"name": "search"' in got[0]["prompt"] and "<tools>" not in got[1]["prompt"]
+
+
+def test_seeded_shuffle_and_held_out_split_are_deterministic_and_lose_nothing(tmp_path):
+    source = write_jsonl(tmp_path / "a.jsonl", [{"input": f"q{i}", "n": i} for i in range(200)])
+    common = {"input": [str(source)], "row_group_size": 16, "read_batch_size": 50}
+    plain = run_stage(tmp_path / "plain", **common)
+    first = run_stage(tmp_path / "s1", shuffle=True, data_seed=3, eval_split_fraction=0.25, **common)
+    again = run_stage(tmp_path / "s2", shuffle=True, data_seed=3, eval_split_fraction=0.25, **common)
+    other = run_stage(tmp_path / "s3", shuffle=True, data_seed=4, **common)
+
+    def prompts(uri):
+        return [d["prompt"] for d in PromptDataset(uri)]
+
+    train, held = prompts(first.outputs["train"]), prompts(first.outputs["eval.heldout"])
+    assert train == prompts(again.outputs["train"]) and held == prompts(again.outputs["eval.heldout"])
+    assert sorted(train + held) == sorted(prompts(plain.outputs["train"])) and not set(train) & set(held)
+    assert 25 <= len(held) <= 75 and first.facts["sets"]["train"]["outputs"] == {"train": len(train), "heldout": len(held)}
+    assert prompts(other.outputs["train"]) != prompts(plain.outputs["train"])
+    assert sorted(prompts(other.outputs["train"])) == sorted(prompts(plain.outputs["train"]))

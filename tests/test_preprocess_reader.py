@@ -1,0 +1,111 @@
+"""The prompt-parquet reader, the dedup index and token statistics; the stage through the CLI and the pipeline."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from preprocess_helpers import assert_count_identity, messages, run_stage, write_jsonl
+
+from slimeflow.io.storage import Storage
+from slimeflow.manifest import Manifest
+from slimeflow.stages.preprocess.reader import PromptDataset, iter_prompts
+from slimeflow.stages.preprocess.tokens import TokenStats
+from slimeflow.stages.preprocess.writer import Deduper
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reader")
+    rows = [{"input": f"question {i}", "label": str(i), "metadata": {"i": i, "tags": ["a", str(i)]}} for i in range(50)]
+    source = write_jsonl(tmp / "a.jsonl", rows)
+    manifest = run_stage(tmp, input=[str(source)], label_key="label", row_group_size=8)
+    return rows, manifest.outputs["train"]
+
+
+def test_reader_is_a_sequence_with_random_access_slices_and_negative_indices(written):
+    rows, uri = written
+    dataset = PromptDataset(uri)
+    assert len(dataset) == 50
+    for i in (0, 7, 8, 49, 23, 3):  # across row groups, out of order
+        assert (dataset[i]["prompt"], dataset[i]["label"], dataset[i]["metadata"]) == (
+            rows[i]["input"], rows[i]["label"], rows[i]["metadata"])
+    assert dataset[-1] == dataset[49] and [d["label"] for d in dataset[5:12:3]] == ["5", "8", "11"]
+    with pytest.raises(IndexError, match="out of range for 50 rows"):
+        dataset[50]
+    assert list(dataset) == list(iter_prompts(uri, batch_size=3)) == list(iter_prompts(f"{uri}/part-00000.parquet"))
+
+
+def test_reader_rejects_a_parquet_that_is_not_a_prompt_parquet(tmp_path):
+    pq.write_table(pa.table({"prompt": ["x"]}), tmp_path / "other.parquet")
+    with pytest.raises(ValueError, match=r"not a prompt parquet, it lacks \['row_id', 'label'"):
+        PromptDataset(str(tmp_path / "other.parquet"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no .parquet files"):
+        PromptDataset(str(tmp_path / "empty"))
+
+
+def test_dedup_index_matches_a_set_across_batches():
+    rng = np.random.default_rng(0)
+    deduper, seen = Deduper(), set()
+    for _ in range(40):
+        batch = rng.integers(0, 3000, size=rng.integers(1, 200)).astype(np.uint64)
+        expected = []
+        for value in batch.tolist():
+            expected.append(value not in seen)
+            seen.add(value)
+        assert deduper.first_seen(batch).tolist() == expected
+    assert sum(len(run) for run in deduper._runs) == len(seen)
+
+
+def test_token_stats_are_exact_percentiles_and_a_histogram():
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 3000, size=5000)
+    stats = TokenStats()
+    for chunk in np.array_split(lengths, 7):
+        stats.add(chunk.tolist())
+    summary = stats.summary()
+    assert (summary["min"], summary["max"], summary["rows"]) == (lengths.min(), lengths.max(), 5000)
+    assert summary["p50"] == int(np.percentile(lengths, 50, method="inverted_cdf"))
+    assert summary["p99"] == int(np.percentile(lengths, 99, method="inverted_cdf"))
+    assert summary["mean"] == round(float(lengths.mean()), 2)
+    assert sum(summary["histogram"].values()) == 5000 and list(summary["histogram"])[-1] == "[2048, 4096)"
+
+
+@pytest.mark.slow
+def test_the_cli_runs_the_stage_with_named_eval_sets(prefect_harness, tmp_path, mlflow_uri, capsys):
+    from slimeflow.cli import main
+
+    train = write_jsonl(tmp_path / "train.jsonl", [{"q": f"q{i}", "a": str(i), "src": "x"} for i in range(5)])
+    aime = write_jsonl(tmp_path / "aime.jsonl", [{"q": "hard", "a": "1"}, {"q": "no answer"}])
+    rc = main(["preprocess", "--input", str(train), "--eval-input", "aime", str(aime), "--output", str(tmp_path / "p"),
+               "--input-key", "q", "--label-key", "a", "--workdir", str(tmp_path / "w"),
+               "--mlflow-tracking-uri", mlflow_uri])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"eval.aime={tmp_path / 'p' / 'eval' / 'aime'}" in out
+    manifest = Manifest.model_validate_json((tmp_path / "w" / "manifests" / "preprocess.json").read_text())
+    assert_count_identity(manifest, Storage())
+    assert manifest.counts["aime.quarantined.missing_label"] == 1 and manifest.counts["train.rows_out"] == 5
+    assert json.loads((tmp_path / "p" / "manifest.json").read_text())["hashes"] == manifest.hashes
+
+
+@pytest.mark.slow
+def test_the_pipeline_renders_with_the_model_stage_tokenizer(prefect_harness, tmp_path, mlflow_uri):
+    from slimeflow.config.pipeline import load_pipeline_config
+    from slimeflow.flows.runner import run_pipeline
+
+    source = write_jsonl(tmp_path / "d.jsonl", [{"prompt": messages(f"{i} + 1?"), "label": str(i + 1)} for i in range(4)])
+    config = load_pipeline_config({
+        "name": "pp", "hf_checkpoint": "tiny:qwen2?seed=2", "workdir": str(tmp_path / "w"),
+        "infra": {"mlflow_tracking_uri": mlflow_uri},
+        "preprocess": {"input": [str(source)], "input_key": "prompt", "label_key": "label", "apply_chat_template": True}})
+    manifests = run_pipeline(config)
+
+    checkpoint = manifests["model"]["outputs"]["hf_checkpoint"]
+    assert manifests["preprocess"]["config"]["hf_checkpoint"] == checkpoint
+    prompts = [d["prompt"] for d in PromptDataset(manifests["preprocess"]["outputs"]["train"])]
+    assert all(p.startswith("<|im_start|>system\nReason step by step.") for p in prompts) and len(prompts) == 4
