@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from preprocess_helpers import messages, run_stage, write_jsonl
 
 from slimeflow.stages.rl.data_source import START_ROLLOUT_ID, BufferedDataSource, DataSource, pop_first
 from slimeflow.stages.rl.types import Sample, Status
@@ -56,17 +55,31 @@ def test_groups_hold_independent_copies_with_running_indices():
     assert group[0].status is Status.PENDING
 
 
-def test_reads_rows_written_with_the_prompt_parquet_schema(tmp_path):
-    table = pa.table({
-        "row_id": ["a", "b"], "prompt": ["1+1=", "2+2="], "label": ["2", None],
-        "metadata": ['{"rm_type": "math"}', "{}"], "tools": [None, '[{"name": "calc"}]'],
-        "prompt_tokens": pa.array([4, 4], pa.int64()),
-    })
-    pq.write_table(table, tmp_path / "prompts.parquet")
-    rows = pq.read_table(tmp_path / "prompts.parquet").to_pylist()
-    groups = DataSource(rows, n_samples_per_prompt=2).get_groups(2)
-    assert groups[0][0].metadata == {"rm_type": "math", "row_id": "a"}
-    assert groups[1][0].label is None and groups[1][0].metadata["tools"] == '[{"name": "calc"}]'
+def test_reads_the_prompt_parquet_that_the_preprocess_stage_writes(tmp_path):
+    """preprocess -> parquet -> DataSource: the same prompts (messages stay messages), labels, metadata and tools."""
+    rows = [{"prompt": messages(f"{i} + {i} = ?"), "label": str(2 * i), "session_id": f"s{i}",
+             "tools": [{"name": "calc", "parameters": {}}] if i % 2 else None, "row_id": f"own-{i}"}
+            for i in range(5)]
+    write_jsonl(tmp_path / "raw.jsonl", rows)
+    manifest = run_stage(tmp_path, input=[str(tmp_path / "raw.jsonl")], input_key="prompt", label_key="label",
+                         tool_key="tools", row_group_size=2)
+    source = DataSource.from_prompt_data(manifest.outputs["train"], n_samples_per_prompt=2)
+    groups = source.get_groups(5)
+    assert [g[0].prompt for g in groups] == [r["prompt"] for r in rows]
+    assert [g[0].label for g in groups] == [r["label"] for r in rows]
+    for group, row in zip(groups, rows, strict=True):
+        assert len(group) == 2 and group[0].metadata == group[1].metadata
+        assert group[0].metadata["session_id"] == row["session_id"]
+        assert group[0].metadata.get("tools") == row["tools"]
+        assert group[0].metadata["row_id"] == row["row_id"]  # the source's own row_id column is kept
+
+
+def test_a_tools_column_that_contradicts_the_metadata_is_refused():
+    item = {"prompt": "x", "metadata": {"tools": [{"name": "a"}]}, "tools": [{"name": "b"}]}
+    with pytest.raises(ValueError, match="row 0: its metadata already has a 'tools' entry"):
+        DataSource([item]).get_groups(1)
+    same = {"prompt": "x", "metadata": {"tools": [{"name": "a"}]}, "tools": [{"name": "a"}]}
+    assert DataSource([same]).get_groups(1)[0][0].metadata == {"tools": [{"name": "a"}]}
 
 
 def test_bad_inputs_say_what_and_where():

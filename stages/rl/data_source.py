@@ -14,6 +14,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from slimeflow.io.storage import Storage
 from slimeflow.stages.rl.types import Sample, Status
 
 Group = list[Sample]
@@ -46,6 +47,17 @@ class DataSource:
         self.group_index = 0
         self.sample_index = 0
         self._order = self._epoch_order(0)
+
+    @classmethod
+    def from_prompt_data(cls, uri: str, storage: Storage | None = None, **options: Any) -> DataSource:
+        """A data source over the preprocess stage's prompt parquet at `uri` (a file or a set's directory).
+
+        The rows stay in the parquet (memory-mapped locally), decoded a row group at a time as groups are handed
+        out; `options` are __init__'s (n_samples_per_prompt, shuffle, seed).
+        """
+        from slimeflow.stages.preprocess.reader import PromptDataset
+
+        return cls(PromptDataset(uri, storage), **options)
 
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.prompts)))
@@ -111,10 +123,14 @@ def _parse_item(item: Mapping[str, Any], row: int) -> tuple[Any, str | None, dic
     if not isinstance(metadata, dict):
         raise ValueError(f"prompt row {row}: metadata must be a JSON object, got {type(metadata).__name__}")
     metadata = dict(metadata)
-    if item.get("tools") is not None:
-        metadata["tools"] = item["tools"]
+    tools = item.get("tools")
+    if tools is not None:
+        if metadata.get("tools", tools) != tools:
+            raise ValueError(f"prompt row {row}: its metadata already has a 'tools' entry that differs from its tools "
+                             "column; slime reads tools from metadata['tools']: rename the metadata entry")
+        metadata["tools"] = tools
     if item.get("row_id") is not None:
-        metadata["row_id"] = item["row_id"]
+        metadata.setdefault("row_id", item["row_id"])  # a source column of that name (packed) keeps its value
     return item["prompt"], item.get("label"), metadata
 
 
