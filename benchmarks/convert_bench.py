@@ -2,10 +2,15 @@
 
     .venv/bin/python benchmarks/convert_bench.py [--layers 20] [--workdir /tmp]
 
-Prints, for 1 and 2 conversion processes: wall time as a ratio to `cp -r` of the HF directory (goal <= 2x),
-and each rank's peak RSS (the rank itself and its largest forked dist_checkpointing writer) as a fraction of
-the model's size (goals <= 1.1 with one process, <= 0.6 with two). The baseline RSS of a process that has only
-imported torch and megatron-core is printed too: it is part of every rank's figure.
+Prints, for 1 and 2 conversion processes: wall time as a ratio to `cp -r` + `sync` of the HF directory, timed
+after a `sync` so that it flushes only the copy (goal <= 2x), with each rank's timeline from its launch
+(start-up and imports, tensors read and fused, saved: the last span includes importing megatron-core, its
+spawned result collector and its forked writers); and each rank's peak RSS as a fraction of the model's size
+(goals <= 1.1 with one process, <= 0.6 with two). Peak RSS is the rank's VmHWM: resident anonymous and
+file-backed pages alike. Its largest forked dist_checkpointing writer is printed too (RUSAGE_CHILDREN): that
+figure counts the pages the writer shares copy-on-write with its rank, plus the file pages it writes out. The
+baseline RSS of a process that has only imported torch and megatron-core is printed as well: it is part of
+every rank's figure.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ writes sharded safetensors with an index and the origin's config and tokenizer, 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -208,7 +207,7 @@ def convert_hf_to_torch_dist(source: HFSource, root: Path, processes: int = 1, m
               make_vocab_size_divisible_by=make_vocab_size_divisible_by,
               tensor_model_parallel_size=tensor_model_parallel_size, checkpoint_dir=str(staging),
               iteration=ITERATION, init_method=(scratch / "rendezvous").resolve().as_uri(),
-              shares=assign_shares(source, processes), writers=writers_per_rank(processes))
+              shares=assign_shares(source, processes))
     try:
         job.write(scratch / "job.json")
         _launch(scratch / "job.json", processes)
@@ -219,12 +218,6 @@ def convert_hf_to_torch_dist(source: HFSource, root: Path, processes: int = 1, m
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return staging, ranks
-
-
-def writers_per_rank(processes: int) -> int:
-    """dist_checkpointing writer processes per rank: the machine's cores shared out over the ranks, at least one.
-    Writing is CPU-bound here (torch.save's CRC-32 over every byte), so more writers than cores only contend."""
-    return max(1, (os.cpu_count() or 1) // processes)
 
 
 def _launch(job_path: Path, processes: int) -> None:

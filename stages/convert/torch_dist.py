@@ -49,16 +49,14 @@ def sharded_state_dict(tensors: Mapping[str, torch.Tensor], num_layers: int) -> 
 
 
 def save_torch_dist(tensors: Mapping[str, torch.Tensor], args: argparse.Namespace, checkpoint_dir: str | Path,
-                    iteration: int = 1, writers: int = 2) -> None:
+                    iteration: int = 1) -> None:
     """Write this rank's share of a torch_dist checkpoint into `checkpoint_dir` (collective over all ranks).
 
     `checkpoint_dir` is the checkpoint directory itself (e.g. <root>/iter_0000001); committing it (the tracker)
     is the caller's job, after every rank has returned: slimeflow.io.checkpoints.commit.
-    Must run in a process whose `__main__` is import-safe: megatron-core forks `writers` writer processes (one
-    file each) and spawns a process to collect their results.
+    Must run in a process whose `__main__` is import-safe: megatron-core forks writer processes.
     """
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     from slimeflow._compat import megatron_on_cpu
 
@@ -66,8 +64,7 @@ def save_torch_dist(tensors: Mapping[str, torch.Tensor], args: argparse.Namespac
     state.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration)
     Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
     with megatron_on_cpu():
-        dist_checkpointing.save(state, str(checkpoint_dir),
-                                sharded_strategy=TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=writers))
+        dist_checkpointing.save(state, str(checkpoint_dir), sharded_strategy=("torch_dist", 1))
 
 
 def read_common(checkpoint_dir: str | Path) -> dict:

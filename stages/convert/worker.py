@@ -52,8 +52,6 @@ class Job:
     iteration: int
     init_method: str
     shares: list[Share]
-    writers: int
-    """dist_checkpointing writer processes per rank (each writes one file)."""
 
     def write(self, path: Path) -> None:
         data = {**self.__dict__, "shares": [s.__dict__ for s in self.shares]}
@@ -139,7 +137,7 @@ def convert_share(job: Job, rank: int) -> dict[str, int]:
     args = megatron_args(shape, dtype, job.make_vocab_size_divisible_by, job.tensor_model_parallel_size)
     counts = {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
     read = time.time()
-    save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration, job.writers)
+    save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration)
     return {**counts, "read_at": read, "saved_at": time.time()}
 
 
