@@ -125,7 +125,7 @@ def peak_rss_bytes() -> dict[str, int]:
     return {"peak_rss": own, "peak_rss_writers": children}
 
 
-def convert_share(job: Job, rank: int) -> dict[str, int]:
+def convert_share(job: Job, rank: int) -> dict[str, float]:
     """Convert and save rank `rank`'s share; returns its tensor count and bytes, and when (Unix time) its
     tensors were read and when they were saved."""
     from slimeflow.stages.convert.torch_dist import save_torch_dist
