@@ -2,10 +2,15 @@
 
     .venv/bin/python benchmarks/convert_bench.py [--layers 20] [--workdir /tmp]
 
-Prints, for 1 and 2 conversion processes: wall time as a ratio to `cp -r` of the HF directory (goal <= 2x),
-and each rank's peak RSS (the rank itself and its largest forked dist_checkpointing writer) as a fraction of
-the model's size (goals <= 1.1 with one process, <= 0.6 with two). The baseline RSS of a process that has only
-imported torch and megatron-core is printed too: it is part of every rank's figure.
+Prints, for 1 and 2 conversion processes: wall time as a ratio to `cp -r` + `sync` of the HF directory, timed
+after a `sync` so that it flushes only the copy (goal <= 2x), with each rank's timeline from its launch
+(start-up and imports, tensors read and fused, saved: the last span includes importing megatron-core, its
+spawned result collector and its forked writers); and each rank's peak RSS as a fraction of the model's size
+(goals <= 1.1 with one process, <= 0.6 with two). Peak RSS is the rank's VmHWM: resident anonymous and
+file-backed pages alike. Its largest forked dist_checkpointing writer is printed too (RUSAGE_CHILDREN): that
+figure counts the pages the writer shares copy-on-write with its rank, plus the file pages it writes out. The
+baseline RSS of a process that has only imported torch and megatron-core is printed as well: it is part of
+every rank's figure.
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ def main() -> None:
         hf = work / "hf"
         size = write_synthetic_model(hf, options.layers)
         print(f"synthetic model: {options.layers} layers, {size / 1e9:.2f} GB bf16 in {len(list(hf.glob('*.safetensors')))} files")
+        subprocess.run(["sync"], check=True)  # the model's own dirty pages are not the copy's to flush
         started = time.perf_counter()
         subprocess.run(["cp", "-r", str(hf), str(work / "copy")], check=True)
         subprocess.run(["sync"], check=True)
@@ -99,7 +105,7 @@ def main() -> None:
         source = read_hf_source(hf)
         for processes in (1, 2):
             root = work / f"ckpt-{processes}"
-            started = time.perf_counter()
+            started, launched = time.perf_counter(), time.time()
             staged, ranks = convert_hf_to_torch_dist(source, root, processes)
             publish_release(Storage(), staged, str(root))
             subprocess.run(["sync"], check=True)
@@ -111,6 +117,8 @@ def main() -> None:
                       f"of the model (goal <= {goal}); its largest writer {r['peak_rss_writers'] / 1e9:.2f} GB "
                       f"= {r['peak_rss_writers'] / size:.2f}; net of the baseline "
                       f"{(r['peak_rss'] - base) / size:.2f}")
+                print(f"    seconds from launch: start-up and imports {r['started_at'] - launched:.2f}, tensors "
+                      f"read and fused {r['read_at'] - launched:.2f}, saved {r['saved_at'] - launched:.2f}")
             shutil.rmtree(root)
     finally:
         shutil.rmtree(work, ignore_errors=True)

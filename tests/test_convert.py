@@ -267,6 +267,21 @@ def test_shares_balance_bytes_and_cover_every_layer_once(tmp_path):
     assert all(share.layers or share.globals_ for share in shares)
 
 
+@pytest.mark.parametrize("uri", ["tiny:qwen3?dtype=bfloat16&max_shard_size=100KB", "tiny:qwen2?dtype=float16"])
+def test_lazy_safetensors_are_exact_views_that_own_only_their_bytes(tmp_path, uri):
+    from slimeflow.stages.convert.stage import read_hf_source
+    from slimeflow.stages.convert.worker import LazySafetensors
+
+    hf = build_tiny_model(tmp_path / "hf", TinyModelSpec.from_uri(uri))
+    expected = hf_tensors(hf)
+    lazy = LazySafetensors(hf, read_hf_source(hf).weight_map)
+    for name, tensor in expected.items():
+        view = lazy[name]
+        assert view.dtype == tensor.dtype and torch.equal(view, tensor), name
+        # megatron-core's writer clones a CPU tensor whose storage is larger than the tensor: these must not be
+        assert view.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Bad inputs: a clear error before anything is written
 # --------------------------------------------------------------------------------------------------------------

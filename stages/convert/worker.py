@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import resource
+import struct
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -62,26 +65,50 @@ class Job:
 
 
 class LazySafetensors(Mapping[str, torch.Tensor]):
-    """HF tensors by name, each read from its memory-mapped safetensors file only when asked for."""
+    """HF tensors by name, each a zero-copy view of its own memory map of its bytes in its safetensors file.
+
+    A tensor's pages become resident only when they are read, and are unmapped when the tensor is freed. So a
+    tensor that only feeds a fusion leaves nothing resident once the fused tensor is made, and one passed on
+    unchanged is read by dist_checkpointing's forked writer, never by this process. (safetensors' `get_tensor`
+    maps the whole file for as long as its handle lives, so every page this process reads stays resident.)
+    """
 
     def __init__(self, directory: str | Path, weight_map: Mapping[str, str]):
         self._directory = Path(directory)
         self._weight_map = dict(weight_map)
-        self._handles: dict[str, Any] = {}
+        self._headers: dict[str, tuple[int, dict[str, Any]]] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
+        path = self._directory / self._weight_map[name]
+        data_start, header = self._header(path)
+        entry = header[name]
+        dtype, shape = _DTYPES[entry["dtype"]], entry["shape"]
+        begin, end = (data_start + offset for offset in entry["data_offsets"])
+        if begin == end:
+            return torch.empty(shape, dtype=dtype)
+        aligned = begin - begin % mmap.ALLOCATIONGRANULARITY  # a map starts on a page boundary
+        with path.open("rb") as file:  # the map outlives the descriptor; ACCESS_COPY: writable, never written back
+            mapped = mmap.mmap(file.fileno(), end - aligned, offset=aligned, access=mmap.ACCESS_COPY)
+        return torch.frombuffer(mapped, dtype=dtype, count=(end - begin) // dtype.itemsize,
+                                offset=begin - aligned).view(shape)
 
-        filename = self._weight_map[name]
-        if filename not in self._handles:
-            self._handles[filename] = safe_open(self._directory / filename, framework="pt", device="cpu")
-        return self._handles[filename].get_tensor(name)
+    def _header(self, path: Path) -> tuple[int, dict[str, Any]]:
+        """(offset of the data, the header's JSON) of a safetensors file: 8-byte length, JSON, data."""
+        if path.name not in self._headers:
+            with path.open("rb") as file:
+                (length,) = struct.unpack("<Q", file.read(8))
+                self._headers[path.name] = (8 + length, json.loads(file.read(length)))
+        return self._headers[path.name]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._weight_map)
 
     def __len__(self) -> int:
         return len(self._weight_map)
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+"""safetensors dtypes the stage accepts (stage.py validates this before any rank starts)."""
 
 
 def peak_rss_bytes() -> dict[str, int]:
@@ -98,8 +125,9 @@ def peak_rss_bytes() -> dict[str, int]:
     return {"peak_rss": own, "peak_rss_writers": children}
 
 
-def convert_share(job: Job, rank: int) -> dict[str, int]:
-    """Convert and save rank `rank`'s share; returns its tensor count and bytes."""
+def convert_share(job: Job, rank: int) -> dict[str, float]:
+    """Convert and save rank `rank`'s share; returns its tensor count and bytes, and when (Unix time) its
+    tensors were read and when they were saved."""
     from slimeflow.stages.convert.torch_dist import save_torch_dist
 
     shape = ModelShape(**job.shape)
@@ -107,8 +135,10 @@ def convert_share(job: Job, rank: int) -> dict[str, int]:
     share = job.shares[rank]
     tensors = hf_to_megatron(LazySafetensors(job.hf_dir, job.weight_map), shape, share.layers, share.globals_)
     args = megatron_args(shape, dtype, job.make_vocab_size_divisible_by, job.tensor_model_parallel_size)
+    counts = {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+    read = time.time()
     save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration)
-    return {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+    return {**counts, "read_at": read, "saved_at": time.time()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("job", type=Path)
     parser.add_argument("rank", type=int)
     options = parser.parse_args(argv)
+    started = time.time()
     job = Job.read(options.job)
     torch.distributed.init_process_group("gloo", init_method=job.init_method, rank=options.rank,
                                          world_size=len(job.shares), timeout=JOB_TIMEOUT)
@@ -124,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
-    result = {"rank": options.rank, **written, **peak_rss_bytes()}
+    result = {"rank": options.rank, "started_at": started, **written, **peak_rss_bytes()}
     (options.job.parent / f"rank-{options.rank}.json").write_text(json.dumps(result), encoding="utf-8")
     return 0
 
