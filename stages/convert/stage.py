@@ -222,7 +222,10 @@ def convert_hf_to_torch_dist(source: HFSource, root: Path, processes: int = 1, m
 
 def _launch(job_path: Path, processes: int) -> None:
     """Run every rank as a subprocess; if one fails, stop the others and raise with its stderr."""
-    command = [sys.executable, "-m", "slimeflow.stages.convert.worker", str(job_path)]
+    # `-c`, not `-m`: megatron-core's writer starts a spawn-context multiprocessing manager, and a spawned child
+    # re-imports a `-m` main module (the worker: torch, megatron) before it serves; with `-c` it imports nothing.
+    command = [sys.executable, "-c", "import sys; from slimeflow.stages.convert.worker import main; sys.exit(main())",
+               str(job_path)]
     logs = [job_path.parent / f"rank-{r}.log" for r in range(processes)]
     procs = []
     for rank, log in enumerate(logs):
