@@ -1,7 +1,9 @@
 """The pipeline: model -> convert -> preprocess -> train -> evaluate -> export, each a subflow.
 
-The chain grows as stages land; today it runs the stages listed in slimeflow.stages.RUNNERS. A later stage that
-is not given its own `--hf-checkpoint` uses the model stage's resolved local copy.
+Each stage reads the outputs of the ones before it unless its own config names them: the model stage's local
+checkpoint is everyone's --hf-checkpoint, the converted torch_dist is train's --ref-load, the preprocess stage's
+parquet is train's --prompt-data and its eval sets everyone's --eval-prompt-data, the trained checkpoint is what
+evaluate and export read. A rerun skips every stage whose inputs, config and code are unchanged (flows.stages).
 """
 
 from __future__ import annotations
@@ -9,35 +11,32 @@ from __future__ import annotations
 from prefect import flow
 
 from slimeflow.config.pipeline import PipelineConfig
-from slimeflow.flows.stages import convert_flow, model_flow, preprocess_flow, tracker_for
-from slimeflow.stages.convert.config import ConvertConfig
-from slimeflow.stages.preprocess.config import PreprocessConfig
+from slimeflow.flows import wiring
+from slimeflow.flows.stages import (convert_flow, evaluate_flow, export_flow, model_flow, preprocess_flow,
+                                    tracker_for, train_flow)
 
 
 @flow(name="slimeflow-pipeline", log_prints=True)
 def pipeline_flow(config: PipelineConfig) -> dict[str, dict]:
     """Run the configured stages in order under one MLflow run; returns each stage's manifest."""
     settings = config.settings()
-    manifests: dict[str, dict] = {}
+    m: dict[str, dict] = {}
     with tracker_for(settings).run(config.name, {"stages": ",".join(config.stages)}) as run_id:
+        run = {"settings": settings, "parent_run_id": run_id}
         if "model" in config.stages:
-            manifests["model"] = model_flow(config.model, settings, parent_run_id=run_id)
+            m["model"] = model_flow(config.model, **run)
         if "convert" in config.stages:
-            convert = with_model_checkpoint(config.convert, manifests.get("model"))
-            manifests["convert"] = convert_flow(convert, settings, parent_run_id=run_id)
+            m["convert"] = convert_flow(wiring.convert(config.convert, m), **run, upstream=wiring.inputs(m, "model"))
         if "preprocess" in config.stages:
-            preprocess = with_model_checkpoint(config.preprocess, manifests.get("model"))
-            manifests["preprocess"] = preprocess_flow(preprocess, settings, parent_run_id=run_id)
-    return manifests
-
-
-def with_model_checkpoint(config: ConvertConfig | PreprocessConfig, model: dict | None):
-    """`config` with the model stage's local checkpoint as its --hf-checkpoint, unless it names its own.
-
-    Convert converts it (hf-to-torch-dist); preprocess takes its tokenizer (chat template, token counts).
-    """
-    if config.hf_checkpoint is not None or model is None:
-        return config
-    if isinstance(config, ConvertConfig) and config.direction != "hf-to-torch-dist":
-        return config
-    return config.model_copy(update={"hf_checkpoint": model["outputs"]["hf_checkpoint"]})
+            m["preprocess"] = preprocess_flow(wiring.preprocess(config.preprocess, m), **run,
+                                              upstream=wiring.inputs(m, "model"))
+        if "train" in config.stages:
+            m["train"] = train_flow(wiring.train(config.train, m), **run,
+                                    upstream=wiring.inputs(m, "model", "convert", "preprocess"))
+        if "evaluate" in config.stages:
+            m["evaluate"] = evaluate_flow(wiring.evaluate(config.evaluate, m), **run,
+                                          upstream=wiring.inputs(m, "model", "preprocess", "train"))
+        if "export" in config.stages:
+            m["export"] = export_flow(wiring.export(config.export, m), **run,
+                                      upstream=wiring.inputs(m, "model", "convert", "train"))
+    return m

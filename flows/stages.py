@@ -1,21 +1,33 @@
-"""One Prefect flow per stage. Each body calls the stage's `run` and publishes its manifest; no ML logic here."""
+"""One Prefect flow per stage. Each body calls the stage's `run` and publishes its manifest; no ML logic here.
+
+A stage whose cache key (its config, the content hashes of the manifests it reads, the code version; never the
+run id) equals the key of the manifest already at <output>/manifests/<stage>.json, and whose outputs still
+exist, is skipped: its manifest is returned as it is. A stage that did not finish wrote no manifest, so it runs
+again (and the train stage resumes from its latest checkpoint).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from slimeflow import code_version
 from slimeflow.config.pipeline import RunSettings
-from slimeflow.io.storage import Storage
+from slimeflow.io.storage import Storage, is_local, join
 from slimeflow.io.tracking import Tracker
-from slimeflow.manifest import Manifest
+from slimeflow.manifest import MANIFEST_DIR, Manifest, config_hash
 from slimeflow.stages import runner
 from slimeflow.stages.base import StageContext
 from slimeflow.stages.convert.config import ConvertConfig
+from slimeflow.stages.evaluate.config import EvaluateConfig
+from slimeflow.stages.export.config import ExportConfig
 from slimeflow.stages.model.config import ModelConfig
 from slimeflow.stages.preprocess.config import PreprocessConfig
+from slimeflow.stages.rl.config import TrainConfig
 
 
 def tracker_for(settings: RunSettings) -> Tracker:
@@ -24,17 +36,48 @@ def tracker_for(settings: RunSettings) -> Tracker:
     return Tracker(settings.tracking_uri(), settings.name, artifact_location=artifacts)
 
 
-def execute_stage(stage: str, config, settings: RunSettings, parent_run_id: str | None) -> dict:
-    """Run one stage inside a nested MLflow run, write its manifest, link it as a Prefect artifact."""
+def cache_key(stage: str, config, upstream: list[dict] | None) -> str:
+    """sha256 of the stage, its config, the content hashes of its inputs' manifests and the code version."""
+    inputs = sorted((m["stage"], m.get("hashes", {}).get("content", "")) for m in upstream or [])
+    payload = json.dumps([stage, config_hash(config), inputs, code_version()], separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def cached_manifest(storage: Storage, output: str, stage: str, key: str) -> Manifest | None:
+    """The manifest already written for `key`, if its outputs are all still there."""
+    uri = join(output, MANIFEST_DIR, f"{stage}.json")
+    if not storage.exists(uri):
+        return None
+    manifest = Manifest.read(storage, uri)
+    if manifest.hashes.get("cache_key") != key:
+        return None
+    paths = [v for v in manifest.outputs.values() if isinstance(v, str) and ("://" in v or v.startswith("/"))]
+    if not all(storage.exists(p) for p in paths if is_local(p) or p.startswith("s3://")):
+        return None
+    return manifest
+
+
+def execute_stage(stage: str, config, settings: RunSettings, parent_run_id: str | None,
+                  upstream: list[dict] | None = None) -> dict:
+    """Run one stage inside a nested MLflow run (or skip it when cached), write its manifest, link it in Prefect."""
     storage = Storage(settings.infra.s3())
     workdir = Path(settings.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    context = StageContext(storage, workdir, settings.output, settings.show_progress)
+    key = cache_key(stage, config, upstream)
+    cached = cached_manifest(storage, settings.output, stage, key)
+    if cached is not None:
+        get_run_logger().info("%s: inputs, config and code unchanged; reusing %s", stage,
+                              join(settings.output, MANIFEST_DIR, f"{stage}.json"))
+        return cached.model_dump(mode="json")
     tracker = tracker_for(settings)
     with tracker.run(stage, {stage: config.model_dump(mode="json")}, parent_run_id=parent_run_id) as run_id:
+        context = StageContext(storage, workdir, settings.output, settings.show_progress,
+                               log_metrics=lambda metrics, step: tracker.log_metrics(run_id, metrics, step),
+                               ray_address=settings.infra.ray_address)
         manifest: Manifest = runner(stage)(config, context)
+        manifest.hashes["cache_key"] = key
         uri, record = manifest.write(storage, settings.output)
-        tracker.log_metrics(run_id, {f"{stage}.{k}": v for k, v in manifest.counts.items()})
+        tracker.log_metrics(run_id, {**{f"{stage}.{k}": v for k, v in manifest.counts.items()}, **manifest.metrics})
         tracker.set_tags(run_id, {"manifest_uri": uri, "manifest_sha256": record.sha256,
                                   **{f"output.{k}": v for k, v in manifest.outputs.items()}})
     publish(stage, manifest, uri)
@@ -43,8 +86,9 @@ def execute_stage(stage: str, config, settings: RunSettings, parent_run_id: str 
 
 
 def publish(stage: str, manifest: Manifest, uri: str) -> None:
-    """A Prefect artifact linking the manifest and listing the stage's outputs and counts."""
-    rows = [f"| {k} | `{v}` |" for k, v in {**manifest.outputs, **manifest.counts, **manifest.hashes}.items()]
+    """A Prefect artifact linking the manifest and listing the stage's outputs, counts and metrics."""
+    values = {**manifest.outputs, **manifest.counts, **manifest.metrics, **manifest.hashes}
+    rows = [f"| {k} | `{v}` |" for k, v in values.items()]
     markdown = "\n".join([f"### {stage}", f"manifest: `{uri}`", "", "| | |", "|---|---|", *rows])
     create_markdown_artifact(key=f"slimeflow-{stage}", markdown=markdown, description=f"{stage} manifest")
 
@@ -56,11 +100,35 @@ def model_flow(config: ModelConfig, settings: RunSettings | None = None, parent_
 
 
 @flow(name="slimeflow-convert", log_prints=True)
-def convert_flow(config: ConvertConfig, settings: RunSettings | None = None, parent_run_id: str | None = None) -> dict:
+def convert_flow(config: ConvertConfig, settings: RunSettings | None = None, parent_run_id: str | None = None,
+                 upstream: list[dict] | None = None) -> dict:
     """HF <-> Megatron torch_dist conversion (hf-to-torch-dist or torch-dist-to-hf)."""
-    return execute_stage("convert", config, settings or RunSettings(), parent_run_id)
+    return execute_stage("convert", config, settings or RunSettings(), parent_run_id, upstream)
+
+
 @flow(name="slimeflow-preprocess", log_prints=True)
 def preprocess_flow(config: PreprocessConfig, settings: RunSettings | None = None,
-                    parent_run_id: str | None = None) -> dict:
+                    parent_run_id: str | None = None, upstream: list[dict] | None = None) -> dict:
     """Raw datasets -> prompt parquet per named set, with a quarantine of bad rows and a manifest."""
-    return execute_stage("preprocess", config, settings or RunSettings(), parent_run_id)
+    return execute_stage("preprocess", config, settings or RunSettings(), parent_run_id, upstream)
+
+
+@flow(name="slimeflow-train", log_prints=True)
+def train_flow(config: TrainConfig, settings: RunSettings | None = None, parent_run_id: str | None = None,
+               upstream: list[dict] | None = None) -> dict:
+    """The Ray-hosted rollout/train loop; resumes from the latest checkpoint under --load (default --save)."""
+    return execute_stage("train", config, settings or RunSettings(), parent_run_id, upstream)
+
+
+@flow(name="slimeflow-evaluate", log_prints=True)
+def evaluate_flow(config: EvaluateConfig, settings: RunSettings | None = None, parent_run_id: str | None = None,
+                  upstream: list[dict] | None = None) -> dict:
+    """A checkpoint on named eval sets (avg@n, pass@k)."""
+    return execute_stage("evaluate", config, settings or RunSettings(), parent_run_id, upstream)
+
+
+@flow(name="slimeflow-export", log_prints=True)
+def export_flow(config: ExportConfig, settings: RunSettings | None = None, parent_run_id: str | None = None,
+                upstream: list[dict] | None = None) -> dict:
+    """A torch_dist checkpoint -> HF safetensors with config and tokenizer, uploaded with checksums."""
+    return execute_stage("export", config, settings or RunSettings(), parent_run_id, upstream)

@@ -27,6 +27,8 @@ class Manifest(BaseModel):
     counts: dict[str, int] = Field(default_factory=dict)
     hashes: dict[str, str] = Field(default_factory=dict)
     """Content hashes; `content` is the hash of all artifacts, the input of downstream cache keys."""
+    metrics: dict[str, float] = Field(default_factory=dict)
+    """Scores and figures logged to MLflow with the counts (eval scores, final losses)."""
     facts: dict[str, Any] = Field(default_factory=dict)
     """Small stage-specific values (model type, vocabulary size, ...)."""
     config: dict[str, Any] = Field(default_factory=dict)

@@ -16,6 +16,9 @@ RUNNERS: dict[str, str] = {
     "model": "slimeflow.stages.model.stage:run",
     "convert": "slimeflow.stages.convert.stage:run",
     "preprocess": "slimeflow.stages.preprocess.stage:run",
+    "train": "slimeflow.stages.rl.stage:run",
+    "evaluate": "slimeflow.stages.evaluate.stage:run",
+    "export": "slimeflow.stages.export.stage:run",
 }
 
 

@@ -68,10 +68,12 @@ def origin_family(origin: Path) -> tuple[dict, Family]:
     return hf_config, family
 
 
-def write_hf(checkpoint_dir: Path, output: Path, origin: Path, vocab_size: int | None = None) -> int:
+def write_hf(checkpoint_dir: Path, output: Path, origin: Path, vocab_size: int | None = None,
+             max_shard_bytes: int = MAX_SHARD_BYTES) -> int:
     """Write the HF directory of a torch_dist checkpoint directory to `output` (atomically: staged, renamed).
 
-    Returns the number of tensors written. `vocab_size` defaults to the origin config's.
+    Returns the number of tensors written. `vocab_size` defaults to the origin config's; shards hold at most
+    `max_shard_bytes` (a single larger tensor is a shard of its own).
     """
     hf_config, family = origin_family(origin)
     args = read_common(checkpoint_dir)["args"]
@@ -81,7 +83,7 @@ def write_hf(checkpoint_dir: Path, output: Path, origin: Path, vocab_size: int |
     staging = output.with_name(f".{output.name}.tmp-{uuid.uuid4().hex[:8]}")
     staging.mkdir()
     try:
-        weight_map = _write_shards(checkpoint_dir, staging, shape, plan)
+        weight_map = _write_shards(checkpoint_dir, staging, shape, plan, max_shard_bytes)
         _copy_non_weights(origin, staging)
         replace_dir(staging, output)
     except BaseException:
@@ -102,7 +104,7 @@ def _plan(shape: ModelShape, available: dict, checkpoint_dir: Path) -> list[tupl
 
 
 def _write_shards(checkpoint_dir: Path, staging: Path, shape: ModelShape,
-                  plan: list[tuple[str, tuple[str, ...]]]) -> dict[str, str]:
+                  plan: list[tuple[str, tuple[str, ...]]], max_shard_bytes: int) -> dict[str, str]:
     from safetensors.torch import save_file
 
     weight_map: dict[str, str] = {}
@@ -113,7 +115,7 @@ def _write_shards(checkpoint_dir: Path, staging: Path, shape: ModelShape,
         is_layer = key.startswith("decoder.layers.")
         hf = megatron_to_hf(unstack_layers(loaded), shape, range(shape.num_layers) if is_layer else (),
                             () if is_layer else names, rules=names if is_layer else None)
-        for tensors in _chunks(hf):
+        for tensors in _chunks(hf, max_shard_bytes):
             parts.append(staging / f"part-{len(parts):05d}.safetensors")
             save_file(tensors, str(parts[-1]), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, parts[-1].name))
@@ -129,13 +131,13 @@ def _write_shards(checkpoint_dir: Path, staging: Path, shape: ModelShape,
     return weight_map
 
 
-def _chunks(tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    """Split a dict of tensors into shards of at most MAX_SHARD_BYTES (a single larger tensor is its own)."""
+def _chunks(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Split a dict of tensors into shards of at most `max_bytes` (a single larger tensor is its own)."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in tensors.items():
         nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
+        if shards[-1] and size + nbytes > max_bytes:
             shards.append({})
             size = 0
         shards[-1][name] = tensor

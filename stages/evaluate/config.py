@@ -11,7 +11,7 @@ class EvaluateConfig(ConfigModel):
     """Evaluate a checkpoint on named eval sets (avg reward, pass@k over n samples)."""
 
     load: str | None = None
-    """Checkpoint to evaluate: a torch_dist root (latest), release/ or iter_XXXXXXX/."""
+    """Checkpoint to evaluate: a torch_dist root (latest), release/ or iter_XXXXXXX/ (unset: the HF weights)."""
     hf_checkpoint: str | None = None
     """HF directory of the tokenizer and config."""
     eval_prompt_data: dict[str, str] = Field(default_factory=dict)
@@ -28,3 +28,9 @@ class EvaluateConfig(ConfigModel):
     """Top-k; -1 disables it."""
     rm_type: str | None = None
     """Built-in reward used to score responses (metadata['rm_type'] overrides)."""
+    custom_rm_path: str | None = None
+    """async reward(args, sample) -> float, as in training."""
+    apply_chat_template: bool = False
+    """Render message-list prompts with the tokenizer's chat template."""
+    rollout_seed: int = 42
+    """Seed of the sampling (each response's seed derives from it)."""

@@ -131,7 +131,8 @@ class RewardConfig(ConfigModel):
     """How responses are scored."""
 
     rm_type: str | None = None
-    """Built-in reward: math, deepscaler, dapo, f1, gpqa (a `boxed_` prefix is accepted); metadata['rm_type'] overrides."""
+    """Built-in reward: math, deepscaler, dapo, f1, gpqa, prefix_match (a `boxed_` prefix is accepted);
+    metadata['rm_type'] overrides."""
     custom_rm_path: PluginPath = None
     """async reward(args, sample) -> float, or a group function with group_rm."""
     rm_url: str | None = None

@@ -79,6 +79,12 @@ class DynamicSampler:
         self.requested += self.over_sampling_batch_size
         return self.over_sampling_batch_size
 
+    def withdraw(self) -> None:
+        """Forget one requested group that will not be offered (its generation was aborted; it is asked again)."""
+        if self.in_flight <= 0:
+            raise ValueError("withdraw() with no group in flight")
+        self.requested -= 1
+
     def offer(self, group: Sequence[Sample]) -> bool:
         """Account for one finished group; returns whether it was kept."""
         if self.finished >= self.requested:

@@ -111,7 +111,16 @@ def gpqa_reward(response: str, label: str | None, metadata: dict[str, Any], judg
     return float(choice_letter(after_thinking(response) or response, letters) == gold)
 
 
+def prefix_match_reward(response: str, label: str | None, metadata: dict[str, Any], judge: MathJudge) -> float:
+    """1.0 when the response, leading whitespace removed, starts with the label (short exact answers), else 0.0."""
+    gold = _need_label(label, "prefix_match").strip()
+    if not gold:
+        raise ValueError("rm_type 'prefix_match' needs a non-empty label")
+    return float(response.lstrip().startswith(gold))
+
+
 BUILTIN_REWARDS: dict[str, BuiltinReward] = {
+    "prefix_match": prefix_match_reward,
     "math": math_reward,
     "deepscaler": deepscaler_reward,
     "dapo": dapo_reward,

@@ -1,0 +1,91 @@
+"""The evaluate stage: a checkpoint on named eval sets (avg@n, pass@k) through the same rollout engine and
+rollout code as training. A torch_dist checkpoint is converted to HF first (the convert stage's reader); with no
+`--load`, the HF checkpoint's own weights are evaluated."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from slimeflow.io import checkpoints
+from slimeflow.io.storage import join, local_path
+from slimeflow.manifest import Manifest
+from slimeflow.stages.base import StageContext, StageInputError
+from slimeflow.stages.evaluate.config import EvaluateConfig
+
+
+def run(config: EvaluateConfig, ctx: StageContext) -> Manifest:
+    """Evaluate; the manifest's metrics hold eval/<set>/avg@n and eval/<set>/pass@k for every set."""
+    from slimeflow.stages.rl.engine.launch import start_engine
+
+    sets = _eval_sets(config, ctx)
+    model_dir, source = _model_dir(config, ctx)
+    with start_engine(str(model_dir)) as engine:
+        metrics = asyncio.run(_evaluate(config, str(model_dir), engine.url, sets))
+    results = join(ctx.output, "evaluate", "results.json")
+    ctx.storage.write_text(results, json.dumps({"checkpoint": source, "metrics": metrics}, indent=2))
+    return Manifest(stage="evaluate", outputs={"results": results, "checkpoint": source},
+                    counts={"sets": len(sets), "prompts": sum(len(p) for p in sets.values())},
+                    metrics=metrics, config=config.model_dump(mode="json"))
+
+
+async def _evaluate(config: EvaluateConfig, model_dir: str, url: str, sets: dict) -> dict[str, float]:
+    from transformers import AutoTokenizer
+
+    from slimeflow.stages.rl.config import TrainConfig
+    from slimeflow.stages.rl.engine.client import EngineClient
+    from slimeflow.stages.rl.evaluation import EvalSettings, evaluate_sets
+    from slimeflow.stages.rl.rewards import RewardScorer
+    from slimeflow.stages.rl.rollout import RolloutContext, sampling_params
+
+    train = TrainConfig.model_validate({
+        "batch": {"rollout_batch_size": 1, "num_rollout": 1},
+        "data": {"apply_chat_template": config.apply_chat_template, "rollout_seed": config.rollout_seed},
+        "reward": {"rm_type": config.rm_type, "custom_rm_path": config.custom_rm_path},
+        "rollout": {"rollout_max_response_len": config.eval_max_response_len or 1024},
+    })
+    params = sampling_params(train.rollout, temperature=config.eval_temperature, top_p=config.eval_top_p,
+                             top_k=config.eval_top_k)
+    scorer = RewardScorer(train.reward)
+    try:
+        ctx = RolloutContext(train, AutoTokenizer.from_pretrained(model_dir), EngineClient(url), scorer)
+        return await evaluate_sets(ctx, sets, EvalSettings(config.n_samples_per_eval_prompt, params))
+    finally:
+        scorer.close()
+
+
+def _eval_sets(config: EvaluateConfig, ctx: StageContext) -> dict[str, list]:
+    from slimeflow.stages.preprocess.reader import PromptDataset
+
+    if not config.eval_prompt_data:
+        raise StageInputError("the evaluate stage has no eval set", ["--eval-prompt-data is empty"],
+                              "Pass --eval-prompt-data NAME PATH [NAME PATH ...] (the preprocess stage's eval sets).")
+    sets, problems = {}, []
+    for name, uri in config.eval_prompt_data.items():
+        try:
+            sets[name] = list(PromptDataset(uri, ctx.storage))
+        except Exception as exc:  # every unreadable set is reported, not just the first
+            problems.append(f"{name}: {uri}: {exc}")
+    if problems:
+        raise StageInputError("--eval-prompt-data", problems, "Point each set at prompt parquet (a file or directory).")
+    return sets
+
+
+def _model_dir(config: EvaluateConfig, ctx: StageContext) -> tuple[Path, str]:
+    """The HF directory the engine serves, and what it came from."""
+    from slimeflow.stages.convert.export import write_hf
+
+    if config.hf_checkpoint is None or not Path(config.hf_checkpoint, "config.json").is_file():
+        raise StageInputError("--hf-checkpoint", [f"{config.hf_checkpoint!r} is not an HF directory with config.json"],
+                              "Give the HF directory of the tokenizer and config (the model stage's checkpoint).")
+    if config.load is None:
+        return Path(config.hf_checkpoint), config.hf_checkpoint
+    try:
+        ref = checkpoints.resolve(ctx.storage, config.load)
+    except checkpoints.CheckpointError as err:
+        raise StageInputError(f"--load {config.load}", [str(err)],
+                              "Point it at a checkpoint root, release/ or an iter_XXXXXXX/ directory.") from None
+    target = ctx.workdir / "evaluate" / "hf"
+    write_hf(local_path(ref.uri), target, Path(config.hf_checkpoint))
+    return target, ref.uri

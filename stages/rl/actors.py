@@ -1,0 +1,162 @@
+"""The Ray actors of the loop: a RolloutManager (data, engines, rollout function) and a group of TrainActors.
+
+The RolloutManager owns the buffered data source, the rollout engines (embedded engines started here, with the
+real sglang-router in front of two or more, or external SGLang servers named by --sglang-worker-urls /
+--sglang-router-ip/port) and the rollout function; it returns the train batch as a Ray object that the
+TrainActors read directly. Each TrainActor is one data-parallel rank holding a training backend. Weights go
+from rank 0 to every engine, versioned: version `k` is the policy that generates rollout `k`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.stages.rl.data_source import BufferedDataSource, DataSource
+from slimeflow.stages.rl.evaluation import EvalSettings, evaluate_sets
+from slimeflow.stages.rl.plugins import load_plugin
+from slimeflow.stages.rl.rewards import RewardScorer
+from slimeflow.stages.rl.rollout import RolloutContext, generate_rollout, sampling_params
+from slimeflow.stages.rl.types import TrainBatch
+
+
+@dataclass(frozen=True)
+class RolloutSetup:
+    """What the RolloutManager is built from besides the train config."""
+
+    hf_checkpoint: str
+    prompt_data: str
+    eval_prompt_data: dict[str, str]
+    num_engines: int = 1
+    engine_threads: int | None = None
+    concurrency: int = 64
+
+
+class RolloutManager:
+    """Data source + buffer, engines (and router), rewards and the rollout function, in one Ray actor."""
+
+    def __init__(self, config: TrainConfig, setup: RolloutSetup):
+        from transformers import AutoTokenizer
+
+        from slimeflow.stages.rl.data_source import pop_first
+        from slimeflow.stages.rl.engines import EngineSet
+
+        self.config = config
+        self.setup = setup
+        self.loop = asyncio.new_event_loop()
+        self.tokenizer = AutoTokenizer.from_pretrained(setup.hf_checkpoint)
+        source = DataSource.from_prompt_data(setup.prompt_data, n_samples_per_prompt=config.batch.n_samples_per_prompt,
+                                             shuffle=config.data.rollout_shuffle, seed=config.data.rollout_seed)
+        buffer_filter = (load_plugin(config.rollout.buffer_filter_path, "buffer-filter-path")
+                         if config.rollout.buffer_filter_path else pop_first)
+        self.data = BufferedDataSource(source, buffer_filter)
+        self.eval_sets = {name: _prompts(uri) for name, uri in setup.eval_prompt_data.items()}
+        self.scorer = RewardScorer(config.reward)
+        self.engines = EngineSet.start(setup.hf_checkpoint, config.sglang.args, setup.num_engines,
+                                       setup.engine_threads)
+
+    def _context(self, version: str | None) -> RolloutContext:
+        return RolloutContext(self.config, self.tokenizer, self.engines.client(), self.scorer,
+                              concurrency=self.setup.concurrency, weight_version=version)
+
+    def generate(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float], list[list[str]]]:
+        """Rollout `rollout_id` with the weights of version `rollout_id`: (train batch, metrics, row ids per group)."""
+        ctx = self._context(str(rollout_id))
+        result = self.loop.run_until_complete(generate_rollout(ctx, self.data, rollout_id))
+        row_ids = [[str(s.metadata.get("row_id", s.prompt)) for s in group] for group in result.groups]
+        return TrainBatch.from_samples(result.samples), result.metrics, row_ids
+
+    def evaluate(self, version: str | None) -> dict[str, float]:
+        """Every eval set with the eval sampling settings (eval_* flags, else the rollout's)."""
+        if not self.eval_sets:
+            return {}
+        ev, ro = self.config.eval, self.config.rollout
+        params = sampling_params(ro, ev.eval_max_response_len, ev.eval_temperature, ev.eval_top_p, ev.eval_top_k)
+        settings = EvalSettings(ev.n_samples_per_eval_prompt, params)
+        return self.loop.run_until_complete(evaluate_sets(self._context(version), self.eval_sets, settings))
+
+    def update_weights(self, named_tensors: Mapping[str, Any], version: str) -> str:
+        """Push the trainer's weights to every engine; returns the version all of them now serve."""
+        return self.loop.run_until_complete(self.engines.update_weights(named_tensors, version))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position and the buffer (saved with every checkpoint)."""
+        return self.data.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.data.load_state_dict(state)
+
+    def shutdown(self) -> None:
+        self.scorer.close()
+        self.engines.stop()
+
+
+class TrainActor:
+    """One data-parallel rank: a training backend, its checkpoints and its share of every global batch."""
+
+    def __init__(self, config: TrainConfig, hf_checkpoint: str, rank: int, world_size: int, init_method: str,
+                 total_steps: int, num_threads: int | None = None):
+        import torch
+
+        from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        if config.placement.train_backend != "torch":
+            raise ValueError("--train-backend megatron is not available in this version; use --train-backend torch")
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.backend = TorchBackend(hf_checkpoint=hf_checkpoint, optimizer=config.optimizer,
+                                    algorithm=config.algorithm, batch=config.batch, seed=config.seed, rank=rank,
+                                    world_size=world_size, init_method=init_method, total_steps=total_steps)
+
+    def load(self) -> tuple[int, dict[str, Any]]:
+        """slime's start: the latest checkpoint of --load, else --ref-load's weights, else the HF weights.
+        Returns (the first rollout id to run, the saved extra state: data position, ...)."""
+        from slimeflow.stages.rl.backend.checkpoint import load_checkpoint, resolve_start
+
+        ckpt = self.config.checkpoint
+        start = resolve_start(ckpt.load, ckpt.ref_load)
+        extra = load_checkpoint(self.backend, start) if start is not None else {}
+        first = extra.get("rollout_id", -1) + 1 if "rollout_id" in extra else 0
+        return (ckpt.start_rollout_id if ckpt.start_rollout_id is not None else first), extra
+
+    def train(self, rollout_id: int, batch: TrainBatch) -> dict[str, float]:
+        from slimeflow.stages.rl.train_step import train_on_rollout
+
+        return train_on_rollout(self.backend, batch, self.config, rank=self.rank, world_size=self.world_size)
+
+    def named_weights(self) -> dict[str, Any]:
+        return self.backend.named_weights()
+
+    def save(self, rollout_id: int, extra_state: dict[str, Any]) -> str:
+        from slimeflow.stages.rl.backend.checkpoint import save_checkpoint
+
+        ref = save_checkpoint(self.backend, self.config.checkpoint.save, rollout_id,
+                              {**extra_state, "rollout_id": rollout_id})
+        return ref.uri
+
+
+class LoopError(RuntimeError):
+    """A failure inside an actor, re-raised on the driver with the actor, the call and the cause's message."""
+
+
+def call(ref: Any, what: str) -> Any:
+    """ray.get with the cause's own message instead of a stack of Ray wrappers."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as err:
+        cause = err.cause if getattr(err, "cause", None) is not None else err
+        raise LoopError(f"{what} failed: {type(cause).__name__}: {cause}") from None
+    except ray.exceptions.RayActorError as err:
+        raise LoopError(f"{what} failed: the actor died ({err.__class__.__name__}); see its log above") from None
+
+
+def _prompts(uri: str) -> list[dict[str, Any]]:
+    from slimeflow.stages.preprocess.reader import PromptDataset
+
+    return list(PromptDataset(uri))

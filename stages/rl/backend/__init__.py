@@ -1,0 +1,1 @@
+"""Training backends: the torch backend (transformers model + AdamW) and its torch_dist checkpoints."""

@@ -1,0 +1,70 @@
+"""The loop, as slime's train.py: generate -> train -> save -> update weights -> evaluate, for num_rollout rollouts.
+
+Placement, engines, backends and checkpoints live in the actors (actors.py); this file is the algorithm.
+`on_metrics(metrics, step)` receives every rollout's metrics (MLflow in the train stage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from slimeflow.stages.rl.placement import Placement
+
+Metrics = dict[str, float]
+
+
+@dataclass
+class LoopResult:
+    """What the loop did: the rollouts it ran, the prompt row ids of each, the last checkpoint and eval scores."""
+
+    start_rollout_id: int
+    num_rollout: int
+    row_ids: dict[int, list[list[str]]] = field(default_factory=dict)
+    checkpoint: str | None = None
+    eval_history: dict[int, Metrics] = field(default_factory=dict)
+    last_metrics: Metrics = field(default_factory=dict)
+
+
+def train(placement: Placement, num_rollout: int, on_metrics: Callable[[Metrics, int], None]) -> LoopResult:
+    """Run rollouts [start, num_rollout) where start follows the loaded checkpoint (0 on a fresh run)."""
+    config = placement.config
+    rollout_manager, actor_group = placement.rollout_manager, placement.actor_group
+    start_rollout_id, saved_state = actor_group.load()
+    result = LoopResult(start_rollout_id, num_rollout)
+    if start_rollout_id >= num_rollout:
+        return result  # a finished run, started again: nothing left to do
+    if saved_state.get("data_source"):
+        rollout_manager.load_state_dict(saved_state["data_source"])
+    actor_group.update_weights(rollout_manager, version=start_rollout_id)
+
+    if config.eval.eval_interval and not config.eval.skip_eval_before_train:
+        result.eval_history[start_rollout_id] = evaluate(rollout_manager, start_rollout_id, on_metrics)
+
+    for rollout_id in range(start_rollout_id, num_rollout):
+        batch, rollout_metrics, result.row_ids[rollout_id] = rollout_manager.generate(rollout_id)
+        train_metrics = actor_group.train(rollout_id, batch)
+
+        if should_run(config.checkpoint.save_interval, rollout_id, num_rollout):
+            result.checkpoint = actor_group.save(rollout_id, {"data_source": rollout_manager.state_dict()})
+
+        actor_group.update_weights(rollout_manager, version=rollout_id + 1)
+
+        if should_run(config.eval.eval_interval, rollout_id, num_rollout):
+            result.eval_history[rollout_id + 1] = evaluate(rollout_manager, rollout_id + 1, on_metrics)
+        result.last_metrics = {**rollout_metrics, **train_metrics}
+        on_metrics(result.last_metrics, rollout_id)
+    return result
+
+
+def should_run(interval: int | None, rollout_id: int, num_rollout: int) -> bool:
+    """Every `interval` rollouts and after the last one (slime saves and evaluates at the end too)."""
+    if interval is None:
+        return False
+    return (rollout_id + 1) % interval == 0 or rollout_id + 1 == num_rollout
+
+
+def evaluate(rollout_manager, version: int, on_metrics: Callable[[Metrics, int], None]) -> Metrics:
+    metrics = rollout_manager.evaluate(str(version))
+    on_metrics(metrics, version)
+    return metrics

@@ -1,0 +1,120 @@
+"""Placement on Ray: start (or join) Ray, create the RolloutManager and the TrainActor group, and wrap them so the
+loop calls plain methods. Colocated on one machine by default (the engines idle while the trainer works).
+
+On a CPU the actors ask Ray for no CPU (they alternate, and torch's threads are set explicitly); on GPUs each
+TrainActor asks for one GPU (`--actor-num-nodes x --actor-num-gpus-per-node` ranks).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from slimeflow.stages.rl.actors import LoopError, RolloutManager, RolloutSetup, TrainActor, call
+from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.stages.rl.types import TrainBatch
+
+
+class RolloutManagerHandle:
+    """The loop's view of the RolloutManager actor: blocking calls, the train batch kept as a Ray object."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def generate(self, rollout_id: int) -> tuple[Any, dict[str, float], list[list[str]]]:
+        batch_ref, metrics_ref, rows_ref = self.actor.generate.options(num_returns=3).remote(rollout_id)
+        return batch_ref, call(metrics_ref, f"rollout {rollout_id}"), call(rows_ref, f"rollout {rollout_id}")
+
+    def evaluate(self, version: str) -> dict[str, float]:
+        return call(self.actor.evaluate.remote(version), f"evaluation with weights {version}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return call(self.actor.state_dict.remote(), "reading the data-source state")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        call(self.actor.load_state_dict.remote(state), "restoring the data-source state")
+
+    def shutdown(self) -> None:
+        call(self.actor.shutdown.remote(), "stopping the rollout engines")
+
+
+class ActorGroup:
+    """The TrainActors (one per data-parallel rank), called together."""
+
+    def __init__(self, actors: list[Any]):
+        self.actors = actors
+
+    def _all(self, method: str, *args: Any, what: str) -> list[Any]:
+        return call([getattr(a, method).remote(*args) for a in self.actors], what)
+
+    def load(self) -> tuple[int, dict[str, Any]]:
+        return self._all("load", what="loading the checkpoint")[0]
+
+    def train(self, rollout_id: int, batch: TrainBatch | Any) -> dict[str, float]:
+        return self._all("train", rollout_id, batch, what=f"training on rollout {rollout_id}")[0]
+
+    def save(self, rollout_id: int, extra_state: dict[str, Any]) -> str:
+        return self._all("save", rollout_id, extra_state, what=f"saving checkpoint {rollout_id}")[0]
+
+    def update_weights(self, rollout_manager: RolloutManagerHandle, version: int) -> None:
+        weights = self.actors[0].named_weights.remote()  # rank 0's replica; ranks are identical after a step
+        call(rollout_manager.actor.update_weights.remote(weights, str(version)), f"pushing weights {version}")
+
+
+@dataclass
+class Placement:
+    """The actors of one training run; `shutdown()` stops the engines and releases the actors."""
+
+    config: TrainConfig
+    rollout_manager: RolloutManagerHandle
+    actor_group: ActorGroup
+
+    def shutdown(self) -> None:
+        try:
+            self.rollout_manager.shutdown()
+        except LoopError:
+            pass  # the actor is already gone; nothing left to stop
+        for actor in [self.rollout_manager.actor, *self.actor_group.actors]:
+            ray.kill(actor)
+
+
+def init_ray(address: str | None) -> None:
+    """Join the Ray cluster at `address` (RAY_ADDRESS style), else start a local one for this process."""
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True,
+                 configure_logging=False)
+
+
+def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int, scratch: Path) -> Placement:
+    """The RolloutManager and `actor_num_nodes x actor_num_gpus_per_node` TrainActors."""
+    placement = config.placement
+    world = placement.actor_num_nodes * placement.actor_num_gpus_per_node
+    gpus = 1 if _has_gpus() else 0
+    threads = None if gpus else max(1, (os.cpu_count() or 1) // world)
+    init_method = (scratch / f"dist-{uuid.uuid4().hex[:8]}").resolve().as_uri() if world > 1 else ""
+    manager = ray.remote(num_cpus=0)(RolloutManager).remote(config, setup)
+    actors = [ray.remote(num_cpus=0, num_gpus=gpus)(TrainActor).remote(
+        config, setup.hf_checkpoint, rank, world, init_method, total_steps, threads) for rank in range(world)]
+    call(manager.state_dict.remote(), "starting the rollout manager (engines)")
+    return Placement(config, RolloutManagerHandle(manager), ActorGroup(actors))
+
+
+def _has_gpus() -> bool:
+    return bool(ray.cluster_resources().get("GPU", 0))
+
+
+def scratch_dir(workdir: Path | None) -> Path:
+    base = workdir if workdir is not None else Path(tempfile.gettempdir())
+    path = base / ".ray-scratch"
+    path.mkdir(parents=True, exist_ok=True)
+    return path

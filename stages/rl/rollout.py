@@ -1,0 +1,263 @@
+"""The rollout function: prompts -> samples over SGLang's HTTP API -> rewards -> dynamic sampling.
+
+It speaks only HTTP to an engine URL (the embedded engine, sglang-router or real SGLang servers), with at most
+`concurrency` requests in flight. Groups are requested `over_sampling_batch_size` at a time until
+`rollout_batch_size` groups pass the dynamic-sampling filter; the stragglers are then aborted and, with
+`--partial-rollout`, put back into the buffer to be continued next rollout (their generated tokens kept, the
+first rollout id recorded in metadata). A custom generate function (`--custom-generate-function-path`,
+`async generate(args, sample, sampling_params) -> Sample`) replaces the single-turn default; `args` is the
+`RolloutContext` (its `client`, `tokenizer` and `config`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from slimeflow.stages.rl.config import RolloutConfig, TrainConfig
+from slimeflow.stages.rl.data_source import START_ROLLOUT_ID, BufferedDataSource, Group
+from slimeflow.stages.rl.engine.client import EngineClient, EngineUnavailableError
+from slimeflow.stages.rl.filters import DynamicSampler, load_group_filter
+from slimeflow.stages.rl.plugins import load_plugin
+from slimeflow.stages.rl.rewards import RewardScorer
+from slimeflow.stages.rl.types import Sample, Status
+
+GenerateFn = Callable[[Any, Sample, dict[str, Any]], Awaitable[Sample]]
+_FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+class WeightVersionError(RuntimeError):
+    """An engine answered from other weights than the rollout's: the weight sync did not reach every engine."""
+
+
+class RolloutError(RuntimeError):
+    """A rollout that cannot produce its batch (every group keeps failing): the message has the last reason."""
+
+
+_FATAL = (EngineUnavailableError, WeightVersionError)
+MAX_FAILED_ROUNDS = 4
+"""A rollout stops when this many over-sampling batches' worth of groups failed and none was kept."""
+"""Errors that stop the rollout; any other generate error fails only its sample, with the reason."""
+
+
+@dataclass
+class RolloutContext:
+    """What a rollout needs: the config, the tokenizer, an engine client and the reward scorer."""
+
+    config: TrainConfig
+    tokenizer: Any
+    client: EngineClient
+    scorer: RewardScorer
+    concurrency: int = 64
+    weight_version: str | None = None
+    """The weight version every response of this rollout must come from (None: not checked)."""
+    generate_fn: GenerateFn | None = None
+
+    def __post_init__(self) -> None:
+        path = self.config.rollout.custom_generate_function_path
+        if self.generate_fn is None and path is not None:
+            self.generate_fn = load_plugin(path, "custom-generate-function-path")
+        self._slots = asyncio.Semaphore(self.concurrency)
+
+
+@dataclass
+class RolloutResult:
+    """The kept groups of one rollout (in request order) and what happened on the way."""
+
+    groups: list[Group]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g]
+
+
+def sampling_params(rollout: RolloutConfig, max_new_tokens: int | None = None, temperature: float | None = None,
+                    top_p: float | None = None, top_k: int | None = None) -> dict[str, Any]:
+    """SGLang sampling_params from the rollout flags (eval overrides as keyword arguments)."""
+    params: dict[str, Any] = {
+        "temperature": rollout.rollout_temperature if temperature is None else temperature,
+        "top_p": rollout.rollout_top_p if top_p is None else top_p,
+        "top_k": rollout.rollout_top_k if top_k is None else top_k,
+        "max_new_tokens": rollout.rollout_max_response_len if max_new_tokens is None else max_new_tokens,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    if rollout.rollout_stop:
+        params["stop"] = list(rollout.rollout_stop)
+    if rollout.rollout_stop_token_ids:
+        params["stop_token_ids"] = list(rollout.rollout_stop_token_ids)
+    return params
+
+
+def prompt_ids(ctx: RolloutContext, sample: Sample) -> list[int]:
+    """The prompt's token ids: a string as it is (slime: no special tokens added), a messages list through the
+    tokenizer's chat template (with metadata['tools'])."""
+    prompt = sample.prompt
+    if isinstance(prompt, list):
+        if not ctx.config.data.apply_chat_template:
+            raise ValueError(f"sample {sample.index}: the prompt is a messages list; pass --apply-chat-template to "
+                             "render it (or preprocess with --apply-chat-template)")
+        prompt = ctx.tokenizer.apply_chat_template(prompt, tools=sample.metadata.get("tools"), tokenize=False,
+                                                   add_generation_prompt=True)
+    return list(ctx.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+async def default_generate(ctx: RolloutContext, sample: Sample, params: dict[str, Any]) -> Sample:
+    """One turn: prompt (or a partial sample's tokens so far) -> response tokens, text and log-probs."""
+    if not sample.tokens:
+        sample.tokens = prompt_ids(ctx, sample)
+    done = sample.response_length
+    if done and ctx.config.rollout.mask_offpolicy_in_partial_rollout and sample.loss_mask is None:
+        sample.loss_mask = [0] * done  # a partial sample's earlier tokens came from an older policy
+    params = dict(params, max_new_tokens=params["max_new_tokens"] - done)
+    if params["max_new_tokens"] <= 0:
+        sample.status = Status.TRUNCATED
+        return sample
+    params["sampling_seed"] = sample_seed(ctx.config.data.rollout_seed, sample)
+    rid = f"sample-{sample.group_index}-{sample.index}-{uuid.uuid4().hex[:8]}"
+    out = await ctx.client.generate(sample.tokens, params, return_logprob=True, rid=rid)
+    meta = out["meta_info"]
+    check_version(ctx, meta)
+    new_ids = [int(tok) for _, tok, _ in meta["output_token_logprobs"]]
+    sample.tokens = sample.tokens + new_ids
+    sample.response = sample.response + out["text"]
+    sample.response_length = done + len(new_ids)
+    sample.rollout_log_probs = (sample.rollout_log_probs or []) + [float(lp) for lp, _, _ in
+                                                                   meta["output_token_logprobs"]]
+    if sample.loss_mask is not None:
+        sample.loss_mask = sample.loss_mask + [1] * len(new_ids)
+    sample.status = _FINISH[meta["finish_reason"]["type"]]
+    sample.metadata["weight_version"] = meta.get("weight_version")
+    return sample
+
+
+def sample_seed(rollout_seed: int, sample: Sample) -> int:
+    """A per-sample sampling seed, so a rerun with the same seed and weights draws the same responses."""
+    key = f"{rollout_seed}:{sample.metadata.get('eval_set', '')}:{sample.group_index}:{sample.index}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "little")
+
+
+def check_version(ctx: RolloutContext, meta: dict[str, Any]) -> None:
+    """A response from other weights than the rollout's is an error, never silently mixed in."""
+    served = meta.get("weight_version")
+    aborted = meta["finish_reason"]["type"] == "abort"
+    if ctx.weight_version is not None and served != ctx.weight_version and not aborted:
+        raise WeightVersionError(f"an engine answered with weight version {served!r} during a rollout of version "
+                           f"{ctx.weight_version!r}: the engines were not all updated; check the weight sync")
+
+
+async def generate_group(ctx: RolloutContext, group: Group, params: dict[str, Any]) -> Group:
+    """Generate every sample of a group (bounded by the context's concurrency), then reward the group."""
+    generate = ctx.generate_fn or default_generate
+
+    async def one(sample: Sample) -> Sample:
+        async with ctx._slots:
+            try:
+                return await generate(ctx, sample, params)
+            except _FATAL:
+                raise
+            except Exception as exc:  # an engine error fails the sample with the reason; the rollout goes on
+                sample.mark_failed(f"generate raised {type(exc).__name__}: {exc}")
+                return sample
+
+    group = list(await asyncio.gather(*(one(s) for s in group)))
+    if any(s.status is Status.ABORTED for s in group):
+        return group  # not scored: it is discarded or continued next rollout
+    scorable = [s for s in group if s.status is not Status.FAILED]
+    if len(scorable) == len(group):
+        await ctx.scorer.score_group(group)
+    return group
+
+
+async def generate_rollout(ctx: RolloutContext, data: BufferedDataSource, rollout_id: int) -> RolloutResult:
+    """One rollout: `rollout_batch_size` groups that pass the filter, over-sampling as needed."""
+    config = ctx.config
+    sampler = DynamicSampler(config.batch.rollout_batch_size, config.rollout.over_sampling_batch_size,
+                             load_group_filter(config.rollout.dynamic_sampling_filter_path))
+    params = sampling_params(config.rollout)
+    started = time.perf_counter()
+    pending: set[asyncio.Task] = set()
+    order: dict[asyncio.Task, int] = {}
+    while not sampler.done:
+        for group in data.get_groups(sampler.groups_to_request()):
+            task = asyncio.ensure_future(generate_group(ctx, group, params))
+            order[task] = group[0].group_index
+            pending.add(task)
+        if not pending:
+            raise RuntimeError("the rollout has no group in flight and too few kept; this is a bug")
+        finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in finished:
+            group = task.result()
+            check_failures(sampler, group)
+            if any(s.status is Status.ABORTED for s in group):
+                # Aborted from outside (someone called /abort_request): asked again, from its prompt.
+                sampler.withdraw()
+                data.add_groups([reset_group(group)], rollout_id)
+                continue
+            sampler.offer(group)
+    aborted = await abort_stragglers(ctx, pending)
+    if config.rollout.partial_rollout:
+        data.add_groups(aborted, rollout_id)
+    kept, surplus = sampler.result()
+    kept.sort(key=lambda g: g[0].group_index)
+    metrics = rollout_metrics(kept, sampler.stats(), time.perf_counter() - started)
+    metrics.update({"rollout/aborted_groups": len(aborted), "rollout/surplus_groups": len(surplus)})
+    return RolloutResult(groups=kept, metrics=metrics)
+
+
+def check_failures(sampler: DynamicSampler, group: Group) -> None:
+    """Stop a rollout whose groups all fail (a bad prompt format, a broken reward) instead of looping forever."""
+    failed = sampler.dropped["failed_sample"] + any(s.status is Status.FAILED for s in group)
+    if not sampler.kept and failed >= MAX_FAILED_ROUNDS * sampler.over_sampling_batch_size:
+        reason = next((s.failure_reason for s in group if s.failure_reason), "see the earlier groups")
+        raise RolloutError(f"{failed} groups in a row failed and none was kept; the last failure: {reason}")
+
+
+async def abort_stragglers(ctx: RolloutContext, pending: set[asyncio.Task]) -> list[Group]:
+    """Abort every request still in flight and collect their groups (partial responses included)."""
+    if not pending:
+        return []
+    await ctx.client.abort()
+    done, _ = await asyncio.wait(pending, timeout=60)
+    groups = [t.result() for t in done if not t.cancelled() and t.exception() is None]
+    for task in pending - done:
+        task.cancel()
+    return [g for g in groups if all(s.status is not Status.FAILED for s in g)]
+
+
+def reset_group(group: Group) -> Group:
+    """A group whose generation was cut by a weight update, ready to be generated again from its prompt."""
+    for sample in group:
+        sample.tokens, sample.response, sample.response_length = [], "", 0
+        sample.rollout_log_probs, sample.reward, sample.status = None, None, Status.PENDING
+        sample.metadata.pop(START_ROLLOUT_ID, None)
+    return group
+
+
+def rollout_metrics(groups: Sequence[Group], sampler_stats: dict[str, int], seconds: float) -> dict[str, float]:
+    """Reward mean and spread, response lengths, truncation rate, throughput, sampler counts."""
+    samples = [s for g in groups for s in g]
+    rewards = [float(s.reward) for s in samples]
+    lengths = [s.response_length for s in samples]
+    n = max(len(samples), 1)
+    mean = sum(rewards) / n
+    metrics = {
+        "rollout/reward_mean": mean,
+        "rollout/reward_std": (sum((r - mean) ** 2 for r in rewards) / n) ** 0.5,
+        "rollout/reward_min": min(rewards, default=0.0),
+        "rollout/reward_max": max(rewards, default=0.0),
+        "rollout/response_len_mean": sum(lengths) / n,
+        "rollout/response_len_max": float(max(lengths, default=0)),
+        "rollout/truncated_rate": sum(s.status is Status.TRUNCATED for s in samples) / n,
+        "rollout/seconds": seconds,
+        "rollout/tokens_per_s": sum(lengths) / max(seconds, 1e-9),
+        "rollout/completions_per_s": len(samples) / max(seconds, 1e-9),
+    }
+    metrics.update({f"rollout/sampler_{k}": float(v) for k, v in sampler_stats.items()})
+    return metrics

@@ -1,0 +1,131 @@
+"""The train stage: the Ray-hosted rollout/train loop, resumable from its latest checkpoint.
+
+`--save` defaults to <workdir>/checkpoints and `--load` to `--save`, so running the stage again after a crash
+resumes at the rollout after the latest checkpoint, with the same data order; a finished run reruns nothing.
+Per-rollout metrics go to MLflow (through the context) and to `<output>/train/rollouts.jsonl`, the reward and
+eval curves to `<output>/train/reward_curve.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from slimeflow.io import checkpoints
+from slimeflow.io.storage import join
+from slimeflow.manifest import Manifest, content_hash
+from slimeflow.stages.base import StageContext, StageInputError
+from slimeflow.stages.model.stage import fingerprint
+from slimeflow.stages.rl import loop
+from slimeflow.stages.rl.actors import RolloutSetup
+from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.stages.rl.placement import create_placement, init_ray, scratch_dir
+from slimeflow.stages.rl.plots import plot_curves
+
+
+def run(config: TrainConfig, ctx: StageContext) -> Manifest:
+    """Train; returns the manifest of the latest checkpoint with the run's figures."""
+    config = with_defaults(config, ctx)
+    setup = rollout_setup(config, ctx)
+    num_rollout = resolve_num_rollout(config, setup.prompt_data, ctx)
+    total_steps = num_rollout * config.batch.num_steps_per_rollout
+    history = RolloutLog(ctx.workdir / "train" / "rollouts.jsonl")
+
+    def on_metrics(metrics: dict[str, float], step: int) -> None:
+        history.append(step, metrics)
+        if ctx.log_metrics is not None:
+            ctx.log_metrics(metrics, step)
+
+    init_ray(ctx.ray_address)
+    placement = create_placement(config, setup, total_steps, scratch_dir(ctx.workdir))
+    try:
+        result = loop.train(placement, num_rollout, on_metrics)
+    finally:
+        placement.shutdown()
+    history.record_rows(result.row_ids)
+    return manifest(config, ctx, result, history)
+
+
+def with_defaults(config: TrainConfig, ctx: StageContext) -> TrainConfig:
+    """--save <workdir>/checkpoints, --load = --save (resume), a save at the end when no --save-interval."""
+    ckpt = config.checkpoint
+    save = ckpt.save or str((ctx.workdir / "checkpoints").resolve())
+    update = {"save": save, "load": ckpt.load or save}
+    return config.model_copy(update={"checkpoint": ckpt.model_copy(update=update)})
+
+
+def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
+    problems = []
+    if config.checkpoint.hf_checkpoint is None:
+        problems.append("--hf-checkpoint is not set (the HF model: tokenizer, config and starting weights)")
+    elif not Path(config.checkpoint.hf_checkpoint, "config.json").is_file():
+        problems.append(f"--hf-checkpoint {config.checkpoint.hf_checkpoint} has no config.json")
+    if config.data.prompt_data is None:
+        problems.append("--prompt-data is not set (the preprocess stage's train parquet)")
+    if problems:
+        raise StageInputError("the train stage cannot start", problems,
+                              "In a pipeline these come from the model and preprocess stages; alone, pass them.")
+    return RolloutSetup(hf_checkpoint=config.checkpoint.hf_checkpoint, prompt_data=config.data.prompt_data,
+                        eval_prompt_data=dict(config.eval.eval_prompt_data),
+                        num_engines=max(1, (config.placement.rollout_num_gpus or 1)
+                                        // config.placement.rollout_num_gpus_per_engine))
+
+
+def resolve_num_rollout(config: TrainConfig, prompt_data: str, ctx: StageContext) -> int:
+    """--num-rollout, else --num-epoch epochs over the prompts (as slime: ceil(prompts / rollout_batch_size))."""
+    if config.batch.num_rollout is not None:
+        return config.batch.num_rollout
+    from slimeflow.stages.preprocess.reader import PromptDataset
+
+    prompts = len(PromptDataset(prompt_data, ctx.storage))
+    return config.batch.num_epoch * math.ceil(prompts / config.batch.rollout_batch_size)
+
+
+class RolloutLog:
+    """rollouts.jsonl: one line per rollout (metrics) and per eval, plus the prompt row ids of each rollout."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def append(self, step: int, metrics: dict[str, float]) -> None:
+        with self.path.open("a", encoding="utf-8") as out:
+            out.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def record_rows(self, row_ids: dict[int, list[list[str]]]) -> None:
+        rows = self.path.with_name("row_ids.jsonl")
+        with rows.open("a", encoding="utf-8") as out:
+            for rollout_id, groups in sorted(row_ids.items()):
+                out.write(json.dumps({"rollout_id": rollout_id, "row_ids": [g[0] for g in groups]}) + "\n")
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def manifest(config: TrainConfig, ctx: StageContext, result: loop.LoopResult, history: RolloutLog) -> Manifest:
+    root = config.checkpoint.save
+    latest = checkpoints.find_latest(ctx.storage, root)
+    if latest is None:
+        raise RuntimeError(f"training finished but {root} holds no complete checkpoint")
+    records = fingerprint(Path(latest.uri), ctx.storage)
+    curve = plot_curves(history.read(), ctx.workdir / "train" / "reward_curve.png")
+    outputs = {"checkpoint": latest.uri, "checkpoint_root": root, "hf_checkpoint": config.checkpoint.hf_checkpoint,
+               "rollouts": str(history.path), "row_ids": str(history.path.with_name("row_ids.jsonl"))}
+    if curve is not None:
+        uri = join(ctx.output, "train", "reward_curve.png")
+        ctx.storage.put_file(curve, uri)
+        outputs["reward_curve"] = uri
+    evals = sorted(result.eval_history.items())
+    return Manifest(
+        stage="train", outputs=outputs, artifacts=records, artifact_root=latest.uri,
+        counts={"num_rollout": result.num_rollout, "start_rollout_id": result.start_rollout_id,
+                "rollouts_run": len(result.row_ids), "iteration": int(latest.iteration)},
+        hashes={"content": content_hash(records)},
+        facts={"eval_first": evals[0][1] if evals else {}, "eval_last": evals[-1][1] if evals else {},
+               "last_metrics": result.last_metrics},
+        config=config.model_dump(mode="json"),
+    )
