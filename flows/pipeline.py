@@ -12,8 +12,15 @@ from prefect import flow
 
 from slimeflow.config.pipeline import PipelineConfig
 from slimeflow.flows import wiring
-from slimeflow.flows.stages import (convert_flow, evaluate_flow, export_flow, model_flow, preprocess_flow,
-                                    tracker_for, train_flow)
+from slimeflow.flows.stages import (
+    convert_flow,
+    evaluate_flow,
+    export_flow,
+    model_flow,
+    preprocess_flow,
+    tracker_for,
+    train_flow,
+)
 
 
 @flow(name="slimeflow-pipeline", log_prints=True)

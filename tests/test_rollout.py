@@ -161,7 +161,7 @@ def test_without_partial_rollout_stragglers_are_dropped(make_ctx):
 
 def test_a_failing_request_fails_its_sample_and_the_group_is_dropped(make_ctx):
     engine = ScriptedEngine({"a1": "1", "b2": "2", "c3": "3"}, fail={"b2"})
-    cfg = config(rollout={"over_sampling_batch_size": 2})
+    cfg = config(rollout={"over_sampling_batch_size": 3})
     data = BufferedDataSource(DataSource(prompts("a1", "b2", "c3"), n_samples_per_prompt=1))
     result = run(make_ctx(engine, cfg), data)
     assert [g[0].prompt for g in result.groups] == ["a1", "c3"]

@@ -196,17 +196,21 @@ def assign_shares(source: HFSource, processes: int) -> list[Share]:
 
 
 def convert_hf_to_torch_dist(source: HFSource, root: Path, processes: int = 1, make_vocab_size_divisible_by: int = 128,
-                             tensor_model_parallel_size: int = 1) -> tuple[Path, list[dict[str, Any]]]:
+                             tensor_model_parallel_size: int = 1, iteration: int = ITERATION,
+                             staging_name: str = RELEASE) -> tuple[Path, list[dict[str, Any]]]:
     """Write the torch_dist checkpoint of `source` into a staging directory under `root` with `processes`
-    worker processes; returns the staging directory and each rank's report. The caller publishes it."""
+    worker processes; returns the staging directory and each rank's report. The caller publishes it.
+
+    `iteration` goes into common.pt and the staging directory is `.<staging_name>.tmp-*`: a conversion keeps
+    the defaults (release), a training backend saving its weights passes its iteration and `iter_XXXXXXX`."""
     root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".{RELEASE}.tmp-{uuid.uuid4().hex[:8]}"
+    staging = root / f".{staging_name}.tmp-{uuid.uuid4().hex[:8]}"
     scratch = root / f".convert-job-{uuid.uuid4().hex[:8]}"
     scratch.mkdir()
     job = Job(hf_dir=str(source.path), weight_map=source.weight_map, shape=source.shape.__dict__, dtype=source.dtype,
               make_vocab_size_divisible_by=make_vocab_size_divisible_by,
               tensor_model_parallel_size=tensor_model_parallel_size, checkpoint_dir=str(staging),
-              iteration=ITERATION, init_method=(scratch / "rendezvous").resolve().as_uri(),
+              iteration=iteration, init_method=(scratch / "rendezvous").resolve().as_uri(),
               shares=assign_shares(source, processes))
     try:
         job.write(scratch / "job.json")

@@ -112,7 +112,8 @@ class TrainActor:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.backend = TorchBackend(hf_checkpoint=hf_checkpoint, optimizer=config.optimizer,
                                     algorithm=config.algorithm, batch=config.batch, seed=config.seed, rank=rank,
-                                    world_size=world_size, init_method=init_method, total_steps=total_steps)
+                                    world_size=world_size, init_method=init_method or None,
+                                    total_steps=total_steps, ref_load=config.checkpoint.ref_load)
 
     def load(self) -> tuple[int, dict[str, Any]]:
         """slime's start: the latest checkpoint of --load, else --ref-load's weights, else the HF weights.
@@ -121,8 +122,8 @@ class TrainActor:
 
         ckpt = self.config.checkpoint
         start = resolve_start(ckpt.load, ckpt.ref_load)
-        extra = load_checkpoint(self.backend, start) if start is not None else {}
-        first = extra.get("rollout_id", -1) + 1 if "rollout_id" in extra else 0
+        extra = load_checkpoint(self.backend, start.ref, start.weights_only) if start.ref is not None else {}
+        first = extra["rollout_id"] + 1 if "rollout_id" in extra else 0
         return (ckpt.start_rollout_id if ckpt.start_rollout_id is not None else first), extra
 
     def train(self, rollout_id: int, batch: TrainBatch) -> dict[str, float]:

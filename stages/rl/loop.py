@@ -1,17 +1,24 @@
 """The loop, as slime's train.py: generate -> train -> save -> update weights -> evaluate, for num_rollout rollouts.
 
 Placement, engines, backends and checkpoints live in the actors (actors.py); this file is the algorithm.
-`on_metrics(metrics, step)` receives every rollout's metrics (MLflow in the train stage).
+A `Reporter` receives every rollout's metrics and prompt row ids, and every evaluation (the train stage writes
+them to rollouts.jsonl and MLflow as they come, so a killed run has reported everything up to its death).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from slimeflow.stages.rl.placement import Placement
 
 Metrics = dict[str, float]
+
+
+class Reporter(Protocol):
+    def rollout(self, rollout_id: int, metrics: Metrics, row_ids: list[list[str]]) -> None: ...
+
+    def evaluation(self, version: int, metrics: Metrics) -> None: ...
 
 
 @dataclass
@@ -26,7 +33,7 @@ class LoopResult:
     last_metrics: Metrics = field(default_factory=dict)
 
 
-def train(placement: Placement, num_rollout: int, on_metrics: Callable[[Metrics, int], None]) -> LoopResult:
+def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResult:
     """Run rollouts [start, num_rollout) where start follows the loaded checkpoint (0 on a fresh run)."""
     config = placement.config
     rollout_manager, actor_group = placement.rollout_manager, placement.actor_group
@@ -39,7 +46,7 @@ def train(placement: Placement, num_rollout: int, on_metrics: Callable[[Metrics,
     actor_group.update_weights(rollout_manager, version=start_rollout_id)
 
     if config.eval.eval_interval and not config.eval.skip_eval_before_train:
-        result.eval_history[start_rollout_id] = evaluate(rollout_manager, start_rollout_id, on_metrics)
+        result.eval_history[start_rollout_id] = evaluate(rollout_manager, start_rollout_id, report)
 
     for rollout_id in range(start_rollout_id, num_rollout):
         batch, rollout_metrics, result.row_ids[rollout_id] = rollout_manager.generate(rollout_id)
@@ -51,9 +58,9 @@ def train(placement: Placement, num_rollout: int, on_metrics: Callable[[Metrics,
         actor_group.update_weights(rollout_manager, version=rollout_id + 1)
 
         if should_run(config.eval.eval_interval, rollout_id, num_rollout):
-            result.eval_history[rollout_id + 1] = evaluate(rollout_manager, rollout_id + 1, on_metrics)
+            result.eval_history[rollout_id + 1] = evaluate(rollout_manager, rollout_id + 1, report)
         result.last_metrics = {**rollout_metrics, **train_metrics}
-        on_metrics(result.last_metrics, rollout_id)
+        report.rollout(rollout_id, result.last_metrics, result.row_ids[rollout_id])
     return result
 
 
@@ -64,7 +71,7 @@ def should_run(interval: int | None, rollout_id: int, num_rollout: int) -> bool:
     return (rollout_id + 1) % interval == 0 or rollout_id + 1 == num_rollout
 
 
-def evaluate(rollout_manager, version: int, on_metrics: Callable[[Metrics, int], None]) -> Metrics:
+def evaluate(rollout_manager, version: int, report: Reporter) -> Metrics:
     metrics = rollout_manager.evaluate(str(version))
-    on_metrics(metrics, version)
+    report.evaluation(version, metrics)
     return metrics

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,20 +32,13 @@ def run(config: TrainConfig, ctx: StageContext) -> Manifest:
     setup = rollout_setup(config, ctx)
     num_rollout = resolve_num_rollout(config, setup.prompt_data, ctx)
     total_steps = num_rollout * config.batch.num_steps_per_rollout
-    history = RolloutLog(ctx.workdir / "train" / "rollouts.jsonl")
-
-    def on_metrics(metrics: dict[str, float], step: int) -> None:
-        history.append(step, metrics)
-        if ctx.log_metrics is not None:
-            ctx.log_metrics(metrics, step)
-
+    history = RolloutLog(ctx.workdir / "train" / "rollouts.jsonl", ctx.log_metrics)
     init_ray(ctx.ray_address)
     placement = create_placement(config, setup, total_steps, scratch_dir(ctx.workdir))
     try:
-        result = loop.train(placement, num_rollout, on_metrics)
+        result = loop.train(placement, num_rollout, history)
     finally:
         placement.shutdown()
-    history.record_rows(result.row_ids)
     return manifest(config, ctx, result, history)
 
 
@@ -84,21 +78,30 @@ def resolve_num_rollout(config: TrainConfig, prompt_data: str, ctx: StageContext
 
 
 class RolloutLog:
-    """rollouts.jsonl: one line per rollout (metrics) and per eval, plus the prompt row ids of each rollout."""
+    """The loop's reporter: rollouts.jsonl (a line per rollout and per evaluation), row_ids.jsonl (the prompt row
+    ids of each rollout; a resumed run appends the rollouts it redoes) and `log_metrics` (MLflow) as they come."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, log_metrics: Callable[[dict[str, float], int], None] | None = None):
         self.path = path
+        self.log_metrics = log_metrics
         path.parent.mkdir(parents=True, exist_ok=True)
 
-    def append(self, step: int, metrics: dict[str, float]) -> None:
-        with self.path.open("a", encoding="utf-8") as out:
-            out.write(json.dumps({"step": step, **metrics}) + "\n")
+    def rollout(self, rollout_id: int, metrics: dict[str, float], row_ids: list[list[str]]) -> None:
+        self._append(self.path, {"step": rollout_id, **metrics})
+        self._append(self.path.with_name("row_ids.jsonl"),
+                     {"rollout_id": rollout_id, "row_ids": [group[0] for group in row_ids]})
+        if self.log_metrics is not None:
+            self.log_metrics(metrics, rollout_id)
 
-    def record_rows(self, row_ids: dict[int, list[list[str]]]) -> None:
-        rows = self.path.with_name("row_ids.jsonl")
-        with rows.open("a", encoding="utf-8") as out:
-            for rollout_id, groups in sorted(row_ids.items()):
-                out.write(json.dumps({"rollout_id": rollout_id, "row_ids": [g[0] for g in groups]}) + "\n")
+    def evaluation(self, version: int, metrics: dict[str, float]) -> None:
+        self._append(self.path, {"step": version, **metrics})
+        if self.log_metrics is not None:
+            self.log_metrics(metrics, version)
+
+    @staticmethod
+    def _append(path: Path, record: dict[str, Any]) -> None:
+        with path.open("a", encoding="utf-8") as out:
+            out.write(json.dumps(record) + "\n")
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():

@@ -1,0 +1,251 @@
+"""The torch training backend: a transformers causal LM trained with AdamW, on a CPU or one GPU, data parallel.
+
+Every data-parallel rank (a Ray actor in production, a process in tests) holds a full replica. The loss of
+slimeflow.stages.rl.loss is normalised by the global batch, so after backward each rank's gradients are summed
+(all-reduce SUM) and every replica takes the same step. Dropout is off (the model stays in eval mode), as in
+slime's RL runs, so the trainer's log-probs of a batch do not depend on the mode they were computed in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from slimeflow.stages.rl import algorithms as alg
+from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantage
+from slimeflow.stages.rl.backend.schedule import build_scheduler
+from slimeflow.stages.rl.config import AlgorithmConfig, BatchConfig, OptimizerConfig
+from slimeflow.stages.rl.loss import CustomLoss, load_custom_loss
+from slimeflow.stages.rl.packing import pack_micro_batches
+from slimeflow.stages.rl.types import TrainBatch
+
+
+@dataclass
+class LogProbs:
+    """Per-sample log-probs of the response tokens (and their entropies when asked), one 1-D tensor per sample."""
+
+    log_probs: list[torch.Tensor]
+    entropy: list[torch.Tensor] | None = None
+
+
+def default_device() -> torch.device:
+    """The current GPU when there is one, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def load_model(hf_checkpoint: str | Path, device: torch.device, trainable: bool = True) -> torch.nn.Module:
+    """The HF directory's causal LM in fp32 (the master weights; bf16 runs compute under autocast), eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_checkpoint), dtype=torch.float32, local_files_only=True)
+    model.to(device).eval()
+    model.requires_grad_(trainable)
+    return model
+
+
+def assign_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Copy HF-named `weights` into `model`; ValueError (naming `source`) when a parameter is missing or a name
+    is unknown. A tied output layer needs no entry of its own."""
+    required = {name for name, _ in model.named_parameters()}  # tied parameters appear once
+    known = set(model.state_dict())
+    missing, unknown = sorted(required - set(weights)), sorted(set(weights) - known)
+    if missing or unknown:
+        raise ValueError(f"weights from {source} do not fit the model: missing {missing[:5]}, unknown {unknown[:5]}; "
+                         "was the checkpoint saved from this --hf-checkpoint's architecture?")
+    model.load_state_dict(weights, strict=False)
+
+
+class TorchBackend:
+    """One data-parallel rank's replica of the policy (and of the frozen reference model when the algorithm needs it).
+
+    hf_checkpoint: HF directory (architecture, config and initial weights). ref_load: torch_dist checkpoint (root
+    or directory) of the reference model; default: the HF weights. total_steps: the run's optimizer steps, needed
+    by a decaying learning rate without --lr-decay-iters. rank/world_size/init_method: torch.distributed
+    rendezvous (gloo on CPU, NCCL on GPU); world size 1 needs none. Custom loss/advantage plug-ins are loaded
+    here, so a wrong path fails at construction.
+    """
+
+    def __init__(self, hf_checkpoint: str | Path, optimizer: OptimizerConfig, algorithm: AlgorithmConfig,
+                 batch: BatchConfig, seed: int = 1234, rank: int = 0, world_size: int = 1,
+                 init_method: str | None = None, total_steps: int | None = None, ref_load: str | None = None,
+                 device: torch.device | str | None = None):
+        self.hf_checkpoint = Path(hf_checkpoint)
+        self.optimizer_config, self.algorithm, self.batch = optimizer, algorithm, batch
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device) if device is not None else default_device()
+        self._owns_group = self._init_process_group(init_method)
+        seed_everything(seed)
+        self.model = load_model(self.hf_checkpoint, self.device)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=optimizer.lr, betas=(optimizer.adam_beta1, optimizer.adam_beta2),
+            eps=optimizer.adam_eps, weight_decay=optimizer.weight_decay)
+        self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps)
+        self.ref_model = self._load_reference(ref_load) if self.needs_reference else None
+        self.custom_loss: CustomLoss | None = load_custom_loss(algorithm)
+        self.custom_advantage: CustomAdvantage | None = load_custom_advantage(algorithm)
+
+    @property
+    def needs_reference(self) -> bool:
+        """The KL loss or a KL-penalised reward needs the reference model's log-probs."""
+        return self.algorithm.use_kl_loss or self.algorithm.kl_coef > 0
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        return torch.bfloat16 if self.optimizer_config.bf16 else None
+
+    def _init_process_group(self, init_method: str | None) -> bool:
+        if self.world_size == 1 or torch.distributed.is_initialized():
+            return False
+        if init_method is None:
+            raise ValueError(f"world_size {self.world_size} needs an init_method (e.g. file:///shared/rendezvous "
+                             "or tcp://host:port) for torch.distributed")
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend, init_method=init_method, rank=self.rank,
+                                             world_size=self.world_size)
+        return True
+
+    def _load_reference(self, ref_load: str | None) -> torch.nn.Module:
+        model = load_model(self.hf_checkpoint, self.device, trainable=False)
+        if ref_load is not None:
+            from slimeflow.stages.rl.backend.checkpoint import read_weights
+
+            assign_weights(model, read_weights(ref_load, self.hf_checkpoint), f"--ref-load {ref_load}")
+        return model
+
+    def close(self) -> None:
+        """Destroy the process group if this backend created it."""
+        if self._owns_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+            self._owns_group = False
+
+    # -- forward ------------------------------------------------------------------------------------------------
+
+    def micro_batches(self, lengths: list[int]) -> list[list[int]]:
+        """Micro-batches (sample indices) of one rank's share: packed under --max-tokens-per-gpu with
+        --use-dynamic-batch-size, else consecutive --micro-batch-size samples."""
+        if self.batch.use_dynamic_batch_size:
+            assert self.batch.max_tokens_per_gpu is not None  # BatchConfig validates this
+            return pack_micro_batches(lengths, self.batch.max_tokens_per_gpu)
+        size = self.batch.micro_batch_size
+        return [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
+
+    def forward(self, rows: TrainBatch, with_entropy: bool = False, reference: bool = False) -> LogProbs:
+        """Response-token log-probs (and entropies) of every row, on this device, with autograd as the caller's
+        grad mode sets it. One micro-batch: rows are right-padded to the longest and masked."""
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise ValueError("no reference model: it is loaded only with --use-kl-loss or --kl-coef > 0")
+        for i, (toks, n) in enumerate(zip(rows.tokens, rows.response_lengths, strict=True)):
+            if n >= toks.numel():
+                raise ValueError(f"sample {i}: response_length {n} leaves no prompt token ({toks.numel()} tokens); "
+                                 "the first response token needs a token before it to be predicted from")
+        width = max(rows.total_lengths)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, toks in enumerate(rows.tokens):
+            ids[i, : toks.numel()], mask[i, : toks.numel()] = toks, 1
+        cast = self.autocast_dtype
+        with torch.autocast(self.device.type, dtype=cast) if cast is not None else contextlib.nullcontext():
+            logits = model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+        out = LogProbs([], [] if with_entropy else None)
+        for i, (toks, n) in enumerate(zip(rows.tokens, rows.response_lengths, strict=True)):
+            end = toks.numel()
+            rows_logits = logits[i, end - n - 1 : end - 1]
+            out.log_probs.append(alg.compute_log_probs(rows_logits, toks[end - n :].to(self.device)))
+            if out.entropy is not None:
+                out.entropy.append(alg.compute_entropy_from_logits(rows_logits))
+        return out
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = False, reference: bool = False) -> LogProbs:
+        """log-probs (fp32, CPU) of every sample's response tokens under the policy (or the reference model),
+        computed in this backend's micro-batches."""
+        out = LogProbs([None] * len(batch), [None] * len(batch) if with_entropy else None)  # type: ignore[list-item]
+        for micro in self.micro_batches(batch.total_lengths):
+            part = self.forward(batch.select(micro), with_entropy, reference)
+            for j, i in enumerate(micro):
+                out.log_probs[i] = part.log_probs[j].float().cpu()
+                if out.entropy is not None and part.entropy is not None:
+                    out.entropy[i] = part.entropy[j].float().cpu()
+        return out
+
+    # -- the optimizer step -------------------------------------------------------------------------------------
+
+    def all_reduce_gradients(self) -> None:
+        """Sum every gradient over the data-parallel ranks (one flat buffer); a no-op with one rank."""
+        if self.world_size == 1:
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def optimizer_step(self) -> dict[str, float]:
+        """All-reduce, clip (--clip-grad; 0 disables), step AdamW and the schedule, zero the gradients.
+
+        Returns the step's grad_norm (before clipping) and lr.
+        """
+        self.all_reduce_gradients()
+        lr = self.optimizer.param_groups[0]["lr"]
+        max_norm = self.optimizer_config.clip_grad or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(grad_norm), "lr": float(lr)}
+
+    # -- weights and state --------------------------------------------------------------------------------------
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """HF-named weights (tied ones once), detached, on the CPU. On a CPU backend these share memory with the
+        parameters (no copy): consume them before the next optimizer step."""
+        return {name: p.detach().cpu() for name, p in self.model.named_parameters()}
+
+    def load_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
+        """Replace the policy's weights by HF-named `weights` (from `source`, named in errors)."""
+        assign_weights(self.model, weights, source)
+
+    def training_state(self) -> dict[str, Any]:
+        """Optimizer and scheduler state (torch-saveable), identical on every data-parallel rank."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_training_state(self, state: dict[str, Any]) -> None:
+        """The inverse of training_state (after the weights are loaded)."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and CUDA) alike on every rank: replicas must stay identical."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: python, numpy, torch CPU and (when present) CUDA."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """The inverse of rng_state (CUDA states only when saved and a GPU is present)."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

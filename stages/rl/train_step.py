@@ -1,0 +1,136 @@
+"""Training on one rollout, as slime's actor does: old and reference log-probs, advantages, optimizer steps.
+
+Every data-parallel rank calls `train_on_rollout` with the whole rollout batch and its own rank; each rank
+computes log-probs for its share only and the shares are gathered, so advantages see the whole rollout.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from slimeflow.stages.rl.advantages import AdvantageInputs, compute_advantages
+from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.stages.rl.loss import LossInputs, LossNormalizer, compute_loss
+from slimeflow.stages.rl.packing import split_for_data_parallel
+from slimeflow.stages.rl.types import TrainBatch
+
+
+@dataclass
+class Prepared:
+    """Per-sample inputs of the loss over the whole rollout (CPU tensors, rollout order)."""
+
+    old_log_probs: list[torch.Tensor]
+    advantages: list[torch.Tensor]
+    ref_log_probs: list[torch.Tensor] | None
+
+
+def plan_steps(batch: TrainBatch, global_batch_size: int, rank: int, world_size: int,
+               balance_data: bool) -> list[tuple[list[int], list[int]]]:
+    """(global batch indices, this rank's share of them) for each optimizer step: consecutive global batches of
+    --global-batch-size samples, each split over the data-parallel ranks (token-balanced with --balance-data)."""
+    if len(batch) == 0 or len(batch) % global_batch_size:
+        raise ValueError(f"the rollout has {len(batch)} samples, not a positive multiple of --global-batch-size "
+                         f"{global_batch_size}; check rollout_batch_size x n_samples_per_prompt")
+    lengths = batch.total_lengths
+    plan = []
+    for start in range(0, len(batch), global_batch_size):
+        indices = list(range(start, start + global_batch_size))
+        shares = split_for_data_parallel([lengths[i] for i in indices], world_size, balance_data)
+        plan.append((indices, [indices[j] for j in shares[rank]]))
+    return plan
+
+
+def train_on_rollout(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, rank: int = 0,
+                     world_size: int = 1) -> dict[str, float]:
+    """Train on one rollout (rows in group order: consecutive groups of n_samples_per_prompt).
+
+    Runs len(batch) / global_batch_size optimizer steps. Returns metrics averaged over the steps, each the
+    global batch's value (summed over micro-batches and ranks): pg_loss, pg_clipfrac, ppo_kl, entropy, kl_loss
+    (--use-kl-loss), tis and tis_clipfrac (--use-tis), grad_norm, lr (of each step), and train_tokens_per_s
+    (prompt + response tokens of the rollout over the wall time of the steps, all ranks together).
+    """
+    plan = plan_steps(batch, config.batch.global_batch_size, rank, world_size, config.batch.balance_data)
+    prepared = prepare(backend, batch, config, sorted(i for _, share in plan for i in share), world_size)
+    started = time.perf_counter()
+    per_step = []
+    for indices, share in plan:
+        metrics = accumulate_gradients(backend, batch, indices, share, prepared, config)
+        per_step.append({**metrics, **backend.optimizer_step()})
+    seconds = time.perf_counter() - started
+    metrics = {key: sum(m[key] for m in per_step) / len(per_step) for key in per_step[0]}
+    metrics["train_tokens_per_s"] = sum(batch.total_lengths) / max(seconds, 1e-9)
+    return metrics
+
+
+def prepare(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, own: list[int],
+            world_size: int) -> Prepared:
+    """Old (and reference) log-probs of this rank's samples, gathered from all ranks, then the advantages of the
+    whole rollout (--advantage-estimator, or the custom function the backend loaded)."""
+    mine = batch.select(own)
+    old = _gather(own, backend.compute_log_probs(mine).log_probs, len(batch), world_size)
+    ref = None
+    if backend.needs_reference:
+        ref = _gather(own, backend.compute_log_probs(mine, reference=True).log_probs, len(batch), world_size)
+    inputs = AdvantageInputs(rewards=batch.rewards, loss_masks=batch.loss_masks, log_probs=old, ref_log_probs=ref)
+    advantages = compute_advantages(config.algorithm, inputs, config.batch.n_samples_per_prompt,
+                                    backend.custom_advantage)
+    return Prepared(old_log_probs=old, advantages=advantages.advantages, ref_log_probs=ref)
+
+
+def _gather(own: list[int], values: list[torch.Tensor], total: int, world_size: int) -> list[torch.Tensor]:
+    """Every rank's (indices, per-sample tensors) put back in rollout order."""
+    pieces = [(own, values)]
+    if world_size > 1:
+        pieces = [None] * world_size  # type: ignore[list-item]
+        torch.distributed.all_gather_object(pieces, (own, values))
+    out: list[torch.Tensor | None] = [None] * total
+    for indices, tensors in pieces:
+        for i, tensor in zip(indices, tensors, strict=True):
+            out[i] = tensor
+    missing = [i for i, t in enumerate(out) if t is None]
+    if missing:
+        raise RuntimeError(f"no rank computed log-probs for samples {missing[:10]}: the ranks disagree on the split")
+    return out  # type: ignore[return-value]
+
+
+def accumulate_gradients(backend: TorchBackend, batch: TrainBatch, indices: list[int], share: list[int],
+                         prepared: Prepared, config: TrainConfig) -> dict[str, float]:
+    """Forward/backward over this rank's micro-batches (`share`) of the global batch `indices`; returns the global
+    batch's loss metrics (summed over ranks). The gradients summed over ranks equal one pass over the batch."""
+    algo, device = config.algorithm, backend.device
+    normalizer = LossNormalizer.for_batch([batch.loss_masks[i] for i in indices])
+    sums: dict[str, torch.Tensor] = {}
+    for micro in backend.micro_batches([batch.total_lengths[i] for i in share]):
+        rows = [share[j] for j in micro]
+        out = backend.forward(batch.select(rows), with_entropy=True)
+        assert out.entropy is not None
+        entropy = out.entropy if algo.entropy_coef else [e.detach() for e in out.entropy]
+
+        def pick(values: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+            return None if values is None else [values[i].to(device) for i in rows]  # noqa: B023
+
+        inputs = LossInputs(log_probs=out.log_probs, old_log_probs=pick(prepared.old_log_probs),
+                            advantages=pick(prepared.advantages), loss_masks=pick(batch.loss_masks),
+                            ref_log_probs=pick(prepared.ref_log_probs) if algo.use_kl_loss else None,
+                            rollout_log_probs=pick(batch.rollout_log_probs) if algo.use_tis else None,
+                            entropy=entropy)
+        result = compute_loss(algo, inputs, normalizer, backend.custom_loss)
+        result.loss.backward()
+        for key, value in result.metrics.items():
+            sums[key] = sums.get(key, torch.zeros((), device=device)) + value.float().to(device)
+    return _sum_over_ranks(sums, backend.world_size)
+
+
+def _sum_over_ranks(sums: dict[str, torch.Tensor], world_size: int) -> dict[str, float]:
+    """Each metric's global-batch value: the ranks' sums added (every rank has the same metric names)."""
+    keys = sorted(sums)
+    if not keys:
+        return {}
+    stacked = torch.stack([sums[k] for k in keys])
+    if world_size > 1:
+        torch.distributed.all_reduce(stacked, op=torch.distributed.ReduceOp.SUM)
+    return dict(zip(keys, stacked.tolist(), strict=True))

@@ -1,0 +1,176 @@
+"""The torch training backend on tiny models: log-probs, packing-invariant gradients, the step, the schedule, DP, bf16."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.stages.rl.backend.schedule import build_scheduler, lr_at
+from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+from slimeflow.stages.rl.config import OptimizerConfig, TrainConfig
+from slimeflow.stages.rl.train_step import Prepared, accumulate_gradients, train_on_rollout
+from slimeflow.stages.rl.types import TrainBatch
+
+LENGTHS = [(7, 3), (9, 4), (5, 2), (12, 5), (6, 3), (10, 1), (8, 4), (11, 6)]
+"""(prompt + response tokens, response tokens) of the test rollout: 4 groups of 2."""
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "hf", TinyModelSpec(seed=7))
+
+
+def make_batch(rewards: list[float] | None = None, seed: int = 0) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(3, 250, (total,), generator=g) for total, _ in LENGTHS]
+    masks = [torch.ones(n) for _, n in LENGTHS]
+    masks[3][1] = 0.0  # a tool token inside a response
+    rewards = rewards if rewards is not None else [float(i % 3 == 0) for i in range(len(LENGTHS))]
+    return TrainBatch(tokens=tokens, response_lengths=[n for _, n in LENGTHS], loss_masks=masks,
+                      rewards=torch.tensor(rewards), rollout_log_probs=[-torch.rand(n, generator=g) for _, n in LENGTHS])
+
+
+def make_config(**groups) -> TrainConfig:
+    batch = {"rollout_batch_size": 4, "n_samples_per_prompt": 2, "num_rollout": 1, **groups.pop("batch", {})}
+    return TrainConfig(batch=batch, **groups)
+
+
+def make_backend(hf_dir: Path, config: TrainConfig, **kwargs) -> TorchBackend:
+    return TorchBackend(hf_dir, config.optimizer, config.algorithm, config.batch, seed=3, device="cpu", **kwargs)
+
+
+def test_log_probs_equal_a_plain_hf_forward(hf_dir):
+    from transformers import AutoModelForCausalLM
+
+    config = make_config(batch={"micro_batch_size": 3})  # padded micro-batches of 3, 3 and 2 samples
+    batch = make_batch()
+    out = make_backend(hf_dir, config).compute_log_probs(batch, with_entropy=True)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    for i, (tokens, n) in enumerate(zip(batch.tokens, batch.response_lengths, strict=True)):
+        with torch.no_grad():
+            logits = model(tokens[None]).logits[0, -n - 1 : -1]
+        logp = torch.log_softmax(logits, -1)
+        expected = logp.gather(-1, tokens[-n:, None])[:, 0]
+        torch.testing.assert_close(out.log_probs[i], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.entropy[i], -(logp.exp() * logp).sum(-1), atol=1e-5, rtol=1e-5)
+
+
+def gradients(backend: TorchBackend, batch: TrainBatch, prepared: Prepared, config: TrainConfig) -> torch.Tensor:
+    backend.optimizer.zero_grad(set_to_none=True)
+    indices = list(range(len(batch)))
+    accumulate_gradients(backend, batch, indices, indices, prepared, config)
+    return torch.cat([p.grad.reshape(-1) for p in backend.model.parameters()])
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_packed_micro_batches_give_the_one_pass_gradients(hf_dir, per_token):
+    algorithm = {"calculate_per_token_loss": per_token, "entropy_coef": 0.01}
+    one = make_config(batch={"micro_batch_size": 8}, algorithm=algorithm)
+    packed = make_config(batch={"use_dynamic_batch_size": True, "max_tokens_per_gpu": 20}, algorithm=algorithm)
+    batch = make_batch()
+    g = torch.Generator().manual_seed(1)
+    prepared = Prepared(  # old log-probs off the current policy, so some ratios are clipped
+        old_log_probs=[lp + 0.3 * torch.randn(lp.shape, generator=g)
+                       for lp in make_backend(hf_dir, one).compute_log_probs(batch).log_probs],
+        advantages=[torch.randn(n, generator=g) for n in batch.response_lengths], ref_log_probs=None)
+    packed_backend = make_backend(hf_dir, packed)
+    assert len(packed_backend.micro_batches(batch.total_lengths)) >= 4
+    reference = gradients(make_backend(hf_dir, one), batch, prepared, one)
+    got = gradients(packed_backend, batch, prepared, packed)
+    assert reference.norm() > 0
+    assert ((got - reference).norm() / reference.norm()).item() < 1e-6
+
+
+def response_log_prob(backend: TorchBackend, batch: TrainBatch, i: int) -> float:
+    return backend.compute_log_probs(batch.select([i])).log_probs[0].sum().item()
+
+
+def test_a_step_moves_the_policy_in_the_direction_of_the_advantage(hf_dir):
+    config = make_config(batch={"rollout_batch_size": 1}, optimizer={"lr": 1e-3},
+                         algorithm={"use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "low_var_kl",
+                                    "use_tis": True})
+    batch = make_batch().select([0, 1])
+    batch.rewards = torch.tensor([1.0, 0.0])  # sample 0: positive advantage, sample 1: negative
+    backend = make_backend(hf_dir, config)
+    batch.rollout_log_probs = backend.compute_log_probs(batch).log_probs  # the engine agrees with the trainer
+    before = [response_log_prob(backend, batch, i) for i in (0, 1)]
+    metrics = train_on_rollout(backend, batch, config)
+    after = [response_log_prob(backend, batch, i) for i in (0, 1)]
+    assert after[0] > before[0] and after[1] < before[1]
+    # First step: policy == old == reference, so ratio 1, no clipping, KL 0; lr is the peak (constant schedule).
+    assert metrics["ppo_kl"] == pytest.approx(0, abs=1e-6) and metrics["pg_clipfrac"] == 0
+    assert metrics["kl_loss"] == pytest.approx(0, abs=1e-6) and metrics["lr"] == 1e-3
+    assert metrics["tis"] == pytest.approx(1.0) and metrics["tis_clipfrac"] == 0
+    assert {"pg_loss", "entropy", "grad_norm", "train_tokens_per_s"} <= set(metrics)
+    assert metrics["grad_norm"] > 0 and metrics["entropy"] > 0
+
+
+def test_lr_schedule_follows_megatron():
+    linear = OptimizerConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=2, lr_decay_style="linear", lr_decay_iters=10)
+    assert [lr_at(linear, s) for s in (0, 1, 2)] == [0.0, 0.5, 1.0]  # warm-up from 0
+    assert lr_at(linear, 6) == pytest.approx(0.1 + 0.5 * 0.9)
+    assert lr_at(linear, 10) == pytest.approx(0.1) and lr_at(linear, 50) == 0.1  # min_lr after the decay
+    cosine = OptimizerConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=2, lr_decay_style="cosine")
+    assert lr_at(cosine, 4, total_steps=10) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))
+    assert lr_at(cosine, 6, total_steps=10) == pytest.approx(0.55)
+    assert lr_at(OptimizerConfig(lr=0.3), 1000) == 0.3
+    with pytest.raises(ValueError, match="--lr-decay-iters"):
+        lr_at(OptimizerConfig(lr_decay_style="linear"), 5)
+    # The scheduler the backend steps gives the same values, one per optimizer step.
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = build_scheduler(optimizer, cosine, total_steps=10)
+    seen = []
+    for _ in range(12):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([lr_at(cosine, s, 10) for s in range(12)])
+
+
+DP_CONFIG = {"batch": {"balance_data": True, "micro_batch_size": 2, "global_batch_size": 4}, "optimizer": {"lr": 1e-3}}
+
+
+def _dp_rank(rank: int, hf_dir: Path, init_method: str, out: Path) -> None:
+    torch.set_num_threads(1)
+    backend = make_backend(hf_dir, make_config(**DP_CONFIG), rank=rank, world_size=2, init_method=init_method)
+    try:
+        metrics = train_on_rollout(backend, make_batch(), make_config(**DP_CONFIG), rank=rank, world_size=2)
+        torch.save({"weights": backend.named_weights(), "metrics": metrics}, out / f"rank{rank}.pt")
+    finally:
+        backend.close()
+
+
+def test_two_data_parallel_ranks_equal_one_process(hf_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_dp_rank, args=(hf_dir, (tmp_path / "rendezvous").as_uri(), tmp_path), nprocs=2, join=True)
+    config = make_config(**DP_CONFIG)
+    single = make_backend(hf_dir, config)
+    metrics = train_on_rollout(single, make_batch(), config)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    initial = make_backend(hf_dir, config).named_weights()
+    for name, weight in single.named_weights().items():
+        for rank in ranks:
+            torch.testing.assert_close(rank["weights"][name], weight, atol=1e-6, rtol=0)
+    assert any(not torch.equal(w, initial[n]) for n, w in single.named_weights().items())
+    for key in ("pg_loss", "entropy", "grad_norm", "lr"):
+        assert ranks[0]["metrics"][key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-7)
+
+
+def test_bf16_trains_under_autocast(hf_dir):
+    config = make_config(optimizer={"bf16": True, "lr": 1e-3})
+    backend = make_backend(hf_dir, config)
+    batch = make_batch()
+    bf16 = backend.compute_log_probs(batch).log_probs
+    fp32 = make_backend(hf_dir, make_config()).compute_log_probs(batch).log_probs
+    assert any(not torch.equal(a, b) for a, b in zip(bf16, fp32, strict=True))  # computed in bf16 ...
+    for a, b in zip(bf16, fp32, strict=True):
+        torch.testing.assert_close(a, b, atol=0.1, rtol=0)  # ... and close to fp32
+    before = response_log_prob(backend, batch, 0)
+    metrics = train_on_rollout(backend, batch, config)
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert response_log_prob(backend, batch, 0) != before

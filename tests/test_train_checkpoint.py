@@ -1,0 +1,152 @@
+"""Training checkpoints of the torch backend: exact resume, Megatron/convert compatibility, atomic saves, start rule."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from slimeflow.io import checkpoints
+from slimeflow.io.storage import Storage
+from slimeflow.stages.convert.export import write_hf
+from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.stages.rl.backend import checkpoint as ckpt
+from slimeflow.stages.rl.backend.checkpoint import load_checkpoint, resolve_start, save_checkpoint
+from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.stages.rl.train_step import train_on_rollout
+from slimeflow.stages.rl.types import TrainBatch
+
+CONFIG = TrainConfig(batch={"rollout_batch_size": 2, "n_samples_per_prompt": 2, "num_rollout": 4},
+                     optimizer={"lr": 1e-3, "lr_warmup_iters": 1, "lr_decay_style": "cosine", "min_lr": 1e-4})
+EXTRA = {"rollout_id": 3, "data_source": {"epoch": 1, "sample_offset": 12, "group_index": 6}}
+
+
+def make_backend(hf_dir: Path) -> TorchBackend:
+    return TorchBackend(hf_dir, CONFIG.optimizer, CONFIG.algorithm, CONFIG.batch, seed=5, device="cpu", total_steps=4)
+
+
+def make_batch(seed: int) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(8, 3), (6, 2), (9, 5), (7, 4)]
+    return TrainBatch(tokens=[torch.randint(3, 250, (t,), generator=g) for t, _ in shapes],
+                      response_lengths=[n for _, n in shapes], loss_masks=[torch.ones(n) for _, n in shapes],
+                      rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]))
+
+
+def draws() -> tuple:
+    return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """An HF dir, a backend trained for two rollouts and saved as iteration 3, and the RNG draws after the save."""
+    tmp = tmp_path_factory.mktemp("ckpt")
+    hf_dir = build_tiny_model(tmp / "hf", TinyModelSpec(seed=11))
+    backend = make_backend(hf_dir)
+    for seed in (0, 1):
+        train_on_rollout(backend, make_batch(seed), CONFIG)
+    ref = save_checkpoint(backend, tmp / "save", 3, EXTRA)
+    return hf_dir, backend, ref, draws()
+
+
+def test_load_restores_weights_optimizer_scheduler_rng_and_extra_state(saved):
+    hf_dir, trained, ref, after_save = saved
+    assert ref.iteration == 3 and Path(ref.uri).name == "iter_0000003"
+    assert checkpoints.find_latest(Storage(), ref.root) == ref
+    resumed = make_backend(hf_dir)
+    assert load_checkpoint(resumed, ref.root) == EXTRA
+    assert draws() == after_save  # RNG states as they were at the save
+    for name, weight in trained.named_weights().items():
+        assert torch.equal(resumed.named_weights()[name], weight), name
+    a, b = trained.training_state(), resumed.training_state()
+    assert a["scheduler"] == b["scheduler"] and a["scheduler"]["last_epoch"] == 2
+    for key, state in a["optimizer"]["state"].items():
+        for field, value in state.items():
+            assert torch.equal(b["optimizer"]["state"][key][field], value), (key, field)
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    # Resuming is exact: one more rollout on both gives bit-identical weights and metrics.
+    metrics = [train_on_rollout(backend, make_batch(2), CONFIG) for backend in (trained, resumed)]
+    for m in metrics:
+        m.pop("train_tokens_per_s")  # wall-clock
+    assert metrics[0] == metrics[1]
+    for name, weight in trained.named_weights().items():
+        assert torch.equal(resumed.named_weights()[name], weight), name
+
+
+def test_the_checkpoint_is_megatron_torch_dist_and_converts_back_to_identical_hf(saved, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir, _, ref, _ = saved
+    directory = Path(ref.uri)
+    assert checkpoints.is_complete(Storage(), ref.uri) and list(directory.glob("*.distcp"))
+    assert torch.load(directory / "common.pt", weights_only=False)["iteration"] == 3
+    weights = {k: v.clone() for k, v in make_backend(hf_dir).named_weights().items()}
+    resumed = make_backend(hf_dir)
+    load_checkpoint(resumed, ref)
+    write_hf(directory, tmp_path / "hf-out", hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-out", dtype=torch.float32)
+    exported = dict(model.named_parameters())
+    for name, weight in resumed.named_weights().items():
+        assert torch.equal(exported[name].detach(), weight), name
+    assert any(not torch.equal(weights[n], w) for n, w in resumed.named_weights().items())  # it trained
+
+
+@pytest.mark.parametrize("fail_at", ["side_files", "commit"])
+def test_an_interrupted_save_leaves_the_previous_checkpoint_latest(saved, tmp_path, monkeypatch, fail_at):
+    hf_dir, _, _, _ = saved
+    backend = make_backend(hf_dir)
+    root = tmp_path / "save"
+    first = save_checkpoint(backend, root, 1, {"rollout_id": 1})
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed mid-save")
+
+    target = (ckpt, "write_side_files") if fail_at == "side_files" else (checkpoints, "commit")
+    monkeypatch.setattr(*target, crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(backend, root, 2, {"rollout_id": 2})
+    storage = Storage()
+    assert checkpoints.find_latest(storage, str(root)) == first
+    assert checkpoints.list_checkpoints(storage, str(root), include_incomplete=True) == [first]
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000001", checkpoints.TRACKER_FILENAME]
+
+
+def test_resolve_start_falls_back_from_load_to_ref_load_to_hf(saved, tmp_path):
+    hf_dir, trained, ref, _ = saved
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    half = tmp_path / "half" / "iter_0000007"
+    half.mkdir(parents=True)
+    (half / "common.pt").write_bytes(b"")  # a save that never finished
+    assert resolve_start(ref.root, None) == ckpt.StartPoint("load", ref, weights_only=False)
+    for load in (str(empty), str(tmp_path / "missing"), str(tmp_path / "half"), None):
+        start = resolve_start(load, ref.root)
+        assert (start.source, start.ref, start.weights_only) == ("ref_load", ref, True)
+    assert resolve_start(str(empty), None) == ckpt.StartPoint("hf_checkpoint", None, weights_only=True)
+    with pytest.raises(checkpoints.CheckpointError):
+        resolve_start(None, str(empty))
+    # ref_load: the weights only (fresh optimizer and schedule), no extra state.
+    fresh = make_backend(hf_dir)
+    start = resolve_start(str(empty), ref.root)
+    assert load_checkpoint(fresh, start.ref, weights_only=start.weights_only) == {}
+    assert fresh.training_state()["scheduler"]["last_epoch"] == 0 and not fresh.optimizer.state
+    saved_weights = ckpt.read_weights(ref.uri, hf_dir)
+    for name, weight in fresh.named_weights().items():
+        assert torch.equal(saved_weights[name], weight), name
+
+
+def test_a_reference_model_loads_from_ref_load(saved):
+    hf_dir, _, ref, _ = saved
+    algorithm = CONFIG.algorithm.model_copy(update={"use_kl_loss": True})
+    backend = TorchBackend(hf_dir, CONFIG.optimizer, algorithm, CONFIG.batch, device="cpu", total_steps=4,
+                           ref_load=ref.root)
+    saved_weights = ckpt.read_weights(ref.uri, hf_dir)
+    reference = dict(backend.ref_model.named_parameters())
+    for name, weight in saved_weights.items():
+        if name in reference:
+            assert torch.equal(reference[name].detach(), weight), name
+    assert not any(p.requires_grad for p in backend.ref_model.parameters())
