@@ -2,7 +2,7 @@
 PYTHON ?= python3.11
 VENV ?= .venv
 BIN := $(VENV)/bin
-CONFIG ?= examples/tiny.yaml
+CONFIG ?= examples/demo.yaml
 
 .PHONY: demo test install install-dev lint clean
 

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 def demo_train(**overrides) -> dict:
     """The demo's train section (examples/demo.yaml), shortened by `overrides`."""
     section = {"rollout-batch-size": 16, "n-samples-per-prompt": 8, "num-rollout": 60, "rollout-max-response-len": 2,
+               "use-dynamic-batch-size": True, "max-tokens-per-gpu": 4096,
                "rollout-shuffle": True, "rm-type": "prefix_match", "lr": 3.0e-4, "eval-interval": 30,
                "eval-temperature": 0.0, "save-interval": 30}
     section.update(overrides)

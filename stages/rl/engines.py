@@ -59,8 +59,8 @@ class EngineSet:
             raise
         return cls(urls, rollout_url, hf_checkpoint, None, processes)
 
-    def client(self) -> EngineClient:
-        return EngineClient(self.rollout_url)
+    def client(self) -> RoutedClient:
+        return RoutedClient(EngineClient(self.rollout_url), [EngineClient(url) for url in self.worker_urls])
 
     async def update_weights(self, named_tensors: Mapping[str, Any], version: str) -> str:
         """Every engine serves `version` afterwards; raises naming the engine that did not take it."""
@@ -91,6 +91,21 @@ class EngineSet:
         for process in reversed(self.processes):
             process.stop()
         self.processes = []
+
+
+class RoutedClient:
+    """What the rollout function talks to: `generate` through the router (or the only engine), `abort` to every
+    engine, because sglang-router does not forward /abort_request."""
+
+    def __init__(self, rollout: EngineClient, workers: list[EngineClient]):
+        self.rollout, self.workers = rollout, workers
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *, return_logprob: bool = True,
+                       rid: str | None = None) -> dict[str, Any]:
+        return await self.rollout.generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid)
+
+    async def abort(self, rid: str | None = None) -> None:
+        await asyncio.gather(*(worker.abort(rid) for worker in self.workers))
 
 
 def _router_url(args: Mapping[str, Any]) -> str | None:

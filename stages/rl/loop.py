@@ -7,6 +7,9 @@ them to rollouts.jsonl and MLflow as they come, so a killed run has reported eve
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -49,19 +52,40 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
         result.eval_history[start_rollout_id] = evaluate(rollout_manager, start_rollout_id, report)
 
     for rollout_id in range(start_rollout_id, num_rollout):
-        batch, rollout_metrics, result.row_ids[rollout_id] = rollout_manager.generate(rollout_id)
-        train_metrics = actor_group.train(rollout_id, batch)
+        timer = Timer()
+        with timer("generate"):
+            batch, rollout_metrics, result.row_ids[rollout_id] = rollout_manager.generate(rollout_id)
+        with timer("train"):
+            train_metrics = actor_group.train(rollout_id, batch)
 
         if should_run(config.checkpoint.save_interval, rollout_id, num_rollout):
-            result.checkpoint = actor_group.save(rollout_id, {"data_source": rollout_manager.state_dict()})
+            with timer("save"):
+                result.checkpoint = actor_group.save(rollout_id, {"data_source": rollout_manager.state_dict()})
 
-        actor_group.update_weights(rollout_manager, version=rollout_id + 1)
+        with timer("update_weights"):
+            actor_group.update_weights(rollout_manager, version=rollout_id + 1)
 
         if should_run(config.eval.eval_interval, rollout_id, num_rollout):
-            result.eval_history[rollout_id + 1] = evaluate(rollout_manager, rollout_id + 1, report)
-        result.last_metrics = {**rollout_metrics, **train_metrics}
+            with timer("eval"):
+                result.eval_history[rollout_id + 1] = evaluate(rollout_manager, rollout_id + 1, report)
+        result.last_metrics = {**rollout_metrics, **train_metrics, **timer.seconds}
         report.rollout(rollout_id, result.last_metrics, result.row_ids[rollout_id])
     return result
+
+
+class Timer:
+    """Seconds per phase of one rollout, as metrics `time/<phase>`."""
+
+    def __init__(self) -> None:
+        self.seconds: Metrics = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[f"time/{phase}"] = time.perf_counter() - started
 
 
 def should_run(interval: int | None, rollout_id: int, num_rollout: int) -> bool:

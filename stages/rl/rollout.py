@@ -17,11 +17,11 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from slimeflow.stages.rl.config import RolloutConfig, TrainConfig
 from slimeflow.stages.rl.data_source import START_ROLLOUT_ID, BufferedDataSource, Group
-from slimeflow.stages.rl.engine.client import EngineClient, EngineUnavailableError
+from slimeflow.stages.rl.engine.client import EngineUnavailableError
 from slimeflow.stages.rl.filters import DynamicSampler, load_group_filter
 from slimeflow.stages.rl.plugins import load_plugin
 from slimeflow.stages.rl.rewards import RewardScorer
@@ -45,13 +45,22 @@ MAX_FAILED_ROUNDS = 4
 """Errors that stop the rollout; any other generate error fails only its sample, with the reason."""
 
 
+class Engine(Protocol):
+    """What the rollout needs of an engine client (engine.client.EngineClient, engines.RoutedClient)."""
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *, return_logprob: bool = True,
+                       rid: str | None = None) -> dict[str, Any]: ...
+
+    async def abort(self, rid: str | None = None) -> Any: ...
+
+
 @dataclass
 class RolloutContext:
     """What a rollout needs: the config, the tokenizer, an engine client and the reward scorer."""
 
     config: TrainConfig
     tokenizer: Any
-    client: EngineClient
+    client: Engine
     scorer: RewardScorer
     concurrency: int = 64
     weight_version: str | None = None

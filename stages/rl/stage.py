@@ -58,6 +58,10 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
         problems.append(f"--hf-checkpoint {config.checkpoint.hf_checkpoint} has no config.json")
     if config.data.prompt_data is None:
         problems.append("--prompt-data is not set (the preprocess stage's train parquet)")
+    elif config.data.prompt_data.endswith((".jsonl", ".json", ".csv", ".jsonl.gz", ".json.gz")):
+        problems.append(f"--prompt-data {config.data.prompt_data} is a raw dataset; the train stage reads the "
+                        "preprocess stage's prompt parquet (run `slimeflow preprocess --input FILE --output DIR`, "
+                        "or the pipeline with a preprocess section, and point --prompt-data at DIR/train)")
     if problems:
         raise StageInputError("the train stage cannot start", problems,
                               "In a pipeline these come from the model and preprocess stages; alone, pass them.")

@@ -1,0 +1,122 @@
+"""Generated tokens/s: the embedded engine serving 64 concurrent requests vs `model.generate`, same run and model.
+
+A tiny Llama (hidden 256, 4 layers) from the factory; 64 prompts of 16-64 byte tokens, temperature 1. Two
+workloads:
+
+- equal: every request generates exactly --max-new-tokens (EOS ignored). The baseline is model.generate on the
+  whole left-padded batch of 64 at once (the fair one), and one-by-one on the first --one-by-one prompts.
+- varied: request i stops after its own length, drawn from 16..--max-new-tokens, as RL responses do. A static
+  batch runs until its longest row; only the tokens each request asked for are counted for both.
+
+The engine runs as a subprocess reached over HTTP (its time includes HTTP and JSON); both sides use --threads
+torch threads.
+
+    .venv/bin/python benchmarks/engine_bench.py [--max-new-tokens 128] [--threads 1] [--one-by-one 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.stages.rl.engine.client import EngineClient
+from slimeflow.stages.rl.engine.launch import start_engine
+
+SPEC = TinyModelSpec(family="llama", hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                     num_key_value_heads=4, intermediate_size=512, max_position_embeddings=1024, seed=0)
+
+
+def make_workload(n: int, max_new: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """n prompts of 16-64 ASCII byte tokens and n varied response lengths in [16, max_new]."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(32, 127) for _ in range(rng.randint(16, 64))] for _ in range(n)]
+    return prompts, [rng.randint(min(16, max_new), max_new) for _ in range(n)]
+
+
+def hf_batch(model, prompts: list[list[int]], max_new: int, pad_id: int) -> float:
+    """Seconds for model.generate over the whole left-padded batch, sampling exactly max_new tokens per row."""
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, longest - len(prompt):] = torch.tensor(prompt)
+        mask[row, longest - len(prompt):] = 1
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=pad_id)
+    seconds = time.perf_counter() - start
+    assert out.shape[1] - longest == max_new
+    return seconds
+
+
+async def engine_run(url: str, prompts: list[list[int]], lengths: list[int]) -> tuple[float, int]:
+    """Seconds and generated tokens for all requests sent at once to the engine."""
+    async with EngineClient(url, timeout_s=600) as client:
+        start = time.perf_counter()
+        responses = await asyncio.gather(*(
+            client.generate(p, {"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True, "sampling_seed": i})
+            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))))
+        seconds = time.perf_counter() - start
+    return seconds, sum(r["meta_info"]["completion_tokens"] for r in responses)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--one-by-one", type=int, default=8, help="prompts for the one-by-one baseline")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    prompts, lengths = make_workload(args.requests, args.max_new_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(Path(tmp) / "tiny", SPEC)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        pad = int(model.generation_config.pad_token_id)
+        with start_engine(model_dir, num_threads=args.threads, max_batch_size=args.requests) as engine:
+            asyncio.run(engine_run(engine.url, prompts[:4], [8] * 4))  # warm-up
+            hf_batch(model, prompts[:4], 8, pad)
+            rows = report(args, model, pad, engine.url, prompts, lengths)
+    print(f"\n{' '.join([sys.executable, *sys.argv])}")
+    for row in rows:
+        print(row)
+
+
+def report(args, model, pad: int, url: str, prompts: list[list[int]], lengths: list[int]) -> list[str]:
+    n, max_new = len(prompts), args.max_new_tokens
+    rows = [f"model: tiny llama hidden 256, 4 layers, fp32, CPU, {args.threads} torch thread(s); "
+            f"{n} requests, prompts 16-64 tokens, temperature 1"]
+    engine_s, engine_tokens = asyncio.run(engine_run(url, prompts, [max_new] * n))
+    batch_s = hf_batch(model, prompts, max_new, pad)
+    single = prompts[: args.one_by_one]
+    single_s = sum(hf_batch(model, [p], max_new, pad) for p in single)
+    engine_tps, batch_tps = engine_tokens / engine_s, n * max_new / batch_s
+    single_tps = len(single) * max_new / single_s
+    rows += [f"equal lengths ({max_new} new tokens each):",
+             f"  engine, {n} concurrent over HTTP : {engine_tps:8.0f} tok/s ({engine_s:.2f} s)",
+             f"  model.generate, batch of {n}     : {batch_tps:8.0f} tok/s ({batch_s:.2f} s)  "
+             f"engine/batch = {engine_tps / batch_tps:.2f}x",
+             f"  model.generate, one by one ({len(single)}) : {single_tps:8.0f} tok/s  "
+             f"engine/one-by-one = {engine_tps / single_tps:.2f}x"]
+    engine_s, engine_tokens = asyncio.run(engine_run(url, prompts, lengths))
+    batch_s = hf_batch(model, prompts, max(lengths), pad)
+    useful = sum(lengths)
+    rows += [f"varied lengths (16..{max_new}, {useful} tokens asked for; the static batch runs to the longest):",
+             f"  engine                          : {engine_tokens / engine_s:8.0f} tok/s ({engine_s:.2f} s)",
+             f"  model.generate, batch of {n}     : {useful / batch_s:8.0f} useful tok/s ({batch_s:.2f} s)  "
+             f"engine/batch = {(engine_tokens / engine_s) / (useful / batch_s):.2f}x"]
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Continuous batching: one scheduler thread owns the model and serves every request with shared forward passes.
+
+Each loop turn: run the commands that arrived (new requests, aborts, pause, weight updates), prefill the
+waiting requests that fit under `max_batch_size` and merge them into the running batch, decode one token for
+every running sequence, and retire the finished ones. Weight updates run between decode steps; the sequences
+running at that moment are finished with `abort` (their partial output returned), so no response mixes two
+weight versions. Requests still queued are not aborted: they start later, on the new weights.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import random
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from slimeflow.stages.rl.engine import kv_batch
+from slimeflow.stages.rl.engine.sampling import SamplingParams, sample_rows
+from slimeflow.stages.rl.engine.weights import LoadedModel, apply_update, check_update
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One prompt to complete; `rid` is the id abort_request names it by."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """A finished request. `output_logprobs[i]` is log p(output_ids[i]) under the temperature-1 model.
+
+    `finish_reason` is SGLang's {"type": "stop"|"length"|"abort", "matched": id | str | None}; `weight_version`
+    is the version every output token was generated with.
+    """
+
+    rid: str
+    prompt_tokens: int
+    output_ids: list[int]
+    output_logprobs: list[float]
+    text: str
+    finish_reason: dict[str, Any]
+    weight_version: str
+
+
+@dataclass(eq=False)  # compared by identity: two identical requests are still two sequences
+class _Sequence:
+    request: GenerateRequest
+    future: Future
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+
+
+class Batcher:
+    """The scheduler thread and its queue; all public methods are thread-safe and return futures."""
+
+    def __init__(self, loaded: LoadedModel, *, max_batch_size: int = 64, weight_version: str = "default",
+                 seed: int = 0) -> None:
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self._loaded = loaded
+        self._max_batch_size = max_batch_size
+        self._weight_version = weight_version
+        self._seeds = random.Random(seed)  # seeds requests that give no sampling_seed
+        self._inbox: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._running: list[_Sequence] = []
+        self._kv: kv_batch.KVBatch | None = None
+        self._paused = False
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
+
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    def load(self) -> dict[str, int]:
+        """How many sequences are running and waiting (a snapshot; may be stale by the time it is read)."""
+        return {"running": len(self._running), "waiting": len(self._waiting)}
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the scheduler thread; requests not finished are failed with RuntimeError."""
+        self._stopping.set()
+        self._thread.join(timeout_s)
+        for seq in [*self._running, *self._waiting]:
+            if not seq.future.done():
+                seq.future.set_exception(RuntimeError("the engine stopped before the request finished"))
+
+    # ---- commands (called from any thread, run on the scheduler thread) -----------------------------------
+
+    def _call(self, fn: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        if self._stopping.is_set():
+            future.set_exception(RuntimeError("the engine is stopping; it accepts no more work"))
+        else:
+            self._inbox.put((fn, future))
+        return future
+
+    def submit(self, request: GenerateRequest) -> Future:
+        """Queue a request; the future resolves to its GenerateResult."""
+        result: Future = Future()
+
+        def enqueue() -> None:
+            seed = request.params.sampling_seed
+            generator = torch.Generator().manual_seed(seed if seed is not None else self._seeds.getrandbits(63))
+            self._waiting.append(_Sequence(request=request, future=result, generator=generator))
+
+        self._call(enqueue).add_done_callback(lambda f: f.exception() and result.set_exception(f.exception()))
+        return result
+
+    def abort(self, rid: str | None = None) -> Future:
+        """Finish request `rid` (None: every request) with finish_reason abort; resolves to how many were hit."""
+        return self._call(lambda: self._abort(lambda seq: rid is None or seq.request.rid == rid))
+
+    def pause(self) -> Future:
+        """Stop decoding; running requests stay in place and new ones queue until `resume`."""
+        return self._call(lambda: setattr(self, "_paused", True))
+
+    def resume(self) -> Future:
+        return self._call(lambda: setattr(self, "_paused", False))
+
+    def update_weights(self, update: dict[str, torch.Tensor], weight_version: str | None) -> Future:
+        """Check and copy HF-named tensors into the model between steps, aborting running sequences first.
+
+        Resolves to the number of aborted sequences, or fails with BadRequestError (nothing changed) when a
+        name or shape does not match the model. `weight_version` None keeps the current version string.
+        """
+
+        def run() -> int:
+            check_update(self._loaded.model.state_dict(), update)
+            aborted = self._abort(lambda seq: seq in self._running)
+            apply_update(self._loaded.model, update)
+            if weight_version is not None:
+                self._weight_version = weight_version
+            return aborted
+
+        return self._call(run)
+
+    # ---- the scheduler thread ----------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while not self._stopping.is_set():
+                idle = not self._running and (self._paused or not self._waiting)
+                self._run_commands(block=idle)
+                if self._paused:
+                    continue
+                try:
+                    self._admit()
+                    if self._running:
+                        self._step()
+                except Exception as err:  # a failing forward pass fails its requests, not the engine
+                    log.exception("engine step failed; failing %d running requests", len(self._running))
+                    for seq in self._running:
+                        seq.future.set_exception(RuntimeError(f"engine step failed: {err!r}"))
+                    self._running, self._kv = [], None
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            # A short wait while idle, so that stop() is noticed without a wake-up message.
+            item = self._inbox.get(timeout=0.2) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            fn, future = item
+            try:
+                future.set_result(fn())
+            except Exception as err:
+                future.set_exception(err)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _admit(self) -> None:
+        room = self._max_batch_size - len(self._running)
+        newcomers = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+        for seq in [s for s in newcomers if s.request.params.max_new_tokens == 0]:
+            self._finish(seq, {"type": "length", "length": 0})
+        newcomers = [s for s in newcomers if s.finish is None]
+        if not newcomers:
+            return
+        batch, logits = kv_batch.prefill(self._loaded.model, [s.request.input_ids for s in newcomers],
+                                         self._loaded.device)
+        self._kv = kv_batch.merge(self._kv, batch)
+        self._running.extend(newcomers)
+        self._sample(newcomers, logits)
+        self._retire()
+
+    def _step(self) -> None:
+        logits = kv_batch.decode(self._loaded.model, self._kv, [s.output_ids[-1] for s in self._running])
+        self._sample(self._running, logits)
+        self._retire()
+
+    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+        uniforms = torch.tensor([0.0 if s.request.params.temperature == 0
+                                 else float(torch.rand((), generator=s.generator)) for s in seqs])
+        step = sample_rows(logits, [s.request.params for s in seqs], uniforms)
+        for seq, token, logprob in zip(seqs, step.tokens, step.logprobs, strict=True):
+            seq.output_ids.append(token)
+            seq.logprobs.append(logprob)
+            reason = self._stop_reason(seq)
+            if reason is not None:
+                self._finish(seq, reason)
+
+    def _stop_reason(self, seq: _Sequence) -> dict[str, Any] | None:
+        params, token = seq.request.params, seq.output_ids[-1]
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self._loaded.eos_token_ids):
+            return {"type": "stop", "matched": token}
+        if params.stop:
+            # A match must end in the newest token (earlier ones were checked at earlier steps), so decoding a
+            # tail of 4 tokens per character (UTF-8's worst case) plus a margin is enough.
+            window = 4 * max(len(s) for s in params.stop) + 8
+            tail = self._loaded.tokenizer.decode(seq.output_ids[-window:], skip_special_tokens=False)
+            for stop in params.stop:
+                if stop in tail:
+                    return {"type": "stop", "matched": stop}
+        if len(seq.output_ids) >= params.max_new_tokens:
+            return {"type": "length", "length": len(seq.output_ids)}
+        return None
+
+    def _abort(self, hit: Callable[[_Sequence], bool]) -> int:
+        victims = [s for s in [*self._running, *self._waiting] if hit(s)]
+        for seq in victims:
+            self._finish(seq, {"type": "abort", "message": "aborted by abort_request or a weight update"})
+        self._waiting = collections.deque(s for s in self._waiting if s.finish is None)
+        self._retire()
+        return len(victims)
+
+    def _retire(self) -> None:
+        """Drop finished sequences from the running batch and its KV cache."""
+        keep = [i for i, s in enumerate(self._running) if s.finish is None]
+        if len(keep) == len(self._running):
+            return
+        self._kv = kv_batch.select(self._kv, keep) if self._kv is not None else None
+        self._running = [self._running[i] for i in keep]
+
+    def _finish(self, seq: _Sequence, reason: dict[str, Any]) -> None:
+        seq.finish = reason
+        if not seq.future.done():
+            seq.future.set_result(self._result(seq))
+
+    def _result(self, seq: _Sequence) -> GenerateResult:
+        params = seq.request.params
+        text = self._loaded.tokenizer.decode(seq.output_ids, skip_special_tokens=params.skip_special_tokens)
+        matched = seq.finish.get("matched")
+        if isinstance(matched, str) and not params.no_stop_trim and matched in text:
+            text = text[: text.index(matched)]
+        return GenerateResult(
+            rid=seq.request.rid, prompt_tokens=len(seq.request.input_ids), output_ids=list(seq.output_ids),
+            output_logprobs=list(seq.logprobs), text=text, finish_reason=dict(seq.finish),
+            weight_version=self._weight_version,
+        )

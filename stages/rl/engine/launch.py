@@ -1,0 +1,148 @@
+"""Start the embedded engine and sglang-router as subprocesses, wait until they answer, always clean them up.
+
+Every process is stopped by `.stop()`, by leaving its `with` block, when its handle is garbage-collected, or
+at interpreter exit (a `weakref.finalize` each). Engines are also given `--parent-pid`, so an engine whose
+launcher was killed outright shuts itself down.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ENGINE_MODULE = "slimeflow.stages.rl.engine.server"
+_LOG_TAIL_CHARS = 4000
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (another process may still take it before you bind it)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _terminate(process: subprocess.Popen, log_file: Any) -> None:
+    """Stop a child: SIGTERM, then SIGKILL after 10 s. Must not reference its handle (a finalizer calls it)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+    log_file.close()
+
+
+class _ManagedProcess:
+    """A child process writing to a temporary log file, stopped on stop(), exit of a with block, or exit."""
+
+    kind = "process"
+
+    def __init__(self, command: list[str], url: str) -> None:
+        self.url = url
+        self.command = command
+        self._log = tempfile.NamedTemporaryFile(prefix=f"slimeflow-{self.kind}-", suffix=".log", delete=False)
+        self.log_path = Path(self._log.name)
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL)
+        self._finalizer = weakref.finalize(self, _terminate, self.process, self._log)
+
+    def log_tail(self, chars: int = _LOG_TAIL_CHARS) -> str:
+        """The end of the process's combined stdout/stderr."""
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError as err:
+            return f"<log {self.log_path} unreadable: {err}>"
+
+    def wait_ready(self, path: str, timeout_s: float, ready: Any = None) -> None:
+        """Poll GET url+path until it answers 200 (and `ready(response)` holds); stop the process on failure."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self.stop()
+                raise RuntimeError(
+                    f"{self.kind} exited with code {self.process.returncode} before answering {self.url}{path}.\n"
+                    f"command: {' '.join(self.command)}\nlog tail ({self.log_path}):\n{self.log_tail()}"
+                )
+            try:
+                response = httpx.get(self.url + path, timeout=2.0)
+                if response.status_code == 200 and (ready is None or ready(response)):
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(
+            f"{self.kind} did not answer {self.url}{path} within {timeout_s:.0f} s; raise timeout_s if the model "
+            f"is large.\ncommand: {' '.join(self.command)}\nlog tail ({self.log_path}):\n{self.log_tail()}"
+        )
+
+    def stop(self) -> None:
+        """Terminate the process (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EngineProcess(_ManagedProcess):
+    """An embedded engine server; `.url` is its base URL (http://host:port)."""
+
+    kind = "engine"
+
+
+class RouterProcess(_ManagedProcess):
+    """An sglang-router load-balancing over engine URLs; `.url` is its base URL."""
+
+    kind = "router"
+
+
+def start_engine(model_path: str | Path, *, port: int | None = None, host: str = "127.0.0.1",
+                 timeout_s: float = 120.0, **options: Any) -> EngineProcess:
+    """Start `python -m slimeflow.stages.rl.engine.server` on `model_path` and wait until /health answers.
+
+    `options` are the server's flags in Python spelling (max_batch_size=8, dtype="bfloat16", num_threads=1,
+    weight_version="v0", seed=0). Raises RuntimeError (the server died) or TimeoutError, with its log tail.
+    """
+    port = port or free_port(host)
+    command = [sys.executable, "-m", ENGINE_MODULE, "--model-path", str(model_path), "--host", host,
+               "--port", str(port), "--parent-pid", str(os.getpid())]
+    for name, value in options.items():
+        if value is not None:
+            command += [f"--{name.replace('_', '-')}", str(value)]
+    engine = EngineProcess(command, f"http://{host}:{port}")
+    engine.wait_ready("/health", timeout_s)
+    return engine
+
+
+def start_router(worker_urls: list[str], *, port: int | None = None, host: str = "127.0.0.1",
+                 policy: str = "round_robin", timeout_s: float = 60.0) -> RouterProcess:
+    """Start sglang-router over `worker_urls` and wait until it lists every worker as registered."""
+    if not worker_urls:
+        raise ValueError("start_router needs at least one worker URL")
+    port = port or free_port(host)
+    command = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+               "--host", host, "--port", str(port), "--policy", policy, "--log-level", "warn"]
+    router = RouterProcess(command, f"http://{host}:{port}")
+    router.wait_ready("/workers", timeout_s, ready=lambda r: _router_has(r, worker_urls))
+    return router
+
+
+def _router_has(response: httpx.Response, worker_urls: list[str]) -> bool:
+    try:
+        listed = str(response.json())
+    except ValueError:
+        return False
+    return all(url in listed for url in worker_urls)

@@ -1,0 +1,107 @@
+"""SGLang's /generate wire format: request bodies into GenerateRequests, GenerateResults into response dicts."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from slimeflow.stages.rl.engine.batcher import GenerateRequest, GenerateResult
+from slimeflow.stages.rl.engine.sampling import BadRequestError, parse_sampling_params
+
+# Top-level /generate fields SGLang accepts (sglang-router fills them all in) that change nothing here at these
+# values; any other value asks for a feature this engine lacks, so it is refused rather than ignored.
+_NEUTRAL_FIELDS = {"stream": False, "return_text_in_logprobs": False, "top_logprobs_num": 0,
+                   "return_hidden_states": False, "background": False, "return_bytes": False,
+                   "return_entropy": False}
+# Fields that only steer logging, routing or input logprobs (not returned here): any value is fine.
+_INFORMATIONAL_FIELDS = {"model", "log_metrics", "no_logs", "logprob_start_len"}
+_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "rid"}
+
+
+def parse_generate(body: Any, *, tokenizer: PreTrainedTokenizerBase, max_positions: int,
+                   vocab_size: int) -> tuple[list[GenerateRequest], bool]:
+    """The requests of a /generate body and whether it was a batch (input_ids a list of lists, or text a list).
+
+    Raises BadRequestError naming the field and how to fix it.
+    """
+    if not isinstance(body, dict):
+        raise BadRequestError("the /generate body must be a JSON object with input_ids or text")
+    _check_fields(body)
+    prompts, is_batch = _prompts(body, tokenizer, vocab_size)
+    params = _per_item(body.get("sampling_params"), len(prompts), "sampling_params", dict)
+    rids = _per_item(body.get("rid"), len(prompts), "rid", str)
+    if is_batch and isinstance(body.get("rid"), str):
+        rids = _distinct(body["rid"], len(prompts))
+    requests = []
+    for prompt, raw, rid in zip(prompts, params, rids, strict=True):
+        room = max_positions - len(prompt)
+        if room <= 0:
+            raise BadRequestError(
+                f"the prompt has {len(prompt)} tokens, at or beyond the model's max_position_embeddings "
+                f"({max_positions}); shorten it"
+            )
+        sampling = parse_sampling_params(raw, room=room, vocab_size=vocab_size)
+        requests.append(GenerateRequest(rid=rid or uuid.uuid4().hex, input_ids=prompt, params=sampling))
+    return requests, is_batch
+
+
+def _check_fields(body: dict) -> None:
+    unknown = sorted(set(body) - _FIELDS - set(_NEUTRAL_FIELDS) - _INFORMATIONAL_FIELDS)
+    if unknown:
+        raise BadRequestError(f"unknown /generate fields {unknown}; supported: {sorted(_FIELDS)}")
+    for name, neutral in _NEUTRAL_FIELDS.items():
+        if body.get(name) not in (neutral, None):
+            raise BadRequestError(f"/generate field {name}={body[name]!r} is not supported by the embedded "
+                                  f"engine; omit it or set it to {neutral!r}")
+
+
+def _prompts(body: dict, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> tuple[list[list[int]], bool]:
+    ids, text = body.get("input_ids"), body.get("text")
+    if (ids is None) == (text is None):
+        raise BadRequestError("/generate needs exactly one of input_ids (token ids) or text")
+    if text is not None:
+        texts = text if isinstance(text, list) else [text]
+        if not texts or not all(isinstance(t, str) and t for t in texts):
+            raise BadRequestError("/generate text must be a non-empty string or a non-empty list of them")
+        return [tokenizer(t).input_ids for t in texts], isinstance(text, list)
+    is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+    prompts = ids if is_batch else [ids]
+    for i, prompt in enumerate(prompts):
+        where = f"input_ids[{i}]" if is_batch else "input_ids"
+        if not isinstance(prompt, list) or not prompt:
+            raise BadRequestError(f"{where} is empty or not a list; send at least one token id")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt):
+            raise BadRequestError(f"{where} must hold integer token ids in [0, {vocab_size})")
+    return prompts, is_batch
+
+
+def _per_item(value: Any, count: int, name: str, kind: type) -> list[Any]:
+    """A field given once (applies to every prompt) or as a list with one entry per prompt."""
+    if value is None or isinstance(value, kind):
+        return [value] * count
+    if isinstance(value, list) and len(value) == count and all(v is None or isinstance(v, kind) for v in value):
+        return value
+    raise BadRequestError(f"/generate {name} must be one {kind.__name__} or a list of {count} of them")
+
+
+def _distinct(rid: str, count: int) -> list[str]:
+    # One rid for a batch names the whole batch: items get rid-0, rid-1, ... so abort by item still works.
+    return [f"{rid}-{i}" for i in range(count)]
+
+
+def to_response(result: GenerateResult, *, return_logprob: bool) -> dict[str, Any]:
+    """The SGLang response dict of one finished request."""
+    meta: dict[str, Any] = {
+        "id": result.rid,
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": len(result.output_ids),
+        "cached_tokens": 0,
+        "weight_version": result.weight_version,
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, tok, None]
+                                         for lp, tok in zip(result.output_logprobs, result.output_ids, strict=True)]
+    return {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}

@@ -1,0 +1,231 @@
+"""The HTTP server: SGLang's native API (the subset slime uses) over the continuous batcher.
+
+One uvicorn event loop parses requests and awaits futures; the model lives only in the scheduler thread.
+Endpoints answer as SGLang does. The one deliberate difference is `POST /update_weights_from_tensor`: its body
+is the safetensors serialisation of HF-named tensors (a full or partial state dict; `weight_version` a query
+parameter), where SGLang takes pickled `serialized_named_tensors` that only a process on the same GPU node can
+read. Bad requests answer 400 with {"error": {"message"}, "message", "success": false}, never a stack trace.
+
+    python -m slimeflow.stages.rl.engine.server --model-path DIR [--host 127.0.0.1] [--port P] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+
+from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
+from slimeflow.stages.rl.engine.protocol import parse_generate, to_response
+from slimeflow.stages.rl.engine.sampling import BadRequestError, SamplingParams
+from slimeflow.stages.rl.engine.weights import LoadedModel, load_model, read_checkpoint
+
+log = logging.getLogger("slimeflow.engine")
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class EngineState:
+    """What the routes share: the model (read-only here), its scheduler and request counters."""
+
+    loaded: LoadedModel
+    batcher: Batcher
+    model_path: str
+    dtype: str
+    max_batch_size: int
+    requests_received: int = 0
+
+
+def create_app(state: EngineState) -> FastAPI:
+    """The FastAPI app serving `state`; the caller starts and stops `state.batcher`."""
+    app = FastAPI(title="slimeflow embedded rollout engine")
+
+    @app.exception_handler(BadRequestError)
+    async def bad_request(_: Request, err: BadRequestError) -> JSONResponse:
+        return _error(400, str(err))
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, err: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return _error(500, f"internal engine error: {err!r}; see the engine log")
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        body = await _json(request)
+        requests, is_batch = parse_generate(body, tokenizer=state.loaded.tokenizer,
+                                            max_positions=state.loaded.max_positions,
+                                            vocab_size=int(state.loaded.model.config.vocab_size))
+        state.requests_received += len(requests)
+        results = await asyncio.gather(*(asyncio.wrap_future(state.batcher.submit(r)) for r in requests))
+        logprob = bool(body.get("return_logprob", False))
+        responses = [to_response(r, return_logprob=logprob) for r in results]
+        return responses if is_batch else responses[0]
+
+    @app.get("/health")
+    async def health():
+        return PlainTextResponse("")
+
+    @app.get("/health_generate")
+    async def health_generate():
+        probe = GenerateRequest(rid=f"health-{time.monotonic_ns()}", input_ids=[_probe_token(state.loaded)],
+                                params=SamplingParams(temperature=0.0, max_new_tokens=1))
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(state.batcher.submit(probe)), HEALTH_GENERATE_TIMEOUT_S)
+        except TimeoutError:
+            return _error(503, f"no token generated within {HEALTH_GENERATE_TIMEOUT_S}s (paused or overloaded?)")
+        return PlainTextResponse("")
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        # There is no prefix cache to flush: every request's KV cache is freed when it finishes.
+        return PlainTextResponse("Cache flushed.\n")
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        body = await _json(request)
+        rid, everything = body.get("rid"), bool(body.get("abort_all", False))
+        if not everything and not (isinstance(rid, str) and rid):
+            raise BadRequestError('abort_request needs {"rid": "<request id>"} or {"abort_all": true}')
+        aborted = await asyncio.wrap_future(state.batcher.abort(None if everything else rid))
+        return {"success": True, "aborted": aborted}
+
+    @app.post("/pause_generation")
+    async def pause_generation():
+        await asyncio.wrap_future(state.batcher.pause())
+        return {"success": True, "message": "generation paused; running requests stay in place"}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        await asyncio.wrap_future(state.batcher.resume())
+        return {"success": True, "message": "generation continued"}
+
+    _add_weight_routes(app, state)
+    return app
+
+
+def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        body = await _json(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise BadRequestError('update_weights_from_disk needs {"model_path": "<HF checkpoint dir>"}')
+        tensors = await asyncio.to_thread(read_checkpoint, path)
+        aborted = await asyncio.wrap_future(state.batcher.update_weights(tensors, body.get("weight_version")))
+        state.model_path = path
+        return {"success": True, "message": f"loaded {len(tensors)} tensors from {path}; aborted {aborted} "
+                                            "running requests", "num_paused_requests": 0}
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request, weight_version: str | None = None):
+        payload = await request.body()
+        try:
+            tensors = await asyncio.to_thread(load_safetensors, payload)
+        except (SafetensorError, ValueError) as err:
+            raise BadRequestError(
+                f"the body is not safetensors bytes ({err}); send safetensors.torch.save(named_tensors)"
+            ) from None
+        aborted = await asyncio.wrap_future(state.batcher.update_weights(tensors, weight_version))
+        return {"success": True, "message": f"updated {len(tensors)} tensors; aborted {aborted} running requests"}
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": state.batcher.weight_version}
+
+    # sglang-router asks /server_info and /model_info (newer SGLang names) when it registers a worker.
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def get_model_info():
+        return {"model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
+                "weight_version": state.batcher.weight_version, "requests_received": state.requests_received,
+                "max_batch_size": state.max_batch_size, "dtype": state.dtype,
+                "device": str(state.loaded.device), **state.batcher.load()}
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status}, "message": message, "success": False},
+                        status_code=status)
+
+
+async def _json(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as err:
+        raise BadRequestError(f"the request body is not valid JSON ({err}); send a JSON object") from None
+    if not isinstance(body, dict):
+        raise BadRequestError("the request body must be a JSON object")
+    return body
+
+
+def _probe_token(loaded: LoadedModel) -> int:
+    bos = loaded.tokenizer.bos_token_id
+    return bos if bos is not None else 0
+
+
+def _watch_parent(parent_pid: int, server: uvicorn.Server) -> None:
+    """Shut the server down when the process that launched it is gone (so a killed test leaves no engine)."""
+    while not server.should_exit:
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            server.should_exit = True
+            return
+        time.sleep(1.0)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m slimeflow.stages.rl.engine.server", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", required=True, help="HF causal-LM directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--seed", type=int, default=0, help="seeds requests that give no sampling_seed")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    loaded = load_model(args.model_path, dtype=args.dtype)
+    batcher = Batcher(loaded, max_batch_size=args.max_batch_size, weight_version=args.weight_version,
+                      seed=args.seed)
+    state = EngineState(loaded=loaded, batcher=batcher, model_path=args.model_path, dtype=args.dtype,
+                        max_batch_size=args.max_batch_size)
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port,
+                                           log_level="warning", access_log=False))
+    if args.parent_pid is not None:
+        threading.Thread(target=_watch_parent, args=(args.parent_pid, server), daemon=True).start()
+    batcher.start()
+    log.info("serving %s on %s at http://%s:%d", args.model_path, loaded.device, args.host, args.port)
+    try:
+        server.run()
+    finally:
+        batcher.stop()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""loop.py drives the actors in slime's order, saves and evaluates on schedule, and starts after a checkpoint."""
+
+from __future__ import annotations
+
+from slimeflow.stages.rl import loop
+from slimeflow.stages.rl.config import TrainConfig
+
+
+class Recorder:
+    def __init__(self, start=0, saved=None):
+        self.calls, self.start, self.saved = [], start, saved or {}
+
+    # the rollout manager's side
+    def generate(self, rollout_id):
+        self.calls.append(("generate", rollout_id))
+        return f"batch-{rollout_id}", {"rollout/reward_mean": 0.5}, [[f"row-{rollout_id}"]]
+
+    def evaluate(self, version):
+        self.calls.append(("eval", version))
+        return {"eval/x/avg@1": float(version)}
+
+    def state_dict(self):
+        return {"offset": len(self.calls)}
+
+    def load_state_dict(self, state):
+        self.calls.append(("restore", state))
+
+    # the actor group's side
+    def load(self):
+        return self.start, self.saved
+
+    def train(self, rollout_id, batch):
+        self.calls.append(("train", rollout_id, batch))
+        return {"pg_loss": 0.1}
+
+    def save(self, rollout_id, extra):
+        self.calls.append(("save", rollout_id))
+        return f"iter_{rollout_id}"
+
+    def update_weights(self, manager, version):
+        self.calls.append(("update", version))
+
+
+class Reports:
+    def __init__(self):
+        self.rollouts, self.evals = [], []
+
+    def rollout(self, rollout_id, metrics, row_ids):
+        self.rollouts.append((rollout_id, row_ids, sorted(metrics)))
+
+    def evaluation(self, version, metrics):
+        self.evals.append(version)
+
+
+class FakePlacement:
+    def __init__(self, recorder, **train):
+        base = {"batch": {"rollout_batch_size": 1, "num_rollout": 4}, "checkpoint": {"save_interval": 2},
+                "eval": {"eval_interval": 2}}
+        for group, values in train.items():
+            base.setdefault(group, {}).update(values)
+        self.config = TrainConfig.model_validate(base)
+        self.rollout_manager = self.actor_group = recorder
+
+
+def test_the_loop_runs_in_slimes_order_and_reports_every_rollout():
+    recorder, reports = Recorder(), Reports()
+    result = loop.train(FakePlacement(recorder), 4, reports)
+    names = [c[0] for c in recorder.calls]
+    assert names == ["update", "eval",
+                     "generate", "train", "update",
+                     "generate", "train", "save", "update", "eval",
+                     "generate", "train", "update",
+                     "generate", "train", "save", "update", "eval"]
+    assert ("train", 2, "batch-2") in recorder.calls and ("update", 4) in recorder.calls
+    assert [r[0] for r in reports.rollouts] == [0, 1, 2, 3] and reports.evals == [0, 2, 4]
+    assert result.checkpoint == "iter_3" and result.row_ids[1] == [["row-1"]]
+    assert "time/generate" in reports.rollouts[0][2] and "time/save" in reports.rollouts[1][2]
+
+
+def test_a_resumed_loop_restores_the_data_position_and_starts_after_the_checkpoint():
+    recorder = Recorder(start=2, saved={"data_source": {"offset": 7}, "rollout_id": 1})
+    placement = FakePlacement(recorder, eval={"skip_eval_before_train": True})
+    result = loop.train(placement, 4, Reports())
+    assert recorder.calls[:2] == [("restore", {"offset": 7}), ("update", 2)]
+    assert [c[1] for c in recorder.calls if c[0] == "generate"] == [2, 3]
+    assert result.start_rollout_id == 2 and sorted(result.row_ids) == [2, 3]
+
+
+def test_a_finished_run_does_nothing():
+    recorder = Recorder(start=4)
+    result = loop.train(FakePlacement(recorder), 4, Reports())
+    assert recorder.calls == [] and result.row_ids == {}
+
+
+def test_should_run_every_interval_and_at_the_end():
+    assert [r for r in range(7) if loop.should_run(3, r, 7)] == [2, 5, 6]
+    assert not any(loop.should_run(None, r, 7) for r in range(7))
