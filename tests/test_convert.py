@@ -362,6 +362,23 @@ def test_a_target_holding_a_checkpoint_is_refused_unless_overwrite(converted, tm
     assert replaced.hashes["content"] == item["reverse"].hashes["content"]
 
 
+@pytest.mark.slow
+def test_reverse_reads_an_iteration_directory_and_a_root_whose_latest_is_one(converted, tmp_path):
+    """A training backend's layout: <root>/iter_0000003/ with the tracker at 3, read by directory and by root."""
+    item = converted["qwen2-bf16-gqa-2p"]
+    root = tmp_path / "trained"
+    shutil.copytree(item["root"] / "release", root / "iter_0000003")
+    (root / "latest_checkpointed_iteration.txt").write_text("3")
+    original = hf_tensors(item["hf"])
+    for name, input_dir in (("by-dir", root / "iter_0000003"), ("by-root", root)):
+        manifest = run(ConvertConfig(direction="torch-dist-to-hf", input_dir=str(input_dir),
+                                     output_dir=str(tmp_path / name), origin_hf_dir=str(item["hf"])), context(tmp_path))
+        assert manifest.facts["iteration"] == "3"
+        back = hf_tensors(tmp_path / name)
+        assert sorted(back) == sorted(original)
+        assert all(back[n].dtype == t.dtype and torch.equal(back[n], t) for n, t in original.items())
+
+
 def test_reverse_refuses_a_directory_that_is_no_checkpoint(good_hf, tmp_path):
     with pytest.raises(StageInputError, match="is not a checkpoint"):
         run(ConvertConfig(direction="torch-dist-to-hf", input_dir=str(tmp_path), output_dir=str(tmp_path / "o"),
