@@ -214,3 +214,32 @@ def test_evaluate_sets_uses_the_eval_sampling_params(make_ctx):
     assert metrics["eval/math/avg@2"] == 0.5 and metrics["eval/math/pass@2"] == 0.5
     assert {p["temperature"] for _, p in engine.requests} == {0.0}
     assert {p["max_new_tokens"] for _, p in engine.requests} == {1}
+
+
+def test_wrong_plugin_paths_are_named_before_anything_starts(tmp_path):
+    from slimeflow.stages.base import StageInputError
+    from slimeflow.stages.rl.stage import check_plugins
+
+    cfg = config(rollout={"custom_generate_function_path": "no_such_module:generate"},
+                 reward={"custom_rm_path": "slimeflow.stages.rl.rewards:no_such_reward"})
+    with pytest.raises(StageInputError) as err:
+        check_plugins(cfg)
+    message = str(err.value)
+    assert "--custom-generate-function-path 'no_such_module:generate': cannot import module" in message
+    assert "--custom-rm-path" in message and "has no attribute 'no_such_reward'" in message
+
+
+def test_an_engine_url_that_does_not_answer_is_a_clear_error_not_a_hang():
+    import time
+
+    from slimeflow.stages.rl.engine.client import EngineUnavailableError
+    from slimeflow.stages.rl.engine.launch import free_port
+    from slimeflow.stages.rl.engines import EngineSet
+
+    url = f"http://127.0.0.1:{free_port()}"
+    started = time.perf_counter()
+    with pytest.raises(EngineUnavailableError, match=url):
+        EngineSet.start("/unused", {"worker_urls": [url], "weights_dir": "/tmp/w"}, num_engines=1)
+    assert time.perf_counter() - started < 30
+    with pytest.raises(ValueError, match="--sglang-weights-dir"):
+        EngineSet.start("/unused", {"worker_urls": [url]}, num_engines=1)

@@ -24,10 +24,10 @@ pytestmark = pytest.mark.slow
 
 def demo_train(**overrides) -> dict:
     """The demo's train section (examples/demo.yaml), shortened by `overrides`."""
-    section = {"rollout-batch-size": 16, "n-samples-per-prompt": 8, "num-rollout": 60, "rollout-max-response-len": 2,
-               "use-dynamic-batch-size": True, "max-tokens-per-gpu": 4096,
-               "rollout-shuffle": True, "rm-type": "prefix_match", "lr": 3.0e-4, "eval-interval": 30,
-               "eval-temperature": 0.0, "save-interval": 30}
+    section = {"rollout-batch-size": 16, "n-samples-per-prompt": 16, "num-rollout": 150,
+               "rollout-max-response-len": 1, "rollout-temperature": 1.5, "rollout-shuffle": True,
+               "rm-type": "prefix_match", "lr": 1.0e-3, "use-dynamic-batch-size": True, "max-tokens-per-gpu": 8192,
+               "eval-interval": 25, "eval-temperature": 0.0, "save-interval": 50}
     section.update(overrides)
     return section
 
@@ -36,11 +36,11 @@ def pipeline_data(tmp_path: Path, mlflow_uri: str, train: dict) -> dict:
     return {
         "name": "e2e", "hf_checkpoint": MODEL, "workdir": str(tmp_path), "infra": {"mlflow_tracking_uri": mlflow_uri},
         "convert": {"processes": 1},
-        "preprocess": {"input": [str(DATA / "addition-train.jsonl")],
-                       "eval_input": {"addition": str(DATA / "addition-eval.jsonl")},
+        "preprocess": {"input": [str(DATA / "increment-train.jsonl")],
+                       "eval_input": {"increment": str(DATA / "increment-eval.jsonl")},
                        "input_key": "prompt", "label_key": "label"},
         "train": train,
-        "evaluate": {"eval-temperature": 0.0, "eval-max-response-len": 2, "rm-type": "prefix_match"},
+        "evaluate": {"eval-temperature": 0.0, "eval-max-response-len": 1, "rm-type": "prefix_match"},
         "export": {},
     }
 
@@ -62,7 +62,7 @@ def test_pipeline_trains_evaluates_exports_and_a_rerun_skips_every_stage(prefect
     assert trained["config"]["checkpoint"]["ref_load"] == manifests["convert"]["outputs"]["torch_dist"]
     assert trained["config"]["data"]["prompt_data"] == manifests["preprocess"]["outputs"]["train"]
     assert manifests["evaluate"]["outputs"]["checkpoint"] == trained["outputs"]["checkpoint"]
-    assert "eval/addition/avg@1" in manifests["evaluate"]["metrics"]
+    assert "eval/increment/avg@1" in manifests["evaluate"]["metrics"]
     assert manifests["export"]["outputs"]["checkpoint"] == trained["outputs"]["checkpoint"]
     assert Path(trained["outputs"]["reward_curve"]).stat().st_size > 1000
     model = AutoModelForCausalLM.from_pretrained(manifests["export"]["outputs"]["hf_model"])
@@ -93,12 +93,12 @@ def train_config(tmp_path: Path, **overrides):
 
     ctx = StageContext(Storage(), tmp_path, str(tmp_path))
     hf = model_run(ModelConfig(hf_checkpoint=MODEL), ctx).outputs["hf_checkpoint"]
-    pre = preprocess_run(PreprocessConfig(input=[str(DATA / "addition-train.jsonl")], input_key="prompt",
-                                          eval_input={"addition": str(DATA / "addition-eval.jsonl")},
+    pre = preprocess_run(PreprocessConfig(input=[str(DATA / "increment-train.jsonl")], input_key="prompt",
+                                          eval_input={"increment": str(DATA / "increment-eval.jsonl")},
                                           label_key="label"), ctx)
     section = demo_train(**overrides)
     section.update({"hf-checkpoint": hf, "prompt-data": pre.outputs["train"],
-                    "eval-prompt-data": {"addition": pre.outputs["eval.addition"]}})
+                    "eval-prompt-data": {"increment": pre.outputs["eval.increment"]}})
     from slimeflow.config.pipeline import load_stage_config
 
     config = load_stage_config("train", section)
@@ -111,8 +111,8 @@ def test_the_demo_task_is_learned(tmp_path):
 
     config, ctx = train_config(tmp_path)
     manifest = run(config, ctx)
-    before = manifest.facts["eval_first"]["eval/addition/avg@1"]
-    after = manifest.facts["eval_last"]["eval/addition/avg@1"]
+    before = manifest.facts["eval_first"]["eval/increment/avg@1"]
+    after = manifest.facts["eval_last"]["eval/increment/avg@1"]
     # Greedy accuracy on the 20 held-out sums: a random model answers ~0-10% right.
     assert after >= before + 0.3, (before, after)
 

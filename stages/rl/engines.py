@@ -40,7 +40,9 @@ class EngineSet:
             if not weights_dir:
                 raise ValueError("--sglang-worker-urls needs --sglang-weights-dir DIR: a directory every SGLang "
                                  "server can read, where the trainer writes the weights it pushes")
-            return cls(urls, router or urls[0], hf_checkpoint, str(weights_dir))
+            engines = cls(urls, router or urls[0], hf_checkpoint, str(weights_dir))
+            asyncio.run(engines.check_health())
+            return engines
         from slimeflow.stages.rl.engine.launch import start_engine, start_router
 
         options = {"num_threads": threads} if threads else {}
@@ -58,6 +60,11 @@ class EngineSet:
                 process.stop()
             raise
         return cls(urls, rollout_url, hf_checkpoint, None, processes)
+
+    async def check_health(self) -> None:
+        """Every engine and the rollout URL answer /health (EngineUnavailableError names the one that does not)."""
+        urls = dict.fromkeys([*self.worker_urls, self.rollout_url])
+        await asyncio.gather(*(EngineClient(url, retries=2).health() for url in urls))
 
     def client(self) -> RoutedClient:
         return RoutedClient(EngineClient(self.rollout_url), [EngineClient(url) for url in self.worker_urls])

@@ -24,6 +24,7 @@ from slimeflow.stages.rl.actors import RolloutSetup
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.placement import create_placement, init_ray, scratch_dir
 from slimeflow.stages.rl.plots import plot_curves
+from slimeflow.stages.rl.plugins import PluginError, load_plugin
 
 
 def run(config: TrainConfig, ctx: StageContext) -> Manifest:
@@ -65,10 +66,40 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
     if problems:
         raise StageInputError("the train stage cannot start", problems,
                               "In a pipeline these come from the model and preprocess stages; alone, pass them.")
+    check_plugins(config)
     return RolloutSetup(hf_checkpoint=config.checkpoint.hf_checkpoint, prompt_data=config.data.prompt_data,
                         eval_prompt_data=dict(config.eval.eval_prompt_data),
                         num_engines=max(1, (config.placement.rollout_num_gpus or 1)
                                         // config.placement.rollout_num_gpus_per_engine))
+
+
+PLUGIN_FLAGS = {
+    ("rollout", "custom_generate_function_path"): "custom-generate-function-path",
+    ("rollout", "rollout_function_path"): "rollout-function-path",
+    ("rollout", "dynamic_sampling_filter_path"): "dynamic-sampling-filter-path",
+    ("rollout", "buffer_filter_path"): "buffer-filter-path",
+    ("reward", "custom_rm_path"): "custom-rm-path",
+    ("algorithm", "custom_loss_function_path"): "custom-loss-function-path",
+    ("algorithm", "custom_advantage_function_path"): "custom-advantage-function-path",
+}
+
+
+def check_plugins(config: TrainConfig) -> None:
+    """Every plug-in path loads, before Ray or an engine starts; all the wrong ones are named at once."""
+    problems = []
+    for (group, field), flag in PLUGIN_FLAGS.items():
+        path = getattr(getattr(config, group), field)
+        if path is None:
+            continue
+        try:
+            load_plugin(path, flag)
+        except PluginError as err:
+            problems.append(str(err))
+    if config.rollout.rollout_function_path is not None:
+        problems.append("--rollout-function-path: replacing the whole rollout function is not supported in this "
+                        "version; use --custom-generate-function-path (per sample) instead")
+    if problems:
+        raise StageInputError("the train stage's plug-ins", problems, "Fix the paths (package.module:function).")
 
 
 def resolve_num_rollout(config: TrainConfig, prompt_data: str, ctx: StageContext) -> int:
