@@ -8,8 +8,8 @@ workloads:
 - varied: request i stops after its own length, drawn from 16..--max-new-tokens, as RL responses do. A static
   batch runs until its longest row; only the tokens each request asked for are counted for both.
 
-The engine runs as a subprocess reached over HTTP (its time includes HTTP and JSON); both sides use --threads
-torch threads.
+The engine runs as a subprocess reached over HTTP (its time includes HTTP and JSON), and again in this process
+(its Batcher driven directly), so the HTTP share is visible; every side uses --threads torch threads.
 
     .venv/bin/python benchmarks/engine_bench.py [--max-new-tokens 128] [--threads 1] [--one-by-one 8]
 """
@@ -28,8 +28,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
 from slimeflow.stages.rl.engine.client import EngineClient
 from slimeflow.stages.rl.engine.launch import start_engine
+from slimeflow.stages.rl.engine.sampling import SamplingParams
+from slimeflow.stages.rl.engine.weights import LoadedModel, load_model
 
 SPEC = TinyModelSpec(family="llama", hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                      num_key_value_heads=4, intermediate_size=512, max_position_embeddings=1024, seed=0)
@@ -70,6 +73,22 @@ async def engine_run(url: str, prompts: list[list[int]], lengths: list[int]) -> 
     return seconds, sum(r["meta_info"]["completion_tokens"] for r in responses)
 
 
+def in_process_run(loaded: LoadedModel, prompts: list[list[int]], lengths: list[int]) -> tuple[float, int]:
+    """Seconds and generated tokens for the same requests submitted straight to a Batcher (no HTTP, no JSON)."""
+    batcher = Batcher(loaded, max_batch_size=len(prompts))
+    batcher.start()
+    try:
+        start = time.perf_counter()
+        futures = [batcher.submit(GenerateRequest(rid=str(i), input_ids=p, params=SamplingParams(
+            temperature=1.0, max_new_tokens=n, ignore_eos=True, sampling_seed=i)))
+            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]
+        results = [f.result() for f in futures]
+        seconds = time.perf_counter() - start
+    finally:
+        batcher.stop()
+    return seconds, sum(len(r.output_ids) for r in results)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=64)
@@ -84,38 +103,49 @@ def main(argv: list[str] | None = None) -> None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         pad = int(model.generation_config.pad_token_id)
         with start_engine(model_dir, num_threads=args.threads, max_batch_size=args.requests) as engine:
+            loaded = load_model(model_dir, device="cpu")
             asyncio.run(engine_run(engine.url, prompts[:4], [8] * 4))  # warm-up
+            in_process_run(loaded, prompts[:4], [8] * 4)
             hf_batch(model, prompts[:4], 8, pad)
-            rows = report(args, model, pad, engine.url, prompts, lengths)
+            rows = report(args, model, pad, (engine.url, loaded), prompts, lengths)
     print(f"\n{' '.join([sys.executable, *sys.argv])}")
     for row in rows:
         print(row)
 
 
-def report(args, model, pad: int, url: str, prompts: list[list[int]], lengths: list[int]) -> list[str]:
+def report(args, model, pad: int, engines: tuple[str, LoadedModel], prompts: list[list[int]],
+           lengths: list[int]) -> list[str]:
     n, max_new = len(prompts), args.max_new_tokens
     rows = [f"model: tiny llama hidden 256, 4 layers, fp32, CPU, {args.threads} torch thread(s); "
             f"{n} requests, prompts 16-64 tokens, temperature 1"]
-    engine_s, engine_tokens = asyncio.run(engine_run(url, prompts, [max_new] * n))
+    http_tps, local_tps = _engine_rates(engines, prompts, [max_new] * n)
     batch_s = hf_batch(model, prompts, max_new, pad)
     single = prompts[: args.one_by_one]
     single_s = sum(hf_batch(model, [p], max_new, pad) for p in single)
-    engine_tps, batch_tps = engine_tokens / engine_s, n * max_new / batch_s
-    single_tps = len(single) * max_new / single_s
+    batch_tps, single_tps = n * max_new / batch_s, len(single) * max_new / single_s
     rows += [f"equal lengths ({max_new} new tokens each):",
-             f"  engine, {n} concurrent over HTTP : {engine_tps:8.0f} tok/s ({engine_s:.2f} s)",
-             f"  model.generate, batch of {n}     : {batch_tps:8.0f} tok/s ({batch_s:.2f} s)  "
-             f"engine/batch = {engine_tps / batch_tps:.2f}x",
+             f"  engine, {n} concurrent over HTTP : {http_tps:8.0f} tok/s  engine/batch = {http_tps / batch_tps:.2f}x",
+             f"  engine in process (no HTTP)     : {local_tps:8.0f} tok/s  engine/batch = {local_tps / batch_tps:.2f}x",
+             f"  model.generate, batch of {n}     : {batch_tps:8.0f} tok/s ({batch_s:.2f} s)",
              f"  model.generate, one by one ({len(single)}) : {single_tps:8.0f} tok/s  "
-             f"engine/one-by-one = {engine_tps / single_tps:.2f}x"]
-    engine_s, engine_tokens = asyncio.run(engine_run(url, prompts, lengths))
+             f"engine/one-by-one = {http_tps / single_tps:.2f}x"]
+    http_tps, local_tps = _engine_rates(engines, prompts, lengths)
     batch_s = hf_batch(model, prompts, max(lengths), pad)
-    useful = sum(lengths)
-    rows += [f"varied lengths (16..{max_new}, {useful} tokens asked for; the static batch runs to the longest):",
-             f"  engine                          : {engine_tokens / engine_s:8.0f} tok/s ({engine_s:.2f} s)",
-             f"  model.generate, batch of {n}     : {useful / batch_s:8.0f} useful tok/s ({batch_s:.2f} s)  "
-             f"engine/batch = {(engine_tokens / engine_s) / (useful / batch_s):.2f}x"]
+    useful_tps = sum(lengths) / batch_s
+    rows += [f"varied lengths (16..{max_new}, {sum(lengths)} tokens asked for; the static batch runs to the longest):",
+             f"  engine over HTTP                : {http_tps:8.0f} tok/s  engine/batch = {http_tps / useful_tps:.2f}x",
+             f"  engine in process (no HTTP)     : {local_tps:8.0f} tok/s  engine/batch = {local_tps / useful_tps:.2f}x",
+             f"  model.generate, batch of {n}     : {useful_tps:8.0f} useful tok/s ({batch_s:.2f} s)"]
     return rows
+
+
+def _engine_rates(engines: tuple[str, LoadedModel], prompts: list[list[int]], lengths: list[int]
+                  ) -> tuple[float, float]:
+    """Generated tokens/s of the engine over HTTP and in process, on the same requests."""
+    url, loaded = engines
+    http_s, http_tokens = asyncio.run(engine_run(url, prompts, lengths))
+    local_s, local_tokens = in_process_run(loaded, prompts, lengths)
+    return http_tokens / http_s, local_tokens / local_s
 
 
 if __name__ == "__main__":

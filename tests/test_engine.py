@@ -287,3 +287,28 @@ def test_sampling_follows_top_k_top_p_by_inverse_cdf(top_k, top_p, expected):
     torch.testing.assert_close(counts, torch.tensor([expected[2], expected[0], expected[1]]), atol=2e-3, rtol=0)
     torch.testing.assert_close(torch.tensor(step.logprobs).exp(), torch.tensor([0.2, 0.5, 0.3])[step.tokens],
                                atol=1e-6, rtol=0)
+
+
+def test_kv_batch_matches_plain_forward_through_joins_leaves_and_growth(reference):
+    from slimeflow.stages.rl.engine import kv_batch
+
+    # Decodes in place with 2 columns of headroom (so the buffers grow), a join of a longer prompt (so the running
+    # rows are re-padded), and leaves that move rows from the back into the holes; every step's logits must equal
+    # a plain forward over the sequence so far.
+    seqs = [list(p) for p in PROMPTS]
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        batch, logits = kv_batch.prefill(reference, seqs, cpu, headroom=2)
+        for step in range(12):
+            if step == 2:
+                joiners = [[256, *range(70, 90)], [256, 66]]
+                new, new_logits = kv_batch.prefill(reference, joiners, cpu, headroom=4)
+                batch, seqs, logits = kv_batch.merge(batch, new), seqs + joiners, torch.cat([logits, new_logits])
+            if step in (5, 8):
+                order = kv_batch.compaction_order([row != {5: 0, 8: 1}[step] for row in range(len(seqs))])
+                assert order == ([4, 1, 2, 3] if step == 5 else [0, 3, 2])
+                batch, seqs, logits = kv_batch.select(batch, order), [seqs[i] for i in order], logits[order]
+            for seq, row in zip(seqs, logits, strict=True):
+                torch.testing.assert_close(row, reference(torch.tensor([seq])).logits[0, -1], atol=1e-4, rtol=0)
+                seq.append(int(row.argmax()))
+            logits = kv_batch.decode(reference, batch, [seq[-1] for seq in seqs])

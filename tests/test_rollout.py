@@ -37,6 +37,7 @@ class ScriptedEngine:
         self.answers, self.hang, self.fail, self.version = answers, set(hang), set(fail), version
         self.aborted = asyncio.Event()
         self.requests: list[tuple[str, dict]] = []
+        self.batches = 0
 
     async def generate(self, input_ids, params, return_logprob=True, rid=None):
         prompt = "".join(chr(i) for i in input_ids)
@@ -54,6 +55,11 @@ class ScriptedEngine:
         meta = {"finish_reason": {"type": finish}, "weight_version": self.version,
                 "output_token_logprobs": [[-0.5, ord(c), None] for c in text]}
         return {"text": text, "meta_info": meta}
+
+    async def generate_batch(self, input_ids, params, return_logprob=True, rids=None):
+        self.batches += 1
+        return list(await asyncio.gather(*(self.generate(ids, p, return_logprob, rid)
+                                           for ids, p, rid in zip(input_ids, params, rids, strict=True))))
 
     async def abort(self, rid=None):
         self.aborted.set()
@@ -79,20 +85,23 @@ def run(ctx, data, rollout_id=0):
 def make_ctx():
     scorers = []
 
-    def make(engine, cfg, version=None):
+    def make(engine, cfg, version=None, batch_groups=True):
         scorers.append(RewardScorer(cfg.reward))
-        return RolloutContext(cfg, CharTokenizer(), engine, scorers[-1], concurrency=8, weight_version=version)
+        return RolloutContext(cfg, CharTokenizer(), engine, scorers[-1], concurrency=8, weight_version=version,
+                              batch_groups=batch_groups)
 
     yield make
     for scorer in scorers:
         scorer.close()
 
 
-def test_samples_carry_tokens_logprobs_rewards_and_status(make_ctx):
+@pytest.mark.parametrize("batch_groups", [True, False], ids=["group-batched", "per-sample"])
+def test_samples_carry_tokens_logprobs_rewards_and_status(make_ctx, batch_groups):
     engine = ScriptedEngine({"a1": "1", "b2": "2xxxxxx"})
     cfg = config()
     data = BufferedDataSource(DataSource(prompts("a1", "b2"), n_samples_per_prompt=2))
-    result = run(make_ctx(engine, cfg), data)
+    result = run(make_ctx(engine, cfg, batch_groups=batch_groups), data)
+    assert engine.batches == (2 if batch_groups else 0)
     first, second = result.groups
     assert [s.metadata["row_id"] for s in first] == ["row-a1", "row-a1"]
     sample = first[0]

@@ -62,7 +62,8 @@ class RolloutManager:
 
     def _context(self, version: str | None) -> RolloutContext:
         return RolloutContext(self.config, self.tokenizer, self.engines.client(), self.scorer,
-                              concurrency=self.setup.concurrency, weight_version=version)
+                              concurrency=self.setup.concurrency, weight_version=version,
+                              batch_groups=not self.engines.routed)
 
     def generate(self, rollout_id: int) -> tuple[TrainBatch, dict[str, float], list[list[str]]]:
         """Rollout `rollout_id` with the weights of version `rollout_id`: (train batch, metrics, row ids per group)."""

@@ -61,6 +61,12 @@ class EngineSet:
             raise
         return cls(urls, rollout_url, hf_checkpoint, None, processes)
 
+    @property
+    def routed(self) -> bool:
+        """Whether rollouts go through sglang-router, which takes one request per sample: its batch form allows
+        only one sampling_params for every prompt, and each sample needs its own seed."""
+        return self.rollout_url not in self.worker_urls
+
     async def check_health(self) -> None:
         """Every engine and the rollout URL answer /health (EngineUnavailableError names the one that does not)."""
         urls = dict.fromkeys([*self.worker_urls, self.rollout_url])
@@ -110,6 +116,10 @@ class RoutedClient:
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *, return_logprob: bool = True,
                        rid: str | None = None) -> dict[str, Any]:
         return await self.rollout.generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid)
+
+    async def generate_batch(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]], *,
+                             return_logprob: bool = True, rids: list[str] | None = None) -> list[dict[str, Any]]:
+        return await self.rollout.generate_batch(input_ids, sampling_params, return_logprob=return_logprob, rids=rids)
 
     async def abort(self, rid: str | None = None) -> None:
         await asyncio.gather(*(worker.abort(rid) for worker in self.workers))

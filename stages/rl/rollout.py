@@ -15,7 +15,8 @@ import asyncio
 import hashlib
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,6 +52,9 @@ class Engine(Protocol):
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *, return_logprob: bool = True,
                        rid: str | None = None) -> dict[str, Any]: ...
 
+    async def generate_batch(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]], *,
+                             return_logprob: bool = True, rids: list[str] | None = None) -> list[dict[str, Any]]: ...
+
     async def abort(self, rid: str | None = None) -> Any: ...
 
 
@@ -66,12 +70,29 @@ class RolloutContext:
     weight_version: str | None = None
     """The weight version every response of this rollout must come from (None: not checked)."""
     generate_fn: GenerateFn | None = None
+    batch_groups: bool = True
+    """Send a group's samples as one batched /generate (SGLang's batch form) with the default generate."""
 
     def __post_init__(self) -> None:
         path = self.config.rollout.custom_generate_function_path
         if self.generate_fn is None and path is not None:
             self.generate_fn = load_plugin(path, "custom-generate-function-path")
-        self._slots = asyncio.Semaphore(self.concurrency)
+        self._in_flight = 0
+        self._freed = asyncio.Condition()
+
+    @asynccontextmanager
+    async def slots(self, n: int) -> AsyncIterator[None]:
+        """Hold `n` of the `concurrency` request slots (a group larger than it runs alone)."""
+        n = min(n, self.concurrency)
+        async with self._freed:
+            await self._freed.wait_for(lambda: self._in_flight + n <= self.concurrency)
+            self._in_flight += n
+        try:
+            yield
+        finally:
+            async with self._freed:
+                self._in_flight -= n
+                self._freed.notify_all()
 
 
 @dataclass
@@ -119,24 +140,51 @@ def prompt_ids(ctx: RolloutContext, sample: Sample) -> list[int]:
 
 async def default_generate(ctx: RolloutContext, sample: Sample, params: dict[str, Any]) -> Sample:
     """One turn: prompt (or a partial sample's tokens so far) -> response tokens, text and log-probs."""
+    request = _prepare(ctx, sample, params)
+    if request is None:
+        return sample
+    out = await ctx.client.generate(sample.tokens, request, return_logprob=True, rid=_rid(sample))
+    return _apply(ctx, sample, out)
+
+
+async def default_generate_group(ctx: RolloutContext, group: Group, params: dict[str, Any]) -> Group:
+    """`default_generate` for a whole group in one batched /generate request (SGLang's batch form)."""
+    requests = [(sample, _prepare(ctx, sample, params)) for sample in group]
+    todo = [(sample, request) for sample, request in requests if request is not None]
+    if todo:
+        outs = await ctx.client.generate_batch([s.tokens for s, _ in todo], [r for _, r in todo],
+                                               return_logprob=True, rids=[_rid(s) for s, _ in todo])
+        for (sample, _), out in zip(todo, outs, strict=True):
+            _apply(ctx, sample, out)
+    return group
+
+
+def _prepare(ctx: RolloutContext, sample: Sample, params: dict[str, Any]) -> dict[str, Any] | None:
+    """The sample's prompt tokens and its sampling params for what is left of its budget (None: nothing left)."""
     if not sample.tokens:
         sample.tokens = prompt_ids(ctx, sample)
     done = sample.response_length
     if done and ctx.config.rollout.mask_offpolicy_in_partial_rollout and sample.loss_mask is None:
         sample.loss_mask = [0] * done  # a partial sample's earlier tokens came from an older policy
-    params = dict(params, max_new_tokens=params["max_new_tokens"] - done)
-    if params["max_new_tokens"] <= 0:
+    if params["max_new_tokens"] - done <= 0:
         sample.status = Status.TRUNCATED
-        return sample
-    params["sampling_seed"] = sample_seed(ctx.config.data.rollout_seed, sample)
-    rid = f"sample-{sample.group_index}-{sample.index}-{uuid.uuid4().hex[:8]}"
-    out = await ctx.client.generate(sample.tokens, params, return_logprob=True, rid=rid)
+        return None
+    return dict(params, max_new_tokens=params["max_new_tokens"] - done,
+                sampling_seed=sample_seed(ctx.config.data.rollout_seed, sample))
+
+
+def _rid(sample: Sample) -> str:
+    return f"sample-{sample.group_index}-{sample.index}-{uuid.uuid4().hex[:8]}"
+
+
+def _apply(ctx: RolloutContext, sample: Sample, out: dict[str, Any]) -> Sample:
+    """Append an SGLang /generate answer to the sample: tokens, text, log-probs, loss mask, status, version."""
     meta = out["meta_info"]
     check_version(ctx, meta)
     new_ids = [int(tok) for _, tok, _ in meta["output_token_logprobs"]]
     sample.tokens = sample.tokens + new_ids
     sample.response = sample.response + out["text"]
-    sample.response_length = done + len(new_ids)
+    sample.response_length += len(new_ids)
     sample.rollout_log_probs = (sample.rollout_log_probs or []) + [float(lp) for lp, _, _ in
                                                                    meta["output_token_logprobs"]]
     if sample.loss_mask is not None:
@@ -162,20 +210,32 @@ def check_version(ctx: RolloutContext, meta: dict[str, Any]) -> None:
 
 
 async def generate_group(ctx: RolloutContext, group: Group, params: dict[str, Any]) -> Group:
-    """Generate every sample of a group (bounded by the context's concurrency), then reward the group."""
-    generate = ctx.generate_fn or default_generate
-
-    async def one(sample: Sample) -> Sample:
-        async with ctx._slots:
+    """Generate every sample of a group, then reward the group. The default generate sends the group as one
+    batched request; a custom generate function runs per sample. Requests in flight stay within `concurrency`
+    samples."""
+    if ctx.generate_fn is None and ctx.batch_groups:
+        async with ctx.slots(len(group)):
             try:
-                return await generate(ctx, sample, params)
+                await default_generate_group(ctx, group, params)
             except _FATAL:
                 raise
-            except Exception as exc:  # an engine error fails the sample with the reason; the rollout goes on
-                sample.mark_failed(f"generate raised {type(exc).__name__}: {exc}")
-                return sample
+            except Exception as exc:  # an engine error fails the group's samples with the reason; the rollout goes on
+                for sample in group:
+                    sample.mark_failed(f"generate raised {type(exc).__name__}: {exc}")
+    else:
+        generate = ctx.generate_fn or default_generate
 
-    group = list(await asyncio.gather(*(one(s) for s in group)))
+        async def one(sample: Sample) -> Sample:
+            async with ctx.slots(1):
+                try:
+                    return await generate(ctx, sample, params)
+                except _FATAL:
+                    raise
+                except Exception as exc:  # an engine error fails the sample with the reason; the rollout goes on
+                    sample.mark_failed(f"generate raised {type(exc).__name__}: {exc}")
+                    return sample
+
+        group = list(await asyncio.gather(*(one(s) for s in group)))
     if any(s.status is Status.ABORTED for s in group):
         return group  # not scored: it is discarded or continued next rollout
     scorable = [s for s in group if s.status is not Status.FAILED]

@@ -197,7 +197,8 @@ class Batcher:
         if not newcomers:
             return
         batch, logits = kv_batch.prefill(self._loaded.model, [s.request.input_ids for s in newcomers],
-                                         self._loaded.device)
+                                         self._loaded.device,
+                                         headroom=max(s.request.params.max_new_tokens for s in newcomers))
         self._kv = kv_batch.merge(self._kv, batch)
         self._running.extend(newcomers)
         self._sample(newcomers, logits)
@@ -245,9 +246,10 @@ class Batcher:
 
     def _retire(self) -> None:
         """Drop finished sequences from the running batch and its KV cache."""
-        keep = [i for i, s in enumerate(self._running) if s.finish is None]
-        if len(keep) == len(self._running):
+        alive = [s.finish is None for s in self._running]
+        if all(alive):
             return
+        keep = kv_batch.compaction_order(alive)
         self._kv = kv_batch.select(self._kv, keep) if self._kv is not None else None
         self._running = [self._running[i] for i in keep]
 

@@ -55,6 +55,19 @@ class EngineClient:
             body["rid"] = rid
         return (await self._request("POST", "/generate", json=body)).json()
 
+    async def generate_batch(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]], *,
+                             return_logprob: bool = True, rids: list[str] | None = None) -> list[dict[str, Any]]:
+        """POST /generate for several prompts at once (SGLang's batch form: lists of input_ids, sampling_params
+        and rid); one response dict per prompt, in order."""
+        if len(sampling_params) != len(input_ids) or (rids is not None and len(rids) != len(input_ids)):
+            raise ValueError(f"generate_batch: {len(input_ids)} prompts need as many sampling_params and rids")
+        body: dict[str, Any] = {"input_ids": [list(ids) for ids in input_ids],
+                                "sampling_params": [dict(p) for p in sampling_params],
+                                "return_logprob": return_logprob}
+        if rids is not None:
+            body["rid"] = list(rids)
+        return (await self._request("POST", "/generate", json=body)).json()
+
     async def health(self) -> bool:
         """True when GET /health answers 200; raises EngineUnavailableError when nothing answers."""
         await self._request("GET", "/health")

@@ -3,101 +3,222 @@
 Row i of every tensor is one sequence. Its cache holds the prompt and all generated tokens but the last one
 (the "pending" token, fed by the next decode step). Sequences of different lengths are left-padded: the mask
 is 0 on padding, and each row carries its own next position id, so padding never shifts RoPE positions.
+
+The keys, values and mask live in buffers with free columns after the `length` in use: a decode step writes
+its column in place instead of concatenating (which copied the whole cache every step, most of a step's
+time on CPU). Joining sequences copies the cache once, into fresh buffers; leaving ones only move the rows
+that fill their holes, and narrow the buffers (views).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from transformers import DynamicCache, PreTrainedModel
+from transformers import Cache, PreTrainedModel
+from transformers.cache_utils import CacheLayerMixin
+
+MAX_HEADROOM = 256
+"""Free columns reserved at most up front: a request allowed thousands of tokens that stops early should not
+reserve them for every row; past this the buffers grow by doubling."""
+
+
+class _HeadroomLayer(CacheLayerMixin):
+    """One layer's keys/values in buffers [B, kv_heads, capacity, head_dim], of which columns [0, length) are in use.
+
+    It implements transformers' cache-layer interface, the extension point its `Cache` takes. Its own layers either concatenate every step (DynamicLayer) or make attention read every column of
+    a fixed capacity (StaticLayer); this one writes in place and returns views of the columns in use only.
+    """
+
+    is_sliding = False
+
+    def __init__(self, capacity: int = 0) -> None:
+        super().__init__()
+        self.capacity_hint = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        capacity = max(self.capacity_hint, key_states.shape[-2])
+        self.keys = key_states.new_zeros((*key_states.shape[:2], capacity, key_states.shape[-1]))
+        self.values = value_states.new_zeros((*value_states.shape[:2], capacity, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.keys.shape[-2]:
+            self.resize(end)
+        self.keys[:, :, self.length:end].copy_(key_states)
+        self.values[:, :, self.length:end].copy_(value_states)
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def resize(self, capacity: int) -> None:
+        """Move the columns in use into buffers of `capacity` columns (zeros past them)."""
+        keys, values = self.keys, self.values
+        self.keys = keys.new_zeros((*keys.shape[:2], capacity, keys.shape[-1]))
+        self.values = values.new_zeros((*values.shape[:2], capacity, values.shape[-1]))
+        self.keys[:, :, :self.length].copy_(keys[:, :, :self.length])
+        self.values[:, :, :self.length].copy_(values[:, :, :self.length])
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1  # grows on demand
+
+
+def _filled_layer(keys: torch.Tensor, values: torch.Tensor, length: int) -> _HeadroomLayer:
+    layer = _HeadroomLayer()
+    layer.keys, layer.values, layer.length, layer.is_initialized = keys, values, length, True
+    return layer
 
 
 @dataclass
 class KVBatch:
-    """Cache, mask [B, L] (1 = real token) and next_positions [B] of the sequences in the running batch."""
+    """Cache, mask buffer [B, capacity] (1 = real token) and next_positions [B]; columns [0, length) are in use."""
 
-    cache: DynamicCache
-    mask: torch.Tensor
+    cache: Cache
+    mask_buffer: torch.Tensor
     next_positions: torch.Tensor
+    length: int
 
     @property
     def size(self) -> int:
-        return int(self.mask.shape[0])
+        return int(self.mask_buffer.shape[0])
 
     @property
-    def length(self) -> int:
-        return int(self.mask.shape[1])
+    def free(self) -> int:
+        """Columns that decode steps can fill before the buffers must grow."""
+        return int(self.mask_buffer.shape[1]) - self.length
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.mask_buffer[:, :self.length]
 
 
-def prefill(model: PreTrainedModel, prompts: list[list[int]], device: torch.device) -> tuple[KVBatch, torch.Tensor]:
-    """Run the prompts (left-padded together) through the model; returns their KV batch and last logits [n, V]."""
+def prefill(model: PreTrainedModel, prompts: list[list[int]], device: torch.device,
+            headroom: int = 0) -> tuple[KVBatch, torch.Tensor]:
+    """Run the prompts (left-padded together) through the model; returns their KV batch and last logits [n, V].
+
+    `headroom` is how many decode steps to reserve columns for (capped at MAX_HEADROOM; more grow on demand).
+    """
     longest = max(len(p) for p in prompts)
+    capacity = longest + min(headroom, MAX_HEADROOM)
     ids = torch.zeros((len(prompts), longest), dtype=torch.long)
-    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    mask = torch.zeros((len(prompts), capacity), dtype=torch.long)
     for row, prompt in enumerate(prompts):
         ids[row, longest - len(prompt):] = torch.tensor(prompt)
-        mask[row, longest - len(prompt):] = 1
+        mask[row, longest - len(prompt):longest] = 1
     ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+    positions = (mask[:, :longest].cumsum(-1) - 1).clamp(min=0)
+    cache = Cache(layer_class_to_replicate=functools.partial(_HeadroomLayer, capacity))
+    out = model(input_ids=ids, attention_mask=mask[:, :longest], position_ids=positions, past_key_values=cache,
                 use_cache=True, logits_to_keep=1)
-    batch = KVBatch(cache=out.past_key_values, mask=mask, next_positions=mask.sum(-1))
+    batch = KVBatch(cache=cache, mask_buffer=mask, next_positions=mask.sum(-1), length=longest)
     return batch, out.logits[:, -1, :]
 
 
 def decode(model: PreTrainedModel, batch: KVBatch, tokens: list[int]) -> torch.Tensor:
     """Feed one pending token per row; the batch's cache, mask and positions grow by one. Returns logits [B, V]."""
-    device = batch.mask.device
-    batch.mask = torch.cat([batch.mask, torch.ones((batch.size, 1), dtype=batch.mask.dtype, device=device)], 1)
-    ids = torch.tensor(tokens, dtype=torch.long, device=device)[:, None]
-    out = model(input_ids=ids, attention_mask=batch.mask, position_ids=batch.next_positions[:, None],
-                past_key_values=batch.cache, use_cache=True)
-    batch.cache = out.past_key_values
+    if batch.free == 0:
+        _grow(batch, 2 * batch.length)
+    batch.mask_buffer[:, batch.length] = 1
+    ids = torch.tensor(tokens, dtype=torch.long, device=batch.mask_buffer.device)[:, None]
+    out = model(input_ids=ids, attention_mask=batch.mask_buffer[:, :batch.length + 1],
+                position_ids=batch.next_positions[:, None], past_key_values=batch.cache, use_cache=True)
+    batch.length += 1
     batch.next_positions = batch.next_positions + 1
     return out.logits[:, -1, :]
 
 
-def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
+def _grow(batch: KVBatch, capacity: int) -> None:
+    for layer in batch.cache.layers:
+        layer.resize(capacity)
+    mask = batch.mask_buffer.new_zeros((batch.size, capacity))
+    mask[:, :batch.length] = batch.mask
+    batch.mask_buffer = mask
 
 
-def _pad_left(tensor: torch.Tensor, pad: int, dim_from_end: int) -> torch.Tensor:
-    if pad == 0:
-        return tensor
-    widths = [0, 0] * (dim_from_end - 1) + [pad, 0]
-    return F.pad(tensor, widths)
+def _right_aligned(parts: list[tuple[torch.Tensor, int]], length: int, capacity: int, seq_dim: int) -> torch.Tensor:
+    """Stack the rows of each (buffer, used columns) part, its used columns ending at column `length`."""
+    first = parts[0][0]
+    # Zeros, not empty: padding columns are read by attention (with weight 0), so they must be finite.
+    shape = list(first.shape)
+    shape[0], shape[seq_dim] = sum(p.shape[0] for p, _ in parts), capacity
+    out = first.new_zeros(shape)
+    row = 0
+    for part, used in parts:
+        rows = part.shape[0]
+        out.narrow(0, row, rows).narrow(seq_dim, length - used, used).copy_(part.narrow(seq_dim, 0, used))
+        row += rows
+    return out
 
 
 def merge(running: KVBatch | None, newcomers: KVBatch) -> KVBatch:
-    """The rows of `running` followed by those of `newcomers`, left-padded to a common length."""
+    """The rows of `running` followed by those of `newcomers`, left-padded to a common length.
+
+    The free columns are the larger of the two, so both keep the room they reserved for their decode steps.
+    """
     if running is None:
         return newcomers
     length = max(running.length, newcomers.length)
-    pads = (length - running.length, length - newcomers.length)
+    capacity = length + max(running.free, newcomers.free)
     layers = []
-    for (k_run, v_run), (k_new, v_new) in zip(_layers(running.cache), _layers(newcomers.cache), strict=True):
-        # Cache tensors are [B, kv_heads, L, head_dim]: the sequence axis is the second from the end.
-        keys = torch.cat([_pad_left(k_run, pads[0], 2), _pad_left(k_new, pads[1], 2)])
-        values = torch.cat([_pad_left(v_run, pads[0], 2), _pad_left(v_new, pads[1], 2)])
-        layers.append((keys, values))
-    mask = torch.cat([_pad_left(running.mask, pads[0], 1), _pad_left(newcomers.mask, pads[1], 1)])
-    return KVBatch(cache=DynamicCache(ddp_cache_data=layers), mask=mask,
+    for old, new in zip(running.cache.layers, newcomers.cache.layers, strict=True):
+        # Cache tensors are [B, kv_heads, L, head_dim]: the sequence axis is 2.
+        keys = _right_aligned([(old.keys, running.length), (new.keys, newcomers.length)], length, capacity, 2)
+        values = _right_aligned([(old.values, running.length), (new.values, newcomers.length)], length, capacity, 2)
+        layers.append(_filled_layer(keys, values, length))
+    mask = _right_aligned([(running.mask_buffer, running.length), (newcomers.mask_buffer, newcomers.length)],
+                          length, capacity, 1)
+    return KVBatch(cache=Cache(layers=layers), mask_buffer=mask, length=length,
                    next_positions=torch.cat([running.next_positions, newcomers.next_positions]))
 
 
+def compaction_order(alive: list[bool]) -> list[int]:
+    """Rows to keep, in the order `select` keeps them cheapest: live rows at the back fill the holes at the front.
+
+    Only the rows that fill holes are copied, instead of every row after the first finished one.
+    """
+    kept = sum(alive)
+    movers = iter(i for i in range(kept, len(alive)) if alive[i])
+    return [i if alive[i] else next(movers) for i in range(kept)]
+
+
 def select(batch: KVBatch, rows: list[int]) -> KVBatch | None:
-    """Keep only `rows` (in that order), dropping the left padding no remaining row needs; None when empty."""
+    """Keep only `rows` (in that order), dropping the left padding no remaining row needs; None when empty.
+
+    Works in place: rows whose position changes are copied into their new slot and the buffers are narrowed to
+    the kept rows and columns (views of the same storage), so `batch` must not be used afterwards.
+    """
     if not rows:
         return None
-    index = torch.tensor(rows, dtype=torch.long, device=batch.mask.device)
-    mask = batch.mask.index_select(0, index)
+    device = batch.mask_buffer.device
+    moved = [(dst, src) for dst, src in enumerate(rows) if dst != src]
+    dst = torch.tensor([d for d, _ in moved], dtype=torch.long, device=device)
+    src = torch.tensor([s for _, s in moved], dtype=torch.long, device=device)
+    mask_buffer = _moved_rows(batch.mask_buffer, dst, src)[:len(rows)]
+    mask = mask_buffer[:, :batch.length]
     # Columns before the first real token of any kept row are padding for all of them: cut them, so a long
     # sequence that left does not make every later step attend over its length.
     start = int(mask.any(0).nonzero()[0]) if mask.any() else 0
-    layers = [(k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:])
-              for k, v in _layers(batch.cache)]
-    return KVBatch(cache=DynamicCache(ddp_cache_data=layers), mask=mask[:, start:],
-                   next_positions=batch.next_positions.index_select(0, index))
+    layers = [_filled_layer(*(_moved_rows(t, dst, src)[:len(rows), :, start:] for t in (layer.keys, layer.values)),
+                            batch.length - start)
+              for layer in batch.cache.layers]
+    positions = batch.next_positions.index_select(0, torch.tensor(rows, dtype=torch.long, device=device))
+    return KVBatch(cache=Cache(layers=layers), mask_buffer=mask_buffer[:, start:],
+                   next_positions=positions, length=batch.length - start)
+
+
+def _moved_rows(buffer: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """`buffer` with rows `src` copied to rows `dst` in place (sources gathered first, so any order is safe)."""
+    if dst.numel():
+        buffer.index_copy_(0, dst, buffer.index_select(0, src))
+    return buffer
