@@ -427,3 +427,41 @@ def test_a_release_is_published_to_s3_and_committed_last(converted, tmp_path, s3
     assert checkpoints.resolve(storage, root) == ref
     with pytest.raises(StageInputError, match="already holds a checkpoint"):
         check_target_root(storage, root, overwrite=False)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The Ray launcher: each rank a Ray task on a local Ray
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def local_ray():
+    import ray
+
+    started = not ray.is_initialized()
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.slow
+def test_ray_launcher_round_trip_is_bit_exact_and_a_rank_error_surfaces(good_hf, tmp_path, local_ray):
+    from dataclasses import replace
+
+    from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
+
+    forward = run(ConvertConfig(hf_checkpoint=str(good_hf), save=str(tmp_path / "ckpt"), processes=2,
+                                launcher="ray"), context(tmp_path))
+    run(ConvertConfig(direction="torch-dist-to-hf", input_dir=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "back"),
+                      origin_hf_dir=str(good_hf)), context(tmp_path))
+    original, back = hf_tensors(good_hf), hf_tensors(tmp_path / "back")
+    assert sorted(back) == sorted(original) and forward.counts["processes"] == 2
+    for name, tensor in original.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+
+    hf = broken_copy(good_hf, tmp_path)
+    broken = replace(read_hf_source(good_hf), path=hf)
+    (hf / "model.safetensors").unlink()  # validated, then gone: the rank that reads it fails in its Ray task
+    with pytest.raises(RuntimeError, match=r"conversion rank . exited with 1:\n(.|\n)*model.safetensors"):
+        convert_hf_to_torch_dist(broken, tmp_path / "failed", processes=2, launcher="ray")
+    assert list((tmp_path / "failed").iterdir()) == []

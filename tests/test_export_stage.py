@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from test_convert import hf_tensors
 
 from slimeflow.io.storage import ArtifactRecord, Storage
 from slimeflow.stages.base import StageContext, StageInputError
@@ -17,13 +17,6 @@ from slimeflow.stages.convert.stage import run as convert
 from slimeflow.stages.export.config import ExportConfig, parse_size
 from slimeflow.stages.export.stage import run as export
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
-
-
-def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(file))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ class Recorder:
 
     def evaluate(self, version):
         self.calls.append(("eval", version))
-        return {"eval/x/avg@1": float(version)}
+        return {"eval/x/avg_at_1": float(version)}
 
     def state_dict(self):
         return {"offset": len(self.calls)}

@@ -209,8 +209,8 @@ def test_score_set_reports_avg_and_pass_at_k_and_leaves_failures_out():
     failed = g(1.0, 0.0)
     failed[1].mark_failed("reward raised")
     metrics = score_set("s", [g(1.0, 0.0), g(0.0, 0.0), failed])
-    assert metrics["eval/s/avg@2"] == pytest.approx(2 / 5)
-    assert metrics["eval/s/pass@1"] == pytest.approx(0.25) and metrics["eval/s/pass@2"] == pytest.approx(0.5)
+    assert metrics["eval/s/avg_at_2"] == pytest.approx(2 / 5)
+    assert metrics["eval/s/pass_at_1"] == pytest.approx(0.25) and metrics["eval/s/pass_at_2"] == pytest.approx(0.5)
     assert metrics["eval/s/failed"] == 1.0 and metrics["eval/s/prompts"] == 3.0
 
 
@@ -220,7 +220,7 @@ def test_evaluate_sets_uses_the_eval_sampling_params(make_ctx):
     ctx = make_ctx(engine, cfg)
     params = sampling_params(cfg.rollout, max_new_tokens=1, temperature=0.0)
     metrics = asyncio.run(evaluate_sets(ctx, {"math": prompts("a1", "b2")}, EvalSettings(2, params)))
-    assert metrics["eval/math/avg@2"] == 0.5 and metrics["eval/math/pass@2"] == 0.5
+    assert metrics["eval/math/avg_at_2"] == 0.5 and metrics["eval/math/pass_at_2"] == 0.5
     assert {p["temperature"] for _, p in engine.requests} == {0.0}
     assert {p["max_new_tokens"] for _, p in engine.requests} == {1}
 

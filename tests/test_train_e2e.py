@@ -62,7 +62,7 @@ def test_pipeline_trains_evaluates_exports_and_a_rerun_skips_every_stage(prefect
     assert trained["config"]["checkpoint"]["ref_load"] == manifests["convert"]["outputs"]["torch_dist"]
     assert trained["config"]["data"]["prompt_data"] == manifests["preprocess"]["outputs"]["train"]
     assert manifests["evaluate"]["outputs"]["checkpoint"] == trained["outputs"]["checkpoint"]
-    assert "eval/increment/avg@1" in manifests["evaluate"]["metrics"]
+    assert "eval/increment/avg_at_1" in manifests["evaluate"]["metrics"]
     assert manifests["export"]["outputs"]["checkpoint"] == trained["outputs"]["checkpoint"]
     assert Path(trained["outputs"]["reward_curve"]).stat().st_size > 1000
     model = AutoModelForCausalLM.from_pretrained(manifests["export"]["outputs"]["hf_model"])
@@ -111,8 +111,8 @@ def test_the_demo_task_is_learned(tmp_path):
 
     config, ctx = train_config(tmp_path)
     manifest = run(config, ctx)
-    before = manifest.facts["eval_first"]["eval/increment/avg@1"]
-    after = manifest.facts["eval_last"]["eval/increment/avg@1"]
+    before = manifest.facts["eval_first"]["eval/increment/avg_at_1"]
+    after = manifest.facts["eval_last"]["eval/increment/avg_at_1"]
     # Greedy accuracy on the 20 held-out sums: a random model answers ~0-10% right.
     assert after >= before + 0.3, (before, after)
 

@@ -34,6 +34,9 @@ class ConvertConfig(ConfigModel):
     """Replace a checkpoint that already exists at the target."""
     processes: PositiveInt = 1
     """Cooperating conversion processes (hf-to-torch-dist); each loads and writes only its share of the layers."""
+    launcher: Literal["local", "ray"] = "local"
+    """How the processes start (hf-to-torch-dist): local subprocesses, or Ray tasks on the run's Ray cluster
+    (a local Ray when none is set); with Ray on several nodes, --save must be on storage they all share."""
 
     @model_validator(mode="after")
     def _endpoints(self) -> ConvertConfig:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,6 +25,7 @@ from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.convert.export import replace_dir, run_to_hf
 from slimeflow.stages.convert.families import Family, family_for, supported_architectures
+from slimeflow.stages.convert.launch import Launcher, launch
 from slimeflow.stages.convert.mapping import ModelShape, expected_hf_tensors, global_rules
 from slimeflow.stages.convert.worker import Job, Share
 from slimeflow.stages.model.config import ModelConfig
@@ -72,7 +71,8 @@ def _to_torch_dist(config: ConvertConfig, ctx: StageContext) -> Manifest:
     local_root = local_path(save) if is_local(save) else ctx.workdir / "convert-staging"
     started = time.perf_counter()
     staged, ranks = convert_hf_to_torch_dist(source, local_root, config.processes, config.make_vocab_size_divisible_by,
-                                             config.tensor_model_parallel_size)
+                                             config.tensor_model_parallel_size, launcher=config.launcher,
+                                             ray_address=ctx.ray_address)
     ref = publish_release(ctx.storage, staged, save)
     seconds = time.perf_counter() - started
     records = fingerprint(staged if not is_local(save) else local_path(ref.uri), ctx.storage)
@@ -197,9 +197,12 @@ def assign_shares(source: HFSource, processes: int) -> list[Share]:
 
 def convert_hf_to_torch_dist(source: HFSource, root: Path, processes: int = 1, make_vocab_size_divisible_by: int = 128,
                              tensor_model_parallel_size: int = 1, iteration: int = ITERATION,
-                             staging_name: str = RELEASE) -> tuple[Path, list[dict[str, Any]]]:
+                             staging_name: str = RELEASE, launcher: Launcher = "local", ray_address: str | None = None
+                             ) -> tuple[Path, list[dict[str, Any]]]:
     """Write the torch_dist checkpoint of `source` into a staging directory under `root` with `processes`
-    worker processes; returns the staging directory and each rank's report. The caller publishes it.
+    worker processes, started by `launcher` (launch.py: local subprocesses, or Ray tasks on the cluster at
+    `ray_address`, None: a local Ray); returns the staging directory and each rank's report. The caller
+    publishes it.
 
     `iteration` goes into common.pt and the staging directory is `.<staging_name>.tmp-*`: a conversion keeps
     the defaults (release), a training backend saving its weights passes its iteration and `iter_XXXXXXX`."""
@@ -214,7 +217,7 @@ def convert_hf_to_torch_dist(source: HFSource, root: Path, processes: int = 1, m
               shares=assign_shares(source, processes))
     try:
         job.write(scratch / "job.json")
-        _launch(scratch / "job.json", processes)
+        launch(scratch / "job.json", processes, launcher, ray_address)
         ranks = [json.loads((scratch / f"rank-{r}.json").read_text(encoding="utf-8")) for r in range(processes)]
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -222,34 +225,6 @@ def convert_hf_to_torch_dist(source: HFSource, root: Path, processes: int = 1, m
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return staging, ranks
-
-
-def _launch(job_path: Path, processes: int) -> None:
-    """Run every rank as a subprocess; if one fails, stop the others and raise with its stderr."""
-    # `-c`, not `-m`: megatron-core's writer starts a spawn-context multiprocessing manager, and a spawned child
-    # re-imports a `-m` main module (the worker: torch, megatron) before it serves; with `-c` it imports nothing.
-    command = [sys.executable, "-c", "import sys; from slimeflow.stages.convert.worker import main; sys.exit(main())",
-               str(job_path)]
-    logs = [job_path.parent / f"rank-{r}.log" for r in range(processes)]
-    procs = []
-    for rank, log in enumerate(logs):
-        with log.open("wb") as out:
-            procs.append(subprocess.Popen([*command, str(rank)], stdout=out, stderr=subprocess.STDOUT))
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-    if failed:
-        rank, code = failed[0]
-        tail = logs[rank].read_text(encoding="utf-8", errors="replace")[-3000:]
-        raise RuntimeError(f"conversion rank {rank} exited with {code}:\n{tail}")
 
 
 def publish_release(storage: Storage, staged: Path, root: str) -> checkpoints.CheckpointRef:

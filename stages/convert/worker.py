@@ -1,8 +1,8 @@
 """One rank of an HF -> torch_dist conversion: `python -m slimeflow.stages.convert.worker JOB.json RANK`.
 
-Every rank joins a gloo process group (rendezvous through the job's `init_method`), reads only the HF tensors
-of its share (lazily, one tensor at a time from memory-mapped safetensors), maps them to Megatron's names and
-fusions, and writes them with megatron-core's dist_checkpointing; rank 0's common.pt carries the args. Each
+Every rank joins a process group (gloo; NCCL when it has a GPU) through the job's `init_method`, reads only the
+HF tensors of its share (lazily, one tensor at a time from memory-mapped safetensors), maps them to Megatron's
+names and fusions, and writes them with megatron-core's dist_checkpointing; rank 0's common.pt carries the args. Each
 rank leaves `rank-<r>.json` with its peak RSS next to the job file. Run as its own process (never imported
 into a caller's process): dist_checkpointing forks writers and a process group is process-global.
 """
@@ -10,11 +10,13 @@ into a caller's process): dist_checkpointing forks writers and a process group i
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import mmap
 import resource
 import struct
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -125,9 +127,19 @@ def peak_rss_bytes() -> dict[str, int]:
     return {"peak_rss": own, "peak_rss_writers": children}
 
 
-def convert_share(job: Job, rank: int) -> dict[str, float]:
+def import_in_background(module: str) -> threading.Thread:
+    """Start importing `module` on a thread. megatron-core's import is seconds of Python (its import-time
+    torch.compile wrappers load dynamo); on a thread it overlaps the rendezvous and the reads and fusions,
+    which wait on the other ranks or run in torch with the GIL released. Join it before using the module (a
+    failed import is raised again by the next `import`)."""
+    thread = threading.Thread(target=importlib.import_module, args=(module,), name=f"import {module}", daemon=True)
+    thread.start()
+    return thread
+
+
+def convert_share(job: Job, rank: int, importing: threading.Thread | None = None) -> dict[str, float]:
     """Convert and save rank `rank`'s share; returns its tensor count and bytes, and when (Unix time) its
-    tensors were read and when they were saved."""
+    tensors were read and when they were saved. `importing`: a background import to wait for before saving."""
     from slimeflow.stages.convert.torch_dist import save_torch_dist
 
     shape = ModelShape(**job.shape)
@@ -137,8 +149,19 @@ def convert_share(job: Job, rank: int) -> dict[str, float]:
     args = megatron_args(shape, dtype, job.make_vocab_size_divisible_by, job.tensor_model_parallel_size)
     counts = {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
     read = time.time()
+    if importing is not None:
+        importing.join()
     save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration)
     return {**counts, "read_at": read, "saved_at": time.time()}
+
+
+def _backend(rank: int) -> str:
+    """NCCL when this rank sees a GPU (a rank then takes one, round robin; its tensors stay on the CPU and only
+    dist_checkpointing's collectives run on it), gloo otherwise."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return "nccl"
+    return "gloo"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,11 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("rank", type=int)
     options = parser.parse_args(argv)
     started = time.time()
+    importing = import_in_background("megatron.core.dist_checkpointing")
     job = Job.read(options.job)
-    torch.distributed.init_process_group("gloo", init_method=job.init_method, rank=options.rank,
+    torch.distributed.init_process_group(_backend(options.rank), init_method=job.init_method, rank=options.rank,
                                          world_size=len(job.shares), timeout=JOB_TIMEOUT)
     try:
-        written = convert_share(job, options.rank)
+        written = convert_share(job, options.rank, importing)
         torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()

@@ -16,7 +16,7 @@ from slimeflow.stages.evaluate.config import EvaluateConfig
 
 
 def run(config: EvaluateConfig, ctx: StageContext) -> Manifest:
-    """Evaluate; the manifest's metrics hold eval/<set>/avg@n and eval/<set>/pass@k for every set."""
+    """Evaluate; the manifest's metrics hold eval/<set>/avg_at_<n> and eval/<set>/pass_at_<k> for every set."""
     from slimeflow.stages.rl.engine.launch import start_engine
 
     sets = _eval_sets(config, ctx)

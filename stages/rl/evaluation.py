@@ -45,7 +45,7 @@ def score_set(name: str, groups: Sequence[Sequence[Sample]]) -> dict[str, float]
     samples = [s for g in groups for s in g]
     good = [s for s in samples if s.status is not Status.FAILED and s.reward is not None]
     n = len(groups[0]) if groups else 1
-    metrics = {f"eval/{name}/avg@{n}": sum(float(s.reward) for s in good) / max(len(good), 1),
+    metrics = {f"eval/{name}/avg_at_{n}": sum(float(s.reward) for s in good) / max(len(good), 1),
                f"eval/{name}/prompts": float(len(groups)),
                f"eval/{name}/failed": float(len(samples) - len(good)),
                f"eval/{name}/response_len_mean": sum(s.response_length for s in good) / max(len(good), 1),
@@ -53,7 +53,7 @@ def score_set(name: str, groups: Sequence[Sequence[Sample]]) -> dict[str, float]
     usable = [g for g in groups if all(s.status is not Status.FAILED and s.reward is not None for s in g)]
     for k in eval_ks(n):
         values = [pass_at_k(n, sum(float(s.reward) > 0 for s in g), k) for g in usable]
-        metrics[f"eval/{name}/pass@{k}"] = sum(values) / max(len(values), 1)
+        metrics[f"eval/{name}/pass_at_{k}"] = sum(values) / max(len(values), 1)
     return metrics
 
 

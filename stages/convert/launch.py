@@ -1,0 +1,114 @@
+"""Starting a conversion's ranks: local subprocesses, or Ray tasks that each start one.
+
+Either way every rank is a fresh `python -c` process running worker.main on the same job file (a rank forks
+dist_checkpointing's writers and holds a process-global process group, so it never runs inside a long-lived
+process). With Ray, the job file, the rendezvous and the checkpoint directory must be on storage that every
+node sees at the same path (a local Ray on this machine always does).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Literal
+
+Launcher = Literal["local", "ray"]
+LAUNCHERS: tuple[str, ...] = ("local", "ray")
+RAY_PLACEMENT_TIMEOUT_S = 300
+"""How long the Ray launcher waits for the cluster to place every rank at once before giving up."""
+
+# `-c`, not `-m`: megatron-core's writer starts a spawn-context multiprocessing manager, and a spawned child
+# re-imports a `-m` main module (the worker: torch, megatron) before it serves; with `-c` it imports nothing.
+_WORKER = "import sys; from slimeflow.stages.convert.worker import main; sys.exit(main())"
+
+
+def launch(job_path: Path, processes: int, launcher: Launcher = "local", ray_address: str | None = None) -> None:
+    """Run ranks 0..processes-1 of the job and return when all have succeeded; RuntimeError naming the first
+    rank that failed, with the end of its log, after stopping the others."""
+    if launcher == "local":
+        _launch_local(job_path, processes)
+    elif launcher == "ray":
+        _launch_ray(job_path, processes, ray_address)
+    else:
+        raise ValueError(f"launcher {launcher!r} is not one of {', '.join(LAUNCHERS)}")
+
+
+def start_rank(job_path: Path, rank: int) -> subprocess.Popen:
+    """Start one rank as a subprocess logging to `rank-<r>.log` next to the job file."""
+    with _log(job_path, rank).open("wb") as out:
+        return subprocess.Popen([sys.executable, "-c", _WORKER, str(job_path), str(rank)], stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
+def rank_failure(job_path: Path, rank: int, code: int) -> RuntimeError:
+    tail = _log(job_path, rank).read_text(encoding="utf-8", errors="replace")[-3000:]
+    return RuntimeError(f"conversion rank {rank} exited with {code}:\n{tail}")
+
+
+def _log(job_path: Path, rank: int) -> Path:
+    return job_path.parent / f"rank-{rank}.log"
+
+
+def _launch_local(job_path: Path, processes: int) -> None:
+    procs = [start_rank(job_path, rank) for rank in range(processes)]
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        raise rank_failure(job_path, *failed[0])
+
+
+def run_rank(job_path: str, rank: int) -> None:
+    """One rank, start to finish, in the calling process's child (the body of a Ray task)."""
+    proc = start_rank(Path(job_path), rank)
+    try:
+        code = proc.wait()
+    finally:  # a cancelled task stops its rank
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if code != 0:
+        raise rank_failure(Path(job_path), rank, code)
+
+
+def _launch_ray(job_path: Path, processes: int, ray_address: str | None) -> None:
+    """One Ray task per rank, placed together (a placement group: the ranks rendezvous, so all must run at
+    once); a rank takes a GPU when the cluster has one for each (its worker then uses NCCL)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from slimeflow.stages.rl.placement import init_ray
+
+    init_ray(ray_address)
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= processes else 0
+    group = placement_group([{"CPU": 1, "GPU": gpus} if gpus else {"CPU": 1}] * processes)
+    try:
+        ready, _ = ray.wait([group.ready()], timeout=RAY_PLACEMENT_TIMEOUT_S)
+        if not ready:
+            raise RuntimeError(f"the Ray cluster could not place {processes} conversion ranks "
+                               f"({'1 GPU and ' if gpus else ''}1 CPU each) within {RAY_PLACEMENT_TIMEOUT_S} s; "
+                               f"free resources or pass fewer --processes")
+        task = ray.remote(max_calls=1, num_cpus=1, num_gpus=gpus)(run_rank)
+        pending = [task.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, bundle_index=rank)
+                                ).remote(str(job_path), rank) for rank in range(processes)]
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayTaskError as err:
+                for ref in pending:
+                    ray.cancel(ref)
+                raise err.cause from None  # the rank's own error: its exit code and log
+    finally:
+        remove_placement_group(group)
