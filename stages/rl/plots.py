@@ -1,4 +1,4 @@
-"""The reward curve of a run as a PNG: rollout reward mean per rollout, and each eval set's score."""
+"""The reward curve of a run as a PNG: rollout reward mean per rollout, and each eval set's avg@n."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def plot_curves(history: Sequence[dict[str, Any]], path: Path) -> Path | None:
     evals: dict[str, list[tuple[int, float]]] = {}
     for h in history:
         for key, value in h.items():
-            if key.startswith("eval/") and ("/avg_at_" in key or key.endswith("/pass_at_1")):
+            if key.startswith("eval/") and "/avg_at_" in key:
                 evals.setdefault(key, []).append((h["step"], value))
     if not rollouts and not evals:
         return None
