@@ -10,13 +10,16 @@ spawned result collector and its forked writers); and each rank's peak RSS as a 
 file-backed pages alike. Its largest forked dist_checkpointing writer is printed too (RUSAGE_CHILDREN): that
 figure counts the pages the writer shares copy-on-write with its rank, plus the file pages it writes out. The
 baseline RSS of a process that has only imported torch and megatron-core is printed as well: it is part of
-every rank's figure.
+every rank's figure. On a shared machine the wall-time ratio moves with the load (printed); the CPU seconds of
+the copy and of each conversion (user + system, all their processes) do not, and say what the load will cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -82,6 +85,12 @@ def baseline_rss() -> int:
                .stdout.split()[-1])
 
 
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished children (and theirs, once waited for)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=20)
@@ -93,25 +102,28 @@ def main() -> None:
         size = write_synthetic_model(hf, options.layers)
         print(f"synthetic model: {options.layers} layers, {size / 1e9:.2f} GB bf16 in {len(list(hf.glob('*.safetensors')))} files")
         subprocess.run(["sync"], check=True)  # the model's own dirty pages are not the copy's to flush
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), children_cpu_seconds()
         subprocess.run(["cp", "-r", str(hf), str(work / "copy")], check=True)
         subprocess.run(["sync"], check=True)
         copy_seconds = time.perf_counter() - started
         shutil.rmtree(work / "copy")
-        print(f"cp -r + sync: {copy_seconds:.2f} s")
+        print(f"cp -r + sync: {copy_seconds:.2f} s, {children_cpu_seconds() - cpu:.2f} CPU s; "
+              f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         base = baseline_rss()
         print(f"baseline RSS of a process importing torch + megatron-core: {base / 1e9:.2f} GB "
               f"({base / size:.2f} of the model)")
         source = read_hf_source(hf)
         for processes in (1, 2):
             root = work / f"ckpt-{processes}"
-            started, launched = time.perf_counter(), time.time()
+            started, launched, cpu = time.perf_counter(), time.time(), children_cpu_seconds()
             staged, ranks = convert_hf_to_torch_dist(source, root, processes)
             publish_release(Storage(), staged, str(root))
             subprocess.run(["sync"], check=True)
             seconds = time.perf_counter() - started
             goal = 1.1 if processes == 1 else 0.6
-            print(f"{processes} process(es): {seconds:.2f} s = {seconds / copy_seconds:.2f}x cp (goal <= 2x)")
+            print(f"{processes} process(es): {seconds:.2f} s = {seconds / copy_seconds:.2f}x cp (goal <= 2x), "
+                  f"{children_cpu_seconds() - cpu:.2f} CPU s; load average "
+                  f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
             for r in ranks:
                 print(f"  rank {r['rank']}: peak RSS {r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / size:.2f} "
                       f"of the model (goal <= {goal}); its largest writer {r['peak_rss_writers'] / 1e9:.2f} GB "

@@ -99,9 +99,9 @@ def _launch_ray(job_path: Path, processes: int, ray_address: str | None) -> None
             raise RuntimeError(f"the Ray cluster could not place {processes} conversion ranks "
                                f"({'1 GPU and ' if gpus else ''}1 CPU each) within {RAY_PLACEMENT_TIMEOUT_S} s; "
                                f"free resources or pass fewer --processes")
-        task = ray.remote(max_calls=1, num_cpus=1, num_gpus=gpus)(run_rank)
-        pending = [task.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, bundle_index=rank)
-                                ).remote(str(job_path), rank) for rank in range(processes)]
+        task = ray.remote(max_calls=1, num_cpus=1, num_gpus=gpus)(run_rank)  # max_calls=1: a fresh worker each
+        pending = [task.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=rank)).remote(str(job_path), rank) for rank in range(processes)]
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             try:
