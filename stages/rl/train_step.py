@@ -23,7 +23,8 @@ from slimeflow.stages.rl.types import TrainBatch
 class Prepared:
     """Per-sample inputs of the loss over the whole rollout (CPU tensors, rollout order)."""
 
-    old_log_probs: list[torch.Tensor]
+    old_log_probs: list[torch.Tensor] | None
+    """None when on-policy with one step: the training forward's detached log-probs serve."""
     advantages: list[torch.Tensor]
     ref_log_probs: list[torch.Tensor] | None
 
@@ -54,7 +55,8 @@ def train_on_rollout(backend: TorchBackend, batch: TrainBatch, config: TrainConf
     (prompt + response tokens of the rollout over the wall time of the steps, all ranks together).
     """
     plan = plan_steps(batch, config.batch.global_batch_size, rank, world_size, config.batch.balance_data)
-    prepared = prepare(backend, batch, config, sorted(i for _, share in plan for i in share), world_size)
+    prepared = prepare(backend, batch, config, sorted(i for _, share in plan for i in share), world_size,
+                       single_step=len(plan) == 1)
     started = time.perf_counter()
     per_step = []
     for indices, share in plan:
@@ -67,11 +69,16 @@ def train_on_rollout(backend: TorchBackend, batch: TrainBatch, config: TrainConf
 
 
 def prepare(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, own: list[int],
-            world_size: int) -> Prepared:
+            world_size: int, single_step: bool = False) -> Prepared:
     """Old (and reference) log-probs of this rank's samples, gathered from all ranks, then the advantages of the
     whole rollout (--advantage-estimator, or the custom function the backend loaded)."""
     mine = batch.select(own)
-    old = _gather(own, backend.compute_log_probs(mine).log_probs, len(batch), world_size)
+    if single_step and _advantages_need_no_log_probs(config, backend):
+        # On-policy with one optimizer step: the old log-probs are the training forward's own values (detached),
+        # so the extra forward pass over the rollout is skipped.
+        old = None
+    else:
+        old = _gather(own, backend.compute_log_probs(mine).log_probs, len(batch), world_size)
     ref = None
     if backend.needs_reference:
         ref = _gather(own, backend.compute_log_probs(mine, reference=True).log_probs, len(batch), world_size)
@@ -79,6 +86,11 @@ def prepare(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, own: 
     advantages = compute_advantages(config.algorithm, inputs, config.batch.n_samples_per_prompt,
                                     backend.custom_advantage)
     return Prepared(old_log_probs=old, advantages=advantages.advantages, ref_log_probs=ref)
+
+
+def _advantages_need_no_log_probs(config: TrainConfig, backend: TorchBackend) -> bool:
+    """GRPO-style estimators read only the rewards; the KL-shaped ones and custom functions read log-probs."""
+    return backend.custom_advantage is None and config.algorithm.advantage_estimator in ("grpo", "gspo", "cispo")
 
 
 def _gather(own: list[int], values: list[torch.Tensor], total: int, world_size: int) -> list[torch.Tensor]:
@@ -113,7 +125,8 @@ def accumulate_gradients(backend: TorchBackend, batch: TrainBatch, indices: list
         def pick(values: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
             return None if values is None else [values[i].to(device) for i in rows]  # noqa: B023
 
-        inputs = LossInputs(log_probs=out.log_probs, old_log_probs=pick(prepared.old_log_probs),
+        old = pick(prepared.old_log_probs) or [lp.detach() for lp in out.log_probs]
+        inputs = LossInputs(log_probs=out.log_probs, old_log_probs=old,
                             advantages=pick(prepared.advantages), loss_masks=pick(batch.loss_masks),
                             ref_log_probs=pick(prepared.ref_log_probs) if algo.use_kl_loss else None,
                             rollout_log_probs=pick(batch.rollout_log_probs) if algo.use_tis else None,
