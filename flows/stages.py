@@ -49,7 +49,7 @@ def cached_manifest(storage: Storage, output: str, stage: str, key: str) -> Mani
     if not storage.exists(uri):
         return None
     manifest = Manifest.read(storage, uri)
-    if manifest.hashes.get("cache_key") != key:
+    if manifest.cache_key != key:
         return None
     paths = [v for v in manifest.outputs.values() if isinstance(v, str) and ("://" in v or v.startswith("/"))]
     if not all(storage.exists(p) for p in paths if is_local(p) or p.startswith("s3://")):
@@ -75,7 +75,7 @@ def execute_stage(stage: str, config, settings: RunSettings, parent_run_id: str 
                                log_metrics=lambda metrics, step: tracker.log_metrics(run_id, metrics, step),
                                ray_address=settings.infra.ray_address)
         manifest: Manifest = runner(stage)(config, context)
-        manifest.hashes["cache_key"] = key
+        manifest.cache_key = key
         uri, record = manifest.write(storage, settings.output)
         tracker.log_metrics(run_id, {**{f"{stage}.{k}": v for k, v in manifest.counts.items()}, **manifest.metrics})
         tracker.set_tags(run_id, {"manifest_uri": uri, "manifest_sha256": record.sha256,

@@ -27,6 +27,9 @@ class Manifest(BaseModel):
     counts: dict[str, int] = Field(default_factory=dict)
     hashes: dict[str, str] = Field(default_factory=dict)
     """Content hashes; `content` is the hash of all artifacts, the input of downstream cache keys."""
+    cache_key: str | None = None
+    """What the stage's result depends on (its config, its inputs' content hashes, the code version); a rerun with
+    the same key reuses this manifest (flows.stages)."""
     metrics: dict[str, float] = Field(default_factory=dict)
     """Scores and figures logged to MLflow with the counts (eval scores, final losses)."""
     facts: dict[str, Any] = Field(default_factory=dict)

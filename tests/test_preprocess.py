@@ -215,6 +215,24 @@ def test_length_empty_and_duplicate_filters(tmp_path, qwen_dir):
     assert no_dedup.counts["rows_out"] == 5 and "filtered.duplicate_prompt" not in no_dedup.counts
 
 
+@pytest.mark.parametrize("limit", [None, 100])
+def test_batches_counted_while_the_next_is_read_give_what_one_batch_gives(tmp_path, qwen_dir, tokenizer, limit):
+    prompts = ["a", "x" * 300, "b", "x" * 300, "a", "c", "b", "y" * 200, "d", "c", "y" * 200]
+    source = write_jsonl(tmp_path / "p.jsonl", [{"prompt": p, "label": str(i)} for i, p in enumerate(prompts)])
+    common = {"input": [str(source)], "input_key": "prompt", "label_key": "label", "hf_checkpoint": str(qwen_dir),
+              "rollout_max_prompt_len": limit}
+    whole = run_stage(tmp_path / "whole", **common)
+    batched = run_stage(tmp_path / "batched", read_batch_size=2, **common)
+
+    assert batched.counts == whole.counts
+    counts = whole.counts  # a too-long copy counts as too long, not as a duplicate
+    assert (counts.get("filtered.too_long", 0), counts["filtered.duplicate_prompt"]) == ((4, 3) if limit else (0, 5))
+    tables = [pq.read_table(f"{m.outputs['train']}/part-00000.parquet") for m in (whole, batched)]
+    assert tables[0].equals(tables[1])
+    expected = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in tables[1].column("prompt").to_pylist()]
+    assert tables[1].column("prompt_tokens").to_pylist() == expected
+
+
 def test_tools_are_stored_and_rendered_by_the_template(tmp_path, qwen_dir):
     tool = {"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}
     rows = [{"input": messages("Find it."), "tools": [tool]}, {"input": messages("No tools."), "tools": None}]

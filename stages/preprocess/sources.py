@@ -159,6 +159,12 @@ def _read_jsonl(uri: str, storage: Storage) -> Iterator[Item]:
 
 
 def _parse_json_line(number: int, line: bytes) -> Item:
+    try:  # orjson checks the UTF-8 itself; a failure is classified below
+        value = orjson.loads(line)
+        if isinstance(value, dict):
+            return number, value
+    except orjson.JSONDecodeError:
+        pass
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as err:

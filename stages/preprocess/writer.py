@@ -24,6 +24,9 @@ SCHEMA = pa.schema([
     pa.field("prompt_tokens", pa.int64()),
 ])
 """The prompt-parquet contract shared with the RL core's data source."""
+PARQUET_OPTIONS: dict[str, Any] = {"compression": "zstd", "use_dictionary": ["label", "tools"]}
+"""Dictionary-encode only the columns that repeat: ids, prompts (deduplicated) and metadata rarely do, and trying
+costs time for no smaller file."""
 
 
 def schema_for(prompt_format: str) -> pa.Schema:
@@ -64,7 +67,7 @@ class DatasetWriter:
     def _open(self, schema: pa.Schema) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.shuffle_seed is None:
-            self._writer = pq.ParquetWriter(self.path, schema, compression="zstd")
+            self._writer = pq.ParquetWriter(self.path, schema, **PARQUET_OPTIONS)
         else:
             self._sink = pa.OSFile(str(self._staging), "wb")
             self._writer = pa.ipc.new_file(self._sink, schema)
@@ -100,7 +103,7 @@ class DatasetWriter:
         with pa.memory_map(str(self._staging)) as source:
             table = pa.ipc.open_file(source).read_all()  # zero-copy over the map
             order = np.random.default_rng(self.shuffle_seed).permutation(table.num_rows)
-            with pq.ParquetWriter(self.path, table.schema, compression="zstd") as writer:
+            with pq.ParquetWriter(self.path, table.schema, **PARQUET_OPTIONS) as writer:
                 for start in range(0, table.num_rows, self.row_group_size):
                     writer.write_table(table.take(order[start : start + self.row_group_size]))
 
