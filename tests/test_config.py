@@ -191,10 +191,14 @@ def test_stage_subcommand_flags_win_over_pipeline_flags():
     assert model.stages == ["model"] and model.model.hf_checkpoint == "tiny:qwen2" and model.output == "s3://b/run"
 
 
-def test_stages_that_have_not_landed_are_refused_by_name():
-    with pytest.raises(ConfigError, match="--stages: train not available in this version"):
-        load_pipeline_config({"hf_checkpoint": "tiny:llama", "stages": ["model", "train"],
-                              "train": {"rollout_batch_size": 1, "num_rollout": 1}})
+def test_stage_lists_are_checked_by_name():
+    with pytest.raises(ConfigError, match="--stages \\['trian'\\]: unknown stage"):
+        load_pipeline_config({"hf_checkpoint": "tiny:llama", "stages": ["model", "trian"]})
+    with pytest.raises(ConfigError, match="--stages: evaluate selected but has no config section"):
+        load_pipeline_config({"hf_checkpoint": "tiny:llama", "stages": ["model", "evaluate"]})
+    config = load_pipeline_config({"hf_checkpoint": "tiny:llama", "train": {"rollout_batch_size": 1, "num_rollout": 1},
+                                   "export": {}})
+    assert config.stages == ["model", "train", "export"]
 
 
 def test_infrastructure_from_config_else_environment():

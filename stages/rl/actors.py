@@ -108,8 +108,6 @@ class TrainActor:
 
         if num_threads:
             torch.set_num_threads(num_threads)
-        if config.placement.train_backend != "torch":
-            raise ValueError("--train-backend megatron is not available in this version; use --train-backend torch")
         self.config, self.rank, self.world_size = config, rank, world_size
         self.backend = TorchBackend(hf_checkpoint=hf_checkpoint, optimizer=config.optimizer,
                                     algorithm=config.algorithm, batch=config.batch, seed=config.seed, rank=rank,

@@ -63,6 +63,9 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
         problems.append(f"--prompt-data {config.data.prompt_data} is a raw dataset; the train stage reads the "
                         "preprocess stage's prompt parquet (run `slimeflow preprocess --input FILE --output DIR`, "
                         "or the pipeline with a preprocess section, and point --prompt-data at DIR/train)")
+    if config.placement.train_backend != "torch":
+        problems.append(f"--train-backend {config.placement.train_backend} is not available in this version; use "
+                        "--train-backend torch (its checkpoints are Megatron's torch_dist all the same)")
     if problems:
         raise StageInputError("the train stage cannot start", problems,
                               "In a pipeline these come from the model and preprocess stages; alone, pass them.")
