@@ -120,12 +120,12 @@ def prefix_match_reward(response: str, label: str | None, metadata: dict[str, An
 
 
 BUILTIN_REWARDS: dict[str, BuiltinReward] = {
-    "prefix_match": prefix_match_reward,
     "math": math_reward,
     "deepscaler": deepscaler_reward,
     "dapo": dapo_reward,
     "f1": f1_reward,
     "gpqa": gpqa_reward,
+    "prefix_match": prefix_match_reward,
 }
 
 
