@@ -51,14 +51,17 @@ def test_pipeline_trains_evaluates_exports_and_a_rerun_skips_every_stage(prefect
 
     from slimeflow.flows.runner import run_pipeline
 
+    # Two data-parallel TrainActors (gloo), so the pipeline also runs the DP path: gradients all-reduced, every
+    # rank in the collective save.
     train = demo_train(**{"num-rollout": 4, "rollout-batch-size": 4, "n-samples-per-prompt": 4,
-                          "eval-interval": 2, "save-interval": 2})
+                          "eval-interval": 2, "save-interval": 2, "actor-num-gpus-per-node": 2})
     config = load_pipeline_config(pipeline_data(tmp_path, mlflow_uri, train))
     manifests = run_pipeline(config)
     assert list(manifests) == ["model", "convert", "preprocess", "train", "evaluate", "export"]
 
     trained = manifests["train"]
     assert trained["counts"]["rollouts_run"] == 4 and trained["outputs"]["checkpoint"].endswith("iter_0000003")
+    assert trained["config"]["placement"]["actor_num_gpus_per_node"] == 2
     assert trained["config"]["checkpoint"]["ref_load"] == manifests["convert"]["outputs"]["torch_dist"]
     assert trained["config"]["data"]["prompt_data"] == manifests["preprocess"]["outputs"]["train"]
     assert manifests["evaluate"]["outputs"]["checkpoint"] == trained["outputs"]["checkpoint"]
