@@ -42,11 +42,15 @@ class Recorder:
 
 
 class Reports:
-    def __init__(self):
-        self.rollouts, self.evals = [], []
+    def __init__(self, recorder=None):
+        self.rollouts, self.evals, self.recorder = [], [], recorder
 
-    def rollout(self, rollout_id, metrics, row_ids):
-        self.rollouts.append((rollout_id, row_ids, sorted(metrics)))
+    def generated(self, rollout_id, row_ids):
+        if self.recorder is not None:
+            self.recorder.calls.append(("generated", rollout_id))
+
+    def rollout(self, rollout_id, metrics):
+        self.rollouts.append((rollout_id, sorted(metrics)))
 
     def evaluation(self, version, metrics):
         self.evals.append(version)
@@ -74,7 +78,15 @@ def test_the_loop_runs_in_slimes_order_and_reports_every_rollout():
     assert ("train", 2, "batch-2") in recorder.calls and ("update", 4) in recorder.calls
     assert [r[0] for r in reports.rollouts] == [0, 1, 2, 3] and reports.evals == [0, 2, 4]
     assert result.checkpoint == "iter_3" and result.row_ids[1] == [["row-1"]]
-    assert "time/generate" in reports.rollouts[0][2] and "time/save" in reports.rollouts[1][2]
+    assert "time/generate" in reports.rollouts[0][1] and "time/save" in reports.rollouts[1][1]
+
+
+def test_row_ids_are_reported_before_the_save_that_covers_them():
+    recorder = Recorder()
+    loop.train(FakePlacement(recorder), 2, Reports(recorder))
+    names = [c[0] for c in recorder.calls]
+    assert names.index("generated") < names.index("train")
+    assert names[names.index("save") - 2:names.index("save")] == ["generated", "train"]
 
 
 def test_a_resumed_loop_restores_the_data_position_and_starts_after_the_checkpoint():

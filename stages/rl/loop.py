@@ -1,8 +1,9 @@
 """The loop, as slime's train.py: generate -> train -> save -> update weights -> evaluate, for num_rollout rollouts.
 
 Placement, engines, backends and checkpoints live in the actors (actors.py); this file is the algorithm.
-A `Reporter` receives every rollout's metrics and prompt row ids, and every evaluation (the train stage writes
-them to rollouts.jsonl and MLflow as they come, so a killed run has reported everything up to its death).
+A `Reporter` receives every rollout's prompt row ids (as soon as it is generated, so every checkpointed rollout
+has them on record), its metrics, and every evaluation; the train stage writes them to rollouts.jsonl,
+row_ids.jsonl and MLflow as they come, so a killed run has reported everything up to its death.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ Metrics = dict[str, float]
 
 
 class Reporter(Protocol):
-    def rollout(self, rollout_id: int, metrics: Metrics, row_ids: list[list[str]]) -> None: ...
+    def generated(self, rollout_id: int, row_ids: list[list[str]]) -> None: ...
+
+    def rollout(self, rollout_id: int, metrics: Metrics) -> None: ...
 
     def evaluation(self, version: int, metrics: Metrics) -> None: ...
 
@@ -55,6 +58,7 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
         timer = Timer()
         with timer("generate"):
             batch, rollout_metrics, result.row_ids[rollout_id] = rollout_manager.generate(rollout_id)
+        report.generated(rollout_id, result.row_ids[rollout_id])  # before any save that covers this rollout
         with timer("train"):
             train_metrics = actor_group.train(rollout_id, batch)
 
@@ -69,7 +73,7 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
             with timer("eval"):
                 result.eval_history[rollout_id + 1] = evaluate(rollout_manager, rollout_id + 1, report)
         result.last_metrics = {**rollout_metrics, **train_metrics, **timer.seconds}
-        report.rollout(rollout_id, result.last_metrics, result.row_ids[rollout_id])
+        report.rollout(rollout_id, result.last_metrics)
     return result
 
 

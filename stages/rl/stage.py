@@ -124,10 +124,12 @@ class RolloutLog:
         self.log_metrics = log_metrics
         path.parent.mkdir(parents=True, exist_ok=True)
 
-    def rollout(self, rollout_id: int, metrics: dict[str, float], row_ids: list[list[str]]) -> None:
-        self._append(self.path, {"step": rollout_id, **metrics})
+    def generated(self, rollout_id: int, row_ids: list[list[str]]) -> None:
         self._append(self.path.with_name("row_ids.jsonl"),
                      {"rollout_id": rollout_id, "row_ids": [group[0] for group in row_ids]})
+
+    def rollout(self, rollout_id: int, metrics: dict[str, float]) -> None:
+        self._append(self.path, {"step": rollout_id, **metrics})
         if self.log_metrics is not None:
             self.log_metrics(metrics, rollout_id)
 
