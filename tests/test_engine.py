@@ -291,6 +291,9 @@ def test_sampling_follows_top_k_top_p_by_inverse_cdf(top_k, top_p, expected):
 
 def test_kv_batch_matches_plain_forward_through_joins_leaves_and_growth(reference):
     from slimeflow.stages.rl.engine import kv_batch
+    from slimeflow.stages.rl.engine.native import HFForward
+
+    forward = HFForward(reference)
 
     # Decodes in place with 2 columns of headroom (so the buffers grow), a join of a longer prompt (so the running
     # rows are re-padded), and leaves that move rows from the back into the holes; every step's logits must equal
@@ -298,11 +301,11 @@ def test_kv_batch_matches_plain_forward_through_joins_leaves_and_growth(referenc
     seqs = [list(p) for p in PROMPTS]
     cpu = torch.device("cpu")
     with torch.inference_mode():
-        batch, logits = kv_batch.prefill(reference, seqs, cpu, headroom=2)
+        batch, logits = kv_batch.prefill(forward, seqs, cpu, headroom=2)
         for step in range(12):
             if step == 2:
                 joiners = [[256, *range(70, 90)], [256, 66]]
-                new, new_logits = kv_batch.prefill(reference, joiners, cpu, headroom=4)
+                new, new_logits = kv_batch.prefill(forward, joiners, cpu, headroom=4)
                 batch, seqs, logits = kv_batch.merge(batch, new), seqs + joiners, torch.cat([logits, new_logits])
             if step in (5, 8):
                 order = kv_batch.compaction_order([row != {5: 0, 8: 1}[step] for row in range(len(seqs))])
@@ -311,4 +314,4 @@ def test_kv_batch_matches_plain_forward_through_joins_leaves_and_growth(referenc
             for seq, row in zip(seqs, logits, strict=True):
                 torch.testing.assert_close(row, reference(torch.tensor([seq])).logits[0, -1], atol=1e-4, rtol=0)
                 seq.append(int(row.argmax()))
-            logits = kv_batch.decode(reference, batch, [seq[-1] for seq in seqs])
+            logits = kv_batch.decode(forward, batch, [seq[-1] for seq in seqs])

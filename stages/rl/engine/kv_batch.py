@@ -12,12 +12,13 @@ that fill their holes, and narrow the buffers (views).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
-from transformers import Cache, PreTrainedModel
+from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
+
+from slimeflow.stages.rl.engine.native import ModelForward
 
 MAX_HEADROOM = 256
 """Free columns reserved at most up front: a request allowed thousands of tokens that stops early should not
@@ -103,9 +104,9 @@ class KVBatch:
         return self.mask_buffer[:, :self.length]
 
 
-def prefill(model: PreTrainedModel, prompts: list[list[int]], device: torch.device,
+def prefill(forward: ModelForward, prompts: list[list[int]], device: torch.device,
             headroom: int = 0) -> tuple[KVBatch, torch.Tensor]:
-    """Run the prompts (left-padded together) through the model; returns their KV batch and last logits [n, V].
+    """Run the prompts (left-padded together) through `forward`; returns their KV batch and last logits [n, V].
 
     `headroom` is how many decode steps to reserve columns for (capped at MAX_HEADROOM; more grow on demand).
     """
@@ -118,24 +119,37 @@ def prefill(model: PreTrainedModel, prompts: list[list[int]], device: torch.devi
         mask[row, longest - len(prompt):longest] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask[:, :longest].cumsum(-1) - 1).clamp(min=0)
-    cache = Cache(layer_class_to_replicate=functools.partial(_HeadroomLayer, capacity))
-    out = model(input_ids=ids, attention_mask=mask[:, :longest], position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=1)
-    batch = KVBatch(cache=cache, mask_buffer=mask, next_positions=mask.sum(-1), length=longest)
-    return batch, out.logits[:, -1, :]
+    cache = Cache(layers=[_HeadroomLayer(capacity) for _ in range(forward.model.config.num_hidden_layers)])
+    logits = forward(ids, mask[:, :longest], positions, cache)
+    return KVBatch(cache=cache, mask_buffer=mask, next_positions=mask.sum(-1), length=longest), logits
 
 
-def decode(model: PreTrainedModel, batch: KVBatch, tokens: list[int]) -> torch.Tensor:
+PREFILL_PADDING = 0.25
+"""At most this share of a prefill group's longest prompt is padding in any of its rows."""
+
+
+def prefill_groups(lengths: list[int]) -> list[list[int]]:
+    """Indexes of prompts to prefill together, longest first: a group's prompts are within PREFILL_PADDING of its
+    longest, so prefill spends little on padding (one group of prompts of 16 to 64 tokens is 40% padding)."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and lengths[i] >= (1 - PREFILL_PADDING) * lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def decode(forward: ModelForward, batch: KVBatch, tokens: list[int]) -> torch.Tensor:
     """Feed one pending token per row; the batch's cache, mask and positions grow by one. Returns logits [B, V]."""
     if batch.free == 0:
         _grow(batch, 2 * batch.length)
     batch.mask_buffer[:, batch.length] = 1
     ids = torch.tensor(tokens, dtype=torch.long, device=batch.mask_buffer.device)[:, None]
-    out = model(input_ids=ids, attention_mask=batch.mask_buffer[:, :batch.length + 1],
-                position_ids=batch.next_positions[:, None], past_key_values=batch.cache, use_cache=True)
+    logits = forward(ids, batch.mask_buffer[:, :batch.length + 1], batch.next_positions[:, None], batch.cache)
     batch.length += 1
     batch.next_positions = batch.next_positions + 1
-    return out.logits[:, -1, :]
+    return logits
 
 
 def _grow(batch: KVBatch, capacity: int) -> None:

@@ -1,0 +1,240 @@
+"""The engine's forward pass: a native one for the decoder families it knows, transformers' model for the rest.
+
+On a small model a step's time is per-step Python, not FLOPs: transformers builds masks, rotary tables and
+dispatches a dozen modules per layer on every call. `NativeForward` runs the same arithmetic straight on the
+model's own parameters (read from the loaded model, so weight updates reach it; the fused copies it keeps are
+rebuilt by `refresh`), with rotary from a precomputed table, one boolean mask shared by every layer, and
+torch's scaled_dot_product_attention. `HFForward` calls the model itself: the fallback for anything else.
+
+Both take the same arguments: ids [B, T], attention_mask [B, L] (1 = real token, the last T columns are the
+new tokens), positions [B, T] and the cache to extend (transformers' `Cache` API; only `layers[i].update` is
+used here), and return the logits of the last position only, [B, V].
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import Cache, PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FamilyLayout:
+    """What a family's decoder layer computes beyond Llama's: per-head RMSNorm on queries and keys (Qwen3).
+
+    Biases (Qwen2's q/k/v, Llama's optional attention_bias/mlp_bias) are read from the modules themselves.
+    """
+
+    qk_norm: bool
+
+
+FAMILIES: dict[str, FamilyLayout] = {
+    "llama": FamilyLayout(qk_norm=False),
+    "qwen2": FamilyLayout(qk_norm=False),
+    "qwen3": FamilyLayout(qk_norm=True),
+}
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+"""Rope types whose inverse frequencies do not depend on the sequence length, so one table serves every step."""
+
+
+class ModelForward(Protocol):
+    model: PreTrainedModel
+
+    def __call__(self, ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
+                 cache: Cache) -> torch.Tensor: ...
+
+    def refresh(self) -> None:
+        """Re-read the model's parameters after they were changed in place."""
+
+
+class HFForward:
+    """The loaded transformers model, called as `generate` would: any architecture, at its per-step cost."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+
+    def __call__(self, ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
+                 cache: Cache) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=attention_mask, position_ids=positions,
+                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+    def refresh(self) -> None:
+        pass
+
+
+def unsupported_reason(model: PreTrainedModel) -> str | None:
+    """Why `NativeForward` cannot run `model` exactly as transformers does, or None when it can."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return f"model_type {config.model_type!r} is not one of {sorted(FAMILIES)}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} is not silu"
+    if getattr(config, "use_sliding_window", False) or any(
+            kind != "full_attention" for kind in getattr(config, "layer_types", None) or []):
+        return "it uses sliding-window attention"
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope_type {rope_type!r} is not one of {STATIC_ROPE_TYPES} (its frequencies change with length)"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return f"pretraining_tp is {config.pretraining_tp}, not 1"
+    return None
+
+
+def select_forward(model: PreTrainedModel) -> ModelForward:
+    """`NativeForward` when it covers `model`, else `HFForward` (logged, with the reason)."""
+    reason = unsupported_reason(model)
+    if reason is None:
+        return NativeForward(model)
+    log.warning("the engine runs the transformers forward pass (slower per step): the native one does not "
+                "cover this model because %s", reason)
+    return HFForward(model)
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's tensors; qkv and gate_up are fused copies, the rest the model's own tensors."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+def _fused_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
+    if all(lin.bias is None for lin in linears):
+        return None
+    return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
+                      for lin in linears])
+
+
+def _layer(block: torch.nn.Module) -> _Layer:
+    attn, mlp = block.self_attn, block.mlp
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return _Layer(
+        input_norm=block.input_layernorm.weight,
+        qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+        qkv_bias=_fused_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+        q_norm=q_norm.weight if q_norm is not None else None,
+        k_norm=k_norm.weight if k_norm is not None else None,
+        o_proj=attn.o_proj.weight, o_bias=attn.o_proj.bias,
+        post_norm=block.post_attention_layernorm.weight,
+        gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+        gate_up_bias=_fused_bias(mlp.gate_proj, mlp.up_proj),
+        down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+    )
+
+
+class NativeForward:
+    """Llama/Qwen2/Qwen3 decoding on the model's parameters, matching transformers' logits to float rounding."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"NativeForward cannot run this model: {reason}; use HFForward")
+        config = model.config
+        self.model = model
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.eps = config.rms_norm_eps
+        self.qk_norm = FAMILIES[config.model_type].qk_norm
+        self.rotary = _rotary_table(model, config.max_position_embeddings, self.head_dim)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Rebuild the fused q/k/v and gate/up copies from the model's current parameters."""
+        with torch.no_grad():
+            self.layers = [_layer(block) for block in self.model.model.layers]
+
+    def __call__(self, ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
+                 cache: Cache) -> torch.Tensor:
+        batch, new = ids.shape
+        mask = _attention_mask(attention_mask, new)
+        cos, sin = self.rotary[positions].unsqueeze(2).chunk(2, dim=-1)  # [B, T, 1, D] each
+        hidden = F.embedding(ids, self.model.model.embed_tokens.weight)
+        for layer, kv in zip(self.layers, cache.layers, strict=True):
+            hidden = self._attention(hidden, layer, kv, mask, cos, sin)
+            x = _rms_norm(hidden, layer.post_norm, self.eps)
+            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        last = _rms_norm(hidden[:, -1], self.model.model.norm.weight, self.eps)
+        return F.linear(last, self.model.lm_head.weight, getattr(self.model.lm_head, "bias", None))
+
+    def _attention(self, hidden: torch.Tensor, layer: _Layer, kv, mask: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> torch.Tensor:
+        batch, new, _ = hidden.shape
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        x = _rms_norm(hidden, layer.input_norm, self.eps)
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(batch, new, heads + 2 * kv_heads, dim)
+        if self.qk_norm:
+            q = _rope(_rms_norm(qkv[:, :, :heads], layer.q_norm, self.eps), cos, sin)
+            k = _rope(_rms_norm(qkv[:, :, heads:heads + kv_heads], layer.k_norm, self.eps), cos, sin)
+        else:  # queries and keys rotate in one go
+            q, k = _rope(qkv[:, :, :heads + kv_heads], cos, sin).split([heads, kv_heads], dim=2)
+        v = qkv[:, :, heads + kv_heads:]
+        keys, values = kv.update(k.transpose(1, 2), v.transpose(1, 2))
+        if new == 1:
+            # One query per row: the query heads that share a key/value head go in as that head's query
+            # positions ([B, kv_heads, group, D]), which CPU attention runs in half the blocks of enable_gqa.
+            grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=dim ** -0.5)
+            return hidden + F.linear(out.reshape(batch, 1, heads * dim), layer.o_proj, layer.o_bias)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                             scale=dim ** -0.5, enable_gqa=heads != kv_heads)
+        out = out.transpose(1, 2).reshape(batch, new, heads * dim)
+        return hidden + F.linear(out, layer.o_proj, layer.o_bias)
+
+
+def _rotary_table(model: PreTrainedModel, max_positions: int, head_dim: int) -> torch.Tensor:
+    """[max_positions, 2 * head_dim]: cos then sin with its first half negated, as transformers computes them.
+
+    The negation lets `_rope` rotate halves with `roll` instead of negating and concatenating every step.
+    """
+    rotary = model.model.rotary_emb
+    positions = torch.arange(max_positions, device=rotary.inv_freq.device, dtype=torch.float32)
+    freqs = positions[:, None] * rotary.inv_freq.float()[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos() * rotary.attention_scaling, emb.sin() * rotary.attention_scaling
+    sin[:, : head_dim // 2] *= -1
+    return torch.cat([cos, sin], dim=-1).to(model.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) = roll(x) * sign folded into `sin`."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: normalised in float32, cast back, then scaled (in one op when all is float32)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _attention_mask(attention_mask: torch.Tensor, new: int) -> torch.Tensor:
+    """Boolean [B, 1, T, L]: real keys at or before each query's column, and always the query itself.
+
+    The diagonal keeps padding queries (left padding, whose outputs nobody reads) from attending to nothing,
+    which would make softmax NaN.
+    """
+    real = attention_mask.bool()[:, None, None, :]
+    if new == 1:  # the new token is the last column: nothing to hide from it but padding
+        return real
+    length = attention_mask.shape[1]
+    columns = torch.arange(length, device=attention_mask.device)
+    rows = columns[length - new:, None]
+    return (real & (columns <= rows)) | (columns == rows)

@@ -1,0 +1,112 @@
+"""The engine's native forward pass: transformers' logits for every family, through joins, leaves and updates."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.stages.rl.engine import kv_batch
+from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
+from slimeflow.stages.rl.engine.native import HFForward, NativeForward, select_forward
+from slimeflow.stages.rl.engine.sampling import SamplingParams
+from slimeflow.stages.rl.engine.weights import apply_update, load_model
+
+CPU = torch.device("cpu")
+PROMPTS = [[72, 101, 108, 108, 111], [50, 43], [84, 104, 101, 32, 99, 97, 116, 32, 115, 97, 116]]
+SPECS = {
+    "llama": TinyModelSpec(family="llama", seed=2),
+    "qwen2": TinyModelSpec(family="qwen2", seed=3, tie_word_embeddings=True),
+    "qwen3": TinyModelSpec(family="qwen3", seed=4, head_dim=24),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def model_dir(request, tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp(request.param) / "tiny", SPECS[request.param])
+
+
+@pytest.fixture()
+def model(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def plain_logits(model, seq: list[int]) -> torch.Tensor:
+    """The last position's logits from one forward pass over the sequence alone (no padding, no cache)."""
+    return model(torch.tensor([seq])).logits[0, -1]
+
+
+def test_native_logits_equal_transformers_through_joins_leaves_and_growth(model):
+    # Prompts of different lengths share one left-padded batch; 2 columns of headroom make the buffers grow; a
+    # longer prompt joins (re-padding the running rows); rows leave from the front and the back.
+    forward = NativeForward(model)
+    seqs = [list(p) for p in PROMPTS]
+    with torch.inference_mode():
+        batch, logits = kv_batch.prefill(forward, seqs, CPU, headroom=2)
+        for step in range(10):
+            if step == 2:
+                joiners = [[256, *range(70, 95)], [66]]
+                new, new_logits = kv_batch.prefill(forward, joiners, CPU, headroom=3)
+                batch, seqs, logits = kv_batch.merge(batch, new), seqs + joiners, torch.cat([logits, new_logits])
+            if step in (4, 7):
+                order = kv_batch.compaction_order([row != {4: 0, 7: 3}[step] for row in range(len(seqs))])
+                batch, seqs, logits = kv_batch.select(batch, order), [seqs[i] for i in order], logits[order]
+            expected = torch.stack([plain_logits(model, seq) for seq in seqs])
+            assert (logits - expected).abs().max() <= 1e-4, f"step {step}"
+            for seq, row in zip(seqs, logits, strict=True):
+                seq.append(int(row.argmax()))
+            logits = kv_batch.decode(forward, batch, [seq[-1] for seq in seqs])
+
+
+def test_refresh_picks_up_weights_changed_in_place(model):
+    forward = NativeForward(model)
+    prompt = PROMPTS[2]
+    with torch.inference_mode():
+        before = plain_logits(model, prompt)
+        update = {name: tensor + 0.05 * torch.randn_like(tensor) for name, tensor in model.state_dict().items()
+                  if ".self_attn." in name or ".mlp." in name}
+        apply_update(model, update)
+        forward.refresh()
+        _, after = kv_batch.prefill(forward, [prompt], CPU)
+        expected = plain_logits(model, prompt)
+    assert (expected - before).abs().max() > 1e-2, "the update must change the model's outputs"
+    assert (after[0] - expected).abs().max() <= 1e-4
+
+
+def test_unsupported_models_fall_back_to_transformers_and_say_why(model, caplog):
+    model.config.hidden_act = "gelu"
+    with caplog.at_level(logging.WARNING):
+        forward = select_forward(model)
+    assert isinstance(forward, HFForward)
+    assert "hidden_act 'gelu' is not silu" in caplog.text
+    with pytest.raises(ValueError, match="hidden_act"):
+        NativeForward(model)
+
+
+def test_batcher_logprobs_match_and_seeds_reproduce_whatever_shares_the_batch(model_dir):
+    loaded = load_model(model_dir, device="cpu")
+    assert isinstance(select_forward(loaded.model), NativeForward)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, sampling_seed=5)
+
+    def serve(prompts: list[list[int]]) -> list:
+        batcher = Batcher(loaded, max_batch_size=8)
+        batcher.start()
+        try:
+            futures = [batcher.submit(GenerateRequest(rid=str(i), input_ids=p, params=params))
+                       for i, p in enumerate(prompts)]
+            return [f.result(timeout=60) for f in futures]
+        finally:
+            batcher.stop()
+
+    alone = serve([PROMPTS[0]])[0]
+    shared = serve([PROMPTS[1], PROMPTS[0], PROMPTS[2]])[1]
+    assert shared.output_ids == alone.output_ids
+    with torch.inference_mode():
+        ids = torch.tensor([PROMPTS[0] + alone.output_ids])
+        logp = loaded.model(ids).logits[0].log_softmax(-1)
+    start = len(PROMPTS[0]) - 1
+    expected = logp[torch.arange(start, start + len(alone.output_ids)), torch.tensor(alone.output_ids)]
+    torch.testing.assert_close(torch.tensor(alone.output_logprobs), expected, atol=1e-4, rtol=0)
