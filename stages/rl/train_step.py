@@ -116,7 +116,8 @@ def accumulate_gradients(backend: TorchBackend, batch: TrainBatch, indices: list
     algo, device = config.algorithm, backend.device
     normalizer = LossNormalizer.for_batch([batch.loss_masks[i] for i in indices])
     sums: dict[str, torch.Tensor] = {}
-    for micro in backend.micro_batches([batch.total_lengths[i] for i in share]):
+    lengths = batch.total_lengths  # a property that walks the batch: read it once, not once per sample
+    for micro in backend.micro_batches([lengths[i] for i in share]):
         rows = [share[j] for j in micro]
         out = backend.forward(batch.select(rows), with_entropy=True)
         assert out.entropy is not None
