@@ -149,6 +149,7 @@ async def default_generate(ctx: RolloutContext, sample: Sample, params: dict[str
 
 async def default_generate_group(ctx: RolloutContext, group: Group, params: dict[str, Any]) -> Group:
     """`default_generate` for a whole group in one batched /generate request (SGLang's batch form)."""
+    share_prompt_tokens(ctx, group)
     requests = [(sample, _prepare(ctx, sample, params)) for sample in group]
     todo = [(sample, request) for sample, request in requests if request is not None]
     if todo:
@@ -157,6 +158,19 @@ async def default_generate_group(ctx: RolloutContext, group: Group, params: dict
         for (sample, _), out in zip(todo, outs, strict=True):
             _apply(ctx, sample, out)
     return group
+
+
+def share_prompt_tokens(ctx: RolloutContext, group: Group) -> None:
+    """Tokenise the prompt once for the samples of a group that share it (256 tokenizer calls took ~15 ms of a
+    rollout of 16 x 16); samples that already have tokens (partial ones) keep theirs."""
+    fresh = [s for s in group if not s.tokens]
+    if not fresh:
+        return
+    first = fresh[0]
+    if all(s.prompt == first.prompt and s.metadata.get("tools") == first.metadata.get("tools") for s in fresh):
+        ids = prompt_ids(ctx, first)
+        for sample in fresh:
+            sample.tokens = list(ids)
 
 
 def _prepare(ctx: RolloutContext, sample: Sample, params: dict[str, Any]) -> dict[str, Any] | None:
