@@ -37,7 +37,7 @@ class Recorder:
         self.calls.append(("save", rollout_id))
         return f"iter_{rollout_id}"
 
-    def update_weights(self, manager, version):
+    def update_weights(self, version):
         self.calls.append(("update", version))
 
 

@@ -252,3 +252,71 @@ def test_an_engine_url_that_does_not_answer_is_a_clear_error_not_a_hang():
     assert time.perf_counter() - started < 30
     with pytest.raises(ValueError, match="--sglang-weights-dir"):
         EngineSet.start("/unused", {"worker_urls": [url]}, num_engines=1)
+
+
+class RecordingEngine:
+    """An EngineClient stand-in for the coalescer: answers each prompt with its first id; prompts in `bad` get 400."""
+
+    def __init__(self, bad=()):
+        self.bad, self.requests = set(bad), []
+
+    async def generate_batch(self, input_ids, sampling_params, *, return_logprob=True, rids=None):
+        from slimeflow.stages.rl.engine.client import EngineRequestError
+
+        self.requests.append((list(input_ids), rids))
+        if any(ids[0] in self.bad for ids in input_ids):
+            raise EngineRequestError(400, "prompt too long")
+        return [{"first": ids[0], "seed": p["seed"]} for ids, p in zip(input_ids, sampling_params, strict=True)]
+
+
+def test_batched_generates_issued_together_go_as_one_request_and_each_caller_gets_its_slice():
+    from slimeflow.stages.rl.engines import Coalescer
+
+    engine = RecordingEngine()
+    coalescer = Coalescer(engine)
+
+    async def main():
+        return await asyncio.gather(*(coalescer.generate_batch([[g, 0]] * 2, [{"seed": g}, {"seed": g + 10}],
+                                                               rids=[f"{g}a", f"{g}b"]) for g in range(3)))
+
+    answers = asyncio.run(main())
+    assert len(engine.requests) == 1 and engine.requests[0][1] == ["0a", "0b", "1a", "1b", "2a", "2b"]
+    assert answers == [[{"first": g, "seed": g}, {"first": g, "seed": g + 10}] for g in range(3)]
+
+
+def test_a_rejected_merged_request_fails_only_the_bad_caller():
+    from slimeflow.stages.rl.engine.client import EngineRequestError
+    from slimeflow.stages.rl.engines import Coalescer
+
+    engine = RecordingEngine(bad={1})
+    coalescer = Coalescer(engine)
+
+    async def main():
+        return await asyncio.gather(*(coalescer.generate_batch([[g]], [{"seed": g}]) for g in range(3)),
+                                    return_exceptions=True)
+
+    good, bad, other = asyncio.run(main())
+    assert good == [{"first": 0, "seed": 0}] and other == [{"first": 2, "seed": 2}]
+    assert isinstance(bad, EngineRequestError) and bad.status == 400
+    assert len(engine.requests) == 4  # the merged request, then each part alone
+
+
+def test_a_train_batch_crosses_ray_as_flat_tensors_and_comes_back_equal():
+    import torch
+
+    from slimeflow.stages.rl.actors import PackedBatch
+    from slimeflow.stages.rl.types import TrainBatch
+
+    samples = [Sample(prompt="p", index=i, group_index=i // 2, tokens=list(range(3 + i)), response_length=1 + i % 2,
+                      reward=float(i), rollout_log_probs=[-0.1] * (1 + i % 2), status=Status.COMPLETED,
+                      loss_mask=[1] * (i % 2) + [0]) for i in range(4)]
+    batch = TrainBatch.from_samples(samples)
+    back = PackedBatch.pack(batch).unpack()
+    for field in ("tokens", "loss_masks", "rollout_log_probs"):
+        assert all(torch.equal(a, b) for a, b in zip(getattr(batch, field), getattr(back, field), strict=True))
+    assert back.response_lengths == batch.response_lengths and back.group_indices == batch.group_indices
+    assert torch.equal(back.rewards, batch.rewards)
+    for sample in samples:
+        sample.rollout_log_probs = None
+    assert PackedBatch.pack(TrainBatch.from_samples(samples)).unpack().rollout_log_probs is None
+    assert len(PackedBatch.pack(TrainBatch.from_samples([])).unpack()) == 0

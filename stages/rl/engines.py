@@ -1,9 +1,11 @@
 """The rollout engines of a run: embedded engines started here (the real sglang-router in front of two or more),
 or external SGLang servers (`--sglang-worker-urls URL ...`, optionally `--sglang-router-ip/--sglang-router-port`).
 
-Rollouts go to one URL (the router's, or the only engine's). Weights go to every engine: embedded engines take
-the trainer's tensors over HTTP (`/update_weights_from_tensor`); external SGLang servers load an HF directory
-written to `--sglang-weights-dir` (a path every server can read) through `/update_weights_from_disk`.
+Rollouts go to one URL (the router's, or the only engine's). Weights go from the trainer straight to every engine
+(a `WeightSync` in the TrainActor that holds them, as slime's actor pushes to its engines): embedded engines take the
+tensors over HTTP (`/update_weights_from_tensor`); external SGLang servers load an HF directory written to
+`--sglang-weights-dir` (a path every server can read) through `/update_weights_from_disk`. HTTP clients are kept for
+the life of the run (a new one per call cost a TLS context and a TCP connection every rollout).
 """
 
 from __future__ import annotations
@@ -15,7 +17,53 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slimeflow.stages.rl.engine.client import EngineClient
+from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError
+
+
+@dataclass(frozen=True)
+class WeightTargets:
+    """Where a trainer pushes its weights: every engine's URL and, for external SGLang servers, the directory they
+    load from (None: embedded engines, which take tensors over HTTP). Small and picklable, for a Ray call."""
+
+    worker_urls: tuple[str, ...]
+    hf_checkpoint: str
+    weights_dir: str | None = None
+
+
+class WeightSync:
+    """Pushes HF-named tensors to every engine of `targets` as one weight version, on kept HTTP clients."""
+
+    def __init__(self, targets: WeightTargets):
+        self.targets = targets
+        self.clients = [EngineClient(url) for url in targets.worker_urls]
+
+    async def push(self, named_tensors: Mapping[str, Any], version: str) -> str:
+        """Every engine serves `version` afterwards; raises naming the engine that did not take it."""
+        if self.targets.weights_dir is None:
+            await asyncio.gather(*(c.update_weights_from_tensor(dict(named_tensors), version) for c in self.clients))
+        else:
+            path = self._write_hf(named_tensors, version)
+            await asyncio.gather(*(c.update_weights_from_disk(path, version) for c in self.clients))
+        served = await asyncio.gather(*(c.weight_version() for c in self.clients))
+        wrong = {url: v for url, v in zip(self.targets.worker_urls, served, strict=True) if v != version}
+        if wrong:
+            raise RuntimeError(f"after pushing weight version {version!r}, engines serve {wrong}")
+        return version
+
+    def _write_hf(self, named_tensors: Mapping[str, Any], version: str) -> str:
+        from safetensors.torch import save_file
+
+        assert self.targets.weights_dir is not None
+        target = Path(self.targets.weights_dir) / f"v{version}"
+        target.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in named_tensors.items()}, str(target / "model.safetensors"))
+        for item in Path(self.targets.hf_checkpoint).iterdir():
+            if item.is_file() and not item.name.endswith((".safetensors", ".bin")) and item.name != "model.safetensors.index.json":
+                shutil.copy2(item, target / item.name)
+        return str(target)
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(c.aclose() for c in self.clients))
 
 
 @dataclass
@@ -27,6 +75,7 @@ class EngineSet:
     hf_checkpoint: str
     weights_dir: str | None = None
     processes: list[Any] = field(default_factory=list)
+    _client: RoutedClient | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def start(cls, hf_checkpoint: str, sglang_args: Mapping[str, Any], num_engines: int,
@@ -73,32 +122,18 @@ class EngineSet:
         await asyncio.gather(*(EngineClient(url, retries=2).health() for url in urls))
 
     def client(self) -> RoutedClient:
-        return RoutedClient(EngineClient(self.rollout_url), [EngineClient(url) for url in self.worker_urls])
+        """The rollout's client (the same one every call, so its connections are reused)."""
+        if self._client is None:
+            self._client = RoutedClient(EngineClient(self.rollout_url), [EngineClient(url) for url in self.worker_urls])
+        return self._client
 
-    async def update_weights(self, named_tensors: Mapping[str, Any], version: str) -> str:
-        """Every engine serves `version` afterwards; raises naming the engine that did not take it."""
-        clients = [EngineClient(url) for url in self.worker_urls]
-        if self.weights_dir is None:
-            await asyncio.gather(*(c.update_weights_from_tensor(dict(named_tensors), version) for c in clients))
-        else:
-            path = self._write_hf(named_tensors, version)
-            await asyncio.gather(*(c.update_weights_from_disk(path, version) for c in clients))
-        served = await asyncio.gather(*(c.weight_version() for c in clients))
-        wrong = {url: v for url, v in zip(self.worker_urls, served, strict=True) if v != version}
-        if wrong:
-            raise RuntimeError(f"after pushing weight version {version!r}, engines serve {wrong}")
-        return version
+    def weight_targets(self) -> WeightTargets:
+        return WeightTargets(tuple(self.worker_urls), self.hf_checkpoint, self.weights_dir)
 
-    def _write_hf(self, named_tensors: Mapping[str, Any], version: str) -> str:
-        from safetensors.torch import save_file
-
-        target = Path(self.weights_dir) / f"v{version}"
-        target.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in named_tensors.items()}, str(target / "model.safetensors"))
-        for item in Path(self.hf_checkpoint).iterdir():
-            if item.is_file() and not item.name.endswith((".safetensors", ".bin")) and item.name != "model.safetensors.index.json":
-                shutil.copy2(item, target / item.name)
-        return str(target)
+    async def aclose(self) -> None:
+        """Close the rollout client's connections (on the event loop they were opened on)."""
+        if self._client is not None:
+            await self._client.aclose()
 
     def stop(self) -> None:
         for process in reversed(self.processes):
@@ -108,10 +143,12 @@ class EngineSet:
 
 class RoutedClient:
     """What the rollout function talks to: `generate` through the router (or the only engine), `abort` to every
-    engine, because sglang-router does not forward /abort_request."""
+    engine, because sglang-router does not forward /abort_request. Batched generates issued together are sent as
+    one request (see `Coalescer`)."""
 
     def __init__(self, rollout: EngineClient, workers: list[EngineClient]):
         self.rollout, self.workers = rollout, workers
+        self.batches = Coalescer(rollout)
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *, return_logprob: bool = True,
                        rid: str | None = None) -> dict[str, Any]:
@@ -119,10 +156,84 @@ class RoutedClient:
 
     async def generate_batch(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]], *,
                              return_logprob: bool = True, rids: list[str] | None = None) -> list[dict[str, Any]]:
-        return await self.rollout.generate_batch(input_ids, sampling_params, return_logprob=return_logprob, rids=rids)
+        return await self.batches.generate_batch(input_ids, sampling_params, return_logprob=return_logprob, rids=rids)
 
     async def abort(self, rid: str | None = None) -> None:
         await asyncio.gather(*(worker.abort(rid) for worker in self.workers))
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(c.aclose() for c in dict.fromkeys([self.rollout, *self.workers])))
+
+
+@dataclass
+class _Part:
+    input_ids: list[list[int]]
+    sampling_params: list[dict[str, Any]]
+    rids: list[str] | None
+    answer: asyncio.Future
+
+
+class Coalescer:
+    """Sends the `generate_batch` calls made in one turn of the event loop as one batched /generate, and hands each
+    caller its own slice of the answer (a rollout's groups start together: 16 requests of 16 samples became one of
+    256, one prefill in the engine instead of a merge per request). Only calls with the same return_logprob are
+    merged. When the engine rejects a merged request (400: a bad prompt, say), each part is sent again on its own,
+    so that only the bad one fails, as it would have alone."""
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+        self.waiting: dict[bool, list[_Part]] = {}
+
+    async def generate_batch(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]], *,
+                             return_logprob: bool = True, rids: list[str] | None = None) -> list[dict[str, Any]]:
+        loop = asyncio.get_running_loop()
+        part = _Part(list(input_ids), list(sampling_params), None if rids is None else list(rids), loop.create_future())
+        if return_logprob not in self.waiting:
+            self.waiting[return_logprob] = []
+            loop.call_soon(lambda: loop.create_task(self._send(return_logprob)))  # after this turn's other calls
+        self.waiting[return_logprob].append(part)
+        return await part.answer
+
+    async def _send(self, return_logprob: bool) -> None:
+        parts = self.waiting.pop(return_logprob)
+        try:
+            outs = await self._request(parts, return_logprob)
+        except EngineRequestError as err:
+            if len(parts) == 1 or err.status != 400:
+                _fail(parts, err)
+                return
+            await asyncio.gather(*(self._send_alone(part, return_logprob) for part in parts))
+            return
+        except BaseException as err:  # every caller sees the failure, as with a request of its own
+            _fail(parts, err)
+            return
+        start = 0
+        for part in parts:
+            if not part.answer.done():
+                part.answer.set_result(outs[start : start + len(part.input_ids)])
+            start += len(part.input_ids)
+
+    async def _send_alone(self, part: _Part, return_logprob: bool) -> None:
+        try:
+            outs = await self._request([part], return_logprob)
+        except BaseException as err:
+            _fail([part], err)
+        else:
+            if not part.answer.done():
+                part.answer.set_result(outs)
+
+    async def _request(self, parts: list[_Part], return_logprob: bool) -> list[dict[str, Any]]:
+        named = all(part.rids is not None for part in parts)
+        return await self.client.generate_batch(
+            [ids for part in parts for ids in part.input_ids],
+            [params for part in parts for params in part.sampling_params], return_logprob=return_logprob,
+            rids=[rid for part in parts for rid in part.rids] if named else None)  # type: ignore[union-attr]
+
+
+def _fail(parts: list[_Part], err: BaseException) -> None:
+    for part in parts:
+        if not part.answer.done():
+            part.answer.set_exception(err)
 
 
 def _router_url(args: Mapping[str, Any]) -> str | None:

@@ -49,7 +49,7 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
         return result  # a finished run, started again: nothing left to do
     if saved_state.get("data_source"):
         rollout_manager.load_state_dict(saved_state["data_source"])
-    actor_group.update_weights(rollout_manager, version=start_rollout_id)
+    actor_group.update_weights(version=start_rollout_id)
 
     if config.eval.eval_interval and not config.eval.skip_eval_before_train:
         result.eval_history[start_rollout_id] = evaluate(rollout_manager, start_rollout_id, report)
@@ -67,7 +67,7 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
                 result.checkpoint = actor_group.save(rollout_id, {"data_source": rollout_manager.state_dict()})
 
         with timer("update_weights"):
-            actor_group.update_weights(rollout_manager, version=rollout_id + 1)
+            actor_group.update_weights(version=rollout_id + 1)
 
         if should_run(config.eval.eval_interval, rollout_id, num_rollout):
             with timer("eval"):

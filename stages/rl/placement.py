@@ -1,8 +1,8 @@
 """Placement on Ray: start (or join) Ray, create the RolloutManager and the TrainActor group, and wrap them so the
 loop calls plain methods. Colocated on one machine by default (the engines idle while the trainer works).
 
-On a CPU the actors ask Ray for no CPU (they alternate, and torch's threads are set explicitly); on GPUs each
-TrainActor asks for one GPU (`--actor-num-nodes x --actor-num-gpus-per-node` ranks).
+On a CPU the actors ask Ray for no CPU (they alternate, and torch's threads are set explicitly, see `cpu_threads`);
+on GPUs each TrainActor asks for one GPU (`--actor-num-nodes x --actor-num-gpus-per-node` ranks).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,9 +62,9 @@ class ActorGroup:
     def save(self, rollout_id: int, extra_state: dict[str, Any]) -> str:
         return self._all("save", rollout_id, extra_state, what=f"saving checkpoint {rollout_id}")[0]
 
-    def update_weights(self, rollout_manager: RolloutManagerHandle, version: int) -> None:
-        weights = self.actors[0].named_weights.remote()  # rank 0's replica; ranks are identical after a step
-        call(rollout_manager.actor.update_weights.remote(weights, str(version)), f"pushing weights {version}")
+    def update_weights(self, version: int) -> None:
+        """Rank 0 pushes its replica (ranks are identical after a step) to every engine as `version`."""
+        call(self.actors[0].update_weights.remote(str(version)), f"pushing weights {version}")
 
 
 @dataclass
@@ -102,13 +102,26 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
     placement = config.placement
     world = placement.actor_num_nodes * placement.actor_num_gpus_per_node
     gpus = 1 if _has_gpus() else 0
-    threads = None if gpus else max(1, (os.cpu_count() or 1) // world)
+    threads = None if gpus else cpu_threads(world)
+    if not gpus and setup.engine_threads is None:
+        setup = replace(setup, engine_threads=cpu_threads(1))
     init_method = (scratch / f"dist-{uuid.uuid4().hex[:8]}").resolve().as_uri() if world > 1 else ""
     manager = ray.remote(num_cpus=0)(RolloutManager).remote(config, setup)
     actors = [ray.remote(num_cpus=0, num_gpus=gpus)(TrainActor).remote(
         config, setup.hf_checkpoint, rank, world, init_method, total_steps, threads) for rank in range(world)]
-    call(manager.state_dict.remote(), "starting the rollout manager (engines)")
+    targets = call(manager.weight_targets.remote(), "starting the rollout manager (engines)")
+    call(actors[0].connect_engines.remote(targets), "connecting the trainer to the engines")
     return Placement(config, RolloutManagerHandle(manager), ActorGroup(actors))
+
+
+def cpu_threads(processes: int) -> int:
+    """torch threads for each of `processes` computing at once on this machine's CPU: the cores less one, shared.
+
+    One core is left to what runs beside the compute (Ray's own processes, the engine's HTTP server, the rollout
+    manager's event loop): with every core given to torch, each op's threads waited for a core at every barrier
+    (the demo's train step, 2 cores shared with other jobs: 0.22 s at best with 2 threads, 0.09 s with 1).
+    """
+    return max(1, ((os.cpu_count() or 1) - 1) // processes)
 
 
 def _has_gpus() -> bool:
