@@ -18,6 +18,8 @@ from slimeflow.stages.preprocess.config import PreprocessConfig
 from slimeflow.stages.preprocess.sources import json_default
 
 Prompt = str | list[dict[str, Any]]
+MAX_PLANS = 4096
+"""Column tuples whose packing plan is kept (rows with ever new columns are planned one by one)."""
 
 
 class RowError(ValueError):
@@ -40,7 +42,12 @@ class Prepared(NamedTuple):
 
 @dataclass
 class RowMapper:
-    """Maps rows with one config's keys; counts the extra columns it packs and drops."""
+    """Maps rows with one config's keys; counts the extra columns it packs and drops.
+
+    Rows of one file mostly share their columns, so what to do with each column is worked out once per column
+    tuple (a plan). A row whose packing meets a collision is mapped again column by column, so its error and the
+    counts of the columns before it are what a one-by-one loop gives.
+    """
 
     config: PreprocessConfig
     packed: Counter[str] = field(default_factory=Counter)
@@ -51,13 +58,18 @@ class RowMapper:
         self._own = {c.input_key, c.label_key, c.metadata_key, c.tool_key} - {None}
         self._keep = None if c.keep_columns is None else set(c.keep_columns)
         self._drop = set(c.drop_columns)
+        self._plans: dict[tuple[str, ...], tuple[tuple[str, ...], tuple[str, ...]]] = {}
 
     def map(self, row: dict[str, Any]) -> Prepared:
         c = self.config
-        if c.input_key not in row:
-            raise RowError("missing_key", f"no {c.input_key!r} (--input-key); the row has {sorted(row)[:10]}")
-        prompt = _prompt(row[c.input_key], c.input_key)
-        label = self._label(row)
+        value = row.get(c.input_key, _MISSING)
+        if type(value) is not str:
+            if value is _MISSING:
+                raise RowError("missing_key", f"no {c.input_key!r} (--input-key); the row has {sorted(row)[:10]}")
+            value = _prompt(value, c.input_key)
+        label = None if c.label_key is None else row.get(c.label_key)
+        if type(label) is not str:
+            label = self._label(row)
         metadata = self._metadata(row)
         tools = _tools(row.get(c.tool_key)) if c.tool_key else None
         try:
@@ -65,7 +77,7 @@ class RowMapper:
             identity = orjson.dumps(row, default=json_default, option=orjson.OPT_SORT_KEYS)
         except TypeError as err:
             raise RowError("wrong_type", f"a value cannot be written as JSON: {err}") from None
-        return Prepared(prompt, label, metadata_json, tools, hashlib.sha256(identity).hexdigest()[:32])
+        return Prepared(value, label, metadata_json, tools, hashlib.sha256(identity).hexdigest()[:32])
 
     def _label(self, row: dict[str, Any]) -> str | None:
         key = self.config.label_key
@@ -86,6 +98,33 @@ class RowMapper:
     def _metadata(self, row: dict[str, Any]) -> dict[str, Any]:
         key = self.config.metadata_key
         metadata = _existing_metadata(row.get(key), key)
+        columns = tuple(row)
+        plan = self._plans.get(columns)
+        if plan is None:
+            plan = self._plan(columns)
+            if len(self._plans) < MAX_PLANS:
+                self._plans[columns] = plan
+        pack, drop = plan
+        for name in pack:
+            value = row[name]
+            if name in metadata and metadata[name] != value:
+                return self._metadata_by_column(row)  # raises, counting as a column-by-column loop does
+            metadata[name] = value
+        for name in pack:
+            self.packed[name] += 1
+        for name in drop:
+            self.dropped[name] += 1
+        return metadata
+
+    def _plan(self, columns: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(columns to pack, columns to drop) among a row's columns, in row order."""
+        extra = [name for name in columns if name not in self._own]
+        dropped = tuple(n for n in extra if n in self._drop or (self._keep is not None and n not in self._keep))
+        return tuple(n for n in extra if n not in dropped), dropped
+
+    def _metadata_by_column(self, row: dict[str, Any]) -> dict[str, Any]:
+        key = self.config.metadata_key
+        metadata = _existing_metadata(row.get(key), key)
         for name, value in row.items():
             if name in self._own:
                 continue
@@ -98,6 +137,9 @@ class RowMapper:
             metadata[name] = value
             self.packed[name] += 1
         return metadata
+
+
+_MISSING = object()
 
 
 def _prompt(value: Any, key: str) -> Prompt:

@@ -114,28 +114,28 @@ def read_batches(uri: str, storage: Storage, batch_size: int) -> Iterator[Source
     fmt = file_format(uri)
     reader = {"jsonl": _read_jsonl, "json": _read_json_array, "csv": _read_csv, "parquet": _read_parquet}[fmt]
     unit = "row" if fmt in ("json", "parquet") else "line"
-    batch, empty = SourceBatch(uri, unit), True
+    batch, size, empty = SourceBatch(uri, unit), 0, True
     try:
         for item in reader(uri, storage):
-            empty = False
-            _add(batch, item)
-            if len(batch) >= batch_size:
+            if len(item) == 2:
+                batch.rows.append(item)  # type: ignore[arg-type]
+            else:
+                _add_problem(batch, item)  # type: ignore[arg-type]
+            size += 1
+            if size >= batch_size:
                 yield batch
-                batch = SourceBatch(uri, unit)
+                batch, size, empty = SourceBatch(uri, unit), 0, False
     except (OSError, EOFError, ValueError) as err:  # corrupt gzip or parquet, truncated stream
         empty = False
-        _add(batch, (0, "unreadable_file", f"{type(err).__name__}: {err}", ""))
-    if empty:
-        _add(batch, (0, "empty_file", "the file holds no rows", ""))
+        _add_problem(batch, (0, "unreadable_file", f"{type(err).__name__}: {err}", ""))
+    if empty and not len(batch):
+        _add_problem(batch, (0, "empty_file", "the file holds no rows", ""))
     if len(batch):
         yield batch
 
 
-def _add(batch: SourceBatch, item: Item) -> None:
-    if len(item) == 2:
-        batch.rows.append(item)  # type: ignore[arg-type]
-        return
-    position, reason, detail, raw = item  # type: ignore[misc]
+def _add_problem(batch: SourceBatch, item: tuple[int, str, str, str | bytes]) -> None:
+    position, reason, detail, raw = item
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
     batch.problems.append(Problem(batch.file, position, batch.unit, reason, detail, text[:RAW_LIMIT]))
 
@@ -151,11 +151,17 @@ def _open(uri: str, storage: Storage) -> Iterator[BinaryIO]:
 
 
 def _read_jsonl(uri: str, storage: Storage) -> Iterator[Item]:
-    """Blank lines are not rows."""
+    """Blank lines are not rows. A line that does not parse to an object is classified by _parse_json_line."""
+    loads, malformed = orjson.loads, orjson.JSONDecodeError
     with _open(uri, storage) as stream:
         for number, line in enumerate(stream, start=1):
-            if line.strip():
-                yield _parse_json_line(number, line)
+            try:
+                value = loads(line)
+            except malformed:
+                if line.strip():
+                    yield _parse_json_line(number, line)
+                continue
+            yield (number, value) if type(value) is dict else _parse_json_line(number, line)
 
 
 def _parse_json_line(number: int, line: bytes) -> Item:

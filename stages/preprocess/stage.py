@@ -12,10 +12,11 @@ import hashlib
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import compress
 from pathlib import Path
 from typing import Any
 
@@ -124,8 +125,9 @@ def _process(name: str, inputs: tuple[list[str], list[str]], config: PreprocessC
     outputs = [name] + ([config.eval_split_name] if name == "train" and config.eval_split_fraction else [])
     for output in outputs:
         result.writers[output] = DatasetWriter(staging / _relative_dir(output, name) / PART, config.row_group_size, seed)
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="preprocess-count") as pool:
-        batcher = _Batcher(result, config, tokenizer, quarantine, pool)
+    with (ThreadPoolExecutor(max_workers=1, thread_name_prefix="preprocess-count") as pool,
+          ThreadPoolExecutor(max_workers=1, thread_name_prefix="preprocess-write") as writer):
+        batcher = _Batcher(result, config, tokenizer, quarantine, pool, writer)
         for uri in files:
             result.files.append(storage.sha256(uri))
             for batch in read_batches(uri, storage, config.read_batch_size):
@@ -155,51 +157,75 @@ class _Batcher:
     """Maps, renders, counts, filters and writes source batches, in order.
 
     A batch's tokens are counted on a worker thread (the Rust tokenizer releases the GIL) while the next batch is
-    read and mapped; `process` then filters and writes the batch before it, and `finish` the last one. So at most
-    two batches are in memory, and rows, quarantine entries and counts come out as if done one batch at a time.
+    read and mapped; `process` then filters the batch before it and hands it to the writer thread (parquet
+    encoding and compression release the GIL too), and `finish` the last one. So at most three batches are in
+    memory, and rows, quarantine entries and counts come out as if done one batch at a time.
     """
 
     def __init__(self, result: SetResult, config: PreprocessConfig, tokenizer: PromptTokenizer | None,
-                 quarantine: Quarantine, pool: ThreadPoolExecutor):
+                 quarantine: Quarantine, pool: ThreadPoolExecutor, writer: ThreadPoolExecutor):
         self.result, self.config, self.tokenizer, self.quarantine = result, config, tokenizer, quarantine
         self.mapper = RowMapper(config, packed=result.packed_columns, dropped=result.dropped_columns)
         self.deduper = Deduper() if config.dedup else None
-        self.pool = pool
-        self._pending: tuple[list[tuple[Prepared, str]], Future[list[int]] | None] | None = None
+        self.pool, self.writer = pool, writer
+        self._render = config.apply_chat_template and tokenizer is not None
+        self._pending: tuple[_Rows, Future[list[int]] | None] | None = None
+        self._writing: Future[None] | None = None
 
     def process(self, batch: SourceBatch) -> None:
         rows = self._prepared(batch)
         if self.config.rollout_max_prompt_len is None:  # nothing is too long: dedup first, count only what is kept
-            rows = self._unique(rows)
+            rows = rows.where(self._first_seen(rows.texts))
         counting = self._start_count(rows)
-        self.finish()
+        self._finish_pending()
         self._pending = rows, counting
 
     def finish(self) -> None:
+        """Filter and write the last batch; return once everything is written."""
+        self._finish_pending()
+        if self._writing is not None:
+            self._writing.result()
+            self._writing = None
+
+    def _finish_pending(self) -> None:
         """Filter and write the batch whose tokens are being counted."""
         if self._pending is None:
             return
         rows, counting = self._pending
         self._pending = None
-        tokens: list[int | None] = [None] * len(rows) if counting is None else list(counting.result())
-        self._write(self._filter(rows, tokens))
+        if counting is not None:
+            rows.tokens = counting.result()
+        self._write(self._filter(rows))
 
-    def _prepared(self, batch: SourceBatch) -> list[tuple[Prepared, str]]:
+    def _prepared(self, batch: SourceBatch) -> _Rows:
         """The batch's usable rows with their stored prompt text; empty prompts counted, bad rows quarantined."""
         counts = self.result.counts
         counts["rows_in"] += len(batch)
         problems = list(batch.problems)
-        rows: list[tuple[Prepared, str]] = []
+        rows = _Rows()
+        prepared, texts, empty = rows.prepared, rows.texts, 0
+        map_row, plain = self.mapper.map, not self._render
         for position, row in batch.rows:
             try:
-                prepared = self.mapper.map(row)
-                if is_empty(prepared.prompt):
-                    counts["filtered.empty_prompt"] += 1
+                mapped = map_row(row)
+                prompt = mapped.prompt
+                if plain and type(prompt) is str and self.result.prompt_format == "text":  # the common case, inline
+                    if not prompt.strip():
+                        empty += 1
+                        continue
+                    text = prompt
+                elif is_empty(prompt):
+                    empty += 1
                     continue
-                rows.append((prepared, self._text(prepared)))
+                else:
+                    text = self._text(mapped)
+                prepared.append(mapped)
+                texts.append(text)
             except RowError as err:
                 raw = orjson.dumps(row, default=json_default, option=orjson.OPT_NON_STR_KEYS).decode()
                 problems.append(Problem(batch.file, position, batch.unit, err.reason, str(err), raw[:2000]))
+        if empty:
+            counts["filtered.empty_prompt"] += empty
         for problem in sorted(problems, key=lambda p: p.position):  # file order, so --strict names the first
             self._quarantine(problem)
         return rows
@@ -210,8 +236,8 @@ class _Batcher:
 
     def _text(self, prepared: Prepared) -> str:
         """The prompt as stored: rendered text, the string itself, or the messages' JSON (one format per set)."""
-        if self.config.apply_chat_template and self.tokenizer is not None:
-            text, fmt = self.tokenizer.render(prepared.prompt, prepared.tools), "text"
+        if self._render:
+            text, fmt = self.tokenizer.render(prepared.prompt, prepared.tools), "text"  # type: ignore[union-attr]
         elif isinstance(prepared.prompt, str):
             text, fmt = prepared.prompt, "text"
         else:
@@ -223,29 +249,24 @@ class _Batcher:
                            f"{self.result.prompt_format}; use one kind, or --apply-chat-template to render both")
         return text
 
-    def _filter(self, rows: list[tuple[Prepared, str]], tokens: list[int | None]) -> list[tuple[Prepared, str, int | None]]:
+    def _filter(self, rows: _Rows) -> _Rows:
         limit = self.config.rollout_max_prompt_len
-        kept = [(p, t, n) for (p, t), n in zip(rows, tokens, strict=True) if limit is None or n <= limit]  # type: ignore[operator]
         if limit is None:  # deduplicated before counting
-            return kept
+            return rows
+        kept = rows.where([n <= limit for n in rows.tokens])  # type: ignore[union-attr]
         self.result.counts["filtered.too_long"] += len(rows) - len(kept)
-        mask = self._first_seen([t for _, t, _ in kept])  # a too-long prompt counts as too long, not as a duplicate
-        return [row for row, keep in zip(kept, mask, strict=True) if keep]
+        return kept.where(self._first_seen(kept.texts))  # a too-long prompt counts as too long, not as a duplicate
 
-    def _unique(self, rows: list[tuple[Prepared, str]]) -> list[tuple[Prepared, str]]:
-        mask = self._first_seen([t for _, t in rows])
-        return [row for row, keep in zip(rows, mask, strict=True) if keep]
-
-    def _first_seen(self, texts: list[str]) -> np.ndarray:
-        """A mask of the prompts not seen before (all, without dedup); the others are counted as duplicates."""
+    def _first_seen(self, texts: list[str]) -> np.ndarray | None:
+        """A mask of the prompts not seen before (None: all, without dedup); the others are counted as duplicates."""
         if self.deduper is None or not texts:
-            return np.ones(len(texts), dtype=bool)
-        digests = b"".join(hashlib.blake2b(t.encode(), digest_size=8).digest() for t in texts)  # _hash64, batched
+            return None
+        digests = b"".join([hashlib.blake2b(t.encode(), digest_size=8).digest() for t in texts])  # _hash64, batched
         mask = self.deduper.first_seen(np.frombuffer(digests, dtype="<u8"))
         self.result.counts["filtered.duplicate_prompt"] += int(len(texts) - mask.sum())
         return mask
 
-    def _start_count(self, rows: list[tuple[Prepared, str]]) -> Future[list[int]] | None:
+    def _start_count(self, rows: _Rows) -> Future[list[int]] | None:
         """Token counts of the rows' prompts, counted on the worker thread; None without a tokenizer."""
         if self.tokenizer is None:
             return None
@@ -253,43 +274,72 @@ class _Batcher:
             if not self.tokenizer.has_template:
                 raise StageInputError("--hf-checkpoint", ["its tokenizer has no chat template to count messages with"],
                                       "Use a tokenizer with a chat template, or give string prompts.")
-            texts = [self.tokenizer.render(p.prompt, p.tools) for p, _ in rows]
+            texts = [self.tokenizer.render(p.prompt, p.tools) for p in rows.prepared]
         else:
-            texts = [t for _, t in rows]
+            texts = rows.texts
         return self.pool.submit(self.tokenizer.count, texts)
 
-    def _write(self, rows: list[tuple[Prepared, str, int | None]]) -> None:
-        if not rows:
+    def _write(self, rows: _Rows) -> None:
+        if not rows.prepared:
             return
         self.result.counts["rows_out"] += len(rows)
-        self.result.tokens.add([n for _, _, n in rows if n is not None])
-        by_output: dict[str, list[tuple[Prepared, str, int | None]]] = {}
-        for row in rows:
-            by_output.setdefault(self._destination(row[0].row_id), []).append(row)
-        for output, chosen in by_output.items():
-            self.result.writers[output].write(_columns(chosen), self.result.prompt_format or "text")
+        if rows.tokens is not None:
+            self.result.tokens.add(rows.tokens)
+        if self.result.name == "train" and self.config.eval_split_fraction:
+            by_output: dict[str, list[int]] = {}
+            for index, prepared in enumerate(rows.prepared):
+                by_output.setdefault(self._destination(prepared.row_id), []).append(index)
+            parts = [(output, rows.take(chosen)) for output, chosen in by_output.items()]
+        else:
+            parts = [(self.result.name, rows)]
+        fmt = self.result.prompt_format or "text"
+        columns = [(self.result.writers[output], part.columns()) for output, part in parts]
+        if self._writing is not None:
+            self._writing.result()
+        self._writing = self.writer.submit(_write_parts, columns, fmt)
 
     def _destination(self, row_id: str) -> str:
-        fraction = self.config.eval_split_fraction
-        if self.result.name != "train" or not fraction:
-            return self.result.name
         keyed = _hash64(f"{self.config.data_seed}:{row_id}")
-        return self.config.eval_split_name if keyed < fraction * 2**64 else "train"
+        return self.config.eval_split_name if keyed < self.config.eval_split_fraction * 2**64 else "train"  # type: ignore[operator]
+
+
+@dataclass
+class _Rows:
+    """A batch's kept rows: mapped rows, their stored prompt texts and (once counted) token counts, in order."""
+
+    prepared: list[Prepared] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    tokens: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.prepared)
+
+    def where(self, mask: Iterable[bool] | None) -> _Rows:
+        """The rows where `mask` is true (all of them for None)."""
+        if mask is None:
+            return self
+        tokens = None if self.tokens is None else list(compress(self.tokens, mask))
+        return _Rows(list(compress(self.prepared, mask)), list(compress(self.texts, mask)), tokens)
+
+    def take(self, indices: list[int]) -> _Rows:
+        tokens = None if self.tokens is None else [self.tokens[i] for i in indices]
+        return _Rows([self.prepared[i] for i in indices], [self.texts[i] for i in indices], tokens)
+
+    def columns(self) -> dict[str, list[Any]]:
+        _, labels, metadata, tools, row_ids = (list(column) for column in zip(*self.prepared, strict=True))
+        if tools.count(None) != len(tools):
+            tools = [None if t is None else orjson.dumps(t).decode() for t in tools]
+        return {"row_id": row_ids, "prompt": self.texts, "label": labels, "metadata": metadata, "tools": tools,
+                "prompt_tokens": self.tokens if self.tokens is not None else [None] * len(self.texts)}
+
+
+def _write_parts(parts: list[tuple[DatasetWriter, dict[str, list[Any]]]], prompt_format: str) -> None:
+    for writer, columns in parts:
+        writer.write(columns, prompt_format)
 
 
 def _hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
-
-
-def _columns(rows: list[tuple[Prepared, str, int | None]]) -> dict[str, list[Any]]:
-    return {
-        "row_id": [p.row_id for p, _, _ in rows],
-        "prompt": [t for _, t, _ in rows],
-        "label": [p.label for p, _, _ in rows],
-        "metadata": [p.metadata for p, _, _ in rows],
-        "tools": [None if p.tools is None else orjson.dumps(p.tools).decode() for p, _, _ in rows],
-        "prompt_tokens": [n for _, _, n in rows],
-    }
 
 
 def _fail_if_empty(results: list[SetResult], quarantine: Quarantine) -> None:
