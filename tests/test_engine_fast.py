@@ -61,15 +61,15 @@ def test_native_logits_equal_transformers_through_joins_leaves_and_growth(model)
             logits = kv_batch.decode(forward, batch, [seq[-1] for seq in seqs])
 
 
-def test_refresh_picks_up_weights_changed_in_place(model):
-    forward = NativeForward(model)
+def test_weight_updates_reach_the_native_forward(model):
+    forward = NativeForward(model)  # built before the update: it reads the model's own tensors
     prompt = PROMPTS[2]
     with torch.inference_mode():
         before = plain_logits(model, prompt)
-        update = {name: tensor + 0.05 * torch.randn_like(tensor) for name, tensor in model.state_dict().items()
-                  if ".self_attn." in name or ".mlp." in name}
+        noise = torch.Generator().manual_seed(0)
+        update = {name: tensor + 0.05 * torch.randn(tensor.shape, generator=noise)
+                  for name, tensor in model.state_dict().items() if ".self_attn." in name or ".mlp." in name}
         apply_update(model, update)
-        forward.refresh()
         _, after = kv_batch.prefill(forward, [prompt], CPU)
         expected = plain_logits(model, prompt)
     assert (expected - before).abs().max() > 1e-2, "the update must change the model's outputs"

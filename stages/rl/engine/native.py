@@ -1,8 +1,8 @@
 """The engine's forward pass: a native one for the decoder families it knows, transformers' model for the rest.
 
-`NativeForward` runs transformers' arithmetic straight on the model's own parameters (read from the loaded
-model, so weight updates reach it; the fused q/k/v and gate/up copies it keeps are rebuilt by `refresh`): no
-per-call mask or rotary construction (one boolean mask shared by every layer, cos/sin from a precomputed
+`NativeForward` runs transformers' arithmetic straight on the model's own parameter tensors (so weight
+updates, which copy into them in place, reach it; nothing is fused: fused copies would double the memory of
+most weights for no gain measured on CPU): no per-call mask or rotary construction (one boolean mask shared by every layer, cos/sin from a precomputed
 table), no module dispatch, lm_head on the last position only, and decode attention with each key/value
 head's query heads as its query rows (half the attention blocks of enable_gqa on CPU). On the benchmark's
 tiny Llama it takes ~10% off the engine's CPU time; most of a decode step is reading the KV cache.
@@ -99,29 +99,29 @@ def select_forward(model: PreTrainedModel) -> ModelForward:
     return HFForward(model)
 
 
+_Linear = tuple[torch.Tensor, torch.Tensor | None]
+"""A linear layer's weight and bias (None: no bias)."""
+
+
 @dataclass(frozen=True)
 class _Layer:
-    """One decoder layer's tensors; qkv and gate_up are fused copies, the rest the model's own tensors."""
+    """One decoder layer's parameters: the model's own tensors, which weight updates change in place."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
+    q: _Linear
+    k: _Linear
+    v: _Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o_proj: torch.Tensor
-    o_bias: torch.Tensor | None
+    o: _Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate: _Linear
+    up: _Linear
+    down: _Linear
 
 
-def _fused_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
-    if all(lin.bias is None for lin in linears):
-        return None
-    return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
-                      for lin in linears])
+def _linear(module: torch.nn.Linear) -> _Linear:
+    return module.weight, module.bias
 
 
 def _layer(block: torch.nn.Module) -> _Layer:
@@ -129,15 +129,12 @@ def _layer(block: torch.nn.Module) -> _Layer:
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     return _Layer(
         input_norm=block.input_layernorm.weight,
-        qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
-        qkv_bias=_fused_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+        q=_linear(attn.q_proj), k=_linear(attn.k_proj), v=_linear(attn.v_proj),
         q_norm=q_norm.weight if q_norm is not None else None,
         k_norm=k_norm.weight if k_norm is not None else None,
-        o_proj=attn.o_proj.weight, o_bias=attn.o_proj.bias,
+        o=_linear(attn.o_proj),
         post_norm=block.post_attention_layernorm.weight,
-        gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
-        gate_up_bias=_fused_bias(mlp.gate_proj, mlp.up_proj),
-        down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias,
+        gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down=_linear(mlp.down_proj),
     )
 
 
@@ -158,9 +155,9 @@ class NativeForward:
         self.refresh()
 
     def refresh(self) -> None:
-        """Rebuild the fused q/k/v and gate/up copies from the model's current parameters."""
-        with torch.no_grad():
-            self.layers = [_layer(block) for block in self.model.model.layers]
+        """Re-read the parameters from the model (updates copy in place, so this matters only if they were
+        replaced, e.g. by `load_state_dict(assign=True)`)."""
+        self.layers = [_layer(block) for block in self.model.model.layers]
 
     def __call__(self, ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
                  cache: Cache) -> torch.Tensor:
@@ -171,8 +168,7 @@ class NativeForward:
         for layer, kv in zip(self.layers, cache.layers, strict=True):
             hidden = self._attention(hidden, layer, kv, mask, cos, sin)
             x = _rms_norm(hidden, layer.post_norm, self.eps)
-            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            hidden = hidden + F.linear(F.silu(F.linear(x, *layer.gate)) * F.linear(x, *layer.up), *layer.down)
         last = _rms_norm(hidden[:, -1], self.model.model.norm.weight, self.eps)
         return F.linear(last, self.model.lm_head.weight, getattr(self.model.lm_head, "bias", None))
 
@@ -181,24 +177,23 @@ class NativeForward:
         batch, new, _ = hidden.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         x = _rms_norm(hidden, layer.input_norm, self.eps)
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias).view(batch, new, heads + 2 * kv_heads, dim)
+        q = F.linear(x, *layer.q).view(batch, new, heads, dim)
+        k = F.linear(x, *layer.k).view(batch, new, kv_heads, dim)
+        v = F.linear(x, *layer.v).view(batch, new, kv_heads, dim)
         if self.qk_norm:
-            q = _rope(_rms_norm(qkv[:, :, :heads], layer.q_norm, self.eps), cos, sin)
-            k = _rope(_rms_norm(qkv[:, :, heads:heads + kv_heads], layer.k_norm, self.eps), cos, sin)
-        else:  # queries and keys rotate in one go
-            q, k = _rope(qkv[:, :, :heads + kv_heads], cos, sin).split([heads, kv_heads], dim=2)
-        v = qkv[:, :, heads + kv_heads:]
+            q, k = _rms_norm(q, layer.q_norm, self.eps), _rms_norm(k, layer.k_norm, self.eps)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         keys, values = kv.update(k.transpose(1, 2), v.transpose(1, 2))
         if new == 1:
             # One query per row: the query heads that share a key/value head go in as that head's query
             # positions ([B, kv_heads, group, D]), which CPU attention runs in half the blocks of enable_gqa.
             grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim)
             out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=dim ** -0.5)
-            return hidden + F.linear(out.reshape(batch, 1, heads * dim), layer.o_proj, layer.o_bias)
+            return hidden + F.linear(out.reshape(batch, 1, heads * dim), *layer.o)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                              scale=dim ** -0.5, enable_gqa=heads != kv_heads)
         out = out.transpose(1, 2).reshape(batch, new, heads * dim)
-        return hidden + F.linear(out, layer.o_proj, layer.o_bias)
+        return hidden + F.linear(out, *layer.o)
 
 
 def _rotary_table(model: PreTrainedModel, max_positions: int, head_dim: int) -> torch.Tensor:
