@@ -12,11 +12,10 @@ import hashlib
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import compress
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,8 @@ from slimeflow.io.storage import ArtifactRecord, Storage, join
 from slimeflow.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.preprocess.config import PreprocessConfig
-from slimeflow.stages.preprocess.rows import Prepared, RowError, RowMapper, is_empty
-from slimeflow.stages.preprocess.sources import Problem, SourceBatch, json_default, read_batches, resolve
+from slimeflow.stages.preprocess.prepare import PreparedBatch, Preparer, Rows, first_seen
+from slimeflow.stages.preprocess.sources import Problem, read_batches, resolve
 from slimeflow.stages.preprocess.tokens import PromptTokenizer, TokenStats
 from slimeflow.stages.preprocess.writer import SCHEMA, DatasetWriter, Deduper
 
@@ -127,12 +126,14 @@ def _process(name: str, inputs: tuple[list[str], list[str]], config: PreprocessC
         result.writers[output] = DatasetWriter(staging / _relative_dir(output, name) / PART, config.row_group_size, seed)
     with (ThreadPoolExecutor(max_workers=1, thread_name_prefix="preprocess-count") as pool,
           ThreadPoolExecutor(max_workers=1, thread_name_prefix="preprocess-write") as writer):
-        batcher = _Batcher(result, config, tokenizer, quarantine, pool, writer)
+        preparer, batcher = Preparer(config, tokenizer), _Batcher(result, config, tokenizer, quarantine, pool, writer)
         for uri in files:
             result.files.append(storage.sha256(uri))
             for batch in read_batches(uri, storage, config.read_batch_size):
-                batcher.process(batch)
+                batcher.process(preparer.prepare(batch))
         batcher.finish()
+    result.packed_columns.update(preparer.mapper.packed)
+    result.dropped_columns.update(preparer.mapper.dropped)
     for writer in result.writers.values():
         writer.close()
     return result
@@ -154,31 +155,35 @@ def _resolve(specs: list[str], storage: Storage) -> tuple[list[str], list[str]]:
 
 
 class _Batcher:
-    """Maps, renders, counts, filters and writes source batches, in order.
+    """Counts, filters and writes prepared batches, in order.
 
     A batch's tokens are counted on a worker thread (the Rust tokenizer releases the GIL) while the next batch is
-    read and mapped; `process` then filters the batch before it and hands it to the writer thread (parquet
-    encoding and compression release the GIL too), and `finish` the last one. So at most three batches are in
-    memory, and rows, quarantine entries and counts come out as if done one batch at a time.
+    prepared; `process` then filters the batch before it and hands it to the writer thread (parquet encoding and
+    compression release the GIL too), and `finish` the last one. So at most three batches are in memory, and
+    rows, quarantine entries and counts come out as if done one batch at a time.
     """
 
     def __init__(self, result: SetResult, config: PreprocessConfig, tokenizer: PromptTokenizer | None,
                  quarantine: Quarantine, pool: ThreadPoolExecutor, writer: ThreadPoolExecutor):
         self.result, self.config, self.tokenizer, self.quarantine = result, config, tokenizer, quarantine
-        self.mapper = RowMapper(config, packed=result.packed_columns, dropped=result.dropped_columns)
-        self.deduper = Deduper() if config.dedup else None
+        self.deduper = Deduper() if config.dedup and config.rollout_max_prompt_len is not None else None
         self.pool, self.writer = pool, writer
-        self._render = config.apply_chat_template and tokenizer is not None
-        self._pending: tuple[_Rows, Future[list[int]] | None] | None = None
+        self._pending: tuple[Rows, Future[list[int]] | None] | None = None
         self._writing: Future[None] | None = None
 
-    def process(self, batch: SourceBatch) -> None:
-        rows = self._prepared(batch)
-        if self.config.rollout_max_prompt_len is None:  # nothing is too long: dedup first, count only what is kept
-            rows = rows.where(self._first_seen(rows.texts))
-        counting = self._start_count(rows)
+    def process(self, batch: PreparedBatch) -> None:
+        counts = self.result.counts
+        counts["rows_in"] += batch.rows_in
+        if batch.empty:
+            counts["filtered.empty_prompt"] += batch.empty
+        for problem in batch.problems:
+            self._quarantine(problem)
+        if batch.duplicates is not None:
+            counts["filtered.duplicate_prompt"] += batch.duplicates
+        self.result.prompt_format = batch.prompt_format
+        counting = self._start_count(batch.rows)
         self._finish_pending()
-        self._pending = rows, counting
+        self._pending = batch.rows, counting
 
     def finish(self) -> None:
         """Filter and write the last batch; return once everything is written."""
@@ -197,59 +202,11 @@ class _Batcher:
             rows.tokens = counting.result()
         self._write(self._filter(rows))
 
-    def _prepared(self, batch: SourceBatch) -> _Rows:
-        """The batch's usable rows with their stored prompt text; empty prompts counted, bad rows quarantined."""
-        counts = self.result.counts
-        counts["rows_in"] += len(batch)
-        problems = list(batch.problems)
-        rows = _Rows()
-        prepared, texts, empty = rows.prepared, rows.texts, 0
-        map_row, plain = self.mapper.map, not self._render
-        for position, row in batch.rows:
-            try:
-                mapped = map_row(row)
-                prompt = mapped.prompt
-                if plain and type(prompt) is str and self.result.prompt_format == "text":  # the common case, inline
-                    if not prompt.strip():
-                        empty += 1
-                        continue
-                    text = prompt
-                elif is_empty(prompt):
-                    empty += 1
-                    continue
-                else:
-                    text = self._text(mapped)
-                prepared.append(mapped)
-                texts.append(text)
-            except RowError as err:
-                raw = orjson.dumps(row, default=json_default, option=orjson.OPT_NON_STR_KEYS).decode()
-                problems.append(Problem(batch.file, position, batch.unit, err.reason, str(err), raw[:2000]))
-        if empty:
-            counts["filtered.empty_prompt"] += empty
-        for problem in sorted(problems, key=lambda p: p.position):  # file order, so --strict names the first
-            self._quarantine(problem)
-        return rows
-
     def _quarantine(self, problem: Problem) -> None:
         self.result.counts[f"quarantined.{problem.reason}"] += 1
         self.quarantine.add(self.result.name, problem)
 
-    def _text(self, prepared: Prepared) -> str:
-        """The prompt as stored: rendered text, the string itself, or the messages' JSON (one format per set)."""
-        if self._render:
-            text, fmt = self.tokenizer.render(prepared.prompt, prepared.tools), "text"  # type: ignore[union-attr]
-        elif isinstance(prepared.prompt, str):
-            text, fmt = prepared.prompt, "text"
-        else:
-            text, fmt = orjson.dumps(prepared.prompt).decode(), "messages"
-        if self.result.prompt_format is None:
-            self.result.prompt_format = fmt
-        elif fmt != self.result.prompt_format:
-            raise RowError("mixed_prompt_format", f"a {fmt} prompt in a set whose prompts are "
-                           f"{self.result.prompt_format}; use one kind, or --apply-chat-template to render both")
-        return text
-
-    def _filter(self, rows: _Rows) -> _Rows:
+    def _filter(self, rows: Rows) -> Rows:
         limit = self.config.rollout_max_prompt_len
         if limit is None:  # deduplicated before counting
             return rows
@@ -258,15 +215,12 @@ class _Batcher:
         return kept.where(self._first_seen(kept.texts))  # a too-long prompt counts as too long, not as a duplicate
 
     def _first_seen(self, texts: list[str]) -> np.ndarray | None:
-        """A mask of the prompts not seen before (None: all, without dedup); the others are counted as duplicates."""
-        if self.deduper is None or not texts:
-            return None
-        digests = b"".join([hashlib.blake2b(t.encode(), digest_size=8).digest() for t in texts])  # _hash64, batched
-        mask = self.deduper.first_seen(np.frombuffer(digests, dtype="<u8"))
-        self.result.counts["filtered.duplicate_prompt"] += int(len(texts) - mask.sum())
+        mask = first_seen(self.deduper, texts)
+        if mask is not None:
+            self.result.counts["filtered.duplicate_prompt"] += int(len(mask) - mask.sum())
         return mask
 
-    def _start_count(self, rows: _Rows) -> Future[list[int]] | None:
+    def _start_count(self, rows: Rows) -> Future[list[int]] | None:
         """Token counts of the rows' prompts, counted on the worker thread; None without a tokenizer."""
         if self.tokenizer is None:
             return None
@@ -279,7 +233,7 @@ class _Batcher:
             texts = rows.texts
         return self.pool.submit(self.tokenizer.count, texts)
 
-    def _write(self, rows: _Rows) -> None:
+    def _write(self, rows: Rows) -> None:
         if not rows.prepared:
             return
         self.result.counts["rows_out"] += len(rows)
@@ -301,36 +255,6 @@ class _Batcher:
     def _destination(self, row_id: str) -> str:
         keyed = _hash64(f"{self.config.data_seed}:{row_id}")
         return self.config.eval_split_name if keyed < self.config.eval_split_fraction * 2**64 else "train"  # type: ignore[operator]
-
-
-@dataclass
-class _Rows:
-    """A batch's kept rows: mapped rows, their stored prompt texts and (once counted) token counts, in order."""
-
-    prepared: list[Prepared] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    tokens: list[int] | None = None
-
-    def __len__(self) -> int:
-        return len(self.prepared)
-
-    def where(self, mask: Iterable[bool] | None) -> _Rows:
-        """The rows where `mask` is true (all of them for None)."""
-        if mask is None:
-            return self
-        tokens = None if self.tokens is None else list(compress(self.tokens, mask))
-        return _Rows(list(compress(self.prepared, mask)), list(compress(self.texts, mask)), tokens)
-
-    def take(self, indices: list[int]) -> _Rows:
-        tokens = None if self.tokens is None else [self.tokens[i] for i in indices]
-        return _Rows([self.prepared[i] for i in indices], [self.texts[i] for i in indices], tokens)
-
-    def columns(self) -> dict[str, list[Any]]:
-        _, labels, metadata, tools, row_ids = (list(column) for column in zip(*self.prepared, strict=True))
-        if tools.count(None) != len(tools):
-            tools = [None if t is None else orjson.dumps(t).decode() for t in tools]
-        return {"row_id": row_ids, "prompt": self.texts, "label": labels, "metadata": metadata, "tools": tools,
-                "prompt_tokens": self.tokens if self.tokens is not None else [None] * len(self.texts)}
 
 
 def _write_parts(parts: list[tuple[DatasetWriter, dict[str, list[Any]]]], prompt_format: str) -> None:
