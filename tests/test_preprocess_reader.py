@@ -109,3 +109,18 @@ def test_the_pipeline_renders_with_the_model_stage_tokenizer(prefect_harness, tm
     assert manifests["preprocess"]["config"]["hf_checkpoint"] == checkpoint
     prompts = [d["prompt"] for d in PromptDataset(manifests["preprocess"]["outputs"]["train"])]
     assert all(p.startswith("<|im_start|>system\nReason step by step.") for p in prompts) and len(prompts) == 4
+
+
+def test_jsonl_lines_longer_than_a_read_chunk_and_an_unterminated_last_line(tmp_path):
+    from slimeflow.stages.preprocess.sources import READ_CHUNK
+
+    long = "y" * (READ_CHUNK + READ_CHUNK // 2)  # crosses two chunk boundaries
+    source = tmp_path / "a.jsonl"
+    source.write_bytes(b"\n".join([json.dumps({"input": "a"}).encode(), b"", json.dumps({"input": long}).encode(),
+                                   b'{"input": "cut', json.dumps({"input": "b"}).encode(), b'{"input": "end']))
+    manifest = run_stage(tmp_path, input=[str(source)])
+
+    assert [d["prompt"] for d in PromptDataset(manifest.outputs["train"])] == ["a", long, "b"]
+    records = [json.loads(line) for line in (tmp_path / "out" / "quarantine.jsonl").read_text().splitlines()]
+    assert [(r["line"], r["reason"], r["raw"]) for r in records] == [
+        (4, "malformed_json", '{"input": "cut\n'), (6, "malformed_json", '{"input": "end')]

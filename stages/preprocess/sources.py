@@ -30,6 +30,8 @@ from slimeflow.stages.base import StageInputError
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 RAW_LIMIT = 2000
 """Characters of a bad row kept in the quarantine."""
+READ_CHUNK = 1 << 20
+"""Bytes read at a time from a plain JSONL file."""
 
 
 @dataclass(frozen=True)
@@ -151,17 +153,47 @@ def _open(uri: str, storage: Storage) -> Iterator[BinaryIO]:
 
 
 def _read_jsonl(uri: str, storage: Storage) -> Iterator[Item]:
-    """Blank lines are not rows. A line that does not parse to an object is classified by _parse_json_line."""
+    """Blank lines are not rows. A line that does not parse to an object is classified by _parse_json_line, as
+    read (with its newline)."""
     loads, malformed = orjson.loads, orjson.JSONDecodeError
     with _open(uri, storage) as stream:
-        for number, line in enumerate(stream, start=1):
-            try:
-                value = loads(line)
-            except malformed:
-                if line.strip():
-                    yield _parse_json_line(number, line)
-                continue
-            yield (number, value) if type(value) is dict else _parse_json_line(number, line)
+        number = 0
+        for lines, terminated in _line_blocks(stream, uri.lower().endswith(".gz")):
+            for line in lines:
+                number += 1
+                try:
+                    value = loads(line)
+                except malformed:
+                    if line.strip():
+                        yield _parse_json_line(number, line + b"\n" if terminated else line)
+                    continue
+                if type(value) is dict:
+                    yield number, value
+                else:
+                    yield _parse_json_line(number, line + b"\n" if terminated else line)
+
+
+def _line_blocks(stream: BinaryIO, compressed: bool) -> Iterator[tuple[list[bytes], bool]]:
+    """The stream's lines without their newline, in blocks, each with whether its lines had one (only the last
+    line may not). Plain files are split a chunk at a time (a file object's readline is a Python call per line);
+    a compressed stream line by line, so a corrupt one still gives every line before the damage."""
+    if compressed:
+        for line in stream:
+            yield ([line[:-1]], True) if line.endswith(b"\n") else ([line], False)
+        return
+    pending: list[bytes] = []  # the start of a line that runs past the chunks read so far
+    while chunk := stream.read(READ_CHUNK):
+        lines = chunk.split(b"\n")
+        if len(lines) == 1:
+            pending.append(chunk)
+            continue
+        if pending:
+            lines[0] = b"".join([*pending, lines[0]])
+        pending = [lines.pop()]
+        yield lines, True
+    tail = b"".join(pending)
+    if tail:
+        yield [tail], False
 
 
 def _parse_json_line(number: int, line: bytes) -> Item:
