@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,6 +184,7 @@ class Coalescer:
     def __init__(self, client: EngineClient):
         self.client = client
         self.waiting: dict[bool, list[_Part]] = {}
+        self.sending: set[asyncio.Task] = set()  # referenced until done (the loop keeps only weak references)
 
     async def generate_batch(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]], *,
                              return_logprob: bool = True, rids: list[str] | None = None) -> list[dict[str, Any]]:
@@ -190,12 +192,16 @@ class Coalescer:
         part = _Part(list(input_ids), list(sampling_params), None if rids is None else list(rids), loop.create_future())
         if return_logprob not in self.waiting:
             self.waiting[return_logprob] = []
-            loop.call_soon(lambda: loop.create_task(self._send(return_logprob)))  # after this turn's other calls
+            loop.call_soon(self._start_sending, return_logprob)  # after this turn's other calls
         self.waiting[return_logprob].append(part)
         return await part.answer
 
-    async def _send(self, return_logprob: bool) -> None:
-        parts = self.waiting.pop(return_logprob)
+    def _start_sending(self, return_logprob: bool) -> None:
+        task = asyncio.get_running_loop().create_task(self._send(self.waiting.pop(return_logprob), return_logprob))
+        self.sending.add(task)
+        task.add_done_callback(self.sending.discard)
+
+    async def _send(self, parts: list[_Part], return_logprob: bool) -> None:
         try:
             outs = await self._request(parts, return_logprob)
         except EngineRequestError as err:
@@ -204,7 +210,11 @@ class Coalescer:
                 return
             await asyncio.gather(*(self._send_alone(part, return_logprob) for part in parts))
             return
-        except BaseException as err:  # every caller sees the failure, as with a request of its own
+        except asyncio.CancelledError:
+            for part in parts:
+                part.answer.cancel()
+            raise
+        except Exception as err:  # every caller sees the failure, as with a request of its own
             _fail(parts, err)
             return
         start = 0
@@ -216,18 +226,20 @@ class Coalescer:
     async def _send_alone(self, part: _Part, return_logprob: bool) -> None:
         try:
             outs = await self._request([part], return_logprob)
-        except BaseException as err:
+        except Exception as err:
             _fail([part], err)
         else:
             if not part.answer.done():
                 part.answer.set_result(outs)
 
     async def _request(self, parts: list[_Part], return_logprob: bool) -> list[dict[str, Any]]:
-        named = all(part.rids is not None for part in parts)
-        return await self.client.generate_batch(
-            [ids for part in parts for ids in part.input_ids],
-            [params for part in parts for params in part.sampling_params], return_logprob=return_logprob,
-            rids=[rid for part in parts for rid in part.rids] if named else None)  # type: ignore[union-attr]
+        input_ids = [ids for part in parts for ids in part.input_ids]
+        outs = await self.client.generate_batch(
+            input_ids, [params for part in parts for params in part.sampling_params], return_logprob=return_logprob,
+            rids=[rid for part in parts for rid in part.rids or [f"batched-{uuid.uuid4().hex}" for _ in part.input_ids]])
+        if len(outs) != len(input_ids):
+            raise RuntimeError(f"the engine answered {len(outs)} of {len(input_ids)} prompts of a batched /generate")
+        return outs
 
 
 def _fail(parts: list[_Part], err: BaseException) -> None:
