@@ -120,7 +120,10 @@ def run_slimeflow(args, hf: str, train: str, held_out: str, workdir: Path) -> Si
             result = tail_rollouts(args, proc, log, started)
         finally:
             stop_group(proc)
-    result.notes.insert(0, f"1-min load average at start {load:.2f}, at end {os.getloadavg()[0]:.2f}")
+    from slimeflow.stages.rl.placement import cpu_threads
+
+    result.notes.insert(0, f"1-min load average at start {load:.2f}, at end {os.getloadavg()[0]:.2f}; "
+                           f"torch threads: trainer {cpu_threads(1)}, engine {cpu_threads(1)}")
     return result
 
 
@@ -225,7 +228,8 @@ def run_trl(args, hf: str, workdir: Path) -> SideResult:
                           processing_class=tokenizer, callbacks=[callback])
     callback.result = SideResult("TRL", startup_s=time.perf_counter() - started)
     trainer.train()
-    callback.result.notes.append(f"1-min load average at start {load:.2f}, at end {os.getloadavg()[0]:.2f}")
+    callback.result.notes.append(f"1-min load average at start {load:.2f}, at end {os.getloadavg()[0]:.2f}; "
+                                 f"torch threads {torch.get_num_threads()} (OMP_NUM_THREADS sets them)")
     return callback.result
 
 
