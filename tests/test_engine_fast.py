@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -110,3 +111,54 @@ def test_batcher_logprobs_match_and_seeds_reproduce_whatever_shares_the_batch(mo
     start = len(PROMPTS[0]) - 1
     expected = logp[torch.arange(start, start + len(alone.output_ids)), torch.tensor(alone.output_ids)]
     torch.testing.assert_close(torch.tensor(alone.output_logprobs), expected, atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return load_model(build_tiny_model(tmp_path_factory.mktemp("llama") / "tiny", SPECS["llama"]), device="cpu")
+
+
+def _timed_results(batcher: Batcher, prompts: list[list[int]], gap_s: float = 0.0) -> tuple[float, list]:
+    """Submit one 1-token request per prompt, `gap_s` apart; seconds until the last result, and the results."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=1)
+    start, futures = time.monotonic(), []
+    for i, prompt in enumerate(prompts):
+        if i and gap_s:
+            time.sleep(gap_s)
+        futures.append(batcher.submit(GenerateRequest(rid=str(i), input_ids=prompt, params=params)))
+    results = [f.result(timeout=60) for f in futures]
+    return time.monotonic() - start, results
+
+
+@pytest.mark.parametrize("window_s", [0.0, 0.3])
+def test_a_lone_request_waits_at_most_the_admission_window(llama, window_s):
+    batcher = Batcher(llama, max_batch_size=8, admission_window_s=window_s)
+    batcher.start()
+    try:
+        _timed_results(batcher, [PROMPTS[0]])  # warm-up: the first forward pass pays one-off costs
+        seconds, results = _timed_results(batcher, [PROMPTS[0]])
+    finally:
+        batcher.stop()
+    assert results[0].output_ids
+    assert window_s <= seconds < window_s + 0.25  # the window, plus one small forward pass on a busy CPU
+
+
+def test_requests_arriving_within_the_window_share_one_prefill_round(llama):
+    batcher = Batcher(llama, max_batch_size=8, admission_window_s=0.5)
+    batcher.start()
+    try:
+        _, results = _timed_results(batcher, PROMPTS, gap_s=0.02)
+        assert batcher.admission_rounds == 1
+        assert [r.rid for r in results] == ["0", "1", "2"]
+    finally:
+        batcher.stop()
+
+
+def test_requests_that_fill_the_batch_are_admitted_without_waiting(llama):
+    batcher = Batcher(llama, max_batch_size=3, admission_window_s=5.0)
+    batcher.start()
+    try:
+        seconds, _ = _timed_results(batcher, PROMPTS)
+    finally:
+        batcher.stop()
+    assert seconds < 2.0 and batcher.admission_rounds == 1

@@ -2,7 +2,13 @@
 
 Each loop turn: run the commands that arrived (new requests, aborts, pause, weight updates), prefill the
 waiting requests that fit under `max_batch_size` and merge them into the running batch, decode one token for
-every running sequence, and retire the finished ones. Weight updates run between decode steps; the sequences
+every running sequence, and retire the finished ones.
+
+Requests that arrive together over HTTP reach the scheduler spread over tens of milliseconds (64 fresh
+connections: 10-30 ms on a busy CPU). Admitting whatever has arrived splits them into several prefill rounds,
+each merged into the batch with a copy of its cache. So waiting requests are admitted once they fill the batch
+or the oldest has waited `admission_window_s` (TGI's max-waiting-tokens plays the same part); the running
+batch keeps decoding meanwhile, and no request waits longer than the window for a free slot. Weight updates run between decode steps; the sequences
 running at that moment are finished with `abort` (their partial output returned), so no response mixes two
 weight versions. Requests still queued are not aborted: they start later, on the new weights.
 """
@@ -14,6 +20,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -27,6 +34,10 @@ from slimeflow.stages.rl.engine.sampling import SamplingParams, sample_rows
 from slimeflow.stages.rl.engine.weights import LoadedModel, apply_update, check_update
 
 log = logging.getLogger(__name__)
+
+ADMISSION_WINDOW_S = 0.02
+"""How long a waiting request may be held for others to join its prefill round, unless the batch fills first:
+two decode steps of the benchmark's batch of 64, ~1% of its 128-token responses."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,7 @@ class _Sequence:
     request: GenerateRequest
     future: Future
     generator: random.Random  # this request's uniforms: one per sampled token, whatever shares the batch
+    arrived: float  # time.monotonic() at submit
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict[str, Any] | None = None
@@ -69,9 +81,13 @@ class Batcher:
     """The scheduler thread and its queue; all public methods are thread-safe and return futures."""
 
     def __init__(self, loaded: LoadedModel, *, max_batch_size: int = 64, weight_version: str = "default",
-                 seed: int = 0) -> None:
+                 seed: int = 0, admission_window_s: float = ADMISSION_WINDOW_S) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if admission_window_s < 0:
+            raise ValueError(f"admission_window_s must be >= 0, got {admission_window_s}")
+        self._admission_window_s = admission_window_s
+        self.admission_rounds = 0  # prefill rounds so far (each merges its requests into the running batch)
         self._loaded = loaded
         self._forward = select_forward(loaded.model)
         self._max_batch_size = max_batch_size
@@ -117,11 +133,12 @@ class Batcher:
     def submit(self, request: GenerateRequest) -> Future:
         """Queue a request; the future resolves to its GenerateResult."""
         result: Future = Future()
+        arrived = time.monotonic()
 
         def enqueue() -> None:
             seed = request.params.sampling_seed
             generator = random.Random(seed if seed is not None else self._seeds.getrandbits(63))
-            self._waiting.append(_Sequence(request=request, future=result, generator=generator))
+            self._waiting.append(_Sequence(request=request, future=result, generator=generator, arrived=arrived))
 
         self._call(enqueue).add_done_callback(lambda f: f.exception() and result.set_exception(f.exception()))
         return result
@@ -160,8 +177,7 @@ class Batcher:
     def _loop(self) -> None:
         with torch.inference_mode():
             while not self._stopping.is_set():
-                idle = not self._running and (self._paused or not self._waiting)
-                self._run_commands(block=idle)
+                self._run_commands(wait_s=self._idle_wait_s())
                 if self._paused:
                     continue
                 try:
@@ -174,10 +190,24 @@ class Batcher:
                         seq.future.set_exception(RuntimeError(f"engine step failed: {err!r}"))
                     self._running, self._kv = [], None
 
-    def _run_commands(self, block: bool) -> None:
+    def _idle_wait_s(self) -> float:
+        """How long to wait for a command before this turn: 0 while decoding, the rest of the admission window
+        while only held requests wait, else a short wait (so that stop() is noticed without a wake-up)."""
+        if self._running and not self._paused:
+            return 0.0
+        if self._waiting and not self._paused:
+            return max(0.0, self._admission_due() - time.monotonic())
+        return 0.2
+
+    def _admission_due(self) -> float:
+        """When the waiting requests must be admitted (now if they fill the batch's free slots)."""
+        if len(self._waiting) >= self._max_batch_size - len(self._running):
+            return 0.0
+        return self._waiting[0].arrived + self._admission_window_s
+
+    def _run_commands(self, wait_s: float) -> None:
         try:
-            # A short wait while idle, so that stop() is noticed without a wake-up message.
-            item = self._inbox.get(timeout=0.2) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=wait_s) if wait_s > 0 else self._inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -193,6 +223,9 @@ class Batcher:
 
     def _admit(self) -> None:
         room = self._max_batch_size - len(self._running)
+        if not self._waiting or room == 0 or time.monotonic() < self._admission_due():
+            return
+        self.admission_rounds += 1
         newcomers = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
         for seq in [s for s in newcomers if s.request.params.max_new_tokens == 0]:
             self._finish(seq, {"type": "length", "length": 0})

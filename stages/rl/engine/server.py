@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -21,14 +20,15 @@ import threading
 import time
 from dataclasses import dataclass
 
+import orjson
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
+from slimeflow.stages.rl.engine.batcher import ADMISSION_WINDOW_S, Batcher, GenerateRequest
 from slimeflow.stages.rl.engine.protocol import parse_generate, to_response
 from slimeflow.stages.rl.engine.sampling import BadRequestError, SamplingParams
 from slimeflow.stages.rl.engine.weights import LoadedModel, load_model, read_checkpoint
@@ -72,7 +72,9 @@ def create_app(state: EngineState) -> FastAPI:
         results = await asyncio.gather(*(asyncio.wrap_future(state.batcher.submit(r)) for r in requests))
         logprob = bool(body.get("return_logprob", False))
         responses = [to_response(r, return_logprob=logprob) for r in results]
-        return responses if is_batch else responses[0]
+        # Serialised directly: FastAPI's default walks every item through jsonable_encoder first, ~0.6 ms for one
+        # 128-token response with logprobs against ~5 us here, and 64 responses all finish on the same step.
+        return Response(orjson.dumps(responses if is_batch else responses[0]), media_type="application/json")
 
     @app.get("/health")
     async def health():
@@ -165,8 +167,8 @@ def _error(status: int, message: str) -> JSONResponse:
 async def _json(request: Request) -> dict:
     raw = await request.body()
     try:
-        body = json.loads(raw) if raw else {}
-    except json.JSONDecodeError as err:
+        body = orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError as err:
         raise BadRequestError(f"the request body is not valid JSON ({err}); send a JSON object") from None
     if not isinstance(body, dict):
         raise BadRequestError("the request body must be a JSON object")
@@ -196,6 +198,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together")
+    parser.add_argument("--admission-window-ms", type=float, default=ADMISSION_WINDOW_S * 1000,
+                        help="longest a request waits for others to share its prefill round, unless the batch "
+                             "fills first (0: admit each request as soon as the scheduler sees it)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--weight-version", default="default")
@@ -211,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.num_threads)
     loaded = load_model(args.model_path, dtype=args.dtype)
     batcher = Batcher(loaded, max_batch_size=args.max_batch_size, weight_version=args.weight_version,
-                      seed=args.seed)
+                      seed=args.seed, admission_window_s=args.admission_window_ms / 1000)
     state = EngineState(loaded=loaded, batcher=batcher, model_path=args.model_path, dtype=args.dtype,
                         max_batch_size=args.max_batch_size)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port,
