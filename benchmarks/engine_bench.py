@@ -9,7 +9,9 @@ workloads:
   batch runs until its longest row; only the tokens each request asked for are counted for both.
 
 The engine runs as a subprocess reached over HTTP (its time includes HTTP and JSON), and again in this process
-(its Batcher driven directly), so the HTTP share is visible; every side uses --threads torch threads.
+(its Batcher driven directly), so the HTTP share is visible; every side uses --threads torch threads. The HTTP
+rows send 64 concurrent requests on fresh connections, as 64 users would; one more row sends SGLang's batch form
+(one /generate carrying every prompt, as slimeflow's rollout sends a group), for information.
 
 On a shared machine one run of each side moves with the load, so each side runs --repeats times, interleaved,
 and the rows give each side's best run; the CPU-time row (this process's CPU seconds: the in-process engine
@@ -79,6 +81,17 @@ async def engine_run(url: str, prompts: list[list[int]], lengths: list[int]) -> 
     return seconds, sum(r["meta_info"]["completion_tokens"] for r in responses)
 
 
+async def engine_batch_run(url: str, prompts: list[list[int]], lengths: list[int]) -> tuple[float, int]:
+    """Seconds and generated tokens for the same requests sent as one batched /generate."""
+    async with EngineClient(url, timeout_s=600) as client:
+        start = time.perf_counter()
+        responses = await client.generate_batch(prompts, [
+            {"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True, "sampling_seed": i}
+            for i, n in enumerate(lengths)])
+        seconds = time.perf_counter() - start
+    return seconds, sum(r["meta_info"]["completion_tokens"] for r in responses)
+
+
 def in_process_run(loaded: LoadedModel, prompts: list[list[int]], lengths: list[int]) -> tuple[float, int]:
     """Seconds and generated tokens for the same requests submitted straight to a Batcher (no HTTP, no JSON)."""
     batcher = Batcher(loaded, max_batch_size=len(prompts))
@@ -125,23 +138,27 @@ def report(args, model, pad: int, engines: tuple[str, LoadedModel], prompts: lis
     n, max_new = len(prompts), args.max_new_tokens
     rows = [f"model: tiny llama hidden 256, 4 layers, fp32, CPU, {args.threads} torch thread(s); "
             f"{n} requests, prompts 16-64 tokens, temperature 1; best of {args.repeats} interleaved runs per side"]
-    http, local, batch = _best_runs(args.repeats, engines, model, pad, prompts, [max_new] * n, max_new)
+    http, one_post, local, batch = _best_runs(args.repeats, engines, model, pad, prompts, [max_new] * n, max_new)
     single = prompts[: args.one_by_one]
     single_s = sum(hf_batch(model, [p], max_new, pad) for p in single)
     batch_tps, single_tps = n * max_new / batch.wall_s, len(single) * max_new / single_s
     http_tps, local_tps = http.tokens / http.wall_s, local.tokens / local.wall_s
+    post_tps = one_post.tokens / one_post.wall_s
     rows += [f"equal lengths ({max_new} new tokens each):",
              f"  engine, {n} concurrent over HTTP : {http_tps:8.0f} tok/s  engine/batch = {http_tps / batch_tps:.2f}x",
+             f"  engine, one /generate of {n}     : {post_tps:8.0f} tok/s  engine/batch = {post_tps / batch_tps:.2f}x",
              f"  engine in process (no HTTP)     : {local_tps:8.0f} tok/s  engine/batch = {local_tps / batch_tps:.2f}x",
              f"  model.generate, batch of {n}     : {batch_tps:8.0f} tok/s ({batch.wall_s:.2f} s)",
              f"  model.generate, one by one ({len(single)}) : {single_tps:8.0f} tok/s  "
              f"engine/one-by-one = {http_tps / single_tps:.2f}x",
              _cpu_row(local, batch, n * max_new)]
-    http, local, batch = _best_runs(args.repeats, engines, model, pad, prompts, lengths, max(lengths))
+    http, one_post, local, batch = _best_runs(args.repeats, engines, model, pad, prompts, lengths, max(lengths))
     useful_tps = sum(lengths) / batch.wall_s
     http_tps, local_tps = http.tokens / http.wall_s, local.tokens / local.wall_s
+    post_tps = one_post.tokens / one_post.wall_s
     rows += [f"varied lengths (16..{max_new}, {sum(lengths)} tokens asked for; the static batch runs to the longest):",
              f"  engine over HTTP                : {http_tps:8.0f} tok/s  engine/batch = {http_tps / useful_tps:.2f}x",
+             f"  engine, one /generate of {n}     : {post_tps:8.0f} tok/s  engine/batch = {post_tps / useful_tps:.2f}x",
              f"  engine in process (no HTTP)     : {local_tps:8.0f} tok/s  engine/batch = {local_tps / useful_tps:.2f}x",
              f"  model.generate, batch of {n}     : {useful_tps:8.0f} useful tok/s ({batch.wall_s:.2f} s)",
              _cpu_row(local, batch, sum(lengths))]
@@ -165,11 +182,13 @@ def _timed(fn: Callable[[], tuple[float, int]]) -> Run:
 
 
 def _best_runs(repeats: int, engines: tuple[str, LoadedModel], model, pad: int, prompts: list[list[int]],
-               lengths: list[int], batch_new: int) -> tuple[Run, Run, Run]:
-    """The fastest of `repeats` runs of the engine over HTTP, in process and model.generate, interleaved."""
+               lengths: list[int], batch_new: int) -> tuple[Run, Run, Run, Run]:
+    """The fastest of `repeats` runs of the engine over HTTP (concurrent requests, then one batched request), in
+    process and model.generate, interleaved."""
     url, loaded = engines
     sides: dict[str, Callable[[], tuple[float, int]]] = {
         "http": lambda: asyncio.run(engine_run(url, prompts, lengths)),
+        "http_batch": lambda: asyncio.run(engine_batch_run(url, prompts, lengths)),
         "local": lambda: in_process_run(loaded, prompts, lengths),
         "batch": lambda: (hf_batch(model, prompts, batch_new, pad), len(prompts) * batch_new),
     }
@@ -177,8 +196,8 @@ def _best_runs(repeats: int, engines: tuple[str, LoadedModel], model, pad: int, 
     for _ in range(repeats):
         for side, fn in sides.items():
             runs[side].append(_timed(fn))
-    http, local, batch = (min(runs[side], key=lambda r: r.wall_s) for side in sides)
-    return http, local, batch
+    http, one_post, local, batch = (min(runs[side], key=lambda r: r.wall_s) for side in sides)
+    return http, one_post, local, batch
 
 
 def _cpu_row(local: Run, batch: Run, useful_tokens: int) -> str:
