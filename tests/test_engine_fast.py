@@ -162,3 +162,21 @@ def test_requests_that_fill_the_batch_are_admitted_without_waiting(llama):
     finally:
         batcher.stop()
     assert seconds < 2.0 and batcher.admission_rounds == 1
+
+
+def test_merging_several_batches_at_once_equals_merging_them_one_by_one(llama):
+    forward = select_forward(llama.model)
+    with torch.inference_mode():
+        parts = [kv_batch.prefill(forward, [p], CPU, headroom=headroom)[0]
+                 for p, headroom in zip(PROMPTS, [4, 9, 2], strict=True)]
+        at_once = kv_batch.merge(None, *parts)
+        parts = [kv_batch.prefill(forward, [p], CPU, headroom=headroom)[0]
+                 for p, headroom in zip(PROMPTS, [4, 9, 2], strict=True)]
+        chained = kv_batch.merge(kv_batch.merge(parts[0], parts[1]), parts[2])
+    assert (at_once.length, at_once.free) == (chained.length, chained.free)
+    torch.testing.assert_close(at_once.mask_buffer, chained.mask_buffer, rtol=0, atol=0)
+    torch.testing.assert_close(at_once.next_positions, chained.next_positions, rtol=0, atol=0)
+    for mine, theirs in zip(at_once.cache.layers, chained.cache.layers, strict=True):
+        torch.testing.assert_close(mine.keys[:, :, :mine.length], theirs.keys[:, :, :theirs.length], rtol=0, atol=0)
+        torch.testing.assert_close(mine.values[:, :, :mine.length], theirs.values[:, :, :theirs.length],
+                                   rtol=0, atol=0)

@@ -232,14 +232,16 @@ class Batcher:
         newcomers = [s for s in newcomers if s.finish is None]
         if not newcomers:
             return
+        batches = []
         for rows in kv_batch.prefill_groups([len(s.request.input_ids) for s in newcomers]):
             group = [newcomers[i] for i in rows]
             batch, logits = kv_batch.prefill(self._forward, [s.request.input_ids for s in group],
                                              self._loaded.device,
                                              headroom=max(s.request.params.max_new_tokens for s in group))
-            self._kv = kv_batch.merge(self._kv, batch)
+            batches.append(batch)
             self._running.extend(group)
             self._sample(group, logits)
+        self._kv = kv_batch.merge(self._kv, *batches)
         self._retire()
 
     def _step(self) -> None:

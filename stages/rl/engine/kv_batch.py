@@ -175,25 +175,30 @@ def _right_aligned(parts: list[tuple[torch.Tensor, int]], length: int, capacity:
     return out
 
 
-def merge(running: KVBatch | None, newcomers: KVBatch) -> KVBatch:
-    """The rows of `running` followed by those of `newcomers`, left-padded to a common length.
+def merge(running: KVBatch | None, *newcomers: KVBatch) -> KVBatch:
+    """The rows of `running` followed by those of each of `newcomers`, left-padded to a common length.
 
-    The free columns are the larger of the two, so both keep the room they reserved for their decode steps.
+    Every row is copied once, however many batches join (the prefill groups of one admission round join
+    together). The free columns are the largest of any part, so each keeps the room it reserved for its decode
+    steps.
     """
-    if running is None:
-        return newcomers
-    length = max(running.length, newcomers.length)
-    capacity = length + max(running.free, newcomers.free)
+    parts = [b for b in (running, *newcomers) if b is not None]
+    if len(parts) == 1:
+        return parts[0]
+    length = max(b.length for b in parts)
+    capacity = length + max(b.free for b in parts)
     layers = []
-    for old, new in zip(running.cache.layers, newcomers.cache.layers, strict=True):
+    lengths = [b.length for b in parts]
+    for part_layers in zip(*(b.cache.layers for b in parts), strict=True):
         # Cache tensors are [B, kv_heads, L, head_dim]: the sequence axis is 2.
-        keys = _right_aligned([(old.keys, running.length), (new.keys, newcomers.length)], length, capacity, 2)
-        values = _right_aligned([(old.values, running.length), (new.values, newcomers.length)], length, capacity, 2)
+        keys = _right_aligned([(layer.keys, n) for layer, n in zip(part_layers, lengths, strict=True)],
+                              length, capacity, 2)
+        values = _right_aligned([(layer.values, n) for layer, n in zip(part_layers, lengths, strict=True)],
+                                length, capacity, 2)
         layers.append(_filled_layer(keys, values, length))
-    mask = _right_aligned([(running.mask_buffer, running.length), (newcomers.mask_buffer, newcomers.length)],
-                          length, capacity, 1)
+    mask = _right_aligned([(b.mask_buffer, n) for b, n in zip(parts, lengths, strict=True)], length, capacity, 1)
     return KVBatch(cache=Cache(layers=layers), mask_buffer=mask, length=length,
-                   next_positions=torch.cat([running.next_positions, newcomers.next_positions]))
+                   next_positions=torch.cat([b.next_positions for b in parts]))
 
 
 def compaction_order(alive: list[bool]) -> list[int]:
