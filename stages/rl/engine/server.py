@@ -156,7 +156,8 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
         return {"model_path": state.model_path, "tokenizer_path": state.model_path, "is_generation": True,
                 "weight_version": state.batcher.weight_version, "requests_received": state.requests_received,
                 "max_batch_size": state.max_batch_size, "dtype": state.dtype,
-                "device": str(state.loaded.device), **state.batcher.load()}
+                "device": str(state.loaded.device), "admission_rounds": state.batcher.admission_rounds,
+                **state.batcher.load()}
 
 
 def _error(status: int, message: str) -> JSONResponse:
