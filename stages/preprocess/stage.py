@@ -125,8 +125,8 @@ def _process(name: str, inputs: tuple[list[str], list[str]], config: PreprocessC
     for output in outputs:
         result.writers[output] = DatasetWriter(staging / _relative_dir(output, name) / PART, config.row_group_size, seed)
     with (ThreadPoolExecutor(max_workers=1, thread_name_prefix="preprocess-count") as pool,
-          ThreadPoolExecutor(max_workers=1, thread_name_prefix="preprocess-write") as writer):
-        preparer, batcher = Preparer(config, tokenizer), _Batcher(result, config, tokenizer, quarantine, pool, writer)
+          ThreadPoolExecutor(max_workers=1, thread_name_prefix="preprocess-write") as writing):
+        preparer, batcher = Preparer(config, tokenizer), _Batcher(result, config, tokenizer, quarantine, pool, writing)
         for uri in files:
             result.files.append(storage.sha256(uri))
             for batch in read_batches(uri, storage, config.read_batch_size):

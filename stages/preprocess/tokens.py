@@ -17,6 +17,9 @@ from slimeflow.stages.base import StageInputError
 from slimeflow.stages.preprocess.rows import Prompt, RowError
 
 HISTOGRAM_EDGES = (0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+COUNT_CHUNK = 2048
+"""Texts encoded per tokenizer call: a call's encodings (every token's string and offsets) are freed before the
+next, so memory holds a few thousand prompts' encodings, not a batch's."""
 
 
 class PromptTokenizer:
@@ -54,9 +57,11 @@ class PromptTokenizer:
             raise RowError("chat_template_error", f"{type(err).__name__}: {err}") from None
 
     def count(self, texts: list[str]) -> list[int]:
-        """Token counts of `texts`, encoded in one batch by the Rust tokenizer (without offsets: only counts)."""
-        encodings = self.tokenizer.backend_tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-        return [len(e) for e in encodings]
+        """Token counts of `texts`, encoded COUNT_CHUNK at a time by the Rust tokenizer (without offsets)."""
+        encode, counts = self.tokenizer.backend_tokenizer.encode_batch_fast, []
+        for start in range(0, len(texts), COUNT_CHUNK):
+            counts += [len(e) for e in encode(texts[start : start + COUNT_CHUNK], add_special_tokens=False)]
+        return counts
 
 
 class TokenStats:
