@@ -131,6 +131,56 @@ def test_aggregations_with_zero_length_and_fully_masked_samples():
     close(alg.sum_of_token(VALUES, MASKS), 10.0)
 
 
+def ragged(seed: int, n: int = 40) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Random fp32 per-sample values (requiring grad) and 0/1 masks: lengths 0-9, some samples fully masked."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 10, (n,), generator=gen).tolist()
+    values = [torch.randn(k, generator=gen).requires_grad_() for k in lengths]
+    masks = [(torch.rand(k, generator=gen) > (0.3 if i % 5 else 1.0)).float() for i, k in enumerate(lengths)]
+    return values, masks
+
+
+def loop_sum_of_sample_mean(values, masks):
+    """The per-sample loop these aggregations replaced (slime's form), as the reference."""
+    total = torch.zeros(())
+    for v, m in zip(values, masks, strict=True):
+        total = total + (v * m).sum() / m.sum().clamp_min(1)
+    return total
+
+
+def loop_gspo_kl(log_probs, old_log_probs, masks):
+    return [(((old - lp) * m).sum() / m.sum().clamp_min(1)).expand_as(lp)
+            for lp, old, m in zip(log_probs, old_log_probs, masks, strict=True)]
+
+
+def grads_of(values, total):
+    return torch.autograd.grad(total, values, allow_unused=True, materialize_grads=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_vectorised_aggregations_equal_the_per_sample_loop(seed):
+    values, masks = ragged(seed)
+    expected = loop_sum_of_sample_mean(values, masks)
+    got = alg.sum_of_sample_mean(values, masks)
+    torch.testing.assert_close(got, expected)
+    for g, e in zip(grads_of(values, got), grads_of(values, expected), strict=True):
+        torch.testing.assert_close(g, e)
+    expected = sum(((v * m).sum() for v, m in zip(values, masks, strict=True)), torch.zeros(()))
+    got = alg.sum_of_token(values, masks)
+    torch.testing.assert_close(got, expected)
+    for g, e in zip(grads_of(values, got), grads_of(values, expected), strict=True):
+        torch.testing.assert_close(g, e)
+    old = [v.detach() + 0.1 * torch.randn(v.shape) for v in values]
+    got_kl, expected_kl = alg.compute_gspo_kl(values, old, masks), loop_gspo_kl(values, old, masks)
+    for g, e in zip(got_kl, expected_kl, strict=True):
+        torch.testing.assert_close(g, e)
+    weights = [torch.randn(v.shape) for v in values]  # a gradient through every token of the expanded means
+    got = sum(((k * w).sum() for k, w in zip(got_kl, weights, strict=True)), torch.zeros(()))
+    expected = sum(((k * w).sum() for k, w in zip(expected_kl, weights, strict=True)), torch.zeros(()))
+    for g, e in zip(grads_of(values, got), grads_of(values, expected), strict=True):
+        torch.testing.assert_close(g, e)
+
+
 def test_log_probs_and_entropy_from_logits():
     logits = t(0.0, 0.0, math.log(2.0)).reshape(1, 3)  # probabilities 1/4, 1/4, 1/2
     close(alg.compute_log_probs(logits, torch.tensor([2])), [math.log(0.5)])

@@ -201,6 +201,28 @@ def test_loss_and_gradients_do_not_change_with_packing(random_batch, per_token, 
         torch.testing.assert_close(grads, one_pass[2], rtol=1e-6, atol=1e-12)
 
 
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-sample", "per-token"])
+def test_the_reducer_equals_the_per_sample_loop(per_token):
+    """The reducer's per-token weights (called on per-sample tensors or on the flat tokens) give the values and
+    gradients of slime's loop over samples, on ragged samples with zero-length and fully masked ones."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 9, (50,), generator=gen).tolist()
+    masks = [(torch.rand(k, generator=gen) > (0.3 if i % 7 else 1.0)).float() for i, k in enumerate(lengths)]
+    values = [torch.randn(k, generator=gen).requires_grad_() for k in lengths]
+    normalizer = LossNormalizer(num_samples=64, num_tokens=float(sum(m.sum() for m in masks)) + 5)
+    expected = torch.zeros(())
+    for v, m in zip(values, masks, strict=True):
+        expected = expected + ((v * m).sum() if per_token else (v * m).sum() / m.sum().clamp_min(1))
+    expected = expected / (normalizer.num_tokens if per_token else normalizer.num_samples)
+    reduce = normalizer.reducer(masks, per_token)
+    expected_grads = torch.autograd.grad(expected, values, allow_unused=True, materialize_grads=True)
+    for got in (reduce(values), reduce.flat(torch.cat(values))):
+        torch.testing.assert_close(got, expected)
+        grads = torch.autograd.grad(got, values, allow_unused=True, materialize_grads=True)
+        for g, e in zip(grads, expected_grads, strict=True):
+            torch.testing.assert_close(g, e)
+
+
 def test_the_documented_custom_loss_runs_and_is_packing_invariant(random_batch):
     from pathlib import Path
     doc = (Path(__file__).parents[1] / "docs" / "rl-api.md").read_text()

@@ -69,11 +69,13 @@ def compute_gspo_kl(log_probs: Sequence[torch.Tensor], old_log_probs: Sequence[t
 
     A fully masked sample gets 0 (slime divides by max(mask sum, 1)).
     """
-    out = []
-    for logp, old, mask in zip(log_probs, old_log_probs, loss_masks, strict=True):
-        seq = ((old - logp) * mask).sum() / mask.sum().clamp_min(1)
-        out.append(seq.expand_as(logp))
-    return out
+    if not log_probs:
+        return []
+    lengths = [lp.numel() for lp in log_probs]
+    index = sample_index(lengths, log_probs[0].device)
+    diff = torch.cat(list(old_log_probs)) - torch.cat(list(log_probs))
+    seq = sample_means(diff, torch.cat(list(loss_masks)), index, len(lengths))
+    return list(torch.split(seq[index], lengths))
 
 
 def compute_tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
@@ -203,22 +205,48 @@ def sum_of_sample_mean(values: Sequence[torch.Tensor], loss_masks: Sequence[torc
 
     Divided by the global batch's sample count this is the per-sample (default) aggregation.
     """
-    total = _zero_like(values)
-    for v, m in zip(values, loss_masks, strict=True):
-        total = total + (v * m).sum() / m.sum().clamp_min(1)
-    return total
+    if not values:
+        return torch.zeros(())
+    lengths = [v.numel() for v in values]
+    index = sample_index(lengths, values[0].device)
+    return sample_means(torch.cat(list(values)), torch.cat(list(loss_masks)), index, len(lengths)).sum()
 
 
 def sum_of_token(values: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor]) -> torch.Tensor:
     """Sum of all masked token values; divided by the global batch's masked token count it is the per-token mean."""
-    total = _zero_like(values)
-    for v, m in zip(values, loss_masks, strict=True):
-        total = total + (v * m).sum()
-    return total
+    if not values:
+        return torch.zeros(())
+    return (torch.cat(list(values)) * torch.cat(list(loss_masks))).sum()
 
 
-def _zero_like(values: Sequence[torch.Tensor]) -> torch.Tensor:
-    return values[0].new_zeros(()) if len(values) else torch.zeros(())
+# Flat forms: the tokens of several samples in one 1-D tensor and the sample of each token in `index`, so an
+# aggregate over a micro-batch is a few tensor ops rather than a few per sample (256 samples made the loss
+# thousands of tiny autograd nodes).
+
+def sample_index(lengths: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """The sample of each token of samples of `lengths` concatenated: [0] * lengths[0] + [1] * lengths[1] + ..."""
+    counts = torch.tensor(list(lengths), dtype=torch.long, device=device)
+    return torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
+
+
+def segment_sum(values: torch.Tensor, index: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """[num_segments]: the sum of the `values` whose `index` is each segment (0 for a segment with none)."""
+    return values.new_zeros(num_segments).index_add(0, index, values)
+
+
+def sample_means(values: torch.Tensor, loss_mask: torch.Tensor, index: torch.Tensor,
+                 num_samples: int) -> torch.Tensor:
+    """[num_samples]: each sample's masked token sum / max(masked token count, 1), from flat tokens and `index`."""
+    masked = values * loss_mask
+    counts = segment_sum(loss_mask.to(masked.dtype), index, num_samples).clamp_min(1)
+    return segment_sum(masked, index, num_samples) / counts
+
+
+def sample_mean_weights(loss_mask: torch.Tensor, index: torch.Tensor, num_samples: int) -> torch.Tensor:
+    """Per-token weights w (flat, like `loss_mask`) with (values * w).sum() == sample_means(...).sum(): the mask over
+    its sample's max(masked token count, 1)."""
+    mask = loss_mask.float() if not loss_mask.is_floating_point() else loss_mask
+    return mask / segment_sum(mask, index, num_samples).clamp_min(1)[index]
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:

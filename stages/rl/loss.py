@@ -49,7 +49,7 @@ class LossNormalizer:
         """The normaliser of a global batch given all its loss masks."""
         return cls(num_samples=len(loss_masks), num_tokens=float(sum(m.sum().item() for m in loss_masks)))
 
-    def reducer(self, loss_masks: Sequence[torch.Tensor], per_token: bool) -> Reduce:
+    def reducer(self, loss_masks: Sequence[torch.Tensor], per_token: bool) -> TokenWeights:
         """Aggregation of one micro-batch's token values with these masks.
 
         Per sample (default): sum over its samples of (masked mean of the sample) / global sample count; a
@@ -59,12 +59,33 @@ class LossNormalizer:
         """
         if self.num_samples == 0:
             raise ValueError("the global batch is empty: no sample to compute a loss over")
+        if per_token and self.num_tokens == 0:
+            raise ValueError("--calculate-per-token-loss: no token of the global batch is loss-masked in, "
+                             "so the per-token mean is undefined; check the loss masks of the rollout")
+        if not loss_masks:
+            return TokenWeights(torch.zeros(0))
+        mask = torch.cat(list(loss_masks))
+        mask = mask if mask.is_floating_point() else mask.float()
         if per_token:
-            if self.num_tokens == 0:
-                raise ValueError("--calculate-per-token-loss: no token of the global batch is loss-masked in, "
-                                 "so the per-token mean is undefined; check the loss masks of the rollout")
-            return lambda values: alg.sum_of_token(values, loss_masks) / self.num_tokens
-        return lambda values: alg.sum_of_sample_mean(values, loss_masks) / self.num_samples
+            return TokenWeights(mask / self.num_tokens)
+        index = alg.sample_index([m.numel() for m in loss_masks], mask.device)
+        return TokenWeights(alg.sample_mean_weights(mask, index, len(loss_masks)) / self.num_samples)
+
+
+@dataclass(frozen=True)
+class TokenWeights:
+    """A `Reduce` as one weight per token of the micro-batch (its samples' tokens concatenated): the aggregate of
+    token values is their dot product with the weights, one op however many samples (see LossNormalizer.reducer).
+    Call it with per-sample tensors (the `Reduce` contract) or `flat` with the concatenated tokens."""
+
+    weights: torch.Tensor
+
+    def __call__(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
+        return self.flat(torch.cat(list(values)) if len(values) else self.weights[:0])
+
+    def flat(self, values: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(values.dtype, self.weights.dtype)
+        return torch.dot(values.to(dtype), self.weights.to(dtype))
 
 
 @dataclass
@@ -107,11 +128,14 @@ def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce) -> 
     tis_clipfrac (with use_tis), each aggregated like the loss.
     """
     lengths = [lp.numel() for lp in inputs.log_probs]
+    agg = reduce.flat if isinstance(reduce, TokenWeights) else lambda flat: reduce(torch.split(flat, lengths))
     log_probs = torch.cat(inputs.log_probs)
+    old_log_probs = torch.cat(inputs.old_log_probs)
     if config.advantage_estimator == "gspo":
-        ppo_kl = torch.cat(alg.compute_gspo_kl(inputs.log_probs, inputs.old_log_probs, inputs.loss_masks))
+        index = alg.sample_index(lengths, log_probs.device)
+        ppo_kl = alg.sample_means(old_log_probs - log_probs, torch.cat(inputs.loss_masks), index, len(lengths))[index]
     else:
-        ppo_kl = torch.cat(inputs.old_log_probs) - log_probs
+        ppo_kl = old_log_probs - log_probs
     advantages = torch.cat(inputs.advantages)
     if config.advantage_estimator == "cispo":
         losses, clipfrac = alg.compute_cispo_loss(ppo_kl, log_probs, advantages, config.eps_clip,
@@ -120,23 +144,19 @@ def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce) -> 
         losses, clipfrac = alg.compute_policy_loss(ppo_kl, advantages, config.eps_clip, config.eps_clip_high,
                                                    config.eps_clip_c)
 
-    def agg(flat: torch.Tensor) -> torch.Tensor:
-        return reduce(torch.split(flat, lengths))
-
     metrics: dict[str, torch.Tensor] = {}
     if config.use_tis:
         if inputs.rollout_log_probs is None:
             raise ValueError("--use-tis needs the rollout engine's log-probs of every sample (rollout_log_probs)")
-        weights, ratio = alg.compute_tis_weights(torch.cat(inputs.old_log_probs), torch.cat(inputs.rollout_log_probs),
-                                                 config.tis_clip)
+        weights, ratio = alg.compute_tis_weights(old_log_probs, torch.cat(inputs.rollout_log_probs), config.tis_clip)
         losses = losses * weights
         metrics["tis"] = agg(ratio)
         metrics["tis_clipfrac"] = agg((ratio > config.tis_clip).float())
     pg_loss = agg(losses)
     loss = pg_loss
-    metrics.update(pg_loss=pg_loss, pg_clipfrac=agg(clipfrac), ppo_kl=agg(ppo_kl))
+    metrics.update(pg_loss=pg_loss, pg_clipfrac=agg(clipfrac), ppo_kl=agg(ppo_kl.detach()))
     if inputs.entropy is not None:
-        entropy = reduce(inputs.entropy)
+        entropy = agg(torch.cat(inputs.entropy))
         loss = loss - config.entropy_coef * entropy
         metrics["entropy"] = entropy
     elif config.entropy_coef:
@@ -144,9 +164,7 @@ def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce) -> 
     if config.use_kl_loss:
         if inputs.ref_log_probs is None:
             raise ValueError("--use-kl-loss needs the reference model's log-probs (ref_log_probs)")
-        kl = [alg.compute_approx_kl(lp, ref, config.kl_loss_type)
-              for lp, ref in zip(inputs.log_probs, inputs.ref_log_probs, strict=True)]
-        kl_loss = reduce(kl)
+        kl_loss = agg(alg.compute_approx_kl(log_probs, torch.cat(inputs.ref_log_probs), config.kl_loss_type))
         loss = loss + config.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss
     return LossOutput(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
