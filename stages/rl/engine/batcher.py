@@ -2,15 +2,15 @@
 
 Each loop turn: run the commands that arrived (new requests, aborts, pause, weight updates), prefill the
 waiting requests that fit under `max_batch_size` and merge them into the running batch, decode one token for
-every running sequence, and retire the finished ones.
+every running sequence, and retire the finished ones. Weight updates run between decode steps; the sequences
+running at that moment are finished with `abort` (their partial output returned), so no response mixes two
+weight versions. Requests still queued are not aborted: they start later, on the new weights.
 
 Requests that arrive together over HTTP reach the scheduler spread over tens of milliseconds (64 fresh
 connections: 10-30 ms on a busy CPU). Admitting whatever has arrived splits them into several prefill rounds,
 each merged into the batch with a copy of its cache. So waiting requests are admitted once they fill the batch
 or the oldest has waited `admission_window_s` (TGI's max-waiting-tokens plays the same part); the running
-batch keeps decoding meanwhile, and no request waits longer than the window for a free slot. Weight updates run between decode steps; the sequences
-running at that moment are finished with `abort` (their partial output returned), so no response mixes two
-weight versions. Requests still queued are not aborted: they start later, on the new weights.
+batch keeps decoding meanwhile, and no request waits longer than the window for a free slot.
 """
 
 from __future__ import annotations
