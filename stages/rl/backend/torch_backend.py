@@ -142,30 +142,31 @@ class TorchBackend:
         model = self.ref_model if reference else self.model
         if model is None:
             raise ValueError("no reference model: it is loaded only with --use-kl-loss or --kl-coef > 0")
-        for i, (toks, n) in enumerate(zip(rows.tokens, rows.response_lengths, strict=True)):
-            if n >= toks.numel():
-                raise ValueError(f"sample {i}: response_length {n} leaves no prompt token ({toks.numel()} tokens); "
-                                 "the first response token needs a token before it to be predicted from")
-        width = max(rows.total_lengths)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, toks in enumerate(rows.tokens):
-            ids[i, : toks.numel()], mask[i, : toks.numel()] = toks, 1
+        totals = torch.tensor(rows.total_lengths, dtype=torch.long)
+        lengths = torch.tensor(rows.response_lengths, dtype=torch.long)
+        bad = (lengths >= totals).nonzero().flatten().tolist()
+        if bad:
+            i = bad[0]
+            raise ValueError(f"sample {i}: response_length {int(lengths[i])} leaves no prompt token "
+                             f"({int(totals[i])} tokens); the first response token needs a token before it to be "
+                             "predicted from")
+        # Right-padded rows; `keep` marks the positions that predict a response token (the one before each).
+        ids = torch.nn.utils.rnn.pad_sequence(list(rows.tokens), batch_first=True)
+        columns = torch.arange(ids.shape[1])
+        mask = (columns < totals[:, None]).long()
+        keep = (columns >= (totals - lengths - 1)[:, None]) & (columns < (totals - 1)[:, None])
+        targets = ids[:, 1:][keep[:, :-1]]
         cast = self.autocast_dtype
         with torch.autocast(self.device.type, dtype=cast) if cast is not None else contextlib.nullcontext():
-            logits = model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
-        # Every response position of every row gathered into one [tokens, vocab] block: one log-softmax for the
-        # micro-batch instead of one per row (per-row ops made the step 256 small autograd graphs).
-        lengths = list(rows.response_lengths)
-        row_index = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lengths)])
-        positions = torch.cat([torch.arange(t.numel() - n - 1, t.numel() - 1) for t, n in zip(rows.tokens, lengths,
-                                                                                                 strict=True)])
-        targets = torch.cat([t[t.numel() - n:] for t, n in zip(rows.tokens, lengths, strict=True)])
-        selected = logits[row_index.to(self.device), positions.to(self.device)]
+            # logits_to_keep (a boolean mask): the output layer runs on the kept positions only, flattened row by
+            # row into one [tokens, vocab] block, so one log-softmax serves the micro-batch.
+            selected = model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                             logits_to_keep=keep.to(self.device), use_cache=False).logits
         log_probs = alg.compute_log_probs(selected, targets.to(self.device))
         entropy = alg.compute_entropy_from_logits(selected) if with_entropy else None
-        return LogProbs(list(torch.split(log_probs, lengths)),
-                        None if entropy is None else list(torch.split(entropy, lengths)))
+        split = rows.response_lengths
+        return LogProbs(list(torch.split(log_probs, split)),
+                        None if entropy is None else list(torch.split(entropy, split)))
 
     @torch.no_grad()
     def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = False, reference: bool = False) -> LogProbs:
