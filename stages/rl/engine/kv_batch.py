@@ -124,8 +124,10 @@ def prefill(forward: ModelForward, prompts: list[list[int]], device: torch.devic
     return KVBatch(cache=cache, mask_buffer=mask, next_positions=mask.sum(-1), length=longest), logits
 
 
-PREFILL_PADDING = 0.25
-"""At most this share of a prefill group's longest prompt is padding in any of its rows."""
+PREFILL_PADDING = 0.15
+"""At most this share of a prefill group's longest prompt is padding in any of its rows. On the benchmark's 64
+prompts of 16-64 tokens: 0.15 makes 7 groups and takes 0.168 s of CPU, 0.25 (5 groups) 0.179 s, 0.4 (3) 0.197 s,
+one group 0.233 s; smaller shares gain nothing more."""
 
 
 def prefill_groups(lengths: list[int]) -> list[list[int]]:
