@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 ADMISSION_WINDOW_S = 0.02
 """How long a waiting request may be held for others to join its prefill round, unless the batch fills first:
-two decode steps of the benchmark's batch of 64, ~1% of its 128-token responses."""
+two decode steps of the benchmark's batch of 64, ~1.5% of the time its 128-token responses take."""
 
 
 @dataclass(frozen=True)
