@@ -151,9 +151,11 @@ class TorchBackend:
                              f"({int(totals[i])} tokens); the first response token needs a token before it to be "
                              "predicted from")
         # Right-padded rows; `keep` marks the positions that predict a response token (the one before each).
-        ids = torch.nn.utils.rnn.pad_sequence(list(rows.tokens), batch_first=True)
-        columns = torch.arange(ids.shape[1])
-        mask = (columns < totals[:, None]).long()
+        columns = torch.arange(int(totals.max()))
+        filled = columns < totals[:, None]
+        ids = torch.zeros(filled.shape, dtype=torch.long)
+        ids[filled] = torch.cat(list(rows.tokens))  # row-major: each row's tokens, then padding
+        mask = filled.long()
         keep = (columns >= (totals - lengths - 1)[:, None]) & (columns < (totals - 1)[:, None])
         targets = ids[:, 1:][keep[:, :-1]]
         cast = self.autocast_dtype
