@@ -68,7 +68,6 @@ def compute_advantages(config: AlgorithmConfig, inputs: AdvantageInputs, n_sampl
     REINFORCE++ and REINFORCE++-baseline are always whitened over the batch's loss-masked tokens; the others
     when --normalize-advantages is set. Whitening raises when no token of the batch is loss-masked in.
     """
-    kl = token_kl(config, inputs)
     estimator = config.advantage_estimator
     returns = None
     if custom is not None:
@@ -79,21 +78,22 @@ def compute_advantages(config: AlgorithmConfig, inputs: AdvantageInputs, n_sampl
                                               std_normalization=not config.disable_grpo_std_normalization)
         advantages = alg.broadcast_returns(rewards, inputs.response_lengths)
     elif estimator == "reinforce_plus_plus":
-        advantages = alg.reinforce_plus_plus_returns(inputs.rewards.float(), kl, inputs.loss_masks,
+        advantages = alg.reinforce_plus_plus_returns(inputs.rewards.float(), token_kl(config, inputs), inputs.loss_masks,
                                                      config.kl_coef, config.gamma)
     elif estimator == "reinforce_plus_plus_baseline":
         centered = alg.normalize_group_rewards(inputs.rewards, n_samples_per_prompt, std_normalization=False)
-        advantages = alg.reinforce_plus_plus_baseline_advantages(centered, kl, config.kl_coef)
+        advantages = alg.reinforce_plus_plus_baseline_advantages(centered, token_kl(config, inputs),
+                                                                config.kl_coef)
     elif estimator == "ppo":
         if inputs.values is None:
             raise ValueError("--advantage-estimator ppo needs the critic's values for every sample")
-        token_rewards = alg.ppo_token_rewards(inputs.rewards.float(), kl, config.kl_coef)
+        token_rewards = alg.ppo_token_rewards(inputs.rewards.float(), token_kl(config, inputs), config.kl_coef)
         pairs = [alg.gae(r, v, config.gamma, config.lambd) for r, v in zip(token_rewards, inputs.values, strict=True)]
         advantages, returns = [a for a, _ in pairs], [r for _, r in pairs]
     else:
         raise ValueError(f"unknown --advantage-estimator {estimator!r}")
-    if returns is None:
-        returns = [a.clone() for a in advantages]
+    if returns is None:  # a copy, so whitening or a caller's in-place edit of one leaves the other
+        returns = _copy(advantages)
     whiten = config.normalize_advantages or (custom is None and estimator.startswith("reinforce_plus_plus"))
     if whiten:
         advantages = whiten_batch(advantages, inputs.loss_masks)
@@ -105,6 +105,13 @@ def whiten_batch(advantages: Sequence[torch.Tensor], loss_masks: Sequence[torch.
     lengths = [a.numel() for a in advantages]
     flat = alg.masked_whiten(torch.cat(list(advantages)).float(), torch.cat(list(loss_masks)).float())
     return list(torch.split(flat, lengths))
+
+
+def _copy(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of `tensors` (views of one new flat tensor: one copy for the batch, not one per sample)."""
+    if len({t.dtype for t in tensors}) != 1:
+        return [t.clone() for t in tensors]
+    return list(torch.cat(list(tensors)).split([t.numel() for t in tensors]))
 
 
 def _check_shapes(advantages: Sequence[torch.Tensor], lengths: Sequence[int]) -> None:

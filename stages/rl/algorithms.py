@@ -137,8 +137,11 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 
 def broadcast_returns(rewards: torch.Tensor, response_lengths: Sequence[int]) -> list[torch.Tensor]:
     """GRPO/GSPO/CISPO: each sample's (normalised) reward on every response token."""
-    return [torch.full((n,), float(r), device=rewards.device) for r, n in zip(rewards.tolist(), response_lengths,
-                                                                              strict=True)]
+    if rewards.numel() != len(response_lengths):
+        raise ValueError(f"{rewards.numel()} rewards for {len(response_lengths)} response lengths")
+    lengths = torch.tensor(list(response_lengths), dtype=torch.long, device=rewards.device)
+    per_token = torch.repeat_interleave(rewards.to(torch.get_default_dtype()), lengths)
+    return list(torch.split(per_token, list(response_lengths)))
 
 
 def reinforce_plus_plus_returns(rewards: torch.Tensor, kl: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor],

@@ -47,7 +47,8 @@ class LossNormalizer:
     @classmethod
     def for_batch(cls, loss_masks: Sequence[torch.Tensor]) -> LossNormalizer:
         """The normaliser of a global batch given all its loss masks."""
-        return cls(num_samples=len(loss_masks), num_tokens=float(sum(m.sum().item() for m in loss_masks)))
+        num_tokens = float(torch.cat(list(loss_masks)).double().sum()) if loss_masks else 0.0
+        return cls(num_samples=len(loss_masks), num_tokens=num_tokens)
 
     def reducer(self, loss_masks: Sequence[torch.Tensor], per_token: bool) -> TokenWeights:
         """Aggregation of one micro-batch's token values with these masks.
