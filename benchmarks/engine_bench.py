@@ -14,8 +14,9 @@ rows send 64 concurrent requests on fresh connections, as 64 users would; one mo
 (one /generate carrying every prompt, as slimeflow's rollout sends a group), for information.
 
 On a shared machine one run of each side moves with the load, so each side runs --repeats times, interleaved,
-and the rows give each side's best run; the CPU-time row (this process's CPU seconds: the in-process engine
-against model.generate) moves least with the load.
+and the rows give each side's best run; the CPU-time rows move least with the load: this process's CPU seconds
+(the in-process engine against model.generate), and the engine process's CPU seconds over HTTP (the server's
+parsing, scheduling and responses; not the client's).
 
     .venv/bin/python benchmarks/engine_bench.py [--max-new-tokens 128] [--threads 1] [--one-by-one 8] [--repeats 3]
 """
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -127,13 +129,23 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.run(engine_run(engine.url, prompts[:4], [8] * 4))  # warm-up
             in_process_run(loaded, prompts[:4], [8] * 4)
             hf_batch(model, prompts[:4], 8, pad)
-            rows = report(args, model, pad, (engine.url, loaded), prompts, lengths)
+            engines = Engines(url=engine.url, server=psutil.Process(engine.process.pid), loaded=loaded)
+            rows = report(args, model, pad, engines, prompts, lengths)
     print(f"\n{' '.join([sys.executable, *sys.argv])}")
     for row in rows:
         print(row)
 
 
-def report(args, model, pad: int, engines: tuple[str, LoadedModel], prompts: list[list[int]],
+@dataclass(frozen=True)
+class Engines:
+    """The engine twice: a server process at `url`, and `loaded` for the in-process Batcher."""
+
+    url: str
+    server: psutil.Process
+    loaded: LoadedModel
+
+
+def report(args, model, pad: int, engines: Engines, prompts: list[list[int]],
            lengths: list[int]) -> list[str]:
     n, max_new = len(prompts), args.max_new_tokens
     rows = [f"model: tiny llama hidden 256, 4 layers, fp32, CPU, {args.threads} torch thread(s); "
@@ -151,7 +163,7 @@ def report(args, model, pad: int, engines: tuple[str, LoadedModel], prompts: lis
              f"  model.generate, batch of {n}     : {batch_tps:8.0f} tok/s ({batch.wall_s:.2f} s)",
              f"  model.generate, one by one ({len(single)}) : {single_tps:8.0f} tok/s  "
              f"engine/one-by-one = {http_tps / single_tps:.2f}x",
-             _cpu_row(local, batch, n * max_new)]
+             _cpu_row(local, batch, n * max_new), _http_cpu_row(http, batch, n * max_new)]
     http, one_post, local, batch = _best_runs(args.repeats, engines, model, pad, prompts, lengths, max(lengths))
     useful_tps = sum(lengths) / batch.wall_s
     http_tps, local_tps = http.tokens / http.wall_s, local.tokens / local.wall_s
@@ -161,31 +173,37 @@ def report(args, model, pad: int, engines: tuple[str, LoadedModel], prompts: lis
              f"  engine, one /generate of {n}     : {post_tps:8.0f} tok/s  engine/batch = {post_tps / useful_tps:.2f}x",
              f"  engine in process (no HTTP)     : {local_tps:8.0f} tok/s  engine/batch = {local_tps / useful_tps:.2f}x",
              f"  model.generate, batch of {n}     : {useful_tps:8.0f} useful tok/s ({batch.wall_s:.2f} s)",
-             _cpu_row(local, batch, sum(lengths))]
+             _cpu_row(local, batch, sum(lengths)), _http_cpu_row(http, batch, sum(lengths))]
     return rows
 
 
 @dataclass(frozen=True)
 class Run:
-    """One side's run: wall seconds, this process's CPU seconds (meaningless for HTTP) and tokens generated."""
+    """One side's run: wall seconds, the generating process's CPU seconds (this one, or the engine server's for
+    the HTTP sides) and tokens generated."""
 
     wall_s: float
     cpu_s: float
     tokens: int
 
 
-def _timed(fn: Callable[[], tuple[float, int]]) -> Run:
-    """Run `fn` (returning its own wall seconds, which leave out set-up, and its tokens) and count CPU time."""
-    cpu = time.process_time()
+def _timed(fn: Callable[[], tuple[float, int]], process: psutil.Process) -> Run:
+    """Run `fn` (returning its own wall seconds, which leave out set-up, and its tokens) and count `process`'s CPU
+    time."""
+    def cpu() -> float:
+        times = process.cpu_times()
+        return times.user + times.system
+
+    before = cpu()
     wall_s, tokens = fn()
-    return Run(wall_s=wall_s, cpu_s=time.process_time() - cpu, tokens=tokens)
+    return Run(wall_s=wall_s, cpu_s=cpu() - before, tokens=tokens)
 
 
-def _best_runs(repeats: int, engines: tuple[str, LoadedModel], model, pad: int, prompts: list[list[int]],
+def _best_runs(repeats: int, engines: Engines, model, pad: int, prompts: list[list[int]],
                lengths: list[int], batch_new: int) -> tuple[Run, Run, Run, Run]:
     """The fastest of `repeats` runs of the engine over HTTP (concurrent requests, then one batched request), in
     process and model.generate, interleaved."""
-    url, loaded = engines
+    url, loaded, here = engines.url, engines.loaded, psutil.Process()
     sides: dict[str, Callable[[], tuple[float, int]]] = {
         "http": lambda: asyncio.run(engine_run(url, prompts, lengths)),
         "http_batch": lambda: asyncio.run(engine_batch_run(url, prompts, lengths)),
@@ -195,7 +213,7 @@ def _best_runs(repeats: int, engines: tuple[str, LoadedModel], model, pad: int, 
     runs: dict[str, list[Run]] = {side: [] for side in sides}
     for _ in range(repeats):
         for side, fn in sides.items():
-            runs[side].append(_timed(fn))
+            runs[side].append(_timed(fn, engines.server if side.startswith("http") else here))
     http, one_post, local, batch = (min(runs[side], key=lambda r: r.wall_s) for side in sides)
     return http, one_post, local, batch
 
@@ -203,6 +221,12 @@ def _best_runs(repeats: int, engines: tuple[str, LoadedModel], model, pad: int, 
 def _cpu_row(local: Run, batch: Run, useful_tokens: int) -> str:
     engine_rate, batch_rate = local.tokens / local.cpu_s, useful_tokens / batch.cpu_s
     return (f"  per CPU second (in process)     : engine {engine_rate:6.0f} tok, model.generate {batch_rate:6.0f} "
+            f"useful tok  engine/batch = {engine_rate / batch_rate:.2f}x")
+
+
+def _http_cpu_row(http: Run, batch: Run, useful_tokens: int) -> str:
+    engine_rate, batch_rate = http.tokens / http.cpu_s, useful_tokens / batch.cpu_s
+    return (f"  per CPU second (HTTP, server)   : engine {engine_rate:6.0f} tok, model.generate {batch_rate:6.0f} "
             f"useful tok  engine/batch = {engine_rate / batch_rate:.2f}x")
 
 
