@@ -140,7 +140,7 @@ def test_a_lone_request_waits_at_most_the_admission_window(llama, window_s):
     finally:
         batcher.stop()
     assert results[0].output_ids
-    assert window_s <= seconds < window_s + 0.25  # the window, plus one small forward pass on a busy CPU
+    assert window_s <= seconds < window_s + 0.5  # the window, plus one small forward pass on a busy CPU
 
 
 def test_requests_arriving_within_the_window_share_one_prefill_round(llama):
