@@ -176,11 +176,13 @@ class TorchBackend:
         computed in this backend's micro-batches."""
         out = LogProbs([None] * len(batch), [None] * len(batch) if with_entropy else None)  # type: ignore[list-item]
         for micro in self.micro_batches(batch.total_lengths):
-            part = self.forward(batch.select(micro), with_entropy, reference)
-            for j, i in enumerate(micro):
-                out.log_probs[i] = part.log_probs[j].float().cpu()
-                if out.entropy is not None and part.entropy is not None:
-                    out.entropy[i] = part.entropy[j].float().cpu()
+            rows = batch.select(micro)
+            part = self.forward(rows, with_entropy, reference)
+            for values, into in ((part.log_probs, out.log_probs), (part.entropy, out.entropy)):
+                if values is not None and into is not None:  # one copy to the CPU per micro-batch, then views
+                    flat = torch.cat(values).float().cpu()
+                    for i, value in zip(micro, torch.split(flat, rows.response_lengths), strict=True):
+                        into[i] = value
         return out
 
     # -- the optimizer step -------------------------------------------------------------------------------------
