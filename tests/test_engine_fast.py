@@ -164,6 +164,23 @@ def test_requests_that_fill_the_batch_are_admitted_without_waiting(llama):
     assert seconds < 2.0 and batcher.admission_rounds == 1
 
 
+def test_a_batched_generate_is_admitted_without_waiting_for_the_window(llama):
+    """The prompts of one batched /generate arrive whole: holding them for others would only add delay."""
+    batcher = Batcher(llama, max_batch_size=8, admission_window_s=5.0)
+    batcher.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=2)
+        start = time.monotonic()
+        futures = batcher.submit_batch([GenerateRequest(rid=str(i), input_ids=p, params=params)
+                                        for i, p in enumerate(PROMPTS)])
+        results = [f.result(timeout=60) for f in futures]
+        seconds = time.monotonic() - start
+    finally:
+        batcher.stop()
+    assert [r.rid for r in results] == [str(i) for i in range(len(PROMPTS))]
+    assert seconds < 2.0 and batcher.admission_rounds == 1
+
+
 def test_merging_several_batches_at_once_equals_merging_them_one_by_one(llama):
     forward = select_forward(llama.model)
     with torch.inference_mode():

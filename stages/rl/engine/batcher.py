@@ -10,7 +10,8 @@ Requests that arrive together over HTTP reach the scheduler spread over tens of 
 connections: 10-30 ms on a busy CPU). Admitting whatever has arrived splits them into several prefill rounds,
 each merged into the batch with a copy of its cache. So waiting requests are admitted once they fill the batch
 or the oldest has waited `admission_window_s` (TGI's max-waiting-tokens plays the same part); the running
-batch keeps decoding meanwhile, and no request waits longer than the window for a free slot.
+batch keeps decoding meanwhile, and no request waits longer than the window for a free slot. Prompts that come
+in one batched /generate (`submit_batch`) are all there at once: nothing is waited for when they are the newest.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class _Sequence:
     future: Future
     generator: random.Random  # this request's uniforms: one per sampled token, whatever shares the batch
     arrived: float  # time.monotonic() at submit
+    ends_batch: bool = False  # the last prompt of a submit_batch: the requests that came with it are all here
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict[str, Any] | None = None
@@ -143,6 +145,28 @@ class Batcher:
         self._call(enqueue).add_done_callback(lambda f: f.exception() and result.set_exception(f.exception()))
         return result
 
+    def submit_batch(self, requests: list[GenerateRequest]) -> list[Future]:
+        """Queue requests that arrived together (one batched /generate); one future per request, in order.
+
+        They reach the scheduler in one command, so the admission window does not hold them for others."""
+        results: list[Future] = [Future() for _ in requests]
+        arrived = time.monotonic()
+
+        def enqueue() -> None:
+            for position, (request, result) in enumerate(zip(requests, results, strict=True)):
+                seed = request.params.sampling_seed
+                generator = random.Random(seed if seed is not None else self._seeds.getrandbits(63))
+                self._waiting.append(_Sequence(request=request, future=result, generator=generator, arrived=arrived,
+                                               ends_batch=position == len(requests) - 1))
+
+        def fail(f: Future) -> None:
+            if f.exception():
+                for result in results:
+                    result.set_exception(f.exception())
+
+        self._call(enqueue).add_done_callback(fail)
+        return results
+
     def abort(self, rid: str | None = None) -> Future:
         """Finish request `rid` (None: every request) with finish_reason abort; resolves to how many were hit."""
         return self._call(lambda: self._abort(lambda seq: rid is None or seq.request.rid == rid))
@@ -201,7 +225,7 @@ class Batcher:
 
     def _admission_due(self) -> float:
         """When the waiting requests must be admitted (now if they fill the batch's free slots)."""
-        if len(self._waiting) >= self._max_batch_size - len(self._running):
+        if len(self._waiting) >= self._max_batch_size - len(self._running) or self._waiting[-1].ends_batch:
             return 0.0
         return self._waiting[0].arrived + self._admission_window_s
 
