@@ -181,6 +181,35 @@ def test_vectorised_aggregations_equal_the_per_sample_loop(seed):
         torch.testing.assert_close(g, e)
 
 
+def loop_discounted_cumsum(values, gamma):
+    out, running = torch.empty_like(values), values.new_zeros(())
+    for i in range(values.numel() - 1, -1, -1):
+        running = values[i] + gamma * running
+        out[i] = running
+    return out
+
+
+def test_batched_returns_and_gae_equal_the_per_sample_loop():
+    """REINFORCE++ returns and GAE over zero-padded rows give each sample's own values, bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 12, (30,), generator=gen).tolist()
+    rewards = torch.randn(30, generator=gen)
+    kl = [torch.randn(n, generator=gen) for n in lengths]
+    masks = [torch.ones(n) for n in lengths]
+    masks[4][-1] = 0.0  # the reward lands on the last masked-in token
+    got = alg.reinforce_plus_plus_returns(rewards, kl, masks, kl_coef=0.1, gamma=0.97)
+    for i, (g, k, m) in enumerate(zip(got, kl, masks, strict=True)):
+        token_rewards = -0.1 * k
+        token_rewards[int(m.nonzero()[-1])] += rewards[i].item()
+        assert torch.equal(g, loop_discounted_cumsum(token_rewards, 0.97))
+    values = [torch.randn(n, generator=gen) for n in lengths]
+    advantages, returns = alg.gae(alg.pad_rows(kl), alg.pad_rows(values), gamma=0.99, lambd=0.95)
+    for a, r, k, v in zip(alg.unpad_rows(advantages, lengths), alg.unpad_rows(returns, lengths), kl, values,
+                          strict=True):
+        expected_a, expected_r = alg.gae(k, v, gamma=0.99, lambd=0.95)
+        assert torch.equal(a, expected_a) and torch.equal(r, expected_r)
+
+
 def test_log_probs_and_entropy_from_logits():
     logits = t(0.0, 0.0, math.log(2.0)).reshape(1, 3)  # probabilities 1/4, 1/4, 1/2
     close(alg.compute_log_probs(logits, torch.tensor([2])), [math.log(0.5)])

@@ -87,9 +87,15 @@ def compute_advantages(config: AlgorithmConfig, inputs: AdvantageInputs, n_sampl
     elif estimator == "ppo":
         if inputs.values is None:
             raise ValueError("--advantage-estimator ppo needs the critic's values for every sample")
+        if [v.numel() for v in inputs.values] != inputs.response_lengths:
+            raise ValueError("--advantage-estimator ppo: the critic's values must have one entry per response token "
+                             f"of each sample; got lengths {[v.numel() for v in inputs.values][:8]}..., "
+                             f"response lengths {inputs.response_lengths[:8]}...")
         token_rewards = alg.ppo_token_rewards(inputs.rewards.float(), token_kl(config, inputs), config.kl_coef)
-        pairs = [alg.gae(r, v, config.gamma, config.lambd) for r, v in zip(token_rewards, inputs.values, strict=True)]
-        advantages, returns = [a for a, _ in pairs], [r for _, r in pairs]
+        padded_advantages, padded_returns = alg.gae(alg.pad_rows(token_rewards), alg.pad_rows(inputs.values),
+                                                    config.gamma, config.lambd)
+        lengths = inputs.response_lengths
+        advantages, returns = alg.unpad_rows(padded_advantages, lengths), alg.unpad_rows(padded_returns, lengths)
     else:
         raise ValueError(f"unknown --advantage-estimator {estimator!r}")
     if returns is None:  # a copy, so whitening or a caller's in-place edit of one leaves the other

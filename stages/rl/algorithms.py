@@ -150,24 +150,37 @@ def reinforce_plus_plus_returns(rewards: torch.Tensor, kl: Sequence[torch.Tensor
 
     G_t = r_t + gamma * G_{t+1}. A fully masked sample has no last token and raises (slime asserts).
     """
-    out = []
+    token_rewards = []
     for i, (reward, kl_i, mask) in enumerate(zip(rewards.tolist(), kl, loss_masks, strict=True)):
         if mask.sum().item() == 0:
             raise ValueError(f"REINFORCE++: sample {i} is fully masked (no token to put its reward on)")
-        token_rewards = -kl_coef * kl_i.float()
-        last = int(mask.nonzero()[-1])
-        token_rewards[last] += reward
-        out.append(discounted_cumsum(token_rewards, gamma))
-    return out
+        per_token = -kl_coef * kl_i.float()
+        per_token[int(mask.nonzero()[-1])] += reward
+        token_rewards.append(per_token)
+    return unpad_rows(discounted_cumsum(pad_rows(token_rewards), gamma), [r.numel() for r in token_rewards])
+
+
+def pad_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[samples, longest]: each 1-D tensor as a row, right-padded with zeros (a zero after a response's last token
+    leaves its discounted sums and GAE unchanged, bit for bit)."""
+    if not tensors:
+        return torch.zeros(0, 0)
+    return torch.nn.utils.rnn.pad_sequence(list(tensors), batch_first=True)
+
+
+def unpad_rows(rows: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+    """The inverse of pad_rows: row i's first lengths[i] entries."""
+    return [row[:n] for row, n in zip(rows, lengths, strict=True)]
 
 
 def discounted_cumsum(values: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = values_t + gamma * G_{t+1}, G_T = 0."""
+    """G_t = values_t + gamma * G_{t+1}, G_T = 0, along the last dimension (one response, or rows of them: a Python
+    step per token position, not per token)."""
     out = torch.empty_like(values)
-    running = values.new_zeros(())
-    for t in range(values.numel() - 1, -1, -1):
-        running = values[t] + gamma * running
-        out[t] = running
+    running = values.new_zeros(values.shape[:-1])
+    for t in range(values.shape[-1] - 1, -1, -1):
+        running = values[..., t] + gamma * running
+        out[..., t] = running
     return out
 
 
@@ -192,12 +205,13 @@ def ppo_token_rewards(rewards: torch.Tensor, kl: Sequence[torch.Tensor], kl_coef
 
 def gae(token_rewards: torch.Tensor, values: torch.Tensor, gamma: float,
         lambd: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over one response: (advantages, returns = advantages + values).
+    """Generalised advantage estimation over one response, or rows of zero-padded responses (pad_rows), along the
+    last dimension: (advantages, returns = advantages + values).
 
     delta_t = r_t + gamma * V_{t+1} - V_t (V after the last token is 0); A_t = delta_t + gamma * lambd * A_{t+1}.
     """
     values = values.detach().float()
-    next_values = torch.cat([values[1:], values.new_zeros(1)])
+    next_values = torch.cat([values[..., 1:], values.new_zeros((*values.shape[:-1], 1))], dim=-1)
     deltas = token_rewards.float() + gamma * next_values - values
     advantages = discounted_cumsum(deltas, gamma * lambd)
     return advantages, advantages + values
