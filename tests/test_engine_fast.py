@@ -113,6 +113,37 @@ def test_batcher_logprobs_match_and_seeds_reproduce_whatever_shares_the_batch(mo
     torch.testing.assert_close(torch.tensor(alone.output_logprobs), expected, atol=1e-4, rtol=0)
 
 
+def test_samples_of_one_prompt_share_its_prefill_and_decode_as_if_alone(llama, monkeypatch):
+    """A GRPO group (one prompt, n seeds) is prefilled once; each sample still continues exactly as it would
+    alone, including those that finish at their first token (which never join the decode batch)."""
+    prefilled: list[int] = []
+    prefill = kv_batch.prefill
+    monkeypatch.setattr(kv_batch, "prefill", lambda forward, prompts, *rest, **options:
+                        prefilled.append(len(prompts)) or prefill(forward, prompts, *rest, **options))
+
+    def serve(requests: list[GenerateRequest]) -> list:
+        batcher = Batcher(llama, max_batch_size=16, admission_window_s=0.0)
+        batcher.start()
+        try:
+            return [f.result(timeout=60) for f in batcher.submit_batch(requests)]
+        finally:
+            batcher.stop()
+
+    def request(i: int, prompt: list[int], seed: int, new_tokens: int) -> GenerateRequest:
+        return GenerateRequest(rid=str(i), input_ids=prompt, params=SamplingParams(
+            temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True, sampling_seed=seed))
+
+    group = [request(i, PROMPTS[0], seed=i, new_tokens=1 if i == 2 else 6) for i in range(5)]
+    together = serve([*group, request(5, PROMPTS[2], seed=9, new_tokens=6)])
+    assert sum(prefilled) == 2  # two distinct prompts prefilled, not six rows
+    for req, result in zip(group, together, strict=False):
+        alone = serve([req])[0]
+        assert result.output_ids == alone.output_ids and len(result.output_ids) == req.params.max_new_tokens
+        torch.testing.assert_close(torch.tensor(result.output_logprobs), torch.tensor(alone.output_logprobs),
+                                   atol=1e-5, rtol=0)
+    assert len({tuple(r.output_ids) for r in together[:5]}) > 1  # the seeds differ, so do the samples
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     return load_model(build_tiny_model(tmp_path_factory.mktemp("llama") / "tiny", SPECS["llama"]), device="cpu")

@@ -256,17 +256,38 @@ class Batcher:
         newcomers = [s for s in newcomers if s.finish is None]
         if not newcomers:
             return
+        try:
+            self._prefill(newcomers)
+        except Exception:  # they are in neither queue now: fail them here, the loop fails the running ones
+            for seq in newcomers:
+                if not seq.future.done():
+                    seq.future.set_exception(RuntimeError("the engine's prefill failed; see the engine log"))
+            raise
+
+    def _prefill(self, newcomers: list[_Sequence]) -> None:
+        """Prefill and sample the newcomers' first tokens; those not finished join the running batch."""
+        # Sequences with the same prompt (a GRPO group's n samples) share one prefill, as SGLang's prefix cache
+        # shares it: each gets a copy of its rows. A group of 16 was 16 times the prefill's compute.
+        prompts: dict[tuple[int, ...], list[_Sequence]] = {}
+        for seq in newcomers:
+            prompts.setdefault(tuple(seq.request.input_ids), []).append(seq)
+        unique = list(prompts.values())
         batches = []
-        for rows in kv_batch.prefill_groups([len(s.request.input_ids) for s in newcomers]):
-            group = [newcomers[i] for i in rows]
-            batch, logits = kv_batch.prefill(self._forward, [s.request.input_ids for s in group],
+        for rows in kv_batch.prefill_groups([len(users[0].request.input_ids) for users in unique]):
+            batch, logits = kv_batch.prefill(self._forward, [unique[i][0].request.input_ids for i in rows],
                                              self._loaded.device,
-                                             headroom=max(s.request.params.max_new_tokens for s in group))
-            batches.append(batch)
-            self._running.extend(group)
-            self._sample(group, logits)
-        self._kv = kv_batch.merge(self._kv, *batches)
-        self._retire()
+                                             headroom=max(s.request.params.max_new_tokens for i in rows
+                                                          for s in unique[i]))
+            source = [k for k, i in enumerate(rows) for _ in unique[i]]
+            group = [s for i in rows for s in unique[i]]
+            self._sample(group, logits if len(group) == len(rows) else logits.index_select(0, torch.tensor(source)))
+            alive = [k for k, s in enumerate(group) if s.finish is None]  # done at their first token: no cache
+            if alive:
+                batches.append(kv_batch.gather_rows(batch, [source[k] for k in alive])
+                               if len(alive) < len(group) or len(group) > len(rows) else batch)
+                self._running.extend(group[k] for k in alive)
+        if batches:
+            self._kv = kv_batch.merge(self._kv, *batches)
 
     def _step(self) -> None:
         logits = kv_batch.decode(self._forward, self._kv, [s.output_ids[-1] for s in self._running])

@@ -238,6 +238,16 @@ def select(batch: KVBatch, rows: list[int]) -> KVBatch | None:
                    next_positions=positions, length=batch.length - start)
 
 
+def gather_rows(batch: KVBatch, rows: list[int]) -> KVBatch:
+    """A new batch whose row i is a copy of `batch`'s row `rows[i]`; rows may repeat (sequences that share a
+    prompt start from copies of its one prefill) or be left out (sequences that finished at their first token)."""
+    index = torch.tensor(rows, dtype=torch.long, device=batch.mask_buffer.device)
+    layers = [_filled_layer(layer.keys.index_select(0, index), layer.values.index_select(0, index), layer.length)
+              for layer in batch.cache.layers]
+    return KVBatch(cache=Cache(layers=layers), mask_buffer=batch.mask_buffer.index_select(0, index),
+                   next_positions=batch.next_positions.index_select(0, index), length=batch.length)
+
+
 def _moved_rows(buffer: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """`buffer` with rows `src` copied to rows `dst` in place (sources gathered first, so any order is safe)."""
     if dst.numel():
