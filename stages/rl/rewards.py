@@ -199,6 +199,10 @@ class RewardScorer:
 
     async def score_group(self, group: Sequence[Sample]) -> None:
         """Reward every sample of one group (a group function with --group-rm, else sample by sample)."""
+        if not self.config.group_rm and self.custom is None and self.remote is None:
+            for sample in group:  # built-ins are plain functions: no task per sample (~4 us each)
+                self._score_builtin(sample)
+            return
         if not self.config.group_rm:
             await asyncio.gather(*(self.score(sample) for sample in group))
             return
@@ -216,6 +220,9 @@ class RewardScorer:
 
     async def score(self, sample: Sample) -> None:
         """Reward one sample."""
+        if self.custom is None and self.remote is None:
+            self._score_builtin(sample)
+            return
         source = "reward"
         try:
             source = self._source(sample)
@@ -226,6 +233,16 @@ class RewardScorer:
             else:
                 value = builtin_reward(source, sample.response, sample.label, sample.metadata, self.judge)
             sample.reward = _finite(value)
+        except Exception as exc:
+            sample.mark_failed(f"{source} raised {type(exc).__name__}: {exc}")
+
+    def _score_builtin(self, sample: Sample) -> None:
+        """Reward one sample with a built-in rm_type (no custom function, no reward server)."""
+        source = "reward"
+        try:
+            source = self._source(sample)
+            sample.reward = _finite(builtin_reward(source, sample.response, sample.label, sample.metadata,
+                                                   self.judge))
         except Exception as exc:
             sample.mark_failed(f"{source} raised {type(exc).__name__}: {exc}")
 
