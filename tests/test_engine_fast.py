@@ -125,7 +125,7 @@ def test_samples_of_one_prompt_share_its_prefill_and_decode_as_if_alone(llama, m
         batcher = Batcher(llama, max_batch_size=16, admission_window_s=0.0)
         batcher.start()
         try:
-            return [f.result(timeout=60) for f in batcher.submit_batch(requests)]
+            return batcher.submit_batch(requests).result(timeout=60)
         finally:
             batcher.stop()
 
@@ -202,9 +202,8 @@ def test_a_batched_generate_is_admitted_without_waiting_for_the_window(llama):
     try:
         params = SamplingParams(temperature=0.0, max_new_tokens=2)
         start = time.monotonic()
-        futures = batcher.submit_batch([GenerateRequest(rid=str(i), input_ids=p, params=params)
-                                        for i, p in enumerate(PROMPTS)])
-        results = [f.result(timeout=60) for f in futures]
+        results = batcher.submit_batch([GenerateRequest(rid=str(i), input_ids=p, params=params)
+                                        for i, p in enumerate(PROMPTS)]).result(timeout=60)
         seconds = time.monotonic() - start
     finally:
         batcher.stop()

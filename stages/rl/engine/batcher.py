@@ -67,10 +67,48 @@ class GenerateResult:
     weight_version: str
 
 
+class _Batch:
+    """The results of one submit_batch, and the one future that gets them when the last member finishes."""
+
+    def __init__(self, size: int) -> None:
+        self.future: Future = Future()
+        self.results: list[GenerateResult | None] = [None] * size
+        self.left = size
+        if not size:
+            self.future.set_result([])
+
+    def fail(self, err: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(err)
+
+
+class _BatchMember:
+    """What a member of a submit_batch has where a lone request has its Future (the same three methods)."""
+
+    __slots__ = ("batch", "position")
+
+    def __init__(self, batch: _Batch, position: int) -> None:
+        self.batch, self.position = batch, position
+
+    def done(self) -> bool:
+        return self.batch.results[self.position] is not None or self.batch.future.done()
+
+    def set_result(self, result: GenerateResult) -> None:
+        batch = self.batch
+        if batch.results[self.position] is None:
+            batch.results[self.position] = result
+            batch.left -= 1
+            if not batch.left and not batch.future.done():
+                batch.future.set_result(batch.results)
+
+    def set_exception(self, err: BaseException) -> None:
+        self.batch.fail(err)
+
+
 @dataclass(eq=False)  # compared by identity: two identical requests are still two sequences
 class _Sequence:
     request: GenerateRequest
-    future: Future
+    future: Future | _BatchMember
     generator: random.Random  # this request's uniforms: one per sampled token, whatever shares the batch
     arrived: float  # time.monotonic() at submit
     ends_batch: bool = False  # the last prompt of a submit_batch: the requests that came with it are all here
@@ -145,27 +183,27 @@ class Batcher:
         self._call(enqueue).add_done_callback(lambda f: f.exception() and result.set_exception(f.exception()))
         return result
 
-    def submit_batch(self, requests: list[GenerateRequest]) -> list[Future]:
-        """Queue requests that arrived together (one batched /generate); one future per request, in order.
+    def submit_batch(self, requests: list[GenerateRequest]) -> Future:
+        """Queue requests that arrived together (one batched /generate); the future resolves to their results, in
+        order, once all have finished (or fails with the first failure).
 
-        They reach the scheduler in one command, so the admission window does not hold them for others."""
-        results: list[Future] = [Future() for _ in requests]
+        They reach the scheduler in one command, so the admission window does not hold them for others; and they
+        share one future, where a future per request cost the event loop a wake-up each (256 one-token samples:
+        ~10 ms of a 25 ms round trip).
+        """
+        batch = _Batch(len(requests))
         arrived = time.monotonic()
 
         def enqueue() -> None:
-            for position, (request, result) in enumerate(zip(requests, results, strict=True)):
+            for position, request in enumerate(requests):
                 seed = request.params.sampling_seed
                 generator = random.Random(seed if seed is not None else self._seeds.getrandbits(63))
-                self._waiting.append(_Sequence(request=request, future=result, generator=generator, arrived=arrived,
+                self._waiting.append(_Sequence(request=request, future=_BatchMember(batch, position),
+                                               generator=generator, arrived=arrived,
                                                ends_batch=position == len(requests) - 1))
 
-        def fail(f: Future) -> None:
-            if f.exception():
-                for result in results:
-                    result.set_exception(f.exception())
-
-        self._call(enqueue).add_done_callback(fail)
-        return results
+        self._call(enqueue).add_done_callback(lambda f: f.exception() and batch.fail(f.exception()))
+        return batch.future
 
     def abort(self, rid: str | None = None) -> Future:
         """Finish request `rid` (None: every request) with finish_reason abort; resolves to how many were hit."""

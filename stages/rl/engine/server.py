@@ -69,8 +69,9 @@ def create_app(state: EngineState) -> FastAPI:
                                             max_positions=state.loaded.max_positions,
                                             vocab_size=int(state.loaded.model.config.vocab_size))
         state.requests_received += len(requests)
-        futures = state.batcher.submit_batch(requests) if is_batch else [state.batcher.submit(requests[0])]
-        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        pending = state.batcher.submit_batch(requests) if is_batch else state.batcher.submit(requests[0])
+        results = await asyncio.wrap_future(pending)
+        results = results if is_batch else [results]
         logprob = bool(body.get("return_logprob", False))
         responses = [to_response(r, return_logprob=logprob) for r in results]
         # Serialised directly: FastAPI's default walks every item through jsonable_encoder first, ~0.6 ms for one
@@ -86,7 +87,7 @@ def create_app(state: EngineState) -> FastAPI:
         probe = GenerateRequest(rid=f"health-{time.monotonic_ns()}", input_ids=[_probe_token(state.loaded)],
                                 params=SamplingParams(temperature=0.0, max_new_tokens=1))
         try:
-            await asyncio.wait_for(asyncio.wrap_future(state.batcher.submit_batch([probe])[0]),
+            await asyncio.wait_for(asyncio.wrap_future(state.batcher.submit_batch([probe])),
                                    HEALTH_GENERATE_TIMEOUT_S)
         except TimeoutError:
             return _error(503, f"no token generated within {HEALTH_GENERATE_TIMEOUT_S}s (paused or overloaded?)")
