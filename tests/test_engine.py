@@ -198,6 +198,12 @@ def paused_request_done(response: dict) -> bool:
     ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p must be in"),
     ({"text": "hi", "input_ids": [1]}, "exactly one of input_ids"),
     ({"input_ids": [1, 2], "stream": True}, "stream=True is not supported"),
+    # A batch's items are checked once per distinct set of parameters: a bad item after a good one still fails.
+    ({"input_ids": [[1, 2], [1, 2]], "sampling_params": [{"temperature": 1}, {"temperature": True}]},
+     "temperature must be a number"),
+    ({"input_ids": [[1, 2], [1, 2]], "sampling_params": [{"sampling_seed": 1}, {"sampling_seed": 1.5}]},
+     "sampling_seed must be an integer"),
+    ({"input_ids": [[1, 2], [1, True]]}, "input_ids[1] must hold integer token ids"),
 ])
 def test_bad_generate_requests_answer_400_with_the_fix(engine, body, words):
     response = httpx.post(engine.url + "/generate", json=body)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from slimeflow.stages.rl.engine.batcher import GenerateRequest, GenerateResult
-from slimeflow.stages.rl.engine.sampling import BadRequestError, parse_sampling_params
+from slimeflow.stages.rl.engine.sampling import BadRequestError, SamplingParams, parse_sampling_params
 
 # Top-level /generate fields SGLang accepts (sglang-router fills them all in) that change nothing here at these
 # values; any other value asks for a feature this engine lacks, so it is refused rather than ignored.
@@ -35,6 +36,7 @@ def parse_generate(body: Any, *, tokenizer: PreTrainedTokenizerBase, max_positio
     if is_batch and isinstance(body.get("rid"), str):
         rids = _distinct(body["rid"], len(prompts))
     requests = []
+    parsed: dict[tuple, SamplingParams] = {}  # a batch's items mostly differ in their seed only: check once
     for prompt, raw, rid in zip(prompts, params, rids, strict=True):
         room = max_positions - len(prompt)
         if room <= 0:
@@ -42,9 +44,24 @@ def parse_generate(body: Any, *, tokenizer: PreTrainedTokenizerBase, max_positio
                 f"the prompt has {len(prompt)} tokens, at or beyond the model's max_position_embeddings "
                 f"({max_positions}); shorten it"
             )
-        sampling = parse_sampling_params(raw, room=room, vocab_size=vocab_size)
-        requests.append(GenerateRequest(rid=rid or uuid.uuid4().hex, input_ids=prompt, params=sampling))
+        requests.append(GenerateRequest(rid=rid or uuid.uuid4().hex, input_ids=prompt,
+                                        params=_sampling(raw, room, vocab_size, parsed)))
     return requests, is_batch
+
+
+def _sampling(raw: dict | None, room: int, vocab_size: int, parsed: dict[tuple, SamplingParams]) -> SamplingParams:
+    """parse_sampling_params, reusing the checked parameters of an earlier item that differs only in its seed."""
+    seed = None if raw is None else raw.get("sampling_seed")
+    if not (seed is None or (isinstance(seed, int) and not isinstance(seed, bool))):
+        return parse_sampling_params(raw, room=room, vocab_size=vocab_size)  # raises, naming the field
+    try:
+        key = (room, *sorted((k, type(v).__name__, v) for k, v in (raw or {}).items() if k != "sampling_seed"))
+        hash(key)
+    except TypeError:  # a list value (stop strings, stop_token_ids): check this item on its own
+        return parse_sampling_params(raw, room=room, vocab_size=vocab_size)
+    if key not in parsed:
+        parsed[key] = parse_sampling_params({**(raw or {}), "sampling_seed": None}, room=room, vocab_size=vocab_size)
+    return dataclasses.replace(parsed[key], sampling_seed=seed)
 
 
 def _check_fields(body: dict) -> None:
@@ -72,7 +89,7 @@ def _prompts(body: dict, tokenizer: PreTrainedTokenizerBase, vocab_size: int) ->
         where = f"input_ids[{i}]" if is_batch else "input_ids"
         if not isinstance(prompt, list) or not prompt:
             raise BadRequestError(f"{where} is empty or not a list; send at least one token id")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt):
+        if not all(type(t) is int and 0 <= t < vocab_size for t in prompt):  # JSON ints: bool is not one
             raise BadRequestError(f"{where} must hold integer token ids in [0, {vocab_size})")
     return prompts, is_batch
 
