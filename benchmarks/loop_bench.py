@@ -123,7 +123,7 @@ def run_slimeflow(args, hf: str, train: str, held_out: str, workdir: Path) -> Si
     from slimeflow.stages.rl.placement import cpu_threads
 
     result.notes.insert(0, f"1-min load average at start {load:.2f}, at end {os.getloadavg()[0]:.2f}; "
-                           f"torch threads: trainer {cpu_threads(1)}, engine {cpu_threads(1)}")
+                           f"torch threads: trainer {cpu_threads(1, spare=0)}, engine {cpu_threads(1)}")
     return result
 
 
