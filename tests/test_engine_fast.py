@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl.engine import kv_batch
+from slimeflow.stages.rl.engine import kv_batch, native
 from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
 from slimeflow.stages.rl.engine.native import HFForward, NativeForward, select_forward
 from slimeflow.stages.rl.engine.sampling import SamplingParams
@@ -40,10 +40,13 @@ def plain_logits(model, seq: list[int]) -> torch.Tensor:
     return model(torch.tensor([seq])).logits[0, -1]
 
 
-def test_native_logits_equal_transformers_through_joins_leaves_and_growth(model):
+def test_native_logits_equal_transformers_through_joins_leaves_and_growth(model, monkeypatch):
     # Prompts of different lengths share one left-padded batch; 2 columns of headroom make the buffers grow; a
-    # longer prompt joins (re-padding the running rows); rows leave from the front and the back.
+    # longer prompt joins (re-padding the running rows); rows leave from the front and the back. The rotary
+    # table starts at 8 positions, so it grows twice on the way.
+    monkeypatch.setattr(native, "ROTARY_ROWS", 8)
     forward = NativeForward(model)
+    assert forward.rotary.shape[0] == 8
     seqs = [list(p) for p in PROMPTS]
     with torch.inference_mode():
         batch, logits = kv_batch.prefill(forward, seqs, CPU, headroom=2)
@@ -60,6 +63,7 @@ def test_native_logits_equal_transformers_through_joins_leaves_and_growth(model)
             for seq, row in zip(seqs, logits, strict=True):
                 seq.append(int(row.argmax()))
             logits = kv_batch.decode(forward, batch, [seq[-1] for seq in seqs])
+    assert 8 < forward.rotary.shape[0] <= model.config.max_position_embeddings
 
 
 def test_weight_updates_reach_the_native_forward(model):

@@ -138,6 +138,11 @@ def _layer(block: torch.nn.Module) -> _Layer:
     )
 
 
+ROTARY_ROWS = 4096
+"""Positions the cos/sin table starts with; it doubles when a batch goes past them. A table for all of a model's
+max_position_embeddings would hold 134 MB (fp32) for 131k positions that short rollouts never reach."""
+
+
 class NativeForward:
     """Llama/Qwen2/Qwen3 decoding on the model's parameters, matching transformers' logits to float rounding."""
 
@@ -151,7 +156,8 @@ class NativeForward:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.eps = config.rms_norm_eps
         self.qk_norm = FAMILIES[config.model_type].qk_norm
-        self.rotary = _rotary_table(model, config.max_position_embeddings, self.head_dim)
+        self.max_positions = config.max_position_embeddings
+        self.rotary = _rotary_table(model, min(self.max_positions, ROTARY_ROWS), self.head_dim)
         self.refresh()
 
     def refresh(self) -> None:
@@ -163,6 +169,9 @@ class NativeForward:
                  cache: Cache) -> torch.Tensor:
         batch, new = ids.shape
         mask = _attention_mask(attention_mask, new)
+        if attention_mask.shape[-1] > self.rotary.shape[0]:  # positions are below the mask's width: grow first
+            rows = min(self.max_positions, max(attention_mask.shape[-1], 2 * self.rotary.shape[0]))
+            self.rotary = _rotary_table(self.model, rows, self.head_dim)
         cos, sin = self.rotary[positions].unsqueeze(2).chunk(2, dim=-1)  # [B, T, 1, D] each
         hidden = F.embedding(ids, self.model.model.embed_tokens.weight)
         for layer, kv in zip(self.layers, cache.layers, strict=True):
