@@ -176,9 +176,7 @@ class Batcher:
         arrived = time.monotonic()
 
         def enqueue() -> None:
-            seed = request.params.sampling_seed
-            generator = random.Random(seed if seed is not None else self._seeds.getrandbits(63))
-            self._waiting.append(_Sequence(request=request, future=result, generator=generator, arrived=arrived))
+            self._waiting.append(self._sequence(request, result, arrived))
 
         self._call(enqueue).add_done_callback(lambda f: f.exception() and result.set_exception(f.exception()))
         return result
@@ -196,14 +194,19 @@ class Batcher:
 
         def enqueue() -> None:
             for position, request in enumerate(requests):
-                seed = request.params.sampling_seed
-                generator = random.Random(seed if seed is not None else self._seeds.getrandbits(63))
-                self._waiting.append(_Sequence(request=request, future=_BatchMember(batch, position),
-                                               generator=generator, arrived=arrived,
-                                               ends_batch=position == len(requests) - 1))
+                self._waiting.append(self._sequence(request, _BatchMember(batch, position), arrived,
+                                                    ends_batch=position == len(requests) - 1))
 
         self._call(enqueue).add_done_callback(lambda f: f.exception() and batch.fail(f.exception()))
         return batch.future
+
+    def _sequence(self, request: GenerateRequest, future: Future | _BatchMember, arrived: float,
+                  ends_batch: bool = False) -> _Sequence:
+        """A queued request with its own RNG: seeded by sampling_seed, else by the engine's seed stream (drawn on
+        the scheduler thread, so the order of arrival decides it)."""
+        seed = request.params.sampling_seed
+        generator = random.Random(seed if seed is not None else self._seeds.getrandbits(63))
+        return _Sequence(request=request, future=future, generator=generator, arrived=arrived, ends_batch=ends_batch)
 
     def abort(self, rid: str | None = None) -> Future:
         """Finish request `rid` (None: every request) with finish_reason abort; resolves to how many were hit."""
@@ -316,13 +319,13 @@ class Batcher:
                                              self._loaded.device,
                                              headroom=max(s.request.params.max_new_tokens for i in rows
                                                           for s in unique[i]))
-            source = [k for k, i in enumerate(rows) for _ in unique[i]]
             group = [s for i in rows for s in unique[i]]
-            self._sample(group, logits if len(group) == len(rows) else logits.index_select(0, torch.tensor(source)))
+            source = [k for k, i in enumerate(rows) for _ in unique[i]]  # the prefilled row of each of `group`
+            self._sample(group, _rows(logits, source))
             alive = [k for k, s in enumerate(group) if s.finish is None]  # done at their first token: no cache
             if alive:
-                batches.append(kv_batch.gather_rows(batch, [source[k] for k in alive])
-                               if len(alive) < len(group) or len(group) > len(rows) else batch)
+                needed = [source[k] for k in alive]
+                batches.append(batch if needed == list(range(len(rows))) else kv_batch.gather_rows(batch, needed))
                 self._running.extend(group[k] for k in alive)
         if batches:
             self._kv = kv_batch.merge(self._kv, *batches)
@@ -394,3 +397,10 @@ class Batcher:
             output_logprobs=list(seq.logprobs), text=text, finish_reason=dict(seq.finish),
             weight_version=self._weight_version,
         )
+
+
+def _rows(logits: torch.Tensor, source: list[int]) -> torch.Tensor:
+    """Row source[i] of `logits` as row i (no copy when that is every row once, in order)."""
+    if source == list(range(logits.shape[0])):
+        return logits
+    return logits.index_select(0, torch.tensor(source, device=logits.device))
