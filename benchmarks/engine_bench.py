@@ -154,27 +154,27 @@ def report(args, model, pad: int, engines: Engines, prompts: list[list[int]],
     single = prompts[: args.one_by_one]
     single_s = sum(hf_batch(model, [p], max_new, pad) for p in single)
     batch_tps, single_tps = n * max_new / batch.wall_s, len(single) * max_new / single_s
-    http_tps, local_tps = http.tokens / http.wall_s, local.tokens / local.wall_s
-    post_tps = one_post.tokens / one_post.wall_s
     rows += [f"equal lengths ({max_new} new tokens each):",
-             f"  engine, {n} concurrent over HTTP : {http_tps:8.0f} tok/s  engine/batch = {http_tps / batch_tps:.2f}x",
-             f"  engine, one /generate of {n}     : {post_tps:8.0f} tok/s  engine/batch = {post_tps / batch_tps:.2f}x",
-             f"  engine in process (no HTTP)     : {local_tps:8.0f} tok/s  engine/batch = {local_tps / batch_tps:.2f}x",
+             *_engine_rows(f"engine, {n} concurrent over HTTP", n, http, one_post, local, batch_tps),
              f"  model.generate, batch of {n}     : {batch_tps:8.0f} tok/s ({batch.wall_s:.2f} s)",
              f"  model.generate, one by one ({len(single)}) : {single_tps:8.0f} tok/s  "
-             f"engine/one-by-one = {http_tps / single_tps:.2f}x",
+             f"engine/one-by-one = {http.tokens / http.wall_s / single_tps:.2f}x",
              _cpu_row(local, batch, n * max_new), _http_cpu_row(http, batch, n * max_new)]
     http, one_post, local, batch = _best_runs(args.repeats, engines, model, pad, prompts, lengths, max(lengths))
     useful_tps = sum(lengths) / batch.wall_s
-    http_tps, local_tps = http.tokens / http.wall_s, local.tokens / local.wall_s
-    post_tps = one_post.tokens / one_post.wall_s
     rows += [f"varied lengths (16..{max_new}, {sum(lengths)} tokens asked for; the static batch runs to the longest):",
-             f"  engine over HTTP                : {http_tps:8.0f} tok/s  engine/batch = {http_tps / useful_tps:.2f}x",
-             f"  engine, one /generate of {n}     : {post_tps:8.0f} tok/s  engine/batch = {post_tps / useful_tps:.2f}x",
-             f"  engine in process (no HTTP)     : {local_tps:8.0f} tok/s  engine/batch = {local_tps / useful_tps:.2f}x",
+             *_engine_rows("engine over HTTP", n, http, one_post, local, useful_tps),
              f"  model.generate, batch of {n}     : {useful_tps:8.0f} useful tok/s ({batch.wall_s:.2f} s)",
              _cpu_row(local, batch, sum(lengths)), _http_cpu_row(http, batch, sum(lengths))]
     return rows
+
+
+def _engine_rows(http_label: str, n: int, http: Run, one_post: Run, local: Run, baseline_tps: float) -> list[str]:
+    """The engine's three rows (HTTP requests, one batched /generate, in process), each as a ratio to the baseline."""
+    sides = ((f"{http_label:<32}", http), (f"{f'engine, one /generate of {n}':<32}", one_post),
+             (f"{'engine in process (no HTTP)':<32}", local))
+    return [f"  {label}: {run.tokens / run.wall_s:8.0f} tok/s  engine/batch = {run.tokens / run.wall_s / baseline_tps:.2f}x"
+            for label, run in sides]
 
 
 @dataclass(frozen=True)
