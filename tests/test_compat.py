@@ -5,6 +5,11 @@ When one of these tests fails on a CPU-only machine, megatron-core or torch stop
 
 from __future__ import annotations
 
+import multiprocessing.managers
+import queue
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -72,3 +77,34 @@ def test_shims_are_undone_on_exit():
     with _compat.megatron_on_cpu():
         assert torch.cuda.synchronize is not before
     assert torch.cuda.synchronize is before
+
+
+def test_synchronous_save_results_need_no_manager_process():
+    """Unshimmed, megatron-core collects write results through a Manager queue served by a spawned process."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    assert filesystem_async._results_queue is None
+    with _compat.in_process_write_results():
+        assert isinstance(filesystem_async._get_write_results_queue(), queue.Queue)
+    assert filesystem_async._results_queue is None
+    try:
+        assert isinstance(filesystem_async._get_write_results_queue(), multiprocessing.managers.BaseProxy)
+    finally:
+        filesystem_async._results_queue = None  # the manager shuts its server down when collected
+
+
+def _imports_dynamo(eager: bool) -> bool:
+    """Whether importing megatron.core.dist_checkpointing (in a fresh interpreter) loads torch._dynamo."""
+    block = "eager_jit_fusions()" if eager else "contextlib.nullcontext()"
+    code = ("import contextlib, sys, torch\n"
+            "from slimeflow._compat import eager_jit_fusions\n"
+            f"with {block}:\n    import megatron.core.dist_checkpointing\n"
+            "assert torch.compile.__module__.startswith('torch'), torch.compile\n"
+            "print('torch._dynamo' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return done.stdout.strip().splitlines()[-1] == "True"
+
+
+def test_megatron_import_compiles_its_fusions_unless_eager():
+    assert _imports_dynamo(eager=False)
+    assert not _imports_dynamo(eager=True)

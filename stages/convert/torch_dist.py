@@ -59,14 +59,14 @@ def save_torch_dist(tensors: Mapping[str, torch.Tensor], args: argparse.Namespac
     from megatron.core import dist_checkpointing
     from torch.utils.serialization import config as serialization
 
-    from slimeflow._compat import megatron_on_cpu
+    from slimeflow._compat import in_process_write_results, megatron_on_cpu
 
     state = sharded_state_dict(tensors, args.num_layers)
     state.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration)
     Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
     # Each tensor is a torch.save zip record, whose CRC32 costs more CPU than writing it (~0.5 GB/s against
     # ~2 GB/s) and which no reader checks (torch.load does not verify it): skip it. The forked writers inherit it.
-    with megatron_on_cpu(), serialization.patch({"save.compute_crc32": False}):
+    with megatron_on_cpu(), in_process_write_results(), serialization.patch({"save.compute_crc32": False}):
         dist_checkpointing.save(state, str(checkpoint_dir), sharded_strategy=("torch_dist", 1))
 
 

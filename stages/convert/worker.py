@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from slimeflow._compat import eager_jit_fusions
 from slimeflow.stages.convert.mapping import ModelShape, hf_to_megatron, megatron_args
 
 JOB_TIMEOUT = timedelta(minutes=60)
@@ -128,11 +129,16 @@ def peak_rss_bytes() -> dict[str, int]:
 
 
 def import_in_background(module: str) -> threading.Thread:
-    """Start importing `module` on a thread. megatron-core's import is seconds of Python (its import-time
-    torch.compile wrappers load dynamo); on a thread it overlaps the rendezvous and the reads and fusions,
-    which wait on the other ranks or run in torch with the GIL released. Join it before using the module (a
-    failed import is raised again by the next `import`)."""
-    thread = threading.Thread(target=importlib.import_module, args=(module,), name=f"import {module}", daemon=True)
+    """Start importing `module` (megatron-core) on a thread, its jit fusions left eager (this process only
+    writes; _compat.eager_jit_fusions). On a thread, the import's second of Python overlaps the rendezvous and
+    the reads and fusions, which wait on the other ranks or run in torch with the GIL released. Join it
+    before using the module (a failed import is raised again by the next `import`)."""
+
+    def load() -> None:
+        with eager_jit_fusions():
+            importlib.import_module(module)
+
+    thread = threading.Thread(target=load, name=f"import {module}", daemon=True)
     thread.start()
     return thread
 
