@@ -62,6 +62,24 @@ def test_chat_template_renders_and_counts_tokens_with_the_same_tokenizer(tmp_pat
     assert [f.name for f in table.schema] == ["row_id", "prompt", "label", "metadata", "tools", "prompt_tokens"]
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_token_counts_of_ascii_and_unicode_texts_are_the_tokenizers_own(tmp_path, family):
+    """ASCII texts skip a Unicode-form normalizer (Qwen's NFC); texts that need it, mixed among them, keep it."""
+    from transformers import AutoTokenizer
+
+    from slimeflow.stages.preprocess.tokens import PromptTokenizer
+
+    model_dir = build_tiny_model(tmp_path / family, TinyModelSpec.from_uri(f"tiny:{family}?seed=0"))
+    counter = PromptTokenizer(str(model_dir), need_template=False)
+    reference = AutoTokenizer.from_pretrained(model_dir)
+    assert (counter._ascii_encoder is not None) == (reference.backend_tokenizer.normalizer is not None)
+    texts = ["plain ascii 1 + 2", "cafe\u0301 au lait", "", "e\u0301" * 5, "x = 3", "\u212b ngstro\u0308m", "ok"]
+    texts = texts * 700  # more than one COUNT_CHUNK, unicode texts in each
+    assert counter.count(texts) == [len(reference(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    composed = family == "qwen3"  # NFC makes e + U+0301 one 2-byte character: 2 byte tokens, not 3
+    assert counter.count(["e\u0301", "ab"]) == [2 if composed else 3, 2]
+
+
 def test_search_r1_table_packs_extra_columns_into_metadata_and_reports_collisions(tmp_path):
     rows = [{"question": f"Who wrote book {i}?", "final_answer": f"author {i}", "session_id": f"s{i}",
              "tool_code": f"search('book {i}')", "metadata": json.dumps({"split": "train"})} for i in range(6)]
