@@ -1,11 +1,12 @@
 """HF -> torch_dist conversion of a synthetic ~2 GB bf16 Llama-style model, against `cp` of the same files.
 
-    .venv/bin/python benchmarks/convert_bench.py [--layers 20] [--workdir /tmp]
+    .venv/bin/python benchmarks/convert_bench.py [--layers 20] [--rounds 3] [--workdir /tmp]
 
 Prints, for 1 and 2 conversion processes: wall time as a ratio to `cp -r` + `sync` of the HF directory, timed
-after a `sync` so that it flushes only the copy (goal <= 2x), with each rank's timeline from its launch
-(start-up and imports, tensors read and fused, saved: the last span includes importing megatron-core, its
-spawned result collector and its forked writers); and each rank's peak RSS as a fraction of the model's size
+after a `sync` so that it flushes only the copy (goal <= 2x); cp and the two conversions run interleaved for
+--rounds rounds, and the ratio of medians is the figure (a single cp moved between 1.7 and 5 s here). The last
+round prints each rank's timeline from its launch (start-up and imports, tensors read and fused, saved: the
+last span includes waiting for megatron-core's import and its forked writers); and each rank's peak RSS as a fraction of the model's size
 (goals <= 1.1 with one process, <= 0.6 with two). Peak RSS is the rank's VmHWM: resident anonymous and
 file-backed pages alike. Its largest forked dist_checkpointing writer is printed too (RUSAGE_CHILDREN): that
 figure counts the pages the writer shares copy-on-write with its rank, plus the file pages it writes out. The
@@ -21,6 +22,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,7 +81,8 @@ def write_synthetic_model(path: Path, layers: int) -> int:
 
 def baseline_rss() -> int:
     """Peak RSS of a fresh process that imports what a conversion rank imports, and nothing more."""
-    code = ("import megatron.core.dist_checkpointing; from slimeflow.stages.convert import worker; "
+    code = ("from slimeflow._compat import eager_jit_fusions\nwith eager_jit_fusions():\n"
+            "    import megatron.core.dist_checkpointing\nfrom slimeflow.stages.convert import worker\n"
             "print(worker.peak_rss_bytes()['peak_rss'])")
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
                .stdout.split()[-1])
@@ -91,9 +94,48 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def time_copy(hf: Path, work: Path) -> tuple[float, float]:
+    """Wall and CPU seconds of `cp -r` + `sync` of the HF directory, after a `sync` (the model's own dirty
+    pages are not the copy's to flush)."""
+    subprocess.run(["sync"], check=True)
+    started, cpu = time.perf_counter(), children_cpu_seconds()
+    subprocess.run(["cp", "-r", str(hf), str(work / "copy")], check=True)
+    subprocess.run(["sync"], check=True)
+    seconds, cpu = time.perf_counter() - started, children_cpu_seconds() - cpu
+    shutil.rmtree(work / "copy")
+    return seconds, cpu
+
+
+def time_conversion(source, root: Path, processes: int) -> tuple[float, float, list[dict]]:
+    """Wall and CPU seconds of converting, publishing and `sync`, and each rank's report."""
+    subprocess.run(["sync"], check=True)
+    started, launched, cpu = time.perf_counter(), time.time(), children_cpu_seconds()
+    staged, ranks = convert_hf_to_torch_dist(source, root, processes)
+    publish_release(Storage(), staged, str(root))
+    subprocess.run(["sync"], check=True)
+    seconds, cpu = time.perf_counter() - started, children_cpu_seconds() - cpu
+    shutil.rmtree(root)
+    return seconds, cpu, [{**r, "launched": launched} for r in ranks]
+
+
+def print_ranks(ranks: list[dict], size: int, base: int, goal: float) -> None:
+    for r in ranks:
+        print(f"  rank {r['rank']}: peak RSS {r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / size:.2f} "
+              f"of the model (goal <= {goal}); its largest writer {r['peak_rss_writers'] / 1e9:.2f} GB "
+              f"= {r['peak_rss_writers'] / size:.2f}; net of the baseline {(r['peak_rss'] - base) / size:.2f}")
+        launched = r["launched"]
+        print(f"    seconds from launch: start-up and imports {r['started_at'] - launched:.2f}, tensors "
+              f"read and fused {r['read_at'] - launched:.2f}, saved {r['saved_at'] - launched:.2f}")
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3, help="cp, 1 and 2 processes, interleaved this many times")
     parser.add_argument("--workdir", default=tempfile.gettempdir())
     options = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="convert-bench-", dir=options.workdir))
@@ -101,37 +143,27 @@ def main() -> None:
         hf = work / "hf"
         size = write_synthetic_model(hf, options.layers)
         print(f"synthetic model: {options.layers} layers, {size / 1e9:.2f} GB bf16 in {len(list(hf.glob('*.safetensors')))} files")
-        subprocess.run(["sync"], check=True)  # the model's own dirty pages are not the copy's to flush
-        started, cpu = time.perf_counter(), children_cpu_seconds()
-        subprocess.run(["cp", "-r", str(hf), str(work / "copy")], check=True)
-        subprocess.run(["sync"], check=True)
-        copy_seconds = time.perf_counter() - started
-        shutil.rmtree(work / "copy")
-        print(f"cp -r + sync: {copy_seconds:.2f} s, {children_cpu_seconds() - cpu:.2f} CPU s; "
-              f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         base = baseline_rss()
         print(f"baseline RSS of a process importing torch + megatron-core: {base / 1e9:.2f} GB "
               f"({base / size:.2f} of the model)")
         source = read_hf_source(hf)
+        walls: dict[str, list[float]] = {"cp": [], 1: [], 2: []}
+        for round_ in range(1, options.rounds + 1):
+            seconds, cpu = time_copy(hf, work)
+            walls["cp"].append(seconds)
+            print(f"round {round_}: cp -r + sync {seconds:.2f} s, {cpu:.2f} CPU s; load average {load()}")
+            for processes in (1, 2):
+                seconds, cpu, ranks = time_conversion(source, work / f"ckpt-{processes}", processes)
+                walls[processes].append(seconds)
+                print(f"round {round_}: {processes} process(es) {seconds:.2f} s = {seconds / walls['cp'][-1]:.2f}x "
+                      f"this round's cp, {cpu:.2f} CPU s; load average {load()}")
+                if round_ == options.rounds:
+                    print_ranks(ranks, size, base, 1.1 if processes == 1 else 0.6)
+        copy = statistics.median(walls["cp"])
         for processes in (1, 2):
-            root = work / f"ckpt-{processes}"
-            started, launched, cpu = time.perf_counter(), time.time(), children_cpu_seconds()
-            staged, ranks = convert_hf_to_torch_dist(source, root, processes)
-            publish_release(Storage(), staged, str(root))
-            subprocess.run(["sync"], check=True)
-            seconds = time.perf_counter() - started
-            goal = 1.1 if processes == 1 else 0.6
-            print(f"{processes} process(es): {seconds:.2f} s = {seconds / copy_seconds:.2f}x cp (goal <= 2x), "
-                  f"{children_cpu_seconds() - cpu:.2f} CPU s; load average "
-                  f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-            for r in ranks:
-                print(f"  rank {r['rank']}: peak RSS {r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / size:.2f} "
-                      f"of the model (goal <= {goal}); its largest writer {r['peak_rss_writers'] / 1e9:.2f} GB "
-                      f"= {r['peak_rss_writers'] / size:.2f}; net of the baseline "
-                      f"{(r['peak_rss'] - base) / size:.2f}")
-                print(f"    seconds from launch: start-up and imports {r['started_at'] - launched:.2f}, tensors "
-                      f"read and fused {r['read_at'] - launched:.2f}, saved {r['saved_at'] - launched:.2f}")
-            shutil.rmtree(root)
+            median = statistics.median(walls[processes])
+            print(f"median of {options.rounds} rounds, {processes} process(es): {median:.2f} s against cp's "
+                  f"{copy:.2f} s = {median / copy:.2f}x cp (goal <= 2x)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("command: .venv/bin/python benchmarks/convert_bench.py " + " ".join(sys.argv[1:]))
