@@ -43,16 +43,18 @@ def make_backend(hf_dir: Path, config: TrainConfig, **kwargs) -> TorchBackend:
     return TorchBackend(hf_dir, config.optimizer, config.algorithm, config.batch, seed=3, device="cpu", **kwargs)
 
 
-def test_log_probs_equal_a_plain_hf_forward(hf_dir):
+@pytest.mark.parametrize("temperature", [1.0, 1.5])
+def test_log_probs_equal_a_plain_hf_forward(hf_dir, temperature):
+    """At the rollout temperature, as slime (and TRL) compute them: log_softmax(logits / temperature)."""
     from transformers import AutoModelForCausalLM
 
     config = make_config(batch={"micro_batch_size": 3})  # padded micro-batches of 3, 3 and 2 samples
     batch = make_batch()
-    out = make_backend(hf_dir, config).compute_log_probs(batch, with_entropy=True)
+    out = make_backend(hf_dir, config, temperature=temperature).compute_log_probs(batch, with_entropy=True)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     for i, (tokens, n) in enumerate(zip(batch.tokens, batch.response_lengths, strict=True)):
         with torch.no_grad():
-            logits = model(tokens[None]).logits[0, -n - 1 : -1]
+            logits = model(tokens[None]).logits[0, -n - 1 : -1] / temperature
         logp = torch.log_softmax(logits, -1)
         expected = logp.gather(-1, tokens[-n:, None])[:, 0]
         torch.testing.assert_close(out.log_probs[i], expected, atol=1e-5, rtol=1e-5)

@@ -117,7 +117,8 @@ class TrainActor:
         self.backend = TorchBackend(hf_checkpoint=hf_checkpoint, optimizer=config.optimizer,
                                     algorithm=config.algorithm, batch=config.batch, seed=config.seed, rank=rank,
                                     world_size=world_size, init_method=init_method or None,
-                                    total_steps=total_steps, ref_load=config.checkpoint.ref_load)
+                                    total_steps=total_steps, ref_load=config.checkpoint.ref_load,
+                                    temperature=config.rollout.rollout_temperature)
 
     def load(self) -> tuple[int, dict[str, Any]]:
         """slime's start: the latest checkpoint of --load, else --ref-load's weights, else the HF weights.

@@ -67,15 +67,20 @@ class TorchBackend:
     hf_checkpoint: HF directory (architecture, config and initial weights). ref_load: torch_dist checkpoint (root
     or directory) of the reference model; default: the HF weights. total_steps: the run's optimizer steps, needed
     by a decaying learning rate without --lr-decay-iters. rank/world_size/init_method: torch.distributed
-    rendezvous (gloo on CPU, NCCL on GPU); world size 1 needs none. Custom loss/advantage plug-ins are loaded
-    here, so a wrong path fails at construction.
+    rendezvous (gloo on CPU, NCCL on GPU); world size 1 needs none. temperature: --rollout-temperature; the
+    logits are divided by it before every log-softmax, as slime does, so the trainer's log-probs (old, reference,
+    current) and entropies are those of the distribution the rollouts were sampled from. Custom loss/advantage
+    plug-ins are loaded here, so a wrong path fails at construction.
     """
 
     def __init__(self, hf_checkpoint: str | Path, optimizer: OptimizerConfig, algorithm: AlgorithmConfig,
                  batch: BatchConfig, seed: int = 1234, rank: int = 0, world_size: int = 1,
                  init_method: str | None = None, total_steps: int | None = None, ref_load: str | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, temperature: float = 1.0):
+        if temperature <= 0:
+            raise ValueError(f"temperature {temperature}: the trainer's log-probs need a sampling temperature > 0")
         self.hf_checkpoint = Path(hf_checkpoint)
+        self.temperature = temperature
         self.optimizer_config, self.algorithm, self.batch = optimizer, algorithm, batch
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device) if device is not None else default_device()
@@ -164,6 +169,7 @@ class TorchBackend:
             # row into one [tokens, vocab] block, so one log-softmax serves the micro-batch.
             selected = model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                              logits_to_keep=keep.to(self.device), use_cache=False).logits
+        selected = selected.float() / self.temperature  # the sampling policy's logits; x / 1.0 is exact
         log_probs = alg.compute_log_probs(selected, targets.to(self.device))
         entropy = alg.compute_entropy_from_logits(selected) if with_entropy else None
         split = rows.response_lengths
