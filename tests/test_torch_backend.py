@@ -87,6 +87,39 @@ def test_packed_micro_batches_give_the_one_pass_gradients(hf_dir, per_token):
     assert ((got - reference).norm() / reference.norm()).item() < 1e-6
 
 
+def make_group_batch() -> TrainBatch:
+    """Two prompts with four one-token responses each (two the same), and one sample whose tokens but the last
+    equal a prompt while its response is two tokens long: a GRPO rollout of one-token answers, plus a near miss."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 250, (n,), generator=g) for n in (5, 7)]
+    tokens = [torch.cat([p, torch.tensor([tok])]) for p in prompts for tok in (10, 11, 11, 12)]
+    tokens.append(torch.cat([prompts[0], torch.tensor([13])]))
+    lengths = [1] * 8 + [2]
+    return TrainBatch(tokens=tokens, response_lengths=lengths, loss_masks=[torch.ones(n) for n in lengths],
+                      rewards=torch.zeros(len(tokens)))
+
+
+def test_samples_that_share_their_inputs_share_one_forward_row(hf_dir):
+    from slimeflow.stages.rl.backend.torch_backend import distinct_rows
+
+    batch = make_group_batch()
+    firsts, row_of = distinct_rows(batch.tokens, batch.response_lengths)
+    assert firsts == [0, 4, 8] and row_of.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2]
+    shared, alone = make_config(batch={"micro_batch_size": 9}), make_config(batch={"micro_batch_size": 1})
+    g = torch.Generator().manual_seed(3)
+    prepared = Prepared(old_log_probs=None, ref_log_probs=None,
+                        advantages=[torch.randn(n, generator=g) for n in batch.response_lengths])
+    results = []
+    for config in (shared, alone):
+        backend = make_backend(hf_dir, config, temperature=1.5)
+        out = backend.compute_log_probs(batch, with_entropy=True)
+        results.append((torch.cat(out.log_probs), torch.cat(out.entropy), gradients(backend, batch, prepared, config)))
+    (logp, entropy, grads), (logp_alone, entropy_alone, grads_alone) = results
+    torch.testing.assert_close(logp, logp_alone, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(entropy, entropy_alone, atol=1e-6, rtol=1e-6)
+    assert grads_alone.norm() > 0 and ((grads - grads_alone).norm() / grads_alone.norm()).item() < 1e-6
+
+
 def response_log_prob(backend: TorchBackend, batch: TrainBatch, i: int) -> float:
     return backend.compute_log_probs(batch.select([i])).log_probs[0].sum().item()
 

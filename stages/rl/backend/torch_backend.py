@@ -143,7 +143,7 @@ class TorchBackend:
 
     def forward(self, rows: TrainBatch, with_entropy: bool = False, reference: bool = False) -> LogProbs:
         """Response-token log-probs (and entropies) of every row, on this device, with autograd as the caller's
-        grad mode sets it. One micro-batch: rows are right-padded to the longest and masked."""
+        grad mode sets it. One micro-batch: its distinct rows (`distinct_rows`) right-padded to the longest."""
         model = self.ref_model if reference else self.model
         if model is None:
             raise ValueError("no reference model: it is loaded only with --use-kl-loss or --kl-coef > 0")
@@ -155,23 +155,21 @@ class TorchBackend:
             raise ValueError(f"sample {i}: response_length {int(lengths[i])} leaves no prompt token "
                              f"({int(totals[i])} tokens); the first response token needs a token before it to be "
                              "predicted from")
-        # Right-padded rows; `keep` marks the positions that predict a response token (the one before each).
-        columns = torch.arange(int(totals.max()))
-        filled = columns < totals[:, None]
-        ids = torch.zeros(filled.shape, dtype=torch.long)
-        ids[filled] = torch.cat(list(rows.tokens))  # row-major: each row's tokens, then padding
-        mask = filled.long()
-        keep = (columns >= (totals - lengths - 1)[:, None]) & (columns < (totals - 1)[:, None])
-        targets = ids[:, 1:][keep[:, :-1]]
+        firsts, row_of = distinct_rows(rows.tokens, rows.response_lengths)
+        ids, mask, keep = right_padded([rows.tokens[i] for i in firsts], totals[firsts], lengths[firsts])
         cast = self.autocast_dtype
         with torch.autocast(self.device.type, dtype=cast) if cast is not None else contextlib.nullcontext():
             # logits_to_keep (a boolean mask): the output layer runs on the kept positions only, flattened row by
             # row into one [tokens, vocab] block, so one log-softmax serves the micro-batch.
             selected = model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                              logits_to_keep=keep.to(self.device), use_cache=False).logits
-        selected = selected.float() / self.temperature  # the sampling policy's logits; x / 1.0 is exact
-        log_probs = alg.compute_log_probs(selected, targets.to(self.device))
-        entropy = alg.compute_entropy_from_logits(selected) if with_entropy else None
+        logits = selected.float() / self.temperature  # the sampling policy's logits; x / 1.0 is exact
+        if row_of is not None:  # each sample's positions within its row's block of kept positions
+            kept = lengths[firsts]
+            logits = logits[ranges((torch.cumsum(kept, 0) - kept)[row_of], lengths).to(self.device)]
+        targets = torch.cat(list(rows.tokens))[ranges(torch.cumsum(totals, 0) - lengths, lengths)]
+        log_probs = alg.compute_log_probs(logits, targets.to(self.device))
+        entropy = alg.compute_entropy_from_logits(logits) if with_entropy else None
         split = rows.response_lengths
         return LogProbs(list(torch.split(log_probs, split)),
                         None if entropy is None else list(torch.split(entropy, split)))
@@ -241,6 +239,43 @@ class TorchBackend:
         """The inverse of training_state (after the weights are loaded)."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+def distinct_rows(tokens: list[torch.Tensor], response_lengths: list[int]) -> tuple[list[int], torch.Tensor | None]:
+    """The samples that get a forward row of their own, and each sample's row (None: every sample has its own).
+
+    A sample's response log-probs depend only on its tokens but the last (the last one's output predicts nothing)
+    and on its response length. Samples that agree on both (a GRPO group's one-token responses to one prompt)
+    share the first one's row, so the forward and backward run once for all of them; the loss still counts each
+    sample, and autograd sums their gradients into the shared row.
+    """
+    keys: dict[tuple[int, bytes], int] = {}
+    row_of = [keys.setdefault((n, t[:-1].numpy().tobytes()), len(keys))
+              for t, n in zip(tokens, response_lengths, strict=True)]
+    if len(keys) == len(row_of):
+        return list(range(len(row_of))), None
+    firsts: dict[int, int] = {}
+    for i, row in enumerate(row_of):
+        firsts.setdefault(row, i)
+    return list(firsts.values()), torch.tensor(row_of, dtype=torch.long)
+
+
+def right_padded(tokens: list[torch.Tensor], totals: torch.Tensor,
+                 response_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, attention mask, keep) of rows right-padded to the longest; `keep` marks the positions whose output
+    predicts a response token (the one before each response token)."""
+    columns = torch.arange(int(totals.max()))
+    filled = columns < totals[:, None]
+    ids = torch.zeros(filled.shape, dtype=torch.long)
+    ids[filled] = torch.cat(tokens)  # row-major: each row's tokens, then padding
+    keep = (columns >= (totals - response_lengths - 1)[:, None]) & (columns < (totals - 1)[:, None])
+    return ids, filled.long(), keep
+
+
+def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The concatenation of arange(start, start + length) for each (start, length), without a Python loop."""
+    offsets = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(starts - offsets, lengths) + torch.arange(int(lengths.sum()))
 
 
 def seed_everything(seed: int) -> None:
