@@ -16,7 +16,8 @@ rows send 64 concurrent requests on fresh connections, as 64 users would; one mo
 On a shared machine one run of each side moves with the load, so each side runs --repeats times, interleaved,
 and the rows give each side's best run; the CPU-time rows move least with the load: this process's CPU seconds
 (the in-process engine against model.generate), and the engine process's CPU seconds over HTTP (the server's
-parsing, scheduling and responses; not the client's).
+parsing, scheduling and responses; not the client's). A last equal-lengths row splits the in-process runs into
+prefill (runs of one new token) and each later token's step, the two ratios the whole-run one is made of.
 
     .venv/bin/python benchmarks/engine_bench.py [--max-new-tokens 128] [--threads 1] [--one-by-one 8] [--repeats 3]
 """
@@ -159,7 +160,8 @@ def report(args, model, pad: int, engines: Engines, prompts: list[list[int]],
              f"  model.generate, batch of {n}     : {batch_tps:8.0f} tok/s ({batch.wall_s:.2f} s)",
              f"  model.generate, one by one ({len(single)}) : {single_tps:8.0f} tok/s  "
              f"engine/one-by-one = {http.tokens / http.wall_s / single_tps:.2f}x",
-             _cpu_row(local, batch, n * max_new), _http_cpu_row(http, batch, n * max_new)]
+             _cpu_row(local, batch, n * max_new), _http_cpu_row(http, batch, n * max_new),
+             _split_row(args.repeats, engines.loaded, model, pad, prompts, local, batch, max_new)]
     http, one_post, local, batch = _best_runs(args.repeats, engines, model, pad, prompts, lengths, max(lengths))
     useful_tps = sum(lengths) / batch.wall_s
     rows += [f"varied lengths (16..{max_new}, {sum(lengths)} tokens asked for; the static batch runs to the longest):",
@@ -216,6 +218,22 @@ def _best_runs(repeats: int, engines: Engines, model, pad: int, prompts: list[li
             runs[side].append(_timed(fn, engines.server if side.startswith("http") else here))
     http, one_post, local, batch = (min(runs[side], key=lambda r: r.wall_s) for side in sides)
     return http, one_post, local, batch
+
+
+def _split_row(repeats: int, loaded: LoadedModel, model, pad: int, prompts: list[list[int]], local: Run,
+               batch: Run, max_new: int) -> str:
+    """Prefill (best of `repeats` interleaved runs of one new token) and each later token's step (the rest of the
+    best equal-lengths runs), engine in process against model.generate: the two parts of the whole-run ratio."""
+    engine_runs, batch_runs = [], []
+    for _ in range(repeats):
+        engine_runs.append(in_process_run(loaded, prompts, [1] * len(prompts))[0])
+        batch_runs.append(hf_batch(model, prompts, 1, pad))
+    engine_first, batch_first = min(engine_runs), min(batch_runs)
+    engine_step = (local.wall_s - engine_first) / max(max_new - 1, 1) * 1e3
+    batch_step = (batch.wall_s - batch_first) / max(max_new - 1, 1) * 1e3
+    return (f"  split (in process)              : prefill + first token engine {engine_first:.3f} s, model.generate "
+            f"{batch_first:.3f} s ({batch_first / engine_first:.2f}x); each later token {engine_step:.2f} ms vs "
+            f"{batch_step:.2f} ms ({batch_step / engine_step:.2f}x)")
 
 
 def _cpu_row(local: Run, batch: Run, useful_tokens: int) -> str:
