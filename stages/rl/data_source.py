@@ -83,8 +83,8 @@ class DataSource:
         prompt, label, metadata = _parse_item(item, row)
         group = []
         for _ in range(self.n_samples_per_prompt):
-            group.append(Sample(group_index=self.group_index, index=self.sample_index, prompt=copy.deepcopy(prompt),
-                                label=label, metadata=copy.deepcopy(metadata)))
+            group.append(Sample(group_index=self.group_index, index=self.sample_index, prompt=json_copy(prompt),
+                                label=label, metadata=json_copy(metadata)))
             self.sample_index += 1
         self.group_index += 1
         return group
@@ -108,6 +108,19 @@ class DataSource:
         self.group_index = int(state["group_index"])
         self.sample_index = int(state["sample_index"])
         self._order = self._epoch_order(self.epoch)
+
+
+def json_copy(value: Any) -> Any:
+    """A deep copy of a JSON-like value: dicts and lists are copied, strings, numbers and None shared (they are
+    immutable), anything else deep-copied. Each sample needs its own prompt and metadata; copy.deepcopy's
+    bookkeeping made them ~3 ms of a 256-sample rollout."""
+    if isinstance(value, dict):
+        return {key: json_copy(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [json_copy(item) for item in value]
+    if value is None or isinstance(value, str | int | float):
+        return value
+    return copy.deepcopy(value)
 
 
 def _parse_item(item: Mapping[str, Any], row: int) -> tuple[Any, str | None, dict[str, Any]]:

@@ -153,8 +153,9 @@ async def default_generate_group(ctx: RolloutContext, group: Group, params: dict
     requests = [(sample, _prepare(ctx, sample, params)) for sample in group]
     todo = [(sample, request) for sample, request in requests if request is not None]
     if todo:
+        suffix = uuid.uuid4().hex[:8]  # one per request: (group, index) already tells its samples apart
         outs = await ctx.client.generate_batch([s.tokens for s, _ in todo], [r for _, r in todo],
-                                               return_logprob=True, rids=[_rid(s) for s, _ in todo])
+                                               return_logprob=True, rids=[_rid(s, suffix) for s, _ in todo])
         for (sample, _), out in zip(todo, outs, strict=True):
             _apply(ctx, sample, out)
     return group
@@ -187,8 +188,9 @@ def _prepare(ctx: RolloutContext, sample: Sample, params: dict[str, Any]) -> dic
                 sampling_seed=sample_seed(ctx.config.data.rollout_seed, sample))
 
 
-def _rid(sample: Sample) -> str:
-    return f"sample-{sample.group_index}-{sample.index}-{uuid.uuid4().hex[:8]}"
+def _rid(sample: Sample, suffix: str | None = None) -> str:
+    """A request id unique to this attempt at `sample` (a random suffix, drawn per call unless given)."""
+    return f"sample-{sample.group_index}-{sample.index}-{suffix or uuid.uuid4().hex[:8]}"
 
 
 def _apply(ctx: RolloutContext, sample: Sample, out: dict[str, Any]) -> Sample:
