@@ -295,6 +295,19 @@ def test_sampling_follows_top_k_top_p_by_inverse_cdf(top_k, top_p, expected):
                                atol=1e-6, rtol=0)
 
 
+def test_logprobs_are_of_the_tempered_distribution_and_greedy_rows_of_the_raw_one():
+    """As SGLang returns them and the trainer recomputes them: log_softmax(logits / temperature)."""
+    from slimeflow.stages.rl.engine.sampling import SamplingParams, sample_rows
+
+    logits = torch.tensor([[0.1, 2.0, -1.0, 0.7]] * 3)
+    params = [SamplingParams(temperature=0.5), SamplingParams(temperature=1.5, top_k=2), SamplingParams(temperature=0)]
+    step = sample_rows(logits, params, torch.tensor([0.3, 0.9, 0.5]))
+    temps = torch.tensor([0.5, 1.5, 1.0])
+    expected = (logits / temps[:, None]).log_softmax(-1)[torch.arange(3), torch.tensor(step.tokens)]
+    torch.testing.assert_close(torch.tensor(step.logprobs), expected, atol=1e-6, rtol=0)
+    assert step.tokens[2] == 1  # greedy
+
+
 def test_kv_batch_matches_plain_forward_through_joins_leaves_and_growth(reference):
     from slimeflow.stages.rl.engine import kv_batch
     from slimeflow.stages.rl.engine.native import HFForward

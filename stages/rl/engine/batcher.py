@@ -52,7 +52,8 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class GenerateResult:
-    """A finished request. `output_logprobs[i]` is log p(output_ids[i]) under the temperature-1 model.
+    """A finished request. `output_logprobs[i]` is log p(output_ids[i]) under the logits over the request's
+    temperature (greedy: temperature 1).
 
     `finish_reason` is SGLang's {"type": "stop"|"length"|"abort", "matched": id | str | None}; `weight_version`
     is the version every output token was generated with.

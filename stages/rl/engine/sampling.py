@@ -134,7 +134,8 @@ def _token_ids(value: Any, vocab_size: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class SampleStep:
-    """The tokens drawn for each row and their log-probs under the unmodified (temperature 1) model."""
+    """The tokens drawn for each row and their log-probs under the distribution sampled from: the logits divided
+    by the row's temperature (1 for greedy rows), before top-k/top-p."""
 
     tokens: list[int]
     logprobs: list[float]
@@ -144,8 +145,9 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], uniforms: to
     """Draw one token per row of `logits` [B, V] with row i's `params[i]`, by inverse CDF at `uniforms[i]`.
 
     One uniform per row (drawn from that request's own generator) keeps each request reproducible whatever
-    else shares its batch. Greedy rows take the argmax. The returned log-probs are log_softmax of the raw
-    logits: what the trainer recomputes, so rollout and training log-probs agree.
+    else shares its batch. Greedy rows take the argmax. The returned log-probs are log_softmax of the logits
+    over the temperature, as SGLang returns them and as the trainer recomputes them (logits / rollout
+    temperature), so rollout and training log-probs agree; top-k/top-p truncation does not change them.
     """
     logits = logits.float()
     device = logits.device
@@ -161,7 +163,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], uniforms: to
     picked = torch.searchsorted(cdf, target, right=True).clamp(max=logits.shape[-1] - 1)
     tokens = (order.gather(1, picked) if order is not None else picked).squeeze(1)
     tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-    logprobs = logits.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    logprobs = scaled.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
     return SampleStep(tokens=tokens.tolist(), logprobs=logprobs.tolist())
 
 
