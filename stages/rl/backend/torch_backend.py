@@ -249,9 +249,15 @@ def distinct_rows(tokens: list[torch.Tensor], response_lengths: list[int]) -> tu
     share the first one's row, so the forward and backward run once for all of them; the loss still counts each
     sample, and autograd sums their gradients into the shared row.
     """
-    keys: dict[tuple[int, bytes], int] = {}
-    row_of = [keys.setdefault((n, t[:-1].numpy().tobytes()), len(keys))
-              for t, n in zip(tokens, response_lengths, strict=True)]
+    if not tokens:
+        return [], None
+    values = torch.cat(tokens).tolist()  # one conversion for the micro-batch, then slices of a Python list
+    keys: dict[tuple[int, tuple[int, ...]], int] = {}
+    row_of, start = [], 0
+    for t, n in zip(tokens, response_lengths, strict=True):
+        end = start + t.numel()
+        row_of.append(keys.setdefault((n, tuple(values[start : end - 1])), len(keys)))
+        start = end
     if len(keys) == len(row_of):
         return list(range(len(row_of))), None
     firsts: dict[int, int] = {}
