@@ -7,6 +7,13 @@ std, no KL, reward 1.0 when the response starts with the label; greedy held-out 
 steps. Each side stops when that accuracy first reaches --target, after --max-rollouts steps, or after
 --max-seconds of loop time. The two run one after the other in this run (slimeflow first).
 
+Both sides train on the log-probs of the sampling distribution (logits / temperature), as slime and TRL do, so
+their updates are the same function of the same rollout. What still differs is inherent: the group-std epsilon
+(slime's 1e-6, TRL's 1e-4) and each side's random streams (sampled responses, prompt order). Steps to target is
+therefore one draw per --seed, and its spread over seeds is wide on both sides (seeds 1-9 and 1234 at --target
+0.7: slimeflow 80 to 170 steps and twice not within 300, TRL 80 to 180): compare several seeds before reading a
+difference into one.
+
 - slimeflow: the train stage in a subprocess (Ray, the embedded engine, the torch backend); rollouts.jsonl is
   tailed as it grows. Start-up (imports, Ray, engine, the eval before training) is reported apart from the loop.
 - TRL: GRPOTrainer in this process (transformers.generate on the CPU); the eval is a TrainerCallback. Start-up
@@ -123,7 +130,7 @@ def run_slimeflow(args, hf: str, train: str, held_out: str, workdir: Path) -> Si
     from slimeflow.stages.rl.placement import cpu_threads
 
     result.notes.insert(0, f"1-min load average at start {load:.2f}, at end {os.getloadavg()[0]:.2f}; "
-                           f"torch threads: trainer {cpu_threads(1, spare=0)}, engine {cpu_threads(1)}")
+                           f"torch threads: trainer {cpu_threads(1)}, engine {cpu_threads(1)}")
     return result
 
 
