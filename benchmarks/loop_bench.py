@@ -10,9 +10,9 @@ steps. Each side stops when that accuracy first reaches --target, after --max-ro
 Both sides train on the log-probs of the sampling distribution (logits / temperature), as slime and TRL do, so
 their updates are the same function of the same rollout. What still differs is inherent: the group-std epsilon
 (slime's 1e-6, TRL's 1e-4) and each side's random streams (sampled responses, prompt order). Steps to target is
-therefore one draw per --seed, and its spread over seeds is wide on both sides (seeds 1-9 and 1234 at --target
-0.7: slimeflow 80 to 170 steps and twice not within 300, TRL 80 to 180): compare several seeds before reading a
-difference into one.
+therefore one draw per --seed, and its spread over seeds is wide on both sides (seeds 1-6 and 8-11 at --target
+0.7: slimeflow 90 to 160 steps, median 125, and twice not within 300; TRL 80 to 180, median 110, once not within
+300): compare several seeds before reading a difference into one.
 
 - slimeflow: the train stage in a subprocess (Ray, the embedded engine, the torch backend); rollouts.jsonl is
   tailed as it grows. Start-up (imports, Ray, engine, the eval before training) is reported apart from the loop.
