@@ -12,7 +12,8 @@ their updates are the same function of the same rollout. What still differs is i
 (slime's 1e-6, TRL's 1e-4) and each side's random streams (sampled responses, prompt order). Steps to target is
 therefore one draw per --seed, and its spread over seeds is wide on both sides (seeds 1-6 and 8-11 at --target
 0.7: slimeflow 90 to 160 steps and twice not within 300, median 130; TRL 80 to 180 and once not within 300, median
-115; TRL got there in fewer steps on 8 of the 10): compare several seeds before reading a difference into one.
+115; TRL got there in fewer steps on 8 of the 10, as in an earlier ten on nearly the same code, so some difference
+beyond the random streams may remain, not yet found): compare several seeds before reading anything into one.
 
 - slimeflow: the train stage in a subprocess (Ray, the embedded engine, the torch backend); rollouts.jsonl is
   tailed as it grows. Start-up (imports, Ray, engine, the eval before training) is reported apart from the loop.
