@@ -73,9 +73,15 @@ def compute_gspo_kl(log_probs: Sequence[torch.Tensor], old_log_probs: Sequence[t
         return []
     lengths = [lp.numel() for lp in log_probs]
     index = sample_index(lengths, log_probs[0].device)
-    diff = torch.cat(list(old_log_probs)) - torch.cat(list(log_probs))
-    seq = sample_means(diff, torch.cat(list(loss_masks)), index, len(lengths))
-    return list(torch.split(seq[index], lengths))
+    flat = gspo_kl_flat(torch.cat(list(log_probs)), torch.cat(list(old_log_probs)), torch.cat(list(loss_masks)),
+                        index, len(lengths))
+    return list(torch.split(flat, lengths))
+
+
+def gspo_kl_flat(log_probs: torch.Tensor, old_log_probs: torch.Tensor, loss_mask: torch.Tensor,
+                 index: torch.Tensor, num_samples: int) -> torch.Tensor:
+    """`compute_gspo_kl` on flat tokens: several samples concatenated, `index` the sample of each (sample_index)."""
+    return sample_means(old_log_probs - log_probs, loss_mask, index, num_samples)[index]
 
 
 def compute_tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,

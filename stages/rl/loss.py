@@ -134,7 +134,7 @@ def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce) -> 
     old_log_probs = torch.cat(inputs.old_log_probs)
     if config.advantage_estimator == "gspo":
         index = alg.sample_index(lengths, log_probs.device)
-        ppo_kl = alg.sample_means(old_log_probs - log_probs, torch.cat(inputs.loss_masks), index, len(lengths))[index]
+        ppo_kl = alg.gspo_kl_flat(log_probs, old_log_probs, torch.cat(inputs.loss_masks), index, len(lengths))
     else:
         ppo_kl = old_log_probs - log_probs
     advantages = torch.cat(inputs.advantages)
