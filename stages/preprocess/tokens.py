@@ -75,13 +75,12 @@ class PromptTokenizer:
     def _count_chunk(self, texts: list[str]) -> list[int]:
         if self._ascii_encoder is None:
             return _lengths(self._encoder, texts)
-        other = [i for i, text in enumerate(texts) if not text.isascii()]
-        if not other:
+        plain = [text.isascii() for text in texts]
+        if all(plain):
             return _lengths(self._ascii_encoder, texts)
-        counts = _lengths(self._ascii_encoder, [t for t in texts if t.isascii()])
-        for i, count in zip(other, _lengths(self._encoder, [texts[i] for i in other]), strict=True):
-            counts.insert(i, count)  # ascending indices: each lands where its text was
-        return counts
+        ascii_counts = iter(_lengths(self._ascii_encoder, [t for t, p in zip(texts, plain, strict=True) if p]))
+        other_counts = iter(_lengths(self._encoder, [t for t, p in zip(texts, plain, strict=True) if not p]))
+        return [next(ascii_counts) if p else next(other_counts) for p in plain]
 
 
 def _lengths(encoder: Any, texts: list[str]) -> list[int]:
