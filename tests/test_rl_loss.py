@@ -62,6 +62,20 @@ def test_tis_weights_and_metrics():
         run(AlgorithmConfig(use_tis=True), hand_batch())
 
 
+def test_train_rollout_logprob_abs_diff_is_the_masked_mean_drift_and_changes_no_loss():
+    # The engine's log-probs against the trainer's old ones (0): |drift| s0 [0.5, 2.0], s1 [0.1, 0.3 (masked), 0.2].
+    rollout = [t(0.5, -2.0), t(-0.1, 0.3, 0.2)]
+    masks = [t(1, 1), t(1, 0, 1)]
+    plain = run(AlgorithmConfig(eps_clip_high=0.28), hand_batch(loss_masks=masks))
+    out = run(AlgorithmConfig(eps_clip_high=0.28), hand_batch(loss_masks=masks, rollout_log_probs=rollout))
+    approx(out.metrics["train_rollout_logprob_abs_diff"], ((0.5 + 2.0) / 2 + (0.1 + 0.2) / 2) / 2)
+    approx(out.loss, plain.loss.item())  # a metric only: without --use-tis the engine's log-probs weight nothing
+    assert "train_rollout_logprob_abs_diff" not in plain.metrics
+    per_token = run(AlgorithmConfig(calculate_per_token_loss=True), hand_batch(loss_masks=masks,
+                                                                              rollout_log_probs=rollout))
+    approx(per_token.metrics["train_rollout_logprob_abs_diff"], (0.5 + 2.0 + 0.1 + 0.2) / 4)
+
+
 def test_kl_loss_and_entropy_terms():
     inputs = hand_batch()
     inputs.ref_log_probs = [lp - 0.1 for lp in inputs.log_probs]  # k1 = 0.1 on every token

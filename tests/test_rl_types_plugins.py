@@ -34,6 +34,9 @@ def test_train_batch_refuses_inconsistent_columns_and_unscored_samples():
         TrainBatch(tokens=[torch.ones(3)], response_lengths=[1], loss_masks=[torch.ones(1)], rewards=torch.ones(2))
     with pytest.raises(ValueError, match="sample 0: loss_mask has 2 entries, response_length is 1"):
         TrainBatch(tokens=[torch.ones(3)], response_lengths=[1], loss_masks=[torch.ones(2)], rewards=torch.ones(1))
+    with pytest.raises(ValueError, match="sample 0: rollout_log_probs has 2 entries, response_length is 1"):
+        TrainBatch(tokens=[torch.ones(3)], response_lengths=[1], loss_masks=[torch.ones(1)], rewards=torch.ones(1),
+                   rollout_log_probs=[torch.zeros(2)])
     failed = scored(0, 1, 1.0)
     failed.mark_failed("boom")
     with pytest.raises(ValueError, match=r"samples \[0\] have no reward or failed"):

@@ -126,7 +126,9 @@ def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce) -> 
     """pg_loss - entropy_coef * entropy + kl_loss_coef * kl_loss (slime's policy_loss_function).
 
     Metrics: pg_loss, pg_clipfrac, ppo_kl, entropy (when given), kl_loss (with use_kl_loss), tis and
-    tis_clipfrac (with use_tis), each aggregated like the loss.
+    tis_clipfrac (with use_tis), and, when the rollout engine's log-probs are given, train_rollout_logprob_abs_diff
+    (|trainer's old log-prob - engine's| per token, as slime logs it: near 0 when the engines serve the weights the
+    trainer had, so a weight-sync or numerics problem shows here), each aggregated like the loss.
     """
     lengths = [lp.numel() for lp in inputs.log_probs]
     agg = reduce.flat if isinstance(reduce, TokenWeights) else lambda flat: reduce(torch.split(flat, lengths))
@@ -153,6 +155,9 @@ def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce) -> 
         losses = losses * weights
         metrics["tis"] = agg(ratio)
         metrics["tis_clipfrac"] = agg((ratio > config.tis_clip).float())
+    if inputs.rollout_log_probs is not None:
+        drift = (old_log_probs - torch.cat(inputs.rollout_log_probs)).abs()
+        metrics["train_rollout_logprob_abs_diff"] = agg(drift.detach())
     pg_loss = agg(losses)
     loss = pg_loss
     metrics.update(pg_loss=pg_loss, pg_clipfrac=agg(clipfrac), ppo_kl=agg(ppo_kl.detach()))

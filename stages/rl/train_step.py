@@ -130,7 +130,7 @@ def accumulate_gradients(backend: TorchBackend, batch: TrainBatch, indices: list
         inputs = LossInputs(log_probs=out.log_probs, old_log_probs=old,
                             advantages=pick(prepared.advantages), loss_masks=pick(batch.loss_masks),
                             ref_log_probs=pick(prepared.ref_log_probs) if algo.use_kl_loss else None,
-                            rollout_log_probs=pick(batch.rollout_log_probs) if algo.use_tis else None,
+                            rollout_log_probs=pick(batch.rollout_log_probs),
                             entropy=entropy)
         result = compute_loss(algo, inputs, normalizer, backend.custom_loss)
         result.loss.backward()

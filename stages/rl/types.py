@@ -95,6 +95,13 @@ class TrainBatch:
                     f"TrainBatch sample {i}: loss_mask has {mask.numel()} entries, response_length is {length}, "
                     f"tokens has {toks.numel()}; the mask must cover exactly the response"
                 )
+        for i, (logp, length) in enumerate(zip(self.rollout_log_probs or [], self.response_lengths, strict=False)):
+            if logp.numel() != length:
+                raise ValueError(
+                    f"TrainBatch sample {i}: rollout_log_probs has {logp.numel()} entries, response_length is "
+                    f"{length}; the engine's log-probs must cover exactly the response (a custom generate function "
+                    f"gives one per response token, 0.0 for tool or environment tokens)"
+                )
 
     def __len__(self) -> int:
         return len(self.tokens)
