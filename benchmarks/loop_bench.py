@@ -8,12 +8,16 @@ steps. Each side stops when that accuracy first reaches --target, after --max-ro
 --max-seconds of loop time. The two run one after the other in this run (slimeflow first).
 
 Both sides train on the log-probs of the sampling distribution (logits / temperature), as slime and TRL do, so
-their updates are the same function of the same rollout. What still differs is inherent: the group-std epsilon
-(slime's 1e-6, TRL's 1e-4) and each side's random streams (sampled responses, prompt order). Steps to target is
-therefore one draw per --seed, and its spread over seeds is wide on both sides (seeds 1-6 and 8-11 at --target
-0.7: slimeflow 90 to 160 steps and twice not within 300, median 130; TRL 80 to 180 and once not within 300, median
-115; TRL got there in fewer steps on 8 of the 10, as in an earlier ten on nearly the same code, so some difference
-beyond the random streams may remain, not yet found): compare several seeds before reading anything into one.
+their updates are the same function of the same rollout: benchmarks/grpo_step_equivalence.py feeds both the same
+batches and finds the same advantages, gradient and weights (to float rounding once the group-std epsilon, slime's
+1e-6 against TRL's 1e-4, is matched), and slimeflow's train_rollout_logprob_abs_diff (engine against trainer
+log-probs of the sampled tokens, at most 3.4e-7 here) shows its rollouts are sampled with the weights it trains.
+What differs is each side's random streams (sampled responses, prompt order), so steps to target is one draw per
+--seed and its spread over seeds is wide on both sides. At --target 0.7 (steps, eval every 10): seeds 1-6 and 8-11,
+slimeflow 90 to 160 and twice not within 300 (median 130), TRL 80 to 180 and once not (median 115), TRL first on 8;
+seeds 12-19, slimeflow 80 to 180 (median 95), TRL 60 to 120 and once not (median 105), each first on 3, 2 ties.
+TRL was first on 11 of those 18 seeds: were each seed a coin flip, 11 or more would come up 24% of the time.
+Compare several seeds before reading anything into one.
 
 - slimeflow: the train stage in a subprocess (Ray, the embedded engine, the torch backend); rollouts.jsonl is
   tailed as it grows. Start-up (imports, Ray, engine, the eval before training) is reported apart from the loop.
