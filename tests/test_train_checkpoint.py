@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def test_the_checkpoint_is_megatron_torch_dist_and_converts_back_to_identical_hf
     assert any(not torch.equal(weights[n], w) for n, w in resumed.named_weights().items())  # it trained
 
 
-@pytest.mark.parametrize("fail_at", ["side_files", "commit"])
+@pytest.mark.parametrize("fail_at", ["side_files", "before_commit", "commit"])
 def test_an_interrupted_save_leaves_the_previous_checkpoint_latest(saved, tmp_path, monkeypatch, fail_at):
     hf_dir, _, _ = saved
     backend = make_backend(hf_dir)
@@ -112,10 +113,11 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint_latest(saved, tmp_pa
     def crash(*args, **kwargs):
         raise KeyboardInterrupt("killed mid-save")
 
-    target = (ckpt, "write_side_files") if fail_at == "side_files" else (checkpoints, "commit")
-    monkeypatch.setattr(*target, crash)
+    if fail_at != "before_commit":
+        monkeypatch.setattr(*((ckpt, "write_side_files") if fail_at == "side_files" else (checkpoints, "commit")),
+                            crash)
     with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(backend, root, 2, {"rollout_id": 2})
+        save_checkpoint(backend, root, 2, {"rollout_id": 2}, before_commit=crash if fail_at == "before_commit" else None)
     storage = Storage()
     assert checkpoints.find_latest(storage, str(root)) == first
     assert checkpoints.list_checkpoints(storage, str(root), include_incomplete=True) == [first]
@@ -157,3 +159,15 @@ def test_a_reference_model_loads_from_ref_load(saved):
         if name in reference:
             assert torch.equal(reference[name].detach(), weight), name
     assert not any(p.requires_grad for p in backend.ref_model.parameters())
+
+
+def test_a_train_actor_whose_ray_node_died_refuses_to_commit(monkeypatch):
+    # After a SIGKILL of the job, an actor finishing a save finds itself reparented (its raylet exited).
+    from slimeflow.stages.rl.actors import TrainActor
+
+    actor = object.__new__(TrainActor)  # the check reads nothing but the parent pid recorded at start
+    actor.parent_pid = os.getppid()
+    actor.check_still_hosted()  # the parent is alive: nothing to say
+    monkeypatch.setattr(os, "getppid", lambda: 1)
+    with pytest.raises(RuntimeError, match="not committing the checkpoint: this TrainActor's parent process"):
+        actor.check_still_hosted()

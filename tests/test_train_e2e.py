@@ -157,21 +157,23 @@ def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_data_order(tmp
     assert straight.wait(timeout=400) == 0
 
     victim = launch(config, tmp_path / "resumed")
-    tracker = tmp_path / "resumed" / "checkpoints" / "latest_checkpointed_iteration.txt"
+    root = tmp_path / "resumed" / "checkpoints"
+    tracker = root / "latest_checkpointed_iteration.txt"
     deadline = time.time() + 300
     while not tracker.exists() and time.time() < deadline and victim.poll() is None:
-        time.sleep(0.02)
+        time.sleep(0.01)
+    # Kill the job in the middle of its second save (rollout 3): its staged directory is there, seconds before
+    # the commit.
+    while victim.poll() is None and time.time() < deadline and not list(root.glob(".iter_0000003.tmp-*")):
+        time.sleep(0.005)
     assert tracker.read_text() == "1", "the first checkpoint (rollout 1) should be committed before the kill"
     os.killpg(victim.pid, signal.SIGKILL)  # the driver, Ray's raylet and GCS, the engines
     victim.wait()
-    # Ray's actors run in process groups of their own, so the kill reaches them only through their raylet's death,
-    # a second or two later; a TrainActor in the middle of a save may commit it in that time. That checkpoint is
-    # complete and holds the data-source state of its rollout, so the resumed run starts after whichever checkpoint
-    # the tracker names once nothing of the killed job is left.
+    # Ray's actors run in process groups of their own and die only once they notice their raylet's death, a second
+    # or more later; the TrainActor, finding its raylet gone, must not commit the save it was making.
     wait_until_gone(session=victim.pid, timeout=60)
-    saved = int(tracker.read_text())
-    assert saved in (1, 3), f"the kill came after checkpoint {saved}: it should interrupt the run"
-    logged_before = len((tmp_path / "resumed" / "train" / "rollouts.jsonl").read_text().splitlines())
+    assert tracker.read_text() == "1"
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000001", tracker.name]
     resumed = launch(config, tmp_path / "resumed")
     assert resumed.wait(timeout=400) == 0
 
@@ -179,9 +181,9 @@ def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_data_order(tmp
     assert sorted(expected) == list(range(6))
     assert row_ids(tmp_path / "resumed") == expected
     log = (tmp_path / "resumed" / "train" / "rollouts.jsonl").read_text().splitlines()
-    steps = [json.loads(line)["step"] for line in log[logged_before:]]
-    assert steps == list(range(saved + 1, 6))  # the resumed run started after the checkpointed rollout
-    assert (tmp_path / "resumed" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "5"
+    steps = [json.loads(line)["step"] for line in log]
+    assert steps[-4:] == [2, 3, 4, 5]  # the resumed run started after the checkpointed rollout 1
+    assert tracker.read_text() == "5"
 
 
 def wait_until_gone(session: int, timeout: float) -> None:

@@ -11,6 +11,7 @@ policy that generates rollout `k`.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +115,7 @@ class TrainActor:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.config, self.rank, self.world_size = config, rank, world_size
+        self.parent_pid = os.getppid()  # under Ray: this node's raylet (see check_still_hosted)
         self.backend = TorchBackend(hf_checkpoint=hf_checkpoint, optimizer=config.optimizer,
                                     algorithm=config.algorithm, batch=config.batch, seed=config.seed, rank=rank,
                                     world_size=world_size, init_method=init_method or None,
@@ -151,8 +153,19 @@ class TrainActor:
         from slimeflow.stages.rl.backend.checkpoint import save_checkpoint
 
         ref = save_checkpoint(self.backend, self.config.checkpoint.save, rollout_id,
-                              {**extra_state, "rollout_id": rollout_id})
+                              {**extra_state, "rollout_id": rollout_id}, before_commit=self.check_still_hosted)
         return ref.uri
+
+    def check_still_hosted(self) -> None:
+        """Refuse to commit a checkpoint once the process that started this actor (Ray's raylet) is gone.
+
+        Ray gives each actor a process group of its own, so a job killed with SIGKILL takes its actors down only
+        when they notice their raylet's death, a second or more later; a save in flight could commit in that time,
+        into a checkpoint root that a restarted run may already be resuming from.
+        """
+        if os.getppid() != self.parent_pid:
+            raise RuntimeError(f"not committing the checkpoint: this TrainActor's parent process {self.parent_pid} "
+                               "(its Ray node) has exited, so the job that asked for the save is gone")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -52,19 +53,21 @@ def _local_root(root: str | Path) -> Path:
     return local_path(str(root))
 
 
-def save_checkpoint(backend: TorchBackend, root: str | Path, rollout_id: int,
-                    extra_state: dict[str, Any]) -> CheckpointRef:
+def save_checkpoint(backend: TorchBackend, root: str | Path, rollout_id: int, extra_state: dict[str, Any],
+                    before_commit: Callable[[], None] | None = None) -> CheckpointRef:
     """Save weights, optimizer, scheduler, RNG and `extra_state` as `<root>/iter_{rollout_id:07d}`, then commit it.
 
     Collective: every data-parallel rank calls it (rank 0 writes, the others hand over their RNG states) and
     every rank gets the committed checkpoint, or the error rank 0 met. `extra_state` must be JSON-serialisable.
+    `before_commit` runs on rank 0 once everything is staged, just before the directory is moved into place: an
+    error it raises abandons the save as any other failure does (the previous checkpoint stays the latest).
     """
     extra_json = json.dumps(extra_state)  # fail before writing anything
     rngs = _gather_objects(rng_state(), backend.world_size)
     error, ref = None, None
     if backend.rank == 0:
         try:
-            ref = _save(backend, _local_root(root), rollout_id, extra_json, rngs)
+            ref = _save(backend, _local_root(root), rollout_id, extra_json, rngs, before_commit)
         except BaseException as err:
             error = err
     if backend.world_size > 1:
@@ -80,12 +83,15 @@ def save_checkpoint(backend: TorchBackend, root: str | Path, rollout_id: int,
     return ref
 
 
-def _save(backend: TorchBackend, root: Path, rollout_id: int, extra_json: str, rngs: list[Any]) -> CheckpointRef:
+def _save(backend: TorchBackend, root: Path, rollout_id: int, extra_json: str, rngs: list[Any],
+          before_commit: Callable[[], None] | None) -> CheckpointRef:
     name = checkpoints.iteration_dirname(rollout_id)
     staged = _stage_weights(backend, root, rollout_id)
     target = root / name
     try:
         write_side_files(staged / SIDE_DIR, backend.training_state(), rngs, extra_json)
+        if before_commit is not None:
+            before_commit()
         replace_dir(staged, target)
         return checkpoints.commit(Storage(), str(root), rollout_id)
     except BaseException:
