@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import pytest
@@ -231,3 +232,24 @@ def test_merging_several_batches_at_once_equals_merging_them_one_by_one(llama):
         torch.testing.assert_close(mine.keys[:, :, :mine.length], theirs.keys[:, :, :theirs.length], rtol=0, atol=0)
         torch.testing.assert_close(mine.values[:, :, :mine.length], theirs.values[:, :, :theirs.length],
                                    rtol=0, atol=0)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: every thread computes on one core anyway")
+def test_the_scheduler_thread_computes_with_the_thread_count_it_was_given(llama):
+    """torch.set_num_threads applies to the calling thread only; the forward passes run on the scheduler thread,
+    which would otherwise use one thread per core whatever --num-threads said (it did, until this test)."""
+
+    def cpu_per_wall_second() -> float:  # of this process, over matmuls big enough to run in parallel
+        a = torch.randn(768, 768)
+        cpu, wall = time.process_time(), time.perf_counter()
+        for _ in range(30):
+            a @ a
+        return (time.process_time() - cpu) / (time.perf_counter() - wall)
+
+    batcher = Batcher(llama, num_threads=1)
+    batcher.start()
+    try:
+        ratio = batcher._call(cpu_per_wall_second).result(timeout=60)
+    finally:
+        batcher.stop()
+    assert ratio < 1.4, f"the scheduler thread used {ratio:.2f} CPU seconds per second with num_threads=1"

@@ -122,12 +122,16 @@ class Batcher:
     """The scheduler thread and its queue; all public methods are thread-safe and return futures."""
 
     def __init__(self, loaded: LoadedModel, *, max_batch_size: int = 64, weight_version: str = "default",
-                 seed: int = 0, admission_window_s: float = ADMISSION_WINDOW_S) -> None:
+                 seed: int = 0, admission_window_s: float = ADMISSION_WINDOW_S, num_threads: int | None = None) -> None:
+        """`num_threads`: torch threads of the scheduler thread, which runs every forward pass; None takes the
+        count of the thread that builds the batcher (torch.set_num_threads applies to the thread that calls it
+        only: a new thread starts with one per core)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if admission_window_s < 0:
             raise ValueError(f"admission_window_s must be >= 0, got {admission_window_s}")
         self._admission_window_s = admission_window_s
+        self._num_threads = num_threads or torch.get_num_threads()
         self.admission_rounds = 0  # prefill rounds so far (each merges its requests into the running batch)
         self._loaded = loaded
         self._forward = select_forward(loaded.model)
@@ -241,6 +245,7 @@ class Batcher:
     # ---- the scheduler thread ----------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        torch.set_num_threads(self._num_threads)
         with torch.inference_mode():
             while not self._stopping.is_set():
                 self._run_commands(wait_s=self._idle_wait_s())

@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.num_threads)
     loaded = load_model(args.model_path, dtype=args.dtype)
     batcher = Batcher(loaded, max_batch_size=args.max_batch_size, weight_version=args.weight_version,
-                      seed=args.seed, admission_window_s=args.admission_window_ms / 1000)
+                      seed=args.seed, admission_window_s=args.admission_window_ms / 1000,
+                      num_threads=args.num_threads)
     state = EngineState(loaded=loaded, batcher=batcher, model_path=args.model_path, dtype=args.dtype,
                         max_batch_size=args.max_batch_size)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port,
