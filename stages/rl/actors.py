@@ -53,17 +53,23 @@ class RolloutManager:
 
         self.config = config
         self.setup = setup
-        self.loop = asyncio.new_event_loop()
-        self.tokenizer = AutoTokenizer.from_pretrained(setup.hf_checkpoint)
-        source = DataSource.from_prompt_data(setup.prompt_data, n_samples_per_prompt=config.batch.n_samples_per_prompt,
-                                             shuffle=config.data.rollout_shuffle, seed=config.data.rollout_seed)
-        buffer_filter = (load_plugin(config.rollout.buffer_filter_path, "buffer-filter-path")
-                         if config.rollout.buffer_filter_path else pop_first)
-        self.data = BufferedDataSource(source, buffer_filter)
-        self.eval_sets = {name: _prompts(uri) for name, uri in setup.eval_prompt_data.items()}
-        self.scorer = RewardScorer(config.reward)
-        self.engines = EngineSet.start(setup.hf_checkpoint, config.sglang.args, setup.num_engines,
-                                       setup.engine_threads)
+        # The engines import and load (seconds) while this actor sets up the rest.
+        launching = EngineSet.launch(setup.hf_checkpoint, config.sglang.args, setup.num_engines, setup.engine_threads)
+        try:
+            self.loop = asyncio.new_event_loop()
+            self.tokenizer = AutoTokenizer.from_pretrained(setup.hf_checkpoint)
+            source = DataSource.from_prompt_data(setup.prompt_data,
+                                                 n_samples_per_prompt=config.batch.n_samples_per_prompt,
+                                                 shuffle=config.data.rollout_shuffle, seed=config.data.rollout_seed)
+            buffer_filter = (load_plugin(config.rollout.buffer_filter_path, "buffer-filter-path")
+                             if config.rollout.buffer_filter_path else pop_first)
+            self.data = BufferedDataSource(source, buffer_filter)
+            self.eval_sets = {name: _prompts(uri) for name, uri in setup.eval_prompt_data.items()}
+            self.scorer = RewardScorer(config.reward)
+        except BaseException:
+            launching.cancel()
+            raise
+        self.engines = launching.ready()
 
     def _context(self, version: str | None) -> RolloutContext:
         return RolloutContext(self.config, self.tokenizer, self.engines.client(), self.scorer,

@@ -84,34 +84,34 @@ class EngineSet:
     def start(cls, hf_checkpoint: str, sglang_args: Mapping[str, Any], num_engines: int,
               threads: int | None = None) -> EngineSet:
         """External servers when --sglang-worker-urls is given, else `num_engines` embedded engines."""
+        return cls.launch(hf_checkpoint, sglang_args, num_engines, threads).ready()
+
+    @classmethod
+    def launch(cls, hf_checkpoint: str, sglang_args: Mapping[str, Any], num_engines: int,
+               threads: int | None = None) -> EngineLaunch:
+        """`start` in two halves: this one checks the flags and starts every embedded engine's process without
+        waiting; the returned launch's `ready()` waits for them (and starts the router). The caller's own set-up
+        can run in between, while the engines import and load."""
         external = sglang_args.get("worker_urls")
         if external:
             urls = [external] if isinstance(external, str) else [str(u) for u in external]
-            router = _router_url(sglang_args)
             weights_dir = sglang_args.get("weights_dir")
             if not weights_dir:
                 raise ValueError("--sglang-worker-urls needs --sglang-weights-dir DIR: a directory every SGLang "
                                  "server can read, where the trainer writes the weights it pushes")
-            engines = cls(urls, router or urls[0], hf_checkpoint, str(weights_dir))
-            asyncio.run(engines.check_health())
-            return engines
-        from slimeflow.stages.rl.engine.launch import start_engine, start_router
+            return EngineLaunch(cls(urls, _router_url(sglang_args) or urls[0], hf_checkpoint, str(weights_dir)),
+                                external=True)
+        from slimeflow.stages.rl.engine.launch import launch_engine
 
         options = {"num_threads": threads} if threads else {}
-        processes: list[Any] = []
+        launching = EngineLaunch(cls([], "", hf_checkpoint), external=False)  # URLs known once they answer
         try:
             for _ in range(num_engines):
-                processes.append(start_engine(hf_checkpoint, **options))
-            urls = [p.url for p in processes]
-            rollout_url = urls[0]
-            if num_engines > 1:
-                processes.append(start_router(urls))
-                rollout_url = processes[-1].url
+                launching.engines.processes.append(launch_engine(hf_checkpoint, **options))
         except BaseException:
-            for process in processes:
-                process.stop()
+            launching.cancel()
             raise
-        return cls(urls, rollout_url, hf_checkpoint, None, processes)
+        return launching
 
     @property
     def routed(self) -> bool:
@@ -142,6 +142,38 @@ class EngineSet:
         for process in reversed(self.processes):
             process.stop()
         self.processes = []
+
+
+class EngineLaunch:
+    """Engines on their way up (EngineSet.launch): `ready()` waits for them, `cancel()` stops them."""
+
+    def __init__(self, engines: EngineSet, *, external: bool):
+        self.engines, self.external = engines, external
+
+    def ready(self) -> EngineSet:
+        """The EngineSet once every embedded engine answers /health (and the router, with two or more, lists
+        them all), or once every external server answers; a failure stops what was started and raises."""
+        from slimeflow.stages.rl.engine.launch import ENGINE_READY_TIMEOUT_S, start_router
+
+        engines = self.engines
+        if self.external:
+            asyncio.run(engines.check_health())
+            return engines
+        try:
+            for process in engines.processes:
+                process.wait_ready("/health", ENGINE_READY_TIMEOUT_S)
+            engines.worker_urls = [p.url for p in engines.processes]
+            engines.rollout_url = engines.worker_urls[0]
+            if len(engines.worker_urls) > 1:
+                engines.processes.append(start_router(engines.worker_urls))
+                engines.rollout_url = engines.processes[-1].url
+        except BaseException:
+            self.cancel()
+            raise
+        return engines
+
+    def cancel(self) -> None:
+        self.engines.stop()
 
 
 class RoutedClient:

@@ -64,22 +64,28 @@ class _ManagedProcess:
             return f"<log {self.log_path} unreadable: {err}>"
 
     def wait_ready(self, path: str, timeout_s: float, ready: Any = None) -> None:
-        """Poll GET url+path until it answers 200 (and `ready(response)` holds); stop the process on failure."""
+        """Poll GET url+path until it answers 200 (and `ready(response)` holds); stop the process on failure.
+
+        One client for every poll: `httpx.get` builds a client, TLS context included, per call (25 ms of CPU each,
+        taken from the imports of the process being waited for).
+        """
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self.stop()
-                raise RuntimeError(
-                    f"{self.kind} exited with code {self.process.returncode} before answering {self.url}{path}.\n"
-                    f"command: {' '.join(self.command)}\nlog tail ({self.log_path}):\n{self.log_tail()}"
-                )
-            try:
-                response = httpx.get(self.url + path, timeout=2.0)
-                if response.status_code == 200 and (ready is None or ready(response)):
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        with httpx.Client(timeout=2.0, verify=not self.url.startswith("http://")) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    self.stop()
+                    raise RuntimeError(
+                        f"{self.kind} exited with code {self.process.returncode} before answering "
+                        f"{self.url}{path}.\ncommand: {' '.join(self.command)}\n"
+                        f"log tail ({self.log_path}):\n{self.log_tail()}"
+                    )
+                try:
+                    response = client.get(self.url + path)
+                    if response.status_code == 200 and (ready is None or ready(response)):
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.05)
         self.stop()
         raise TimeoutError(
             f"{self.kind} did not answer {self.url}{path} within {timeout_s:.0f} s; raise timeout_s if the model "
@@ -109,22 +115,32 @@ class RouterProcess(_ManagedProcess):
     kind = "router"
 
 
+ENGINE_READY_TIMEOUT_S = 120.0
+
+
 def start_engine(model_path: str | Path, *, port: int | None = None, host: str = "127.0.0.1",
-                 timeout_s: float = 120.0, **options: Any) -> EngineProcess:
+                 timeout_s: float = ENGINE_READY_TIMEOUT_S, **options: Any) -> EngineProcess:
     """Start `python -m slimeflow.stages.rl.engine.server` on `model_path` and wait until /health answers.
 
     `options` are the server's flags in Python spelling (max_batch_size=8, dtype="bfloat16", num_threads=1,
     weight_version="v0", seed=0). Raises RuntimeError (the server died) or TimeoutError, with its log tail.
     """
+    engine = launch_engine(model_path, port=port, host=host, **options)
+    engine.wait_ready("/health", timeout_s)
+    return engine
+
+
+def launch_engine(model_path: str | Path, *, port: int | None = None, host: str = "127.0.0.1",
+                  **options: Any) -> EngineProcess:
+    """start_engine without the wait: the process is starting when this returns; `wait_ready("/health", ...)`
+    before sending it work (its start-up, seconds of imports and loading, can overlap the caller's)."""
     port = port or free_port(host)
     command = [sys.executable, "-m", ENGINE_MODULE, "--model-path", str(model_path), "--host", host,
                "--port", str(port), "--parent-pid", str(os.getpid())]
     for name, value in options.items():
         if value is not None:
             command += [f"--{name.replace('_', '-')}", str(value)]
-    engine = EngineProcess(command, f"http://{host}:{port}")
-    engine.wait_ready("/health", timeout_s)
-    return engine
+    return EngineProcess(command, f"http://{host}:{port}")
 
 
 def start_router(worker_urls: list[str], *, port: int | None = None, host: str = "127.0.0.1",
