@@ -334,3 +334,21 @@ def test_kv_batch_matches_plain_forward_through_joins_leaves_and_growth(referenc
                 torch.testing.assert_close(row, reference(torch.tensor([seq])).logits[0, -1], atol=1e-4, rtol=0)
                 seq.append(int(row.argmax()))
             logits = kv_batch.decode(forward, batch, [seq[-1] for seq in seqs])
+
+
+def test_a_launch_is_running_before_ready_and_cancel_or_a_failed_start_stops_it(tmp_path):
+    """EngineSet.launch returns with the engine's process already running (the caller sets up meanwhile);
+    cancel() stops it, and an engine that dies while starting fails ready() with its log and stops the rest."""
+    from slimeflow.stages.rl.engines import EngineSet
+
+    launching = EngineSet.launch(str(tmp_path / "no-model"), {}, num_engines=2, threads=1)
+    processes = [p.process for p in launching.engines.processes]
+    assert len(processes) == 2 and all(p.poll() is None for p in processes)
+    with pytest.raises(RuntimeError, match=r"(?s)engine exited with code \d+ before answering .*no-model"):
+        launching.ready()
+    assert all(p.poll() is not None for p in processes) and launching.engines.processes == []
+
+    launching = EngineSet.launch(str(tmp_path / "no-model"), {}, num_engines=1, threads=1)
+    process = launching.engines.processes[0].process
+    launching.cancel()
+    assert process.poll() is not None
