@@ -161,13 +161,21 @@ def test_a_reference_model_loads_from_ref_load(saved):
     assert not any(p.requires_grad for p in backend.ref_model.parameters())
 
 
-def test_a_train_actor_whose_ray_node_died_refuses_to_commit(monkeypatch):
-    # After a SIGKILL of the job, an actor finishing a save finds itself reparented (its raylet exited).
+def test_a_train_actor_whose_ray_node_died_or_whose_root_was_claimed_refuses_to_commit(tmp_path, monkeypatch):
+    # After a SIGKILL of the job, an actor finishing a save finds itself reparented (its raylet exited); on a
+    # cluster, the run restarted on the same --save has claimed the root.
     from slimeflow.stages.rl.actors import TrainActor
 
-    actor = object.__new__(TrainActor)  # the check reads nothing but the parent pid recorded at start
-    actor.parent_pid = os.getppid()
-    actor.check_still_hosted()  # the parent is alive: nothing to say
+    root = tmp_path / "save"
+    actor = object.__new__(TrainActor)  # the check reads the parent pid and run token recorded at start, and --save
+    actor.config = CONFIG.model_copy(update={"checkpoint": CONFIG.checkpoint.model_copy(update={"save": str(root)})})
+    actor.parent_pid, actor.run_token = os.getppid(), ckpt.claim_root(root)
+    actor.check_may_commit()  # the parent is alive and the root is this run's: nothing to say
+    newer = ckpt.claim_root(root)
+    with pytest.raises(RuntimeError, match=r"not committing the checkpoint: .* was claimed by another run .*--save"):
+        actor.check_may_commit()
+    ckpt.check_owner(root, newer)
+    actor.run_token = newer
     monkeypatch.setattr(os, "getppid", lambda: 1)
     with pytest.raises(RuntimeError, match="not committing the checkpoint: this TrainActor's parent process"):
-        actor.check_still_hosted()
+        actor.check_may_commit()

@@ -170,10 +170,11 @@ def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_data_order(tmp
     os.killpg(victim.pid, signal.SIGKILL)  # the driver, Ray's raylet and GCS, the engines
     victim.wait()
     # Ray's actors run in process groups of their own and die only once they notice their raylet's death, a second
-    # or more later; the TrainActor, finding its raylet gone, must not commit the save it was making.
+    # or more later; the TrainActor, finding its raylet gone, must not commit the save it was making
+    # (TrainActor.check_may_commit).
     wait_until_gone(session=victim.pid, timeout=60)
     assert tracker.read_text() == "1"
-    assert sorted(p.name for p in root.iterdir()) == ["iter_0000001", tracker.name]
+    assert sorted(p.name for p in root.iterdir()) == [".slimeflow-run", "iter_0000001", tracker.name]
     resumed = launch(config, tmp_path / "resumed")
     assert resumed.wait(timeout=400) == 0
 

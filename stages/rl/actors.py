@@ -113,7 +113,7 @@ class TrainActor:
     """One data-parallel rank: a training backend, its checkpoints and its share of every global batch."""
 
     def __init__(self, config: TrainConfig, hf_checkpoint: str, rank: int, world_size: int, init_method: str,
-                 total_steps: int, num_threads: int | None = None):
+                 total_steps: int, num_threads: int | None = None, run_token: str | None = None):
         import torch
 
         from slimeflow.stages.rl.backend.torch_backend import TorchBackend
@@ -121,7 +121,8 @@ class TrainActor:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.config, self.rank, self.world_size = config, rank, world_size
-        self.parent_pid = os.getppid()  # under Ray: this node's raylet (see check_still_hosted)
+        self.parent_pid = os.getppid()  # under Ray: this node's raylet (see check_may_commit)
+        self.run_token = run_token  # the run's claim on --save (see check_may_commit)
         self.backend = TorchBackend(hf_checkpoint=hf_checkpoint, optimizer=config.optimizer,
                                     algorithm=config.algorithm, batch=config.batch, seed=config.seed, rank=rank,
                                     world_size=world_size, init_method=init_method or None,
@@ -159,19 +160,25 @@ class TrainActor:
         from slimeflow.stages.rl.backend.checkpoint import save_checkpoint
 
         ref = save_checkpoint(self.backend, self.config.checkpoint.save, rollout_id,
-                              {**extra_state, "rollout_id": rollout_id}, before_commit=self.check_still_hosted)
+                              {**extra_state, "rollout_id": rollout_id}, before_commit=self.check_may_commit)
         return ref.uri
 
-    def check_still_hosted(self) -> None:
-        """Refuse to commit a checkpoint once the process that started this actor (Ray's raylet) is gone.
+    def check_may_commit(self) -> None:
+        """Refuse to commit a checkpoint once this actor's job is gone or another run has claimed --save.
 
         Ray gives each actor a process group of its own, so a job killed with SIGKILL takes its actors down only
         when they notice their raylet's death, a second or more later; a save in flight could commit in that time,
-        into a checkpoint root that a restarted run may already be resuming from.
+        into a checkpoint root that a restarted run may already be resuming from. On one machine the raylet's death
+        shows at once (this process's parent changes); on a cluster, where a driver can die while the raylets live,
+        the restarted run's claim on the root does (backend.checkpoint.claim_root).
         """
+        from slimeflow.stages.rl.backend.checkpoint import check_owner
+
         if os.getppid() != self.parent_pid:
             raise RuntimeError(f"not committing the checkpoint: this TrainActor's parent process {self.parent_pid} "
                                "(its Ray node) has exited, so the job that asked for the save is gone")
+        if self.run_token is not None:
+            check_owner(self.config.checkpoint.save, self.run_token)
 
 
 @dataclass

@@ -97,8 +97,10 @@ def init_ray(address: str | None) -> None:
                  configure_logging=False, _system_config={"worker_niceness": 0})
 
 
-def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int, scratch: Path) -> Placement:
-    """The RolloutManager and `actor_num_nodes x actor_num_gpus_per_node` TrainActors."""
+def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int, scratch: Path,
+                     run_token: str | None = None) -> Placement:
+    """The RolloutManager and `actor_num_nodes x actor_num_gpus_per_node` TrainActors; `run_token` is the run's
+    claim on --save (backend.checkpoint.claim_root), checked before every commit."""
     placement = config.placement
     world = placement.actor_num_nodes * placement.actor_num_gpus_per_node
     gpus = 1 if _has_gpus() else 0
@@ -108,7 +110,8 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
     init_method = (scratch / f"dist-{uuid.uuid4().hex[:8]}").resolve().as_uri() if world > 1 else ""
     manager = ray.remote(num_cpus=0)(RolloutManager).remote(config, setup)
     actors = [ray.remote(num_cpus=0, num_gpus=gpus)(TrainActor).remote(
-        config, setup.hf_checkpoint, rank, world, init_method, total_steps, threads) for rank in range(world)]
+        config, setup.hf_checkpoint, rank, world, init_method, total_steps, threads, run_token)
+        for rank in range(world)]
     targets = call(manager.weight_targets.remote(), "starting the rollout manager (engines)")
     call(actors[0].connect_engines.remote(targets), "connecting the trainer to the engines")
     return Placement(config, RolloutManagerHandle(manager), ActorGroup(actors))

@@ -21,6 +21,7 @@ from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.model.stage import fingerprint
 from slimeflow.stages.rl import loop
 from slimeflow.stages.rl.actors import RolloutSetup
+from slimeflow.stages.rl.backend.checkpoint import claim_root
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.placement import create_placement, init_ray, scratch_dir
 from slimeflow.stages.rl.plots import plot_curves
@@ -34,8 +35,9 @@ def run(config: TrainConfig, ctx: StageContext) -> Manifest:
     num_rollout = resolve_num_rollout(config, setup.prompt_data, ctx)
     total_steps = num_rollout * config.batch.num_steps_per_rollout
     history = RolloutLog(ctx.workdir / "train" / "rollouts.jsonl", ctx.log_metrics)
+    run_token = claim_root(config.checkpoint.save)  # from now on, an earlier run on this root commits nothing
     init_ray(ctx.ray_address)
-    placement = create_placement(config, setup, total_steps, scratch_dir(ctx.workdir))
+    placement = create_placement(config, setup, total_steps, scratch_dir(ctx.workdir), run_token)
     try:
         result = loop.train(placement, num_rollout, history)
     finally:

@@ -53,6 +53,31 @@ def _local_root(root: str | Path) -> Path:
     return local_path(str(root))
 
 
+OWNER_FILENAME = ".slimeflow-run"
+"""The token of the run that may commit checkpoints under a root (claim_root / check_owner)."""
+
+
+def claim_root(root: str | Path) -> str:
+    """Make the calling run the one that commits checkpoints under `root`: a fresh token, written atomically to
+    `<root>/.slimeflow-run`. A run that claimed the root before (a crashed one whose actors still finish a save, or
+    one still running on the same root by mistake) then fails check_owner instead of committing."""
+    token = uuid.uuid4().hex
+    path = _local_root(root)
+    path.mkdir(parents=True, exist_ok=True)
+    Storage().write_text(str(path / OWNER_FILENAME), token)
+    return token
+
+
+def check_owner(root: str | Path, token: str) -> None:
+    """Raise unless the run holding `token` is still the one that claimed `root` (see claim_root)."""
+    path = _local_root(root) / OWNER_FILENAME
+    current = path.read_text(encoding="utf-8").strip() if path.is_file() else None
+    if current != token:
+        raise RuntimeError(f"not committing the checkpoint: {root} was claimed by another run (its {OWNER_FILENAME} "
+                           f"says {current!r}, this run's token is {token!r}); two runs must not save to one "
+                           "checkpoint root: give this one its own --save")
+
+
 def save_checkpoint(backend: TorchBackend, root: str | Path, rollout_id: int, extra_state: dict[str, Any],
                     before_commit: Callable[[], None] | None = None) -> CheckpointRef:
     """Save weights, optimizer, scheduler, RNG and `extra_state` as `<root>/iter_{rollout_id:07d}`, then commit it.
