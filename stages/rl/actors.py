@@ -69,7 +69,11 @@ class RolloutManager:
         except BaseException:
             launching.cancel()
             raise
-        self.engines = launching.ready()
+        try:
+            self.engines = launching.ready()
+        except BaseException:
+            self.scorer.close()  # its math-verify worker, if it started one
+            raise
 
     def _context(self, version: str | None) -> RolloutContext:
         return RolloutContext(self.config, self.tokenizer, self.engines.client(), self.scorer,
