@@ -89,14 +89,15 @@ class TrainBatch:
         wrong = {name: size for name, size in sizes.items() if size != n}
         if wrong:
             raise ValueError(f"TrainBatch has {n} token sequences but field sizes {wrong}; every field needs {n}")
-        for i, (mask, length, toks) in enumerate(zip(self.loss_masks, self.response_lengths, self.tokens, strict=True)):
+        logps = self.rollout_log_probs or [None] * n
+        for i, (mask, length, toks, logp) in enumerate(zip(self.loss_masks, self.response_lengths, self.tokens, logps,
+                                                           strict=True)):
             if mask.numel() != length or length > toks.numel():
                 raise ValueError(
                     f"TrainBatch sample {i}: loss_mask has {mask.numel()} entries, response_length is {length}, "
                     f"tokens has {toks.numel()}; the mask must cover exactly the response"
                 )
-        for i, (logp, length) in enumerate(zip(self.rollout_log_probs or [], self.response_lengths, strict=False)):
-            if logp.numel() != length:
+            if logp is not None and logp.numel() != length:
                 raise ValueError(
                     f"TrainBatch sample {i}: rollout_log_probs has {logp.numel()} entries, response_length is "
                     f"{length}; the engine's log-probs must cover exactly the response (a custom generate function "
