@@ -342,13 +342,13 @@ def test_a_launch_is_running_before_ready_and_cancel_or_a_failed_start_stops_it(
     from slimeflow.stages.rl.engines import EngineSet
 
     launching = EngineSet.launch(str(tmp_path / "no-model"), {}, num_engines=2, threads=1)
-    processes = [p.process for p in launching.engines.processes]
+    processes = [p.process for p in launching.processes]
     assert len(processes) == 2 and all(p.poll() is None for p in processes)
     with pytest.raises(RuntimeError, match=r"(?s)engine exited with code \d+ before answering .*no-model"):
         launching.ready()
-    assert all(p.poll() is not None for p in processes) and launching.engines.processes == []
+    assert all(p.poll() is not None for p in processes) and launching.processes == []
 
     launching = EngineSet.launch(str(tmp_path / "no-model"), {}, num_engines=1, threads=1)
-    process = launching.engines.processes[0].process
+    process = launching.processes[0].process
     launching.cancel()
     assert process.poll() is not None

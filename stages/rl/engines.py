@@ -99,15 +99,15 @@ class EngineSet:
             if not weights_dir:
                 raise ValueError("--sglang-worker-urls needs --sglang-weights-dir DIR: a directory every SGLang "
                                  "server can read, where the trainer writes the weights it pushes")
-            return EngineLaunch(cls(urls, _router_url(sglang_args) or urls[0], hf_checkpoint, str(weights_dir)),
-                                external=True)
+            return EngineLaunch(hf_checkpoint, external=cls(urls, _router_url(sglang_args) or urls[0], hf_checkpoint,
+                                                            str(weights_dir)))
         from slimeflow.stages.rl.engine.launch import launch_engine
 
         options = {"num_threads": threads} if threads else {}
-        launching = EngineLaunch(cls([], "", hf_checkpoint), external=False)  # URLs known once they answer
+        launching = EngineLaunch(hf_checkpoint)
         try:
             for _ in range(num_engines):
-                launching.engines.processes.append(launch_engine(hf_checkpoint, **options))
+                launching.processes.append(launch_engine(hf_checkpoint, **options))
         except BaseException:
             launching.cancel()
             raise
@@ -145,35 +145,36 @@ class EngineSet:
 
 
 class EngineLaunch:
-    """Engines on their way up (EngineSet.launch): `ready()` waits for them, `cancel()` stops them."""
+    """Engines on their way up (EngineSet.launch): the embedded engines' `processes`, starting, or the `external`
+    servers' EngineSet. `ready()` waits for them, `cancel()` stops what was started."""
 
-    def __init__(self, engines: EngineSet, *, external: bool):
-        self.engines, self.external = engines, external
+    def __init__(self, hf_checkpoint: str, external: EngineSet | None = None):
+        self.hf_checkpoint, self.external = hf_checkpoint, external
+        self.processes: list[Any] = []
 
     def ready(self) -> EngineSet:
         """The EngineSet once every embedded engine answers /health (and the router, with two or more, lists
         them all), or once every external server answers; a failure stops what was started and raises."""
         from slimeflow.stages.rl.engine.launch import ENGINE_READY_TIMEOUT_S, start_router
 
-        engines = self.engines
-        if self.external:
-            asyncio.run(engines.check_health())
-            return engines
+        if self.external is not None:
+            asyncio.run(self.external.check_health())
+            return self.external
         try:
-            for process in engines.processes:
+            for process in self.processes:
                 process.wait_ready("/health", ENGINE_READY_TIMEOUT_S)
-            engines.worker_urls = [p.url for p in engines.processes]
-            engines.rollout_url = engines.worker_urls[0]
-            if len(engines.worker_urls) > 1:
-                engines.processes.append(start_router(engines.worker_urls))
-                engines.rollout_url = engines.processes[-1].url
+            urls = [p.url for p in self.processes]
+            if len(urls) > 1:
+                self.processes.append(start_router(urls))
         except BaseException:
             self.cancel()
             raise
-        return engines
+        return EngineSet(urls, self.processes[-1].url, self.hf_checkpoint, None, self.processes)
 
     def cancel(self) -> None:
-        self.engines.stop()
+        for process in reversed(self.processes):
+            process.stop()
+        self.processes = []
 
 
 class RoutedClient:

@@ -70,7 +70,7 @@ class _ManagedProcess:
         taken from the imports of the process being waited for).
         """
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0, verify=not self.url.startswith("http://")) as client:
+        with httpx.Client(timeout=2.0, verify=self.url.startswith("https://")) as client:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
                     self.stop()
