@@ -156,7 +156,8 @@ class TorchBackend:
                              f"({int(totals[i])} tokens); the first response token needs a token before it to be "
                              "predicted from")
         firsts, row_of = distinct_rows(rows.tokens, rows.response_lengths)
-        ids, mask, keep = right_padded([rows.tokens[i] for i in firsts], totals[firsts], lengths[firsts])
+        kept = lengths[firsts]  # each row's kept positions (its response length)
+        ids, mask, keep = right_padded([rows.tokens[i] for i in firsts], totals[firsts], kept)
         cast = self.autocast_dtype
         with torch.autocast(self.device.type, dtype=cast) if cast is not None else contextlib.nullcontext():
             # logits_to_keep (a boolean mask): the output layer runs on the kept positions only, flattened row by
@@ -165,7 +166,6 @@ class TorchBackend:
                              logits_to_keep=keep.to(self.device), use_cache=False).logits
         logits = selected.float() / self.temperature  # the sampling policy's logits; x / 1.0 is exact
         if row_of is not None:  # each sample's positions within its row's block of kept positions
-            kept = lengths[firsts]
             logits = logits[ranges((torch.cumsum(kept, 0) - kept)[row_of], lengths).to(self.device)]
         targets = torch.cat(list(rows.tokens))[ranges(torch.cumsum(totals, 0) - lengths, lengths)]
         log_probs = alg.compute_log_probs(logits, targets.to(self.device))
