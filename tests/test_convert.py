@@ -385,6 +385,50 @@ def test_reverse_refuses_a_directory_that_is_no_checkpoint(good_hf, tmp_path):
                           origin_hf_dir=str(good_hf)), context(tmp_path))
 
 
+def test_write_behind_starts_writeback_of_the_matching_files_while_they_are_written(tmp_path):
+    import os
+    import time
+
+    from slimeflow.stages.convert.torch_dist import write_behind
+
+    started: list[str] = []
+
+    def record(fd: int) -> None:
+        started.append(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+
+    def wait_for(name: str) -> None:
+        deadline = time.monotonic() + 10
+        while name not in started:
+            assert time.monotonic() < deadline, f"no writeback was started for {name}: {started}"
+            time.sleep(0.01)
+
+    with write_behind(tmp_path, "__0_*.distcp", interval=0.01, start_writeback=record):
+        (tmp_path / "__0_0.distcp").write_bytes(b"x" * 4096)
+        (tmp_path / "__1_0.distcp").write_bytes(b"x")  # another rank's file
+        (tmp_path / "common.pt").write_bytes(b"x")
+        wait_for("__0_0.distcp")
+        (tmp_path / "__0_1.distcp").write_bytes(b"y")  # a file that appears later is picked up too
+        wait_for("__0_1.distcp")
+        (tmp_path / "__0_0.distcp").unlink()  # one that vanishes is skipped
+        time.sleep(0.05)
+    assert set(started) == {"__0_0.distcp", "__0_1.distcp"}
+    assert not [fd for fd in os.listdir("/proc/self/fd") if "distcp" in os.path.realpath(f"/proc/self/fd/{fd}")]
+
+
+def test_write_behind_with_the_real_syscall_leaves_the_files_intact(tmp_path):
+    from slimeflow.stages.convert.torch_dist import _start_writeback_syscall, write_behind
+
+    call = _start_writeback_syscall()
+    assert call is not None  # Linux
+    (tmp_path / "__0_0.distcp").write_bytes(b"z" * 65536)
+    with (tmp_path / "__0_0.distcp").open("rb") as file:
+        assert call(file.fileno()) == 0
+    with write_behind(tmp_path, "*.distcp", interval=0.001):
+        (tmp_path / "__0_1.distcp").write_bytes(b"w" * 65536)
+    assert (tmp_path / "__0_0.distcp").read_bytes() == b"z" * 65536
+    assert (tmp_path / "__0_1.distcp").read_bytes() == b"w" * 65536
+
+
 @pytest.mark.slow
 def test_a_failed_rank_leaves_no_checkpoint(good_hf, tmp_path):
     from dataclasses import replace

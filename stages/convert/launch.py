@@ -21,7 +21,8 @@ RAY_PLACEMENT_TIMEOUT_S = 300
 
 # `-c`, not `-m`: megatron-core's writer starts a spawn-context multiprocessing manager, and a spawned child
 # re-imports a `-m` main module (the worker: torch, megatron) before it serves; with `-c` it imports nothing.
-_WORKER = "import sys; from slimeflow.stages.convert.worker import main; sys.exit(main())"
+# The collector is off from the first import on (worker.process_main says why).
+_WORKER = "import gc; gc.disable(); from slimeflow.stages.convert.worker import process_main; process_main()"
 
 
 def launch(job_path: Path, processes: int, launcher: Launcher = "local", ray_address: str | None = None) -> None:

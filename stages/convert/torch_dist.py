@@ -12,8 +12,13 @@ Reading needs no process group: the checkpoint is a PyTorch Distributed Checkpoi
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
 import re
-from collections.abc import Iterable, Mapping
+import sys
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -64,10 +69,69 @@ def save_torch_dist(tensors: Mapping[str, torch.Tensor], args: argparse.Namespac
     state = sharded_state_dict(tensors, args.num_layers)
     state.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration)
     Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     # Each tensor is a torch.save zip record, whose CRC32 costs more CPU than writing it (~0.5 GB/s against
     # ~2 GB/s) and which no reader checks (torch.load does not verify it): skip it. The forked writers inherit it.
-    with megatron_on_cpu(), in_process_write_results(), serialization.patch({"save.compute_crc32": False}):
+    with megatron_on_cpu(), in_process_write_results(), serialization.patch({"save.compute_crc32": False}), \
+            write_behind(Path(checkpoint_dir), f"__{rank}_*.distcp"):
         dist_checkpointing.save(state, str(checkpoint_dir), sharded_strategy=("torch_dist", 1))
+
+
+WRITE_BEHIND_INTERVAL_S = 0.05
+_SYNC_FILE_RANGE_WRITE = 2
+"""sync_file_range(2) flag: start writing the range's dirty pages out, without waiting for them."""
+
+
+def _start_writeback_syscall() -> Callable[[int], object] | None:
+    """`fd -> sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)` from the C library (Python has no binding);
+    None off Linux, where `write_behind` then does nothing."""
+    if not sys.platform.startswith("linux"):
+        return None
+    call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    return lambda fd: call(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
+
+
+@contextmanager
+def write_behind(directory: Path, pattern: str, interval: float = WRITE_BEHIND_INTERVAL_S,
+                 start_writeback: Callable[[int], object] | None = None) -> Iterator[None]:
+    """While the body runs, every `interval` seconds, ask the kernel to start writing out the dirty pages of
+    each file in `directory` that matches `pattern` (a glob), so that the writers' closing fsync finds most of
+    them on disk already.
+
+    dist_checkpointing's forked writers write their whole share into the page cache and only then fsync it: the
+    disk idles while they write, and the writers idle while it flushes. Overlapping the two took 0.35-0.4 s off
+    a 2 GB conversion here (2.84 -> 2.44-2.48 s). Only a hint: a file that vanishes or a call that fails is
+    skipped, and the body's own fsyncs are what make the data durable. `start_writeback(fd)` defaults to
+    sync_file_range(2) with SYNC_FILE_RANGE_WRITE; off Linux there is none and this does nothing.
+    """
+    start_writeback = start_writeback or _start_writeback_syscall()
+    if start_writeback is None:
+        yield
+        return
+    stop = threading.Event()
+    opened: dict[Path, int] = {}
+
+    def loop() -> None:
+        while not stop.wait(interval):
+            for path in directory.glob(pattern):
+                try:
+                    fd = opened.get(path)
+                    if fd is None:
+                        fd = opened[path] = os.open(path, os.O_RDONLY)
+                    start_writeback(fd)
+                except OSError:
+                    continue
+
+    thread = threading.Thread(target=loop, name="write-behind", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        for fd in opened.values():
+            os.close(fd)
 
 
 def read_common(checkpoint_dir: str | Path) -> dict:
