@@ -22,7 +22,9 @@ Compare several seeds before reading anything into one.
 - slimeflow: the train stage in a subprocess (Ray, the embedded engine, the torch backend); rollouts.jsonl is
   tailed as it grows. Start-up (imports, Ray, engine, the eval before training) is reported apart from the loop.
 - TRL: GRPOTrainer in this process (transformers.generate on the CPU); the eval is a TrainerCallback. Start-up
-  is building the trainer; its loop clock starts after the eval before training, as slimeflow's does.
+  is building the trainer plus what a fresh process takes to import torch, transformers, datasets and TRL (timed
+  in a subprocess: this process had imported them already), so that both start-ups are a fresh process's; its
+  loop clock starts after the eval before training, as slimeflow's does.
 
 completions/s is completions trained / loop seconds without eval time. TRL needs an extra install:
 
@@ -70,6 +72,9 @@ class SideResult:
 
     name: str
     startup_s: float
+    cold_imports_s: float = 0.0
+    """TRL only: what a fresh process takes to import what this process had imported before `startup_s` began
+    (slimeflow's start-up is a fresh process's from the start)."""
     steps: int = 0
     loop_s: float = 0.0
     eval_s: float = 0.0
@@ -209,8 +214,21 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line]
 
 
+def cold_import_seconds() -> float:
+    """Wall seconds of a fresh Python importing torch, transformers, datasets and TRL's GRPOTrainer, less those of
+    a fresh Python that imports nothing: the part of a TRL script's start-up that this process had already paid."""
+    def timed(code: str) -> float:
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+        return time.perf_counter() - started
+
+    return (timed("import torch, transformers, datasets; from trl import GRPOConfig, GRPOTrainer")
+            - timed("pass"))
+
+
 def run_trl(args, hf: str, workdir: Path) -> SideResult:
     """GRPOTrainer on the same prompt tokens (no BOS: TRL tokenises with add_special_tokens left on)."""
+    cold_imports = cold_import_seconds()
     started = time.perf_counter()  # start-up: importing TRL, loading the model, building the trainer
     import torch
     from datasets import Dataset
@@ -238,7 +256,7 @@ def run_trl(args, hf: str, workdir: Path) -> SideResult:
     callback = HeldOutCallback(held_out, tokenizer, args)
     trainer = GRPOTrainer(model=model, reward_funcs=prefix_match, args=config, train_dataset=train,
                           processing_class=tokenizer, callbacks=[callback])
-    callback.result = SideResult("TRL", startup_s=time.perf_counter() - started)
+    callback.result = SideResult("TRL", startup_s=time.perf_counter() - started, cold_imports_s=cold_imports)
     trainer.train()
     callback.result.notes.append(f"1-min load average at start {load:.2f}, at end {os.getloadavg()[0]:.2f}; "
                                  f"torch threads {torch.get_num_threads()} (OMP_NUM_THREADS sets them)")
@@ -307,15 +325,17 @@ def table(args, sides: list[SideResult]) -> list[str]:
             f"{'steps run':>9} {'best acc':>8}"]
     for s in sides:
         best = max(acc for _, acc in s.evals)
-        rows.append(f"{s.name:10} {s.startup_s:10.1f} {s.completions_per_s:13.0f} {reached(s):>26} "
-                    f"{s.target_step if s.target_step is not None else '-':>15} {s.steps:9d} {best:8.2f}")
+        rows.append(f"{s.name:10} {s.startup_s + s.cold_imports_s:10.1f} {s.completions_per_s:13.0f} "
+                    f"{reached(s):>26} {s.target_step if s.target_step is not None else '-':>15} {s.steps:9d} "
+                    f"{best:8.2f}")
     if len(sides) == 2:
         ours, trl = sides
         rows.append(f"slimeflow/TRL completions/s: {ours.completions_per_s / trl.completions_per_s:.2f}x")
         if ours.target_s is not None and trl.target_s is not None:
             rows.append(f"TRL/slimeflow seconds to target: {trl.target_s / ours.target_s:.2f}x "
-                        f"(slimeflow start-up + loop: {ours.startup_s + ours.target_s:.1f} s, "
-                        f"TRL: {trl.startup_s + trl.target_s:.1f} s)")
+                        f"(start-up + loop from a fresh process: slimeflow {ours.startup_s + ours.target_s:.1f} s, "
+                        f"TRL {trl.cold_imports_s + trl.startup_s + trl.target_s:.1f} s, of which "
+                        f"{trl.cold_imports_s:.1f} s importing what this process had imported)")
     return rows
 
 

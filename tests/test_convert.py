@@ -493,6 +493,7 @@ def test_ray_launcher_round_trip_is_bit_exact_and_a_rank_error_surfaces(good_hf,
     from dataclasses import replace
 
     from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
+    from slimeflow.stages.rl.placement import LOCAL_RAY_SYSTEM_CONFIG
 
     forward = run(ConvertConfig(hf_checkpoint=str(good_hf), save=str(tmp_path / "ckpt"), processes=2,
                                 launcher="ray"), context(tmp_path))
@@ -502,6 +503,9 @@ def test_ray_launcher_round_trip_is_bit_exact_and_a_rank_error_surfaces(good_hf,
     assert sorted(back) == sorted(original) and forward.counts["processes"] == 2
     for name, tensor in original.items():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+    from ray._private.state import state  # the local cluster that init_ray started, as Ray itself reports it
+
+    assert {k: state.get_system_config()[k] for k in LOCAL_RAY_SYSTEM_CONFIG} == LOCAL_RAY_SYSTEM_CONFIG
 
     hf = broken_copy(good_hf, tmp_path)
     broken = replace(read_hf_source(good_hf), path=hf)
