@@ -46,16 +46,17 @@ class RolloutManager:
     """Data source + buffer, engines (and router), rewards and the rollout function, in one Ray actor."""
 
     def __init__(self, config: TrainConfig, setup: RolloutSetup):
-        from transformers import AutoTokenizer
-
-        from slimeflow.stages.rl.data_source import pop_first
         from slimeflow.stages.rl.engines import EngineSet
 
         self.config = config
         self.setup = setup
-        # The engines import and load (seconds) while this actor sets up the rest.
+        # The engines import and load (seconds) while this actor sets up the rest, transformers' import included.
         launching = EngineSet.launch(setup.hf_checkpoint, config.sglang.args, setup.num_engines, setup.engine_threads)
         try:
+            from transformers import AutoTokenizer
+
+            from slimeflow.stages.rl.data_source import pop_first
+
             self.loop = asyncio.new_event_loop()
             self.tokenizer = AutoTokenizer.from_pretrained(setup.hf_checkpoint)
             source = DataSource.from_prompt_data(setup.prompt_data,
