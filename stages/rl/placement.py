@@ -84,17 +84,6 @@ class Placement:
             ray.kill(actor)
 
 
-def init_ray(address: str | None) -> None:
-    """Join the Ray cluster at `address` (RAY_ADDRESS style), else start a local one for this process."""
-    if ray.is_initialized():
-        return
-    if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True,
-                 configure_logging=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
-
-
 LOCAL_RAY_SYSTEM_CONFIG = {
     # Ray runs workers at nice 15 by default; here the actors are the job itself, and at nice 15 training ran
     # 10x slower whenever anything else used the CPU (measured: 3 s vs 0.27 s a step).
@@ -104,6 +93,17 @@ LOCAL_RAY_SYSTEM_CONFIG = {
     "enable_metrics_collection": False,
 }
 """The local cluster's Ray system config (a cluster joined by address keeps its own)."""
+
+
+def init_ray(address: str | None) -> None:
+    """Join the Ray cluster at `address` (RAY_ADDRESS style), else start a local one for this process."""
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True,
+                 configure_logging=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
 
 
 def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int, scratch: Path,
