@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import os
 import re
 import sys
@@ -72,6 +73,7 @@ def save_torch_dist(tensors: Mapping[str, torch.Tensor], args: argparse.Namespac
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     # Each tensor is a torch.save zip record, whose CRC32 costs more CPU than writing it (~0.5 GB/s against
     # ~2 GB/s) and which no reader checks (torch.load does not verify it): skip it. The forked writers inherit it.
+    # torch's distributed checkpoint names rank r's data files __<r>_<n>.distcp: write behind this rank's own.
     with megatron_on_cpu(), in_process_write_results(), serialization.patch({"save.compute_crc32": False}), \
             write_behind(Path(checkpoint_dir), f"__{rank}_*.distcp"):
         dist_checkpointing.save(state, str(checkpoint_dir), sharded_strategy=("torch_dist", 1))
@@ -82,6 +84,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 """sync_file_range(2) flag: start writing the range's dirty pages out, without waiting for them."""
 
 
+@functools.cache
 def _start_writeback_syscall() -> Callable[[int], object] | None:
     """`fd -> sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)` from the C library (Python has no binding);
     None off Linux, where `write_behind` then does nothing."""
