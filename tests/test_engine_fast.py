@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.engine import kv_batch, native
 from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
+from slimeflow.stages.rl.engine.decode_kernel import load_decode_attention
 from slimeflow.stages.rl.engine.native import HFForward, NativeForward, select_forward
 from slimeflow.stages.rl.engine.sampling import SamplingParams
 from slimeflow.stages.rl.engine.weights import apply_update, load_model
@@ -41,12 +42,15 @@ def plain_logits(model, seq: list[int]) -> torch.Tensor:
     return model(torch.tensor([seq])).logits[0, -1]
 
 
-def test_native_logits_equal_transformers_through_joins_leaves_and_growth(model, monkeypatch):
+@pytest.mark.parametrize("kernel", [True, False], ids=["decode-kernel", "sdpa"])
+def test_native_logits_equal_transformers_through_joins_leaves_and_growth(model, monkeypatch, kernel):
     # Prompts of different lengths share one left-padded batch; 2 columns of headroom make the buffers grow; a
     # longer prompt joins (re-padding the running rows); rows leave from the front and the back. The rotary
-    # table starts at 8 positions, so it grows twice on the way.
+    # table starts at 8 positions, so it grows twice on the way. Decode steps run the C kernel (where this
+    # machine can build it) or SDPA; qwen3's head_dim 24 takes the kernel's generic path.
     monkeypatch.setattr(native, "ROTARY_ROWS", 8)
-    forward = NativeForward(model)
+    forward = NativeForward(model, decode_attention=kernel)
+    assert (forward.decode_attention is not None) == (kernel and load_decode_attention() is not None)
     assert forward.rotary.shape[0] == 8
     seqs = [list(p) for p in PROMPTS]
     with torch.inference_mode():

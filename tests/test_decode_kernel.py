@@ -1,0 +1,118 @@
+"""The engine's decode attention kernel: SDPA's results on the cache's own strided views, its build and fallback."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.stages.rl.engine import decode_kernel
+from slimeflow.stages.rl.engine.native import NativeForward, _onednn_linear
+from slimeflow.stages.rl.engine.weights import load_model
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    loaded = decode_kernel.load_decode_attention()
+    if loaded is None:
+        pytest.skip("no C compiler here: the engine runs SDPA (test_the_engine_runs_sdpa_without_a_compiler)")
+    return loaded
+
+
+def reference(q, keys, values, mask, scale):
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.bool()[:, None, None, :], scale=scale)
+
+
+@pytest.mark.parametrize(("kv_heads", "group", "dim"), [(4, 2, 32), (2, 4, 64), (1, 1, 128), (3, 2, 24), (2, 3, 80)])
+def test_kernel_equals_sdpa_on_left_padded_strided_caches(kernel, kv_heads, group, dim):
+    # The cache's keys/values are views of [B, kv_heads, capacity, D] buffers cut to the columns in use (and, after
+    # rows leave, to the columns after the common padding): strides the kernel reads as they are.
+    gen = torch.Generator().manual_seed(dim)
+    batch, capacity, start, length = 5, 40, 3, 29
+    buffers = [torch.randn(batch, kv_heads, capacity, dim, generator=gen) * 2 for _ in range(2)]
+    keys, values = (b[:, :, start:start + length] for b in buffers)
+    mask_buffer = torch.ones(batch, capacity, dtype=torch.long)
+    for row, padding in enumerate([0, 4, 17, 28, 1]):  # row 3 has one real key: its own
+        mask_buffer[row, start:start + padding] = 0
+    mask = mask_buffer[:, start:start + length]
+    q = torch.randn(batch, kv_heads, group, dim, generator=gen)
+    assert decode_kernel.DecodeAttention.supports(q, keys, values, mask)
+    got = kernel.attend(q, keys, values, mask, dim ** -0.5)
+    torch.testing.assert_close(got, reference(q, keys, values, mask, dim ** -0.5), atol=2e-6, rtol=1e-5)
+    # Row 3 attends to its last key only: its output is that value row exactly (up to the softmax's 1.0).
+    torch.testing.assert_close(got[3], values[3, :, -1:].expand(kv_heads, group, dim), atol=1e-6, rtol=0)
+
+
+def test_kernel_handles_extreme_scores_like_softmax(kernel):
+    # Scores far apart (exp underflows for all but the largest) and all equal: the same weights as softmax's.
+    q = torch.tensor([[[[30.0] * 32]], [[[0.0] * 32]]])
+    keys = torch.zeros(2, 1, 6, 32)
+    keys[0, 0, 2] = 1.0
+    keys[0, 0, 4] = -1.0
+    values = torch.randn(2, 1, 6, 32, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    got = kernel.attend(q, keys, values, mask, 1.0)
+    torch.testing.assert_close(got, reference(q, keys, values, mask, 1.0), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[1, 0, 0], values[1, 0].mean(0), atol=1e-6, rtol=1e-5)
+
+
+def test_kernel_refuses_what_it_does_not_compute():
+    q, kv, mask = torch.zeros(1, 1, 1, 32), torch.zeros(1, 1, 4, 32), torch.ones(1, 4, dtype=torch.long)
+    supports = decode_kernel.DecodeAttention.supports
+    assert supports(q, kv, kv, mask)
+    assert not supports(q.bfloat16(), kv.bfloat16(), kv.bfloat16(), mask)
+    assert not supports(q, kv, kv, mask.bool())
+    assert not supports(q, kv.transpose(-1, -2).contiguous().transpose(-1, -2), kv, mask)  # last axis strided
+    assert not supports(q, kv, kv, torch.ones(1, 5, dtype=torch.long))
+
+
+def test_kernel_builds_once_into_the_cache_named_by_source_and_machine(tmp_path, monkeypatch):
+    if decode_kernel.find_compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    built = decode_kernel._build()
+    assert built.parent == tmp_path / "slimeflow" / "kernels" and built.name.startswith("decode_attention-")
+    assert [p.name for p in built.parent.iterdir()] == [built.name]  # no staging file left behind
+    mtime = built.stat().st_mtime_ns
+    assert decode_kernel._build() == built and built.stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+def test_the_engine_runs_sdpa_without_a_compiler(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built there yet
+    monkeypatch.setattr(decode_kernel, "find_compiler", lambda: None)
+    decode_kernel.load_decode_attention.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert decode_kernel.load_decode_attention() is None
+        assert "no C compiler on PATH" in caplog.text and "runs torch's attention" in caplog.text
+        model_dir = build_tiny_model(tmp_path / "tiny", TinyModelSpec(family="llama", seed=1))
+        forward = NativeForward(load_model(model_dir, device="cpu").model)
+        assert forward.decode_attention is None
+    finally:
+        decode_kernel.load_decode_attention.cache_clear()
+
+
+def test_a_failing_build_says_what_the_compiler_said(tmp_path, monkeypatch):
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C;\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(decode_kernel, "SOURCE", broken)
+    if decode_kernel.find_compiler() is None:
+        pytest.skip("no C compiler here")
+    with pytest.raises(RuntimeError, match="could not build broken.c: .*error"):
+        decode_kernel._build()
+    assert list((tmp_path / "cache" / "slimeflow" / "kernels").iterdir()) == []
+
+
+def test_cpu_linear_is_onednn_and_matches_f_linear(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "tiny", TinyModelSpec(family="qwen2", seed=1))
+    forward = NativeForward(load_model(model_dir, device="cpu").model, decode_attention=False)
+    assert forward.linear is (_onednn_linear if torch.backends.mkldnn.is_available() else F.linear)
+    gen = torch.Generator().manual_seed(0)
+    x, weight, bias = torch.randn(6, 3, 64, generator=gen), torch.randn(96, 64, generator=gen), torch.randn(96)
+    with torch.inference_mode():
+        torch.testing.assert_close(_onednn_linear(x, weight, bias), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(_onednn_linear(x[:, 1], weight), F.linear(x[:, 1], weight), atol=1e-5, rtol=1e-5)
