@@ -40,8 +40,11 @@ def test_kernel_equals_sdpa_on_left_padded_strided_caches(kernel, kv_heads, grou
     mask = mask_buffer[:, start:start + length]
     q = torch.randn(batch, kv_heads, group, dim, generator=gen)
     assert decode_kernel.DecodeAttention.supports(q, keys, values, mask)
-    got = kernel.attend(q, keys, values, mask, dim ** -0.5)
+    got = kernel.attend(q, keys, values, mask, dim ** -0.5, threads=1)
     torch.testing.assert_close(got, reference(q, keys, values, mask, dim ** -0.5), atol=2e-6, rtol=1e-5)
+    # Rows split over threads (more threads than rows: one row each) are computed exactly as on one.
+    for threads in (2, 3, 8):
+        assert torch.equal(kernel.attend(q, keys, values, mask, dim ** -0.5, threads=threads), got)
     # Row 3 attends to its last key only: its output is that value row exactly (up to the softmax's 1.0).
     torch.testing.assert_close(got[3], values[3, :, -1:].expand(kv_heads, group, dim), atol=1e-6, rtol=0)
 

@@ -13,8 +13,6 @@ import re
 import threading
 from typing import Any
 
-from math_verify import parse, verify
-
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 
 
@@ -47,6 +45,10 @@ def after_thinking(response: str) -> str | None:
 
 def _verify(pred: str, gold: str, timeout_s: int) -> bool:
     """math-verify equivalence of a predicted answer and a gold answer (both bare answers, LaTeX or plain)."""
+    # Imported here: math-verify brings sympy and mpmath (0.3 s), which every Ray process of the loop would import
+    # at start-up for rewards (prefix_match, f1, a custom one) that never call it.
+    from math_verify import parse, verify
+
     gold_parsed = parse(f"${gold}$", parsing_timeout=timeout_s) or parse(gold, parsing_timeout=timeout_s)
     pred_parsed = parse(f"\\boxed{{{pred}}}", parsing_timeout=timeout_s)
     if not gold_parsed or not pred_parsed:

@@ -2,7 +2,8 @@
 
 A decode step's attention on a CPU is a tiny matrix product per (row, key/value head); torch's SDPA kernel spends
 most of its time packing blocks for them (1.0-1.1 ms a layer on engine_bench's batch of 64, where reading the
-cache takes 0.3 ms). The C kernel reads each key and value row once, streaming (0.3-0.5 ms). It is compiled once
+cache takes 0.3 ms). The C kernel reads each key and value row once, streaming (0.3-0.5 ms), its rows split over
+torch's thread count on torch's own OpenMP threads (see the .c file). It is compiled once
 per machine into a cache directory (a file named by the hash of its source, flags, compiler and CPU, so a home
 directory shared by different nodes holds one build for each) in about 0.2 s, and loaded with ctypes, which
 releases the GIL while it runs.
@@ -32,9 +33,11 @@ SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared")
 """No -ffast-math: the kernel's exp rounds with float arithmetic that reassociation would undo (measured: errors of
 0.2 in the output). -fopenmp-simd lets the reductions the source marks vectorize."""
-NATIVE_FLAGS = ("-march=native",)
-"""Tried first (AVX-512 on the machines measured), dropped if the compiler refuses it."""
+OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
+"""Tried in turn: for this CPU (AVX-512 on the machines measured) with OpenMP threads (torch's own libgomp), then
+without -march=native, then single-threaded; the first that builds is kept."""
 MAX_DIM = 512
+KERNEL_ERRORS = {1: "no memory for its scratch scores", 2: f"head_dim above {MAX_DIM}"}
 COMPILE_TIMEOUT_S = 120
 
 
@@ -59,7 +62,7 @@ class DecodeAttention:
         self.path = path
         self._fn = library.slimeflow_decode_attention
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 12 + [ctypes.c_float]
+        self._fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 12 + [ctypes.c_float, ctypes.c_int64]
 
     @staticmethod
     def supports(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> bool:
@@ -73,16 +76,19 @@ class DecodeAttention:
                 and tuple(mask.shape) == (keys.shape[0], keys.shape[2]))
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-               scale: float) -> torch.Tensor:
-        """softmax(scale * q @ keys^T, over the keys where mask is 1) @ values: [B, kv_heads, group, D]."""
+               scale: float, threads: int | None = None) -> torch.Tensor:
+        """softmax(scale * q @ keys^T, over the keys where mask is 1) @ values: [B, kv_heads, group, D].
+
+        The rows are split over `threads` threads (None: torch's thread count for the calling thread)."""
         q = q.contiguous()
         batch, kv_heads, group, dim = q.shape
         out = torch.empty_like(q)
         status = self._fn(q.data_ptr(), keys.data_ptr(), values.data_ptr(), mask.data_ptr(), out.data_ptr(),
                           batch, kv_heads, group, dim, keys.shape[2], *keys.stride()[:3], *values.stride()[:3],
-                          mask.stride(0), scale)
+                          mask.stride(0), scale, threads or torch.get_num_threads())
         if status != 0:
-            raise MemoryError(f"decode attention kernel ({self.path}) returned {status}: no scratch memory")
+            raise RuntimeError(f"decode attention kernel ({self.path}) failed: "
+                               f"{KERNEL_ERRORS.get(status, f'status {status}')}")
         return out
 
 
@@ -103,14 +109,14 @@ def _build() -> Path:
     if compiler is None:
         raise RuntimeError("no C compiler on PATH (cc, gcc or clang; or set CC)")
     source = SOURCE.read_bytes()
-    identity = hashlib.sha256(b"\0".join([source, " ".join(FLAGS + NATIVE_FLAGS).encode(),
+    identity = hashlib.sha256(b"\0".join([source, repr((FLAGS, OPTIONAL_FLAGS)).encode(),
                                           _compiler_version(compiler), _cpu_identity()])).hexdigest()[:20]
     target = cache_dir() / f"decode_attention-{identity}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     errors = []
-    for extra in (NATIVE_FLAGS, ()):
+    for extra in OPTIONAL_FLAGS:
         # Built beside the target under a temporary name, then renamed: engines starting together each build and
         # the last rename wins; none ever loads a half-written library.
         with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
@@ -121,7 +127,7 @@ def _build() -> Path:
             os.replace(staging, target)
             return target
         staging.unlink(missing_ok=True)
-        errors.append(f"{' '.join(extra) or 'portable flags'}: {result.stderr.strip()[-500:]}")
+        errors.append(f"{' '.join(extra) or 'no optional flags'}: {result.stderr.strip()[-500:]}")
     raise RuntimeError(f"{compiler} could not build {SOURCE.name}: " + " | ".join(errors))
 
 
