@@ -2,10 +2,10 @@
 
 A decode step's attention on a CPU is a tiny matrix product per (row, key/value head); torch's SDPA kernel spends
 most of its time packing blocks for them (1.0-1.1 ms a layer on engine_bench's batch of 64, where reading the
-cache takes 0.3 ms). The C kernel reads each key and value row once, streaming (0.3-0.5 ms), its rows split over
-torch's thread count on torch's own OpenMP threads (see the .c file). It is compiled once
-per machine into a cache directory (a file named by the hash of its source, flags, compiler and CPU, so a home
-directory shared by different nodes holds one build for each) in about 0.2 s, and loaded with ctypes, which
+cache takes 0.3 ms). The C kernel reads each key and value row once, streaming (0.3-0.5 ms on one thread), its
+rows split over torch's thread count on torch's own OpenMP threads (see the .c file). It is compiled once per
+machine into a cache directory (a file named by the hash of its source, flags, compiler and CPU, so a home
+directory shared by different nodes holds one build for each) in about 0.3 s, and loaded with ctypes, which
 releases the GIL while it runs.
 
 Where there is no C compiler, or the build fails, `load_decode_attention` returns None with the reason logged,
