@@ -37,6 +37,7 @@ OPTIONAL_FLAGS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
 """Tried in turn: for this CPU (AVX-512 on the machines measured) with OpenMP threads (torch's own libgomp), then
 without -march=native, then single-threaded; the first that builds is kept."""
 MAX_DIM = 512
+"""The largest head_dim the kernel takes: decode_attention.c's MAX_DIM (its accumulators live on the stack)."""
 KERNEL_ERRORS = {1: "no memory for its scratch scores", 2: f"head_dim above {MAX_DIM}"}
 COMPILE_TIMEOUT_S = 120
 
