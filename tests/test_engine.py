@@ -352,3 +352,49 @@ def test_a_launch_is_running_before_ready_and_cancel_or_a_failed_start_stops_it(
     process = launching.processes[0].process
     launching.cancel()
     assert process.poll() is not None
+
+
+def test_an_in_process_engine_answers_as_the_process_does_and_stops_with_its_thread(model_dir, engine, reference):
+    """One embedded engine served from a thread of the caller (the RolloutManager's default): same answers as an
+    engine process for the same seed, weight updates, and stop() frees the thread and the port."""
+    import threading
+
+    from slimeflow.stages.rl.engine.server import EngineThread
+    from slimeflow.stages.rl.engines import EngineSet
+
+    threads_before = threading.active_count()
+    launching = EngineSet.launch(str(model_dir), {}, num_engines=1, threads=1, in_process=True)
+    assert [type(p) for p in launching.processes] == [EngineThread]
+    engines = launching.ready()
+    try:
+        params = {"temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 7, "ignore_eos": True}
+        here, there = (generate(url, PROMPTS[2], params, return_logprob=True)
+                       for url in (engines.rollout_url, engine.url))
+        assert tokens(here) == tokens(there)
+        logprobs = [[lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] for out in (here, there)]
+        assert logprobs[0] == pytest.approx(logprobs[1], abs=1e-5)
+        zeros = {"lm_head.weight": torch.zeros_like(reference.lm_head.weight)}
+        run(EngineClient(engines.rollout_url).update_weights_from_tensor(zeros, weight_version="w1"))
+        assert generate(engines.rollout_url, PROMPTS[0], GREEDY)["meta_info"]["weight_version"] == "w1"
+    finally:
+        engines.stop()
+    assert threading.active_count() == threads_before
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(engines.rollout_url + "/health", timeout=2)
+
+
+def test_an_in_process_engine_that_cannot_load_says_why_and_two_engines_stay_processes(tmp_path):
+    from slimeflow.stages.rl.engine.launch import EngineProcess
+    from slimeflow.stages.rl.engines import EngineSet
+
+    launching = EngineSet.launch(str(tmp_path / "no-model"), {}, num_engines=1, threads=1, in_process=True)
+    with pytest.raises(RuntimeError, match=r"in-process engine for .*no-model failed to start: \w+"):
+        launching.ready()
+    assert launching.processes == []
+
+    # Two or more engines each need a GIL of their own: processes, behind sglang-router.
+    launching = EngineSet.launch(str(tmp_path / "no-model"), {}, num_engines=2, threads=1, in_process=True)
+    try:
+        assert [type(p) for p in launching.processes] == [EngineProcess, EngineProcess]
+    finally:
+        launching.cancel()

@@ -107,3 +107,15 @@ def test_a_finished_run_does_nothing():
 def test_should_run_every_interval_and_at_the_end():
     assert [r for r in range(7) if loop.should_run(3, r, 7)] == [2, 5, 6]
     assert not any(loop.should_run(None, r, 7) for r in range(7))
+
+
+def test_the_driver_imports_neither_torch_nor_transformers():
+    """The train stage's driver only creates the actors and calls them: importing what they compute with would
+    put ~0.8 s of torch (and more of transformers) before Ray can start."""
+    import subprocess
+    import sys
+
+    code = ("import sys, slimeflow.stages.rl.stage; "
+            "print(sorted(m for m in ('torch', 'transformers', 'safetensors.torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

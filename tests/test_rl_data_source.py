@@ -53,6 +53,9 @@ def test_groups_hold_independent_copies_with_running_indices():
     assert group[1].metadata == {"a": 1, "tools": [{"name": "calc"}]}
     assert group[1].prompt[0]["content"] == "hi"
     assert group[0].status is Status.PENDING
+    (flat,) = DataSource(PROMPTS[:1], n_samples_per_prompt=2).get_groups(1)  # flat metadata: the shallow-copy path
+    flat[0].metadata["rm_type"] = "changed"
+    assert flat[1].metadata["rm_type"] == "math" and flat[0].metadata is not flat[1].metadata
 
 
 def test_reads_the_prompt_parquet_that_the_preprocess_stage_writes(tmp_path):

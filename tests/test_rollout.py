@@ -304,8 +304,7 @@ def test_a_rejected_merged_request_fails_only_the_bad_caller():
 def test_a_train_batch_crosses_ray_as_flat_tensors_and_comes_back_equal():
     import torch
 
-    from slimeflow.stages.rl.actors import PackedBatch
-    from slimeflow.stages.rl.types import TrainBatch
+    from slimeflow.stages.rl.types import PackedBatch, TrainBatch
 
     samples = [Sample(prompt="p", index=i, group_index=i // 2, tokens=list(range(3 + i)), response_length=1 + i % 2,
                       reward=float(i), rollout_log_probs=[-0.1] * (1 + i % 2), status=Status.COMPLETED,

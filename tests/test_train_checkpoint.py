@@ -15,6 +15,7 @@ from slimeflow.io.storage import Storage
 from slimeflow.stages.convert.export import write_hf
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.backend import checkpoint as ckpt
+from slimeflow.stages.rl.backend import ownership
 from slimeflow.stages.rl.backend.checkpoint import load_checkpoint, resolve_start, save_checkpoint
 from slimeflow.stages.rl.backend.torch_backend import TorchBackend
 from slimeflow.stages.rl.config import TrainConfig
@@ -169,12 +170,12 @@ def test_a_train_actor_whose_ray_node_died_or_whose_root_was_claimed_refuses_to_
     root = tmp_path / "save"
     actor = object.__new__(TrainActor)  # the check reads the parent pid and run token recorded at start, and --save
     actor.config = CONFIG.model_copy(update={"checkpoint": CONFIG.checkpoint.model_copy(update={"save": str(root)})})
-    actor.parent_pid, actor.run_token = os.getppid(), ckpt.claim_root(root)
+    actor.parent_pid, actor.run_token = os.getppid(), ownership.claim_root(root)
     actor.check_may_commit()  # the parent is alive and the root is this run's: nothing to say
-    newer = ckpt.claim_root(root)
+    newer = ownership.claim_root(root)
     with pytest.raises(RuntimeError, match=r"not committing the checkpoint: .* was claimed by another run .*--save"):
         actor.check_may_commit()
-    ckpt.check_owner(root, newer)
+    ownership.check_owner(root, newer)
     actor.run_token = newer
     monkeypatch.setattr(os, "getppid", lambda: 1)
     with pytest.raises(RuntimeError, match="not committing the checkpoint: this TrainActor's parent process"):

@@ -287,6 +287,11 @@ class PlacementConfig(ConfigModel):
     """Share devices between training and rollout."""
     offload: bool = False
     """Offload training state while rollout runs (colocated mode)."""
+    engine_in_process: bool = True
+    """One embedded engine is served from a thread of the RolloutManager's process (no process of its own, which
+    saves its interpreter's imports: 2-3 CPU seconds of start-up); false gives it its own process, for a rollout
+    function that keeps Python busy while the engine decodes (they would share one GIL). Two or more embedded
+    engines always run as processes."""
 
     @model_validator(mode="after")
     def _colocate(self) -> PlacementConfig:

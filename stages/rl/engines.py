@@ -88,10 +88,11 @@ class EngineSet:
 
     @classmethod
     def launch(cls, hf_checkpoint: str, sglang_args: Mapping[str, Any], num_engines: int,
-               threads: int | None = None) -> EngineLaunch:
+               threads: int | None = None, in_process: bool = False) -> EngineLaunch:
         """`start` in two halves: this one checks the flags and starts every embedded engine's process without
         waiting; the returned launch's `ready()` waits for them (and starts the router). The caller's own set-up
-        can run in between, while the engines import and load."""
+        can run in between, while the engines import and load. `in_process`: a single embedded engine serves
+        from a thread of this process instead (launch.launch_engine_thread)."""
         external = sglang_args.get("worker_urls")
         if external:
             urls = [external] if isinstance(external, str) else [str(u) for u in external]
@@ -101,13 +102,14 @@ class EngineSet:
                                  "server can read, where the trainer writes the weights it pushes")
             return EngineLaunch(hf_checkpoint, external=cls(urls, _router_url(sglang_args) or urls[0], hf_checkpoint,
                                                             str(weights_dir)))
-        from slimeflow.stages.rl.engine.launch import launch_engine
+        from slimeflow.stages.rl.engine.launch import launch_engine, launch_engine_thread
 
         options = {"num_threads": threads} if threads else {}
+        start = launch_engine_thread if in_process and num_engines == 1 else launch_engine
         launching = EngineLaunch(hf_checkpoint)
         try:
             for _ in range(num_engines):
-                launching.processes.append(launch_engine(hf_checkpoint, **options))
+                launching.processes.append(start(hf_checkpoint, **options))
         except BaseException:
             launching.cancel()
             raise

@@ -12,13 +12,15 @@ import tempfile
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from slimeflow.stages.rl.actors import LoopError, RolloutManager, RolloutSetup, TrainActor, call
 from slimeflow.stages.rl.config import TrainConfig
-from slimeflow.stages.rl.types import TrainBatch
+
+if TYPE_CHECKING:
+    from slimeflow.stages.rl.types import TrainBatch
 
 
 class RolloutManagerHandle:
@@ -109,7 +111,7 @@ def init_ray(address: str | None) -> None:
 def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int, scratch: Path,
                      run_token: str | None = None) -> Placement:
     """The RolloutManager and `actor_num_nodes x actor_num_gpus_per_node` TrainActors; `run_token` is the run's
-    claim on --save (backend.checkpoint.claim_root), checked before every commit."""
+    claim on --save (backend.ownership.claim_root), checked before every commit."""
     placement = config.placement
     world = placement.actor_num_nodes * placement.actor_num_gpus_per_node
     gpus = 1 if _has_gpus() else 0

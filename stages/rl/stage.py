@@ -21,7 +21,7 @@ from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.model.stage import fingerprint
 from slimeflow.stages.rl import loop
 from slimeflow.stages.rl.actors import RolloutSetup
-from slimeflow.stages.rl.backend.checkpoint import claim_root
+from slimeflow.stages.rl.backend.ownership import claim_root
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.placement import create_placement, init_ray, scratch_dir
 from slimeflow.stages.rl.plots import plot_curves

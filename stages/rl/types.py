@@ -151,3 +151,37 @@ def _split_rows(rows: Sequence[Sequence[float]], dtype: torch.dtype) -> list[tor
         return []
     flat = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=dtype)
     return list(torch.split(flat, [len(row) for row in rows]))
+
+
+@dataclass
+class PackedBatch:
+    """A TrainBatch as a few flat tensors, for the Ray hop from the RolloutManager to the TrainActors: pickling a
+    batch of 256 samples as 768 small tensors took ~25 ms and unpickling it ~35 ms; flat, both are well under 1 ms.
+    The unpacked batch's per-sample tensors are views of the flat ones."""
+
+    tokens: torch.Tensor
+    token_lengths: list[int]
+    response_lengths: list[int]
+    loss_masks: torch.Tensor
+    rewards: torch.Tensor
+    rollout_log_probs: torch.Tensor | None
+    group_indices: list[int]
+
+    @classmethod
+    def pack(cls, batch: TrainBatch) -> PackedBatch:
+        def flat(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+            return torch.cat(tensors) if tensors else torch.zeros(0, dtype=dtype)
+
+        logp = batch.rollout_log_probs
+        return cls(flat(batch.tokens, torch.long), batch.total_lengths, list(batch.response_lengths),
+                   flat(batch.loss_masks, torch.float32), batch.rewards,
+                   None if logp is None else flat(logp, torch.float32), list(batch.group_indices))
+
+    def unpack(self) -> TrainBatch:
+        per_response = self.response_lengths
+        return TrainBatch(
+            tokens=list(torch.split(self.tokens, self.token_lengths)), response_lengths=list(per_response),
+            loss_masks=list(torch.split(self.loss_masks, per_response)), rewards=self.rewards,
+            rollout_log_probs=None if self.rollout_log_probs is None
+            else list(torch.split(self.rollout_log_probs, per_response)),
+            group_indices=list(self.group_indices))

@@ -26,12 +26,13 @@ import torch
 
 from slimeflow.io import checkpoints
 from slimeflow.io.checkpoints import CheckpointRef
-from slimeflow.io.storage import Storage, is_local, local_path
+from slimeflow.io.storage import Storage, local_path
 from slimeflow.stages.convert.export import origin_family, replace_dir
 from slimeflow.stages.convert.mapping import ModelShape, megatron_to_hf
 from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
 from slimeflow.stages.convert.torch_dist import load_torch_dist, unstack_layers
 from slimeflow.stages.model.stage import TOKENIZER_FILES
+from slimeflow.stages.rl.backend.ownership import local_root
 from slimeflow.stages.rl.backend.torch_backend import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -44,38 +45,6 @@ EXTRA_STATE = "extra_state.json"
 _HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
                   *TOKENIZER_FILES)
 """What the convert stage's reader needs next to the weights (config and tokenizer), copied from the HF dir."""
-
-
-def _local_root(root: str | Path) -> Path:
-    if not is_local(str(root)):
-        raise ValueError(f"checkpoint root {root}: the torch backend saves and loads local paths only; save to a "
-                         "local directory and copy it with slimeflow.io.storage.Storage.copy_tree")
-    return local_path(str(root))
-
-
-OWNER_FILENAME = ".slimeflow-run"
-"""The token of the run that may commit checkpoints under a root (claim_root / check_owner)."""
-
-
-def claim_root(root: str | Path) -> str:
-    """Make the calling run the one that commits checkpoints under `root`: a fresh token, written atomically to
-    `<root>/.slimeflow-run`. A run that claimed the root before (a crashed one whose actors still finish a save, or
-    one still running on the same root by mistake) then fails check_owner instead of committing."""
-    token = uuid.uuid4().hex
-    path = _local_root(root)
-    path.mkdir(parents=True, exist_ok=True)
-    Storage().write_text(str(path / OWNER_FILENAME), token)
-    return token
-
-
-def check_owner(root: str | Path, token: str) -> None:
-    """Raise unless the run holding `token` is still the one that claimed `root` (see claim_root)."""
-    path = _local_root(root) / OWNER_FILENAME
-    current = path.read_text(encoding="utf-8").strip() if path.is_file() else None
-    if current != token:
-        raise RuntimeError(f"not committing the checkpoint: {root} was claimed by another run (its {OWNER_FILENAME} "
-                           f"says {current!r}, this run's token is {token!r}); two runs must not save to one "
-                           "checkpoint root: give this one its own --save")
 
 
 def save_checkpoint(backend: TorchBackend, root: str | Path, rollout_id: int, extra_state: dict[str, Any],
@@ -92,7 +61,7 @@ def save_checkpoint(backend: TorchBackend, root: str | Path, rollout_id: int, ex
     error, ref = None, None
     if backend.rank == 0:
         try:
-            ref = _save(backend, _local_root(root), rollout_id, extra_json, rngs, before_commit)
+            ref = _save(backend, local_root(root), rollout_id, extra_json, rngs, before_commit)
         except BaseException as err:
             error = err
     if backend.world_size > 1:
@@ -177,7 +146,7 @@ def load_checkpoint(backend: TorchBackend, ref_or_uri: CheckpointRef | str | Pat
     saved extra_state. A checkpoint without side files (a converted release/, Megatron's own) loads weights
     only and returns {}. Every rank calls it; none needs the others."""
     ref = ref_or_uri if isinstance(ref_or_uri, CheckpointRef) else checkpoints.resolve(Storage(), str(ref_or_uri))
-    directory = _local_root(ref.uri)
+    directory = local_root(ref.uri)
     backend.load_weights(read_weights(directory, backend.hf_checkpoint), ref.uri)
     side = directory / SIDE_DIR
     if weights_only or not (side / TRAINING_STATE).is_file():
@@ -206,9 +175,9 @@ def resolve_start(load: str | None, ref_load: str | None) -> StartPoint:
     """
     storage = Storage()
     if load is not None:
-        latest = checkpoints.find_latest(storage, str(_local_root(load)))
+        latest = checkpoints.find_latest(storage, str(local_root(load)))
         if latest is not None:
             return StartPoint("load", latest, weights_only=False)
     if ref_load is not None:
-        return StartPoint("ref_load", checkpoints.resolve(storage, str(_local_root(ref_load))), weights_only=True)
+        return StartPoint("ref_load", checkpoints.resolve(storage, str(local_root(ref_load))), weights_only=True)
     return StartPoint("hf_checkpoint", None, weights_only=True)

@@ -11,11 +11,13 @@ router with no healthy worker) are retried `retries` times with backoff, then ra
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import torch
-from safetensors.torch import save as save_safetensors
+import orjson
+
+if TYPE_CHECKING:
+    import torch
 
 
 class EngineUnavailableError(ConnectionError):
@@ -53,7 +55,7 @@ class EngineClient:
                                 "return_logprob": return_logprob}
         if rid is not None:
             body["rid"] = rid
-        return (await self._request("POST", "/generate", json=body)).json()
+        return await self._post_json("/generate", body)
 
     async def generate_batch(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]], *,
                              return_logprob: bool = True, rids: list[str] | None = None) -> list[dict[str, Any]]:
@@ -66,7 +68,7 @@ class EngineClient:
                                 "return_logprob": return_logprob}
         if rids is not None:
             body["rid"] = list(rids)
-        return (await self._request("POST", "/generate", json=body)).json()
+        return await self._post_json("/generate", body)
 
     async def health(self) -> bool:
         """True when GET /health answers 200; raises EngineUnavailableError when nothing answers."""
@@ -92,6 +94,8 @@ class EngineClient:
     async def update_weights_from_tensor(self, named_tensors: dict[str, torch.Tensor],
                                          weight_version: str) -> dict[str, Any]:
         """Send HF-named tensors (full or partial state dict) as safetensors bytes (embedded engine only)."""
+        from safetensors.torch import save as save_safetensors  # here: the rollout side never needs torch
+
         payload = save_safetensors({name: t.detach().cpu().contiguous() for name, t in named_tensors.items()})
         return (await self._request("POST", "/update_weights_from_tensor", content=payload,
                                     params={"weight_version": weight_version},
@@ -107,6 +111,17 @@ class EngineClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    async def _post_json(self, path: str, body: Any) -> Any:
+        """POST `body` as JSON and parse the JSON answer, with orjson both ways: httpx's `json=` and `.json()` use
+        the standard library, which took ~1.5 ms of a 256-sample /generate round trip of ~10 ms."""
+        response = await self._request("POST", path, content=orjson.dumps(body),
+                                       headers={"content-type": "application/json"})
+        try:
+            return orjson.loads(response.content)
+        except orjson.JSONDecodeError as err:
+            raise EngineRequestError(response.status_code, f"{self.url}{path} answered with invalid JSON ({err}): "
+                                     f"{response.text[:200]!r}") from None
 
     def _http(self) -> httpx.AsyncClient:
         # An httpx client is bound to the event loop it first ran on; a new loop (a new asyncio.run) gets a new one.

@@ -135,12 +135,26 @@ def launch_engine(model_path: str | Path, *, port: int | None = None, host: str 
     """start_engine without the wait: the process is starting when this returns; `wait_ready("/health", ...)`
     before sending it work (its start-up, seconds of imports and loading, can overlap the caller's)."""
     port = port or free_port(host)
-    command = [sys.executable, "-m", ENGINE_MODULE, "--model-path", str(model_path), "--host", host,
-               "--port", str(port), "--parent-pid", str(os.getpid())]
+    command = [sys.executable, "-m", ENGINE_MODULE, *_engine_flags(model_path, host, port, options),
+               "--parent-pid", str(os.getpid())]
+    return EngineProcess(command, f"http://{host}:{port}")
+
+
+def launch_engine_thread(model_path: str | Path, *, port: int | None = None, host: str = "127.0.0.1",
+                         **options: Any) -> Any:
+    """launch_engine's in-process twin: the engine serves from a thread of this process (server.EngineThread),
+    loading while this returns; same flags, same `url`, `wait_ready` and `stop`."""
+    from slimeflow.stages.rl.engine.server import EngineThread
+
+    return EngineThread(_engine_flags(model_path, host, port or free_port(host), options))
+
+
+def _engine_flags(model_path: str | Path, host: str, port: int, options: dict[str, Any]) -> list[str]:
+    flags = ["--model-path", str(model_path), "--host", host, "--port", str(port)]
     for name, value in options.items():
         if value is not None:
-            command += [f"--{name.replace('_', '-')}", str(value)]
-    return EngineProcess(command, f"http://{host}:{port}")
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags
 
 
 def start_router(worker_urls: list[str], *, port: int | None = None, host: str = "127.0.0.1",

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 import torch
@@ -213,10 +215,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # The scheduler thread runs every forward pass with `threads`; this thread (HTTP, weight parsing) keeps one.
+def build_server(args: argparse.Namespace) -> tuple[EngineState, uvicorn.Server]:
+    """Load the model and build its batcher (not started) and HTTP server (not running), from the flags."""
+    # The scheduler thread runs every forward pass with `threads`; the HTTP thread (weight parsing) keeps one.
     # Two OpenMP teams in one process count against each other: with more threads than cores, GNU OpenMP stops
     # spin-waiting, and the scheduler's small per-token ops slowed down 2-3x (a decode step at batch 64 took
     # 9.2 ms instead of 4.7 ms with 2 threads once this thread had run a 2-thread op).
@@ -229,15 +230,90 @@ def main(argv: list[str] | None = None) -> None:
                         max_batch_size=args.max_batch_size)
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port,
                                            log_level="warning", access_log=False))
+    return state, server
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    state, server = build_server(args)
+    # What start-up allocated (modules, model, tokenizer) lives as long as the process: exempt it from garbage
+    # collection, or every full collection walks it all (a ~250 ms stall every few dozen 256-sample requests).
+    gc.freeze()
     if args.parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(args.parent_pid, server), daemon=True).start()
-    batcher.start()
-    log.info("serving %s on %s at http://%s:%d", args.model_path, loaded.device, args.host, args.port)
+    state.batcher.start()
+    log.info("serving %s on %s at http://%s:%d", args.model_path, state.loaded.device, args.host, args.port)
     try:
         server.run()
     finally:
-        batcher.stop()
+        state.batcher.stop()
     sys.exit(0)
+
+
+class EngineThread:
+    """The engine served from a thread of the calling process: the same HTTP API at `.url`, without a process of
+    its own (no second interpreter importing torch and transformers: 2.5-3 CPU seconds of a start-up). It loads
+    the model on that thread, so the caller can go on meanwhile; `wait_ready` waits for it. For a process whose
+    own work alternates with the engine's (the RolloutManager waits for its rollouts): both share one GIL.
+
+    Same surface as launch.EngineProcess: `url`, `wait_ready(path, timeout_s)`, `stop()`, `log_tail()`.
+    """
+
+    kind = "engine"
+
+    def __init__(self, argv: list[str]) -> None:
+        self.args = parse_args(argv)
+        self.url = f"http://{self.args.host}:{self.args.port}"
+        self.state: EngineState | None = None
+        self.server: uvicorn.Server | None = None
+        self.error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.args.port}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            state, server = build_server(self.args)
+            state.batcher.start()
+            self.state, self.server = state, server
+            if self._stopping.is_set():
+                return
+            server.run()  # uvicorn installs no signal handlers off the main thread
+        except BaseException as err:  # noqa: BLE001 - reported by wait_ready, in the caller's thread
+            self.error = err
+            log.exception("the in-process engine failed")
+        finally:
+            if self.state is not None:
+                self.state.batcher.stop()
+
+    def wait_ready(self, path: str = "/health", timeout_s: float = 120.0, ready: Any = None) -> None:
+        """Until the server has started listening; raises RuntimeError (why it failed) or TimeoutError."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.error is not None:
+                self.stop()
+                raise RuntimeError(f"the in-process engine for {self.args.model_path} failed to start: "
+                                   f"{type(self.error).__name__}: {self.error}") from self.error
+            if self.server is not None and self.server.started:
+                return
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the in-process engine for {self.args.model_path} stopped before serving")
+            time.sleep(0.01)
+        self.stop()
+        raise TimeoutError(f"the in-process engine for {self.args.model_path} did not start serving within "
+                           f"{timeout_s:.0f} s")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return "" if self.error is None else f"{type(self.error).__name__}: {self.error}"[-chars:]
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop serving and join the thread (idempotent)."""
+        self._stopping.set()
+        if self.server is not None:
+            self.server.should_exit = True
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
 
 
 if __name__ == "__main__":
