@@ -30,6 +30,7 @@ completions/s is completions trained / loop seconds without eval time. TRL needs
 
     .venv/bin/pip install -c constraints.txt trl==1.16.0
     .venv/bin/python benchmarks/loop_bench.py [--target 0.8] [--max-rollouts 300] [--eval-interval 10]
+    .venv/bin/python benchmarks/loop_bench.py --target 0.7 --seeds 7,12,13,1,2,3   # medians over seeds
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class SideResult:
 
     name: str
     startup_s: float
+    seed: int = 0
     cold_imports_s: float = 0.0
     """TRL only: what a fresh process takes to import what this process had imported before `startup_s` began
     (slimeflow's start-up is a fresh process's from the start)."""
@@ -339,6 +341,37 @@ def table(args, sides: list[SideResult]) -> list[str]:
     return rows
 
 
+def total_s(side: SideResult) -> float:
+    """Seconds from a fresh process to the target (start-up + loop), inf when the target was not reached."""
+    if side.target_s is None:
+        return float("inf")
+    return side.cold_imports_s + side.startup_s + side.target_s
+
+
+def summary(runs: list[list[SideResult]]) -> list[str]:
+    """Medians over seeds of each side's start-up, completions/s and seconds to target, and who got there first."""
+    def median(values: list[float]) -> float:
+        ordered = sorted(values)
+        middle = len(ordered) // 2
+        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+    names = [side.name for side in runs[0]]
+    rows = [f"over {len(runs)} seeds (medians): {'':1}{'start-up s':>10} {'completions/s':>13} "
+            f"{'s to target':>11} {'steps to target':>15}"]
+    for i, name in enumerate(names):
+        sides = [run[i] for run in runs]
+        steps = [float(s.target_step) if s.target_step is not None else float("inf") for s in sides]
+        rows.append(f"{name:28} {median([s.startup_s + s.cold_imports_s for s in sides]):10.1f} "
+                    f"{median([s.completions_per_s for s in sides]):13.0f} {median([total_s(s) for s in sides]):11.1f} "
+                    f"{median(steps):15.0f}")
+    if len(names) == 2:
+        first = sum(total_s(ours) < total_s(trl) for ours, trl in runs)
+        rows.append(f"slimeflow reached the target first on {first} of {len(runs)} seeds; per seed (slimeflow, TRL "
+                    "s to target from a fresh process): "
+                    + ", ".join(f"{ours.seed}: {total_s(ours):.1f} vs {total_s(trl):.1f}" for ours, trl in runs))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=float, default=0.8, help="held-out greedy accuracy to reach")
@@ -346,6 +379,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-interval", type=int, default=10, help="steps between held-out evals")
     parser.add_argument("--max-seconds", type=float, default=240.0, help="loop-time cap of each side")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--seeds", type=lambda text: [int(x) for x in text.split(",")], default=None,
+                        help="comma-separated seeds, each run on both sides, with medians at the end "
+                             "(steps to target is one draw per seed: compare several)")
     parser.add_argument("--only", choices=["both", "slimeflow", "trl"], default="both")
     parser.add_argument("--workdir", type=Path, default=None, help="kept when given (default: a temporary dir)")
     args = parser.parse_args(argv)
@@ -354,15 +390,29 @@ def main(argv: list[str] | None = None) -> None:
             import trl  # noqa: F401
         except ImportError:
             sys.exit(f"TRL is a benchmark-only dependency; install it with:\n    {TRL_INSTALL}")
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or Path(tmp)
         hf, train, held_out = prepare(workdir / "prep")
-        sides = []
-        if args.only in ("both", "slimeflow"):
-            sides.append(run_slimeflow(args, hf, train, held_out, workdir / f"slimeflow-{time.time_ns()}"))
-        if args.only in ("both", "trl"):
-            sides.append(run_trl(args, hf, workdir))
-    print(f"\n{' '.join([sys.executable, *sys.argv])}")
+        for seed in args.seeds or [args.seed]:
+            seeded = argparse.Namespace(**{**vars(args), "seed": seed})
+            sides = []
+            if args.only in ("both", "slimeflow"):
+                sides.append(run_slimeflow(seeded, hf, train, held_out, workdir / f"slimeflow-{time.time_ns()}"))
+            if args.only in ("both", "trl"):
+                sides.append(run_trl(seeded, hf, workdir))
+            for side in sides:
+                side.seed = seed
+            runs.append(sides)
+            report(seeded, sides)
+    if len(runs) > 1:
+        print()
+        for row in summary(runs):
+            print(row)
+
+
+def report(args, sides: list[SideResult]) -> None:
+    print(f"\n{' '.join([sys.executable, *sys.argv])}  (seed {args.seed})")
     print(f"tiny llama hidden 128 (362k params), CPU, {os.cpu_count()} cores; {PROMPTS} prompts x {SAMPLES} samples "
           f"per step, target held-out greedy accuracy >= {args.target}, eval every {args.eval_interval} steps; "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
