@@ -362,11 +362,11 @@ def test_an_in_process_engine_answers_as_the_process_does_and_stops_with_its_thr
     from slimeflow.stages.rl.engine.server import EngineThread
     from slimeflow.stages.rl.engines import EngineSet
 
-    threads_before = threading.active_count()
     launching = EngineSet.launch(str(model_dir), {}, num_engines=1, threads=1, in_process=True)
     assert [type(p) for p in launching.processes] == [EngineThread]
     engines = launching.ready()
     try:
+        assert "engine-scheduler" in {t.name for t in threading.enumerate()}
         params = {"temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 7, "ignore_eos": True}
         here, there = (generate(url, PROMPTS[2], params, return_logprob=True)
                        for url in (engines.rollout_url, engine.url))
@@ -378,7 +378,7 @@ def test_an_in_process_engine_answers_as_the_process_does_and_stops_with_its_thr
         assert generate(engines.rollout_url, PROMPTS[0], GREEDY)["meta_info"]["weight_version"] == "w1"
     finally:
         engines.stop()
-    assert threading.active_count() == threads_before
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("engine-")]  # server and scheduler
     with pytest.raises(httpx.ConnectError):
         httpx.get(engines.rollout_url + "/health", timeout=2)
 
