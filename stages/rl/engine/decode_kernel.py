@@ -51,8 +51,9 @@ def cache_dir() -> Path:
 def find_compiler() -> str | None:
     """The C compiler: $CC when set (as make and setuptools take it), else cc, gcc or clang on PATH."""
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        path = shutil.which(name) if name else None
+        if path:
+            return path
     return None
 
 

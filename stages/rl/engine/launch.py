@@ -15,9 +15,12 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    from slimeflow.stages.rl.engine.server import EngineThread
 
 ENGINE_MODULE = "slimeflow.stages.rl.engine.server"
 _LOG_TAIL_CHARS = 4000
@@ -141,7 +144,7 @@ def launch_engine(model_path: str | Path, *, port: int | None = None, host: str 
 
 
 def launch_engine_thread(model_path: str | Path, *, port: int | None = None, host: str = "127.0.0.1",
-                         **options: Any) -> Any:
+                         **options: Any) -> EngineThread:
     """launch_engine's in-process twin: the engine serves from a thread of this process (server.EngineThread),
     loading while this returns; same flags, same `url`, `wait_ready` and `stop`."""
     from slimeflow.stages.rl.engine.server import EngineThread

@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
 import torch
@@ -257,10 +256,8 @@ class EngineThread:
     the model on that thread, so the caller can go on meanwhile; `wait_ready` waits for it. For a process whose
     own work alternates with the engine's (the RolloutManager waits for its rollouts): both share one GIL.
 
-    Same surface as launch.EngineProcess: `url`, `wait_ready(path, timeout_s)`, `stop()`, `log_tail()`.
+    What EngineLaunch uses of launch.EngineProcess: `url`, `wait_ready(path, timeout_s)`, `stop()`.
     """
-
-    kind = "engine"
 
     def __init__(self, argv: list[str]) -> None:
         self.args = parse_args(argv)
@@ -287,8 +284,9 @@ class EngineThread:
             if self.state is not None:
                 self.state.batcher.stop()
 
-    def wait_ready(self, path: str = "/health", timeout_s: float = 120.0, ready: Any = None) -> None:
-        """Until the server has started listening; raises RuntimeError (why it failed) or TimeoutError."""
+    def wait_ready(self, path: str = "/health", timeout_s: float = 120.0) -> None:
+        """Until the server has started listening (`path` is EngineProcess's probe; in process, the server's own start
+        is the sign); raises RuntimeError (why it failed) or TimeoutError."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.error is not None:
@@ -303,9 +301,6 @@ class EngineThread:
         self.stop()
         raise TimeoutError(f"the in-process engine for {self.args.model_path} did not start serving within "
                            f"{timeout_s:.0f} s")
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return "" if self.error is None else f"{type(self.error).__name__}: {self.error}"[-chars:]
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop serving and join the thread (idempotent)."""
