@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated
+import types
+import typing
+from functools import cache
+from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, field_validator
 
 _PLUGIN_PATH = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*[:.][A-Za-z_][\w]*$")
 
@@ -14,6 +17,31 @@ class ConfigModel(BaseModel):
     """A config node: unknown keys are errors (a typo never silently falls back to a default)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads true as 1 and false as 0: `processes: true` would run one process.
+        if isinstance(value, bool) and info.field_name and _numbers_only(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"takes a number, not {str(value).lower()}")
+        return value
+
+
+@cache
+def _numbers_only(annotation: Any) -> bool:
+    """Whether a field's type takes int or float values but not bool (through Optional, unions, Annotated)."""
+    found: set[type] = set()
+    stack = [annotation]
+    while stack:
+        item = stack.pop()
+        origin = typing.get_origin(item)
+        if origin is Annotated:
+            stack.append(typing.get_args(item)[0])
+        elif origin in (typing.Union, types.UnionType):
+            stack.extend(typing.get_args(item))
+        elif isinstance(item, type):
+            found.add(item)
+    return bool(found & {int, float}) and bool not in found
 
 
 def _check_plugin_path(value: str | None) -> str | None:

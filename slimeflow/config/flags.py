@@ -175,9 +175,33 @@ def parse_flags(argv: Sequence[str], index: FlagIndex, *, prog: str = "slimeflow
                 continue
         set_path(overrides, leaf.path, value)
     problems += _extras(extras, index, overrides)
+    problems += _given_twice(argv, index)
     if problems:
         raise ConfigError(problems, "command line")
     return overrides
+
+
+def _given_twice(argv: Sequence[str], index: FlagIndex) -> list[str]:
+    """A one-value flag given twice with different values (argparse would keep the last one silently).
+    List flags (--input a --input b) add up and may repeat; the same value twice is harmless."""
+    seen: dict[str, list[str]] = {}
+    problems: list[str] = []
+    flag: str | None = None
+    for token in argv:
+        if token.startswith("--"):
+            name, eq, value = token.partition("=")
+            leaf = index.by_flag.get(name)
+            flag = name if leaf is not None and leaf.kind in ("scalar", "bool") else None
+            if flag is not None:
+                seen.setdefault(flag, []).append(value if eq else "")
+        elif flag is not None:
+            values = seen[flag]
+            values[-1] = f"{values[-1]} {token}".strip()
+    for name, values in seen.items():
+        if len(set(values)) > 1:
+            shown = ", ".join(v or "(no value)" for v in values)
+            problems.append(f"{name} is given {len(values)} times with different values ({shown}); give it once")
+    return problems
 
 
 def _pairs(flag: str, values: list[str]) -> tuple[dict[str, str], str | None]:
@@ -231,6 +255,8 @@ def nest_keys(data: Mapping[str, Any], index: FlagIndex, where: str) -> dict[str
 
     Flat keys are routed to their group; a key the tree does not take raises ConfigError naming it and `where`.
     """
+    if not isinstance(data, Mapping):
+        raise ConfigError([f"{where}: expected a mapping of flags (key: value), got {type(data).__name__} {data!r}"])
     out: dict[str, Any] = {}
     problems: list[str] = []
     _nest(data, index.model, (), index, out, problems, where)
@@ -240,8 +266,14 @@ def nest_keys(data: Mapping[str, Any], index: FlagIndex, where: str) -> dict[str
 
 
 def _nest(data, model, prefix, index, out, problems, where) -> None:
+    spellings: dict[str, str] = {}
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
+        if key in spellings:  # `rollout-batch-size` and `rollout_batch_size` in one section
+            location = ".".join((*prefix, str(raw_key)))
+            problems.append(f"{where}: {location}: given twice (also as {spellings[key]!r}); keep one of them")
+            continue
+        spellings[key] = str(raw_key)
         info = model.model_fields.get(key)
         group = _group_model(info.annotation) if info else None
         if index.passthrough and (*prefix, key) == index.passthrough[:-1] and isinstance(value, Mapping):
@@ -287,4 +319,6 @@ def _describe(error: Mapping[str, Any], index: FlagIndex) -> str:
         return message
     value = error.get("input")
     shown = value if isinstance(value, str) and value and not any(c.isspace() for c in value) else repr(value)
+    if isinstance(value, bool):
+        shown = str(value).lower()
     return f"{flag} {shown}: {message}"

@@ -134,11 +134,27 @@ TOP_INDEX = FlagIndex(_TopLevel)
 STAGE_INDEX = {name: FlagIndex(cls) for name, cls in STAGE_CONFIGS.items()}
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (first on line {seen[key]}); keep one of them",
+                    key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """A YAML mapping from a file; errors name the file and the line."""
+    """A YAML mapping from a file; errors name the file and the line. A key given twice is an error."""
     text = Path(path).read_text(encoding="utf-8")
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         raise ConfigError([f"{path}: not valid YAML: {err}"]) from None
     if not isinstance(data, Mapping):
@@ -163,9 +179,15 @@ def load_pipeline_config(
     if only_stage is not None:
         tree["stages"] = [only_stage]
         tree.setdefault(only_stage, {})
+    problems: list[str] = []
     for name in STAGE_CONFIGS:  # sections first, so that errors name the stage's own flags
         if tree.get(name) is not None:
-            validate(STAGE_CONFIGS[name], tree[name], STAGE_INDEX[name], f"{where}: {name}")
+            try:
+                validate(STAGE_CONFIGS[name], tree[name], STAGE_INDEX[name], f"{where}: {name}")
+            except ConfigError as err:
+                problems += [f"{name}: {problem}" for problem in err.problems]
+    if problems:  # every broken section at once, not one per attempt
+        raise ConfigError(problems, where)
     config = validate(PipelineConfig, tree, TOP_INDEX, where)
     if environ is not None:
         config = config.model_copy(update={"infra": config.infra.with_environment(environ)})
@@ -183,15 +205,15 @@ def _nest_sections(data: dict[str, Any], where: str) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     problems: list[str] = []
     for key, value in data.items():
-        if key in STAGE_CONFIGS:
-            tree[key] = None if value is None else nest_keys(value, STAGE_INDEX[key], f"{where}: {key}")
-        elif key == "hf_checkpoint":
-            tree.setdefault("model", {})["hf_checkpoint"] = value
-        else:
-            try:
+        try:
+            if key in STAGE_CONFIGS:
+                tree[key] = None if value is None else nest_keys(value, STAGE_INDEX[key], f"{where}: {key}")
+            elif key == "hf_checkpoint":
+                tree.setdefault("model", {})["hf_checkpoint"] = value
+            else:
                 tree = merge(tree, nest_keys({key: value}, TOP_INDEX, where))
-            except ConfigError as err:
-                problems += err.problems
+        except ConfigError as err:
+            problems += err.problems
     if problems:
         raise ConfigError(problems, where)
     return tree

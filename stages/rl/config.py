@@ -65,6 +65,12 @@ class BatchConfig(ConfigModel):
             steps = samples // gbs
         if self.num_rollout is None and self.num_epoch is None:
             raise ValueError("set --num-rollout (rollouts to run) or --num-epoch (epochs over the prompt data)")
+        if self.num_rollout is not None and self.num_epoch is not None:
+            raise ValueError(f"--num-rollout {self.num_rollout} and --num-epoch {self.num_epoch} both set the "
+                             "loop's length; give one (--num-epoch N runs N x ceil(prompts / rollout_batch_size))")
+        if not self.use_dynamic_batch_size and self.micro_batch_size > gbs:
+            raise ValueError(f"--micro-batch-size {self.micro_batch_size} is larger than the global batch "
+                             f"({gbs} samples per optimizer step); choose at most {gbs}")
         if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
             raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget per micro-batch)")
         # Derived values are stored without re-running validation (validate_assignment would recurse).
@@ -298,6 +304,12 @@ class PlacementConfig(ConfigModel):
         if self.colocate:
             # As slime: colocated rollout uses exactly the training devices.
             self.__dict__["rollout_num_gpus"] = self.actor_num_nodes * self.actor_num_gpus_per_node
+        devices, per_engine = self.rollout_num_gpus, self.rollout_num_gpus_per_engine
+        if devices is not None and devices % per_engine:
+            source = " (the training devices, with --colocate)" if self.colocate else ""
+            raise ValueError(f"--rollout-num-gpus {devices}{source} is not a multiple of --rollout-num-gpus-per-engine "
+                             f"{per_engine}: {devices % per_engine} device(s) would serve no engine; make it a "
+                             "multiple")
         return self
 
 
@@ -404,6 +416,13 @@ class TrainConfig(ConfigModel):
                 f"--over-sampling-batch-size {over} is smaller than --rollout-batch-size "
                 f"{self.batch.rollout_batch_size}; it must be >= rollout_batch_size (or left unset)"
             )
+        ranks = self.placement.actor_num_nodes * self.placement.actor_num_gpus_per_node
+        share = self.batch.global_batch_size // ranks  # the batch invariant has set global_batch_size
+        if ranks > 1 and not self.batch.use_dynamic_batch_size and self.batch.micro_batch_size > share:
+            raise ValueError(
+                f"--micro-batch-size {self.batch.micro_batch_size} is larger than a data-parallel rank's share of the "
+                f"global batch ({self.batch.global_batch_size} samples over {ranks} ranks = {share}); choose at most "
+                f"{max(share, 1)}")
         if self.batch.n_samples_per_prompt == 1 and self.algorithm.advantage_estimator in ("grpo", "gspo", "cispo"):
             # As slime: the std of a one-sample group is undefined, so std normalisation is switched off.
             self.algorithm.__dict__["disable_grpo_std_normalization"] = True
