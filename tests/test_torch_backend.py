@@ -105,7 +105,8 @@ def test_samples_that_share_their_inputs_share_one_forward_row(hf_dir):
     batch = make_group_batch()
     firsts, row_of = distinct_rows(batch.tokens, batch.response_lengths)
     assert firsts == [0, 4, 8] and row_of.tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2]
-    shared, alone = make_config(batch={"micro_batch_size": 9}), make_config(batch={"micro_batch_size": 1})
+    nine = {"rollout_batch_size": 3, "n_samples_per_prompt": 3}  # the 9 samples of make_group_batch
+    shared, alone = make_config(batch={**nine, "micro_batch_size": 9}), make_config(batch={**nine, "micro_batch_size": 1})
     g = torch.Generator().manual_seed(3)
     prepared = Prepared(old_log_probs=None, ref_log_probs=None,
                         advantages=[torch.randn(n, generator=g) for n in batch.response_lengths])
