@@ -20,6 +20,34 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--use-wandb": "slimeflow tracks with MLflow: set --mlflow-tracking-uri",
 }
 
+_MEGATRON = ("a Megatron-LM flag, read only by the Megatron training backend (--train-backend megatron), which is "
+             "not in this version; the torch backend needs no such setting")
+_MLA = "multi-latent attention (DeepSeek-V3, Kimi-K2, Moonlight) is not supported yet: dense Llama/Qwen2/Qwen3 only"
+_MTP = "multi-token prediction layers are not supported yet"
+
+# Megatron-LM flags that slime's scripts/run-*.sh and scripts/models/*.sh pass (THUDM/slime 624b824a8).
+NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (
+    "--attention-backend", "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32",
+    "--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
+    "--no-rope-fusion", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
+    "--decoder-last-pipeline-num-layers", "--spec", "--rotary-interleaved", "--no-position-embedding",
+    "--allgather-cp", "--lr-warmup-fraction", "--deterministic-mode",
+)})
+NOT_YET_SUPPORTED.update({flag: _MLA for flag in (
+    "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--mscale",
+    "--mscale-all-dim", "--rotary-scaling-factor",
+)})
+NOT_YET_SUPPORTED.update({flag: _MTP for flag in ("--mtp-num-layers", "--mtp-loss-scaling-factor", "--enable-mtp-training")})
+NOT_YET_SUPPORTED.update({
+    "--post-self-attn-layernorm": "GLM4's sandwich norms are not supported yet: dense Llama/Qwen2/Qwen3 only",
+    "--post-mlp-layernorm": "GLM4's sandwich norms are not supported yet: dense Llama/Qwen2/Qwen3 only",
+    "--update-weight-buffer-size": "bucketed weight sync is not supported yet: weights go to the engines whole",
+    "--prefill-num-servers": "prefill/decode disaggregation is not supported yet",
+    "--no-offload-train": "offload is not supported yet",
+    "--no-offload-rollout": "offload is not supported yet",
+    "--use-tensorboard": "slimeflow tracks with MLflow: set --mlflow-tracking-uri",
+})
+
 NOT_YET_SUPPORTED_PREFIXES: dict[str, str] = {
     "--moe-": "mixture-of-experts models are not supported yet: dense Llama/Qwen2/Qwen3 only",
     "--critic-": "PPO with a trained critic is not supported yet",

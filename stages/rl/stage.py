@@ -23,6 +23,7 @@ from slimeflow.stages.rl import loop
 from slimeflow.stages.rl.actors import RolloutSetup
 from slimeflow.stages.rl.backend.ownership import claim_root
 from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.stages.rl.model_args import check_model_args
 from slimeflow.stages.rl.placement import create_placement, init_ray, scratch_dir
 from slimeflow.stages.rl.plots import plot_curves
 from slimeflow.stages.rl.plugins import PluginError, load_plugin
@@ -65,6 +66,9 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
         problems.append(f"--prompt-data {config.data.prompt_data} is a raw dataset; the train stage reads the "
                         "preprocess stage's prompt parquet (run `slimeflow preprocess --input FILE --output DIR`, "
                         "or the pipeline with a preprocess section, and point --prompt-data at DIR/train)")
+    hf_config = Path(config.checkpoint.hf_checkpoint or "", "config.json")
+    if hf_config.is_file():
+        problems += check_model_args(config.megatron, json.loads(hf_config.read_text()), config.placement.train_backend)
     if config.placement.train_backend != "torch":
         problems.append(f"--train-backend {config.placement.train_backend} is not available in this version; use "
                         "--train-backend torch (its checkpoints are Megatron's torch_dist all the same)")

@@ -1,0 +1,93 @@
+"""slime's Megatron flags under the torch backend: model-shape flags (MODEL_ARGS) checked against the HF config,
+parallelism and recompute flags refused, so that none of them is accepted and then ignored.
+
+slime's guide asks users to check `--rotary-base` and friends by hand against the model; here every model-shape
+flag the user gave is compared with the field of `config.json` it describes, and a mismatch names the flag, both
+values and the field. Only flags the user set are compared (pydantic's `model_fields_set`): a run without
+MODEL_ARGS checks nothing. Parallelism (TP, PP, CP, EP, SP) and recompute are Megatron's; the torch backend trains
+data-parallel over --actor-num-nodes x --actor-num-gpus-per-node ranks, so a non-default value is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from slimeflow.stages.rl.config import MegatronConfig
+
+MEGATRON_ONLY = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
+    "recompute_granularity", "recompute_method", "recompute_num_layers",
+)
+
+
+def _rope_theta(hf: Mapping[str, Any]) -> Any:
+    return hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta"))
+
+
+def _head_dim(hf: Mapping[str, Any]) -> Any:
+    heads = hf.get("num_attention_heads")
+    return hf.get("head_dim") or (hf["hidden_size"] // heads if heads and "hidden_size" in hf else None)
+
+
+def _query_groups(hf: Mapping[str, Any]) -> Any:
+    return hf.get("num_key_value_heads", hf.get("num_attention_heads"))
+
+
+# flag field -> (config.json field as named in messages, how to read it from the HF config)
+SHAPE: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
+    "num_layers": ("num_hidden_layers", lambda hf: hf.get("num_hidden_layers")),
+    "hidden_size": ("hidden_size", lambda hf: hf.get("hidden_size")),
+    "ffn_hidden_size": ("intermediate_size", lambda hf: hf.get("intermediate_size")),
+    "num_attention_heads": ("num_attention_heads", lambda hf: hf.get("num_attention_heads")),
+    "num_query_groups": ("num_key_value_heads", _query_groups),
+    "kv_channels": ("head_dim", _head_dim),
+    "norm_epsilon": ("rms_norm_eps", lambda hf: hf.get("rms_norm_eps")),
+    "rotary_base": ("rope_theta", _rope_theta),
+    "vocab_size": ("vocab_size", lambda hf: hf.get("vocab_size")),
+    "max_position_embeddings": ("max_position_embeddings", lambda hf: hf.get("max_position_embeddings")),
+    "untie_embeddings_and_output_weights": ("tie_word_embeddings",
+                                            lambda hf: not hf.get("tie_word_embeddings", False)),
+    "swiglu": ("hidden_act", lambda hf: hf.get("hidden_act") == "silu"),
+    "group_query_attention": ("num_key_value_heads", lambda hf: _query_groups(hf) != hf.get("num_attention_heads")),
+    "rotary_percent": ("partial_rotary_factor", lambda hf: hf.get("partial_rotary_factor", 1.0)),
+    "attention_dropout": ("attention_dropout", lambda hf: hf.get("attention_dropout", 0.0)),
+    "hidden_dropout": ("hidden_dropout", lambda hf: hf.get("hidden_dropout", 0.0)),
+    "normalization": ("rms_norm_eps", lambda hf: "RMSNorm" if "rms_norm_eps" in hf else "LayerNorm"),
+}
+"""Everything else slime's MODEL_ARGS set (--qk-layernorm, --add-qkv-bias, --disable-bias-linear, the rope
+flags' spellings, --seq-length, --make-vocab-size-divisible-by) is a property of the family the HF config names,
+which the converter already checks tensor by tensor."""
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _equal(given: Any, actual: Any) -> bool:
+    if isinstance(given, float) or isinstance(actual, float):
+        return actual is not None and abs(float(given) - float(actual)) <= 1e-9 * max(1.0, abs(float(actual)))
+    return given == actual
+
+
+def check_model_args(megatron: MegatronConfig, hf_config: Mapping[str, Any], backend: str) -> list[str]:
+    """Problems with the Megatron flags for a run on `backend` with this HF config.json; empty when all is well."""
+    problems = []
+    given = megatron.model_fields_set
+    if backend == "torch":
+        defaults = MegatronConfig()
+        for field in MEGATRON_ONLY:
+            value = getattr(megatron, field)
+            if value != getattr(defaults, field):
+                problems.append(f"{_flag(field)} {value}: Megatron parallelism/recompute, read only by "
+                                "--train-backend megatron (not in this version); the torch backend trains "
+                                "data-parallel over --actor-num-nodes x --actor-num-gpus-per-node ranks: remove it")
+    for field, (hf_field, read) in SHAPE.items():
+        if field not in given:
+            continue
+        value, actual = getattr(megatron, field), read(hf_config)
+        if not _equal(value, actual):
+            problems.append(f"{_flag(field)} {value} does not match the HF config ({hf_field}: "
+                            f"{hf_config.get(hf_field, 'absent')} means {actual}); correct the flag or drop it")
+    return problems

@@ -1,0 +1,115 @@
+"""slime's Megatron flags under the torch backend: MODEL_ARGS checked against the HF config, parallelism refused."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from slimeflow.config.pipeline import load_stage_config
+from slimeflow.stages.base import StageInputError
+from slimeflow.stages.rl.model_args import check_model_args
+from slimeflow.stages.rl.stage import rollout_setup
+
+SEEDS = Path(__file__).parent / "data" / "seed_scripts"
+
+# Qwen3-4B's config.json (the fields MODEL_ARGS describe), as published with the model.
+QWEN3_4B = {
+    "model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 2560, "intermediate_size": 9728,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000, "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": True,
+    "hidden_act": "silu", "attention_dropout": 0.0,
+}
+
+
+def train_config(*flags: str):
+    return load_stage_config("train", None, ["--rollout-batch-size", "8", "--num-rollout", "10", *flags])
+
+
+def model_args() -> list[str]:
+    """slime's qwen3-4B.sh MODEL_ARGS (the seed transcript, without the batch flags at its end)."""
+    lines = [line.split("#", 1)[0] for line in (SEEDS / "qwen3-4b-model-args.sh").read_text().splitlines()]
+    return shlex.split("\n".join(lines))[:-4]
+
+
+def test_slimes_qwen3_4b_model_args_match_the_models_config():
+    config = train_config(*model_args())
+    assert check_model_args(config.megatron, QWEN3_4B, "torch") == []
+
+
+def test_a_model_arg_that_contradicts_the_config_is_refused_with_both_values():
+    args = [a if a != "1000000" else "10000" for a in model_args()]  # --rotary-base 10000
+    problems = check_model_args(train_config(*args).megatron, QWEN3_4B, "torch")
+    assert problems == ["--rotary-base 10000.0 does not match the HF config (rope_theta: 1000000 means 1000000); "
+                        "correct the flag or drop it"]
+    wrong_groups = check_model_args(train_config("--num-query-groups", "4").megatron, QWEN3_4B, "torch")
+    assert "--num-query-groups 4 does not match the HF config (num_key_value_heads: 8" in wrong_groups[0]
+
+
+def test_transformers_5_rope_parameters_are_read():
+    hf = {k: v for k, v in QWEN3_4B.items() if k != "rope_theta"} | {"rope_parameters": {"rope_theta": 1e6}}
+    assert check_model_args(train_config("--rotary-base", "1000000").megatron, hf, "torch") == []
+
+
+def test_untied_output_flag_is_checked_against_tie_word_embeddings():
+    problems = check_model_args(train_config("--untie-embeddings-and-output-weights").megatron, QWEN3_4B, "torch")
+    assert len(problems) == 1 and "tie_word_embeddings: True" in problems[0]
+
+
+def test_no_model_args_check_nothing():
+    assert check_model_args(train_config().megatron, {}, "torch") == []
+
+
+@pytest.mark.parametrize("flags", [["--tensor-model-parallel-size", "8"], ["--pipeline-model-parallel-size", "4"],
+                                   ["--context-parallel-size", "2"], ["--sequence-parallel"],
+                                   ["--recompute-granularity", "full"]])
+def test_megatron_parallelism_is_refused_under_the_torch_backend(flags):
+    problems = check_model_args(train_config(*flags).megatron, QWEN3_4B, "torch")
+    assert len(problems) == 1 and problems[0].startswith(flags[0]) and "--train-backend megatron" in problems[0]
+    assert check_model_args(train_config(*flags).megatron, QWEN3_4B, "megatron") == []
+
+
+def test_the_train_stage_refuses_tp8_before_anything_starts(tmp_path: Path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_4B))
+    config = train_config("--hf-checkpoint", str(tmp_path), "--prompt-data", str(tmp_path / "prompts"),
+                          "--tensor-model-parallel-size", "8", "--num-layers", "28")
+    with pytest.raises(StageInputError) as err:
+        rollout_setup(config, ctx=None)
+    text = str(err.value)
+    assert "--tensor-model-parallel-size 8: Megatron parallelism" in text
+    assert "--num-layers 28 does not match the HF config (num_hidden_layers: 36" in text
+
+
+SLIME_SCRIPTS = Path(__file__).parent / "data" / "slime_scripts"
+
+
+def script_argv(name: str) -> list[str]:
+    return [line for line in (SLIME_SCRIPTS / name).read_text().splitlines() if not line.startswith("# ")]
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in SLIME_SCRIPTS.glob("*.args")))
+def test_every_flag_of_slimes_run_scripts_is_taken_or_refused_with_a_reason(script):
+    """No flag of slime's own run scripts is 'unknown': each is implemented or refused saying why."""
+    from slimeflow.config.flags import ConfigError
+
+    with pytest.raises(ConfigError) as err:  # every one of these scripts trains with Megatron-LM flags
+        load_stage_config("train", None, script_argv(script))
+    assert err.value.problems and not [p for p in err.value.problems if "unknown flag" in p]
+
+
+def test_slimes_qwen3_4b_run_script_is_refused_only_for_what_needs_megatron():
+    from slimeflow.config.flags import ConfigError
+
+    argv = script_argv("run-qwen3-4B.args")
+    with pytest.raises(ConfigError) as err:
+        load_stage_config("train", None, argv)
+    refused = sorted(p.split(":", 1)[0] for p in err.value.problems)
+    assert refused == ["--accumulate-allreduce-grads-in-fp32", "--attention-backend", "--attention-softmax-in-fp32"]
+    assert all("read only by the Megatron training backend" in p for p in err.value.problems)
+    rest = [a for a in argv if a.split()[0] not in refused and a != "flash"]  # --attention-backend's value
+    problems = check_model_args(load_stage_config("train", None, rest).megatron, QWEN3_4B, "torch")
+    assert [p.split(" ", 1)[0] for p in problems] == [
+        "--tensor-model-parallel-size", "--sequence-parallel", "--recompute-granularity", "--recompute-method",
+        "--recompute-num-layers"]  # its MODEL_ARGS match Qwen3-4B's config.json
