@@ -77,7 +77,8 @@ def write_hf(checkpoint_dir: Path, output: Path, origin: Path, vocab_size: int |
     """
     hf_config, family = origin_family(origin)
     args = read_common(checkpoint_dir)["args"]
-    shape = ModelShape.from_megatron_args(args, family, vocab_size or hf_config["vocab_size"])
+    shape = ModelShape.from_megatron_args(args, family, vocab_size or hf_config["vocab_size"],
+                                          source=str(Path(checkpoint_dir) / "common.pt"))
     plan = _plan(shape, tensor_metadata(checkpoint_dir), checkpoint_dir)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.with_name(f".{output.name}.tmp-{uuid.uuid4().hex[:8]}")

@@ -70,16 +70,29 @@ class ModelShape:
         )
 
     @classmethod
-    def from_megatron_args(cls, args: argparse.Namespace, family: Family, vocab_size: int) -> ModelShape:
-        """The shape `megatron_args` wrote; `vocab_size` is the true (unpadded) vocabulary."""
-        return cls(
-            family=family.name, num_layers=args.num_layers, hidden_size=args.hidden_size,
-            ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
-            num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, vocab_size=vocab_size,
-            padded_vocab_size=args.padded_vocab_size, norm_epsilon=args.norm_epsilon, rotary_base=args.rotary_base,
-            max_position_embeddings=args.max_position_embeddings,
-            tie_word_embeddings=not args.untie_embeddings_and_output_weights,
+    def from_megatron_args(cls, args: argparse.Namespace, family: Family, vocab_size: int,
+                           source: str = "common.pt") -> ModelShape:
+        """The shape in a checkpoint's Megatron `args` (ours, slime's or Megatron-LM's); `vocab_size` is the true
+        (unpadded) vocabulary. ValueError names `source` and every attribute that is missing."""
+        read = _ArgsReader(args)
+        heads = read("num_attention_heads")
+        hidden = read("hidden_size")
+        shape = cls(
+            family=family.name, num_layers=read("num_layers"), hidden_size=hidden,
+            ffn_hidden_size=read("ffn_hidden_size"), num_attention_heads=heads,
+            # Megatron-LM leaves num_query_groups None without --group-query-attention and kv_channels None
+            # until it derives hidden_size / heads.
+            num_query_groups=read("num_query_groups", default=None) or heads,
+            kv_channels=read("kv_channels", default=None) or (hidden // heads if hidden and heads else None),
+            vocab_size=vocab_size, padded_vocab_size=read("padded_vocab_size"),
+            norm_epsilon=read("norm_epsilon", "layernorm_epsilon"), rotary_base=read("rotary_base"),
+            max_position_embeddings=read("max_position_embeddings"),
+            tie_word_embeddings=not read("untie_embeddings_and_output_weights", default=False),
         )
+        if read.missing:
+            raise ValueError(f"{source}: the checkpoint's Megatron args lack {', '.join(read.missing)}; it was not "
+                             "written by a Megatron-LM, slime or slimeflow converter that this version reads")
+        return shape
 
     def problems(self) -> list[str]:
         """What makes this shape unconvertible (empty when it is fine)."""
@@ -90,6 +103,26 @@ class ModelShape:
         if self.padded_vocab_size < self.vocab_size:
             found.append(f"padded vocabulary {self.padded_vocab_size} is smaller than vocab_size {self.vocab_size}")
         return found
+
+
+_REQUIRED = object()
+
+
+class _ArgsReader:
+    """Attribute reads from a Megatron args Namespace that collect what is missing instead of failing at the
+    first; several names are spellings of one setting (Megatron-LM renamed norm_epsilon to layernorm_epsilon)."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args, self.missing = args, []
+
+    def __call__(self, *names: str, default: Any = _REQUIRED) -> Any:
+        for name in names:
+            if getattr(self.args, name, None) is not None:
+                return getattr(self.args, name)
+        if default is _REQUIRED:
+            self.missing.append(" or ".join(names))
+            return None
+        return default
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int = 1) -> int:
@@ -110,11 +143,15 @@ def megatron_args(shape: ModelShape, dtype: torch.dtype, make_vocab_size_divisib
         vocab_size=shape.vocab_size, padded_vocab_size=shape.padded_vocab_size,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         tensor_model_parallel_size=tensor_model_parallel_size, pipeline_model_parallel_size=1,
-        normalization="RMSNorm", norm_epsilon=shape.norm_epsilon, swiglu=True, add_bias_linear=False,
+        # norm_epsilon under both spellings: Megatron-LM's newer (layernorm_epsilon) and older, which slime reads.
+        normalization="RMSNorm", norm_epsilon=shape.norm_epsilon, layernorm_epsilon=shape.norm_epsilon,
+        swiglu=True, add_bias_linear=False,
         add_qkv_bias=info.add_qkv_bias, qk_layernorm=info.qk_layernorm, position_embedding_type="rope",
         rotary_base=shape.rotary_base, max_position_embeddings=shape.max_position_embeddings,
         untie_embeddings_and_output_weights=not shape.tie_word_embeddings,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype, ckpt_format="torch_dist",
+        # Read by slime's converters for every model (None/False: no multi-latent attention, no experts).
+        multi_latent_attention=False, q_lora_rank=None, kv_lora_rank=None, num_experts=None,
         model_family=shape.family,
     )
 

@@ -1,0 +1,79 @@
+"""Checkpoints both ways with slime and Megatron-LM: what their readers take from common.pt's `args` is there, and
+a checkpoint whose args are spelled as current Megatron-LM writes them converts back bit-exactly."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from slimeflow.io.storage import Storage
+from slimeflow.stages.base import StageContext
+from slimeflow.stages.convert.config import ConvertConfig
+from slimeflow.stages.convert.families import FAMILIES
+from slimeflow.stages.convert.mapping import ModelShape
+from slimeflow.stages.convert.stage import run
+from slimeflow.stages.convert.torch_dist import read_common
+from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+
+
+def context(tmp: Path) -> StageContext:
+    return StageContext(Storage(), tmp / "work", str(tmp / "work"))
+
+
+def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    return {name: t for file in sorted(directory.glob("*.safetensors")) for name, t in load_file(file).items()}
+
+# What slime's tools/convert_torch_dist_to_hf.py and megatron_to_hf/{llama,qwen2}.py read from `args`
+# (THUDM/slime 624b824a8): the shape of attention, the layer count, the true vocabulary and q_lora_rank.
+SLIME_READS = ("hidden_size", "kv_channels", "num_attention_heads", "num_query_groups", "num_layers", "vocab_size",
+               "q_lora_rank")
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("interop")
+    hf = build_tiny_model(tmp / "hf", TinyModelSpec.from_uri("tiny:qwen3?dtype=bfloat16&seed=8"))
+    run(ConvertConfig(hf_checkpoint=str(hf), save=str(tmp / "ckpt")), context(tmp))
+    return hf, tmp / "ckpt" / "release"
+
+
+def test_our_args_carry_what_slimes_converter_reads(release):
+    args = read_common(release[1])["args"]
+    missing = [name for name in SLIME_READS if not hasattr(args, name)]
+    assert missing == []
+    assert args.q_lora_rank is None and args.layernorm_epsilon == args.norm_epsilon
+
+
+def as_megatron_lm_writes_it(args: argparse.Namespace) -> argparse.Namespace:
+    """Megatron-LM (2026) spells --norm-epsilon layernorm_epsilon and knows nothing of slimeflow's extras."""
+    fields = {k: v for k, v in vars(args).items() if k not in ("norm_epsilon", "model_family")}
+    return argparse.Namespace(**fields, use_dist_ckpt=True, data_parallel_size=8, seq_length=4096)
+
+
+def test_a_checkpoint_with_megatron_lms_newer_args_converts_back_bit_exactly(release, tmp_path):
+    hf, directory = release
+    copy = tmp_path / "release"
+    copy.mkdir()
+    for path in directory.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    common = torch.load(copy / "common.pt", weights_only=False)  # our own file, just written
+    common["args"] = as_megatron_lm_writes_it(common["args"])
+    torch.save(common, copy / "common.pt")
+    run(ConvertConfig(direction="torch-dist-to-hf", input_dir=str(copy), output_dir=str(tmp_path / "back"),
+                      origin_hf_dir=str(hf)), context(tmp_path))
+    original, back = hf_tensors(hf), hf_tensors(tmp_path / "back")
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[name], tensor) for name, tensor in original.items())
+
+
+def test_missing_args_are_named_with_the_file():
+    args = argparse.Namespace(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                              padded_vocab_size=256, max_position_embeddings=512)
+    with pytest.raises(ValueError) as err:
+        ModelShape.from_megatron_args(args, FAMILIES["qwen3"], 200, source="/ckpt/iter_0000003/common.pt")
+    assert str(err.value).startswith("/ckpt/iter_0000003/common.pt: the checkpoint's Megatron args lack "
+                                     "norm_epsilon or layernorm_epsilon, rotary_base;")
