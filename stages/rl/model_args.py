@@ -3,8 +3,8 @@ parallelism and recompute flags refused, so that none of them is accepted and th
 
 slime's guide asks users to check `--rotary-base` and friends by hand against the model; here every model-shape
 flag the user gave is compared with the field of `config.json` it describes, and a mismatch names the flag, both
-values and the field. Only flags the user set are compared (pydantic's `model_fields_set`): a run without
-MODEL_ARGS checks nothing. Parallelism (TP, PP, CP, EP, SP) and recompute are Megatron's; the torch backend trains
+values and the field. Only flags set away from their defaults are compared (a config that went through JSON, as
+Prefect parameters do, has every field set), so a run without MODEL_ARGS checks nothing. Parallelism (TP, PP, CP, EP, SP) and recompute are Megatron's; the torch backend trains
 data-parallel over --actor-num-nodes x --actor-num-gpus-per-node ranks, so a non-default value is refused.
 """
 
@@ -74,9 +74,8 @@ def _equal(given: Any, actual: Any) -> bool:
 def check_model_args(megatron: MegatronConfig, hf_config: Mapping[str, Any], backend: str) -> list[str]:
     """Problems with the Megatron flags for a run on `backend` with this HF config.json; empty when all is well."""
     problems = []
-    given = megatron.model_fields_set
+    defaults = MegatronConfig()
     if backend == "torch":
-        defaults = MegatronConfig()
         for field in MEGATRON_ONLY:
             value = getattr(megatron, field)
             if value != getattr(defaults, field):
@@ -84,9 +83,10 @@ def check_model_args(megatron: MegatronConfig, hf_config: Mapping[str, Any], bac
                                 "--train-backend megatron (not in this version); the torch backend trains "
                                 "data-parallel over --actor-num-nodes x --actor-num-gpus-per-node ranks: remove it")
     for field, (hf_field, read) in SHAPE.items():
-        if field not in given:
+        value = getattr(megatron, field)
+        if value is None or value == getattr(defaults, field):
             continue
-        value, actual = getattr(megatron, field), read(hf_config)
+        actual = read(hf_config)
         if not _equal(value, actual):
             problems.append(f"{_flag(field)} {value} does not match the HF config ({hf_field}: "
                             f"{hf_config.get(hf_field, 'absent')} means {actual}); correct the flag or drop it")
