@@ -119,3 +119,12 @@ def test_the_driver_imports_neither_torch_nor_transformers():
             "print(sorted(m for m in ('torch', 'transformers', 'safetensors.torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_without_save_interval_the_loop_still_saves_after_the_last_rollout():
+    # Without a save the run would end holding no checkpoint: its training lost, nothing for evaluate/export.
+    recorder = Recorder()
+    placement = FakePlacement(recorder, checkpoint={"save_interval": None}, eval={"eval_interval": None})
+    result = loop.train(placement, 3, Reports())
+    assert [c for c in recorder.calls if c[0] == "save"] == [("save", 2)] and result.checkpoint == "iter_2"
+    assert not any(c[0] == "eval" for c in recorder.calls)  # no --eval-interval: no eval, as in slime

@@ -62,7 +62,7 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
         with timer("train"):
             train_metrics = actor_group.train(rollout_id, batch)
 
-        if should_run(config.checkpoint.save_interval, rollout_id, num_rollout):
+        if should_save(config.checkpoint.save_interval, rollout_id, num_rollout):
             with timer("save"):
                 result.checkpoint = actor_group.save(rollout_id, {"data_source": rollout_manager.state_dict()})
 
@@ -97,6 +97,13 @@ def should_run(interval: int | None, rollout_id: int, num_rollout: int) -> bool:
     if interval is None:
         return False
     return (rollout_id + 1) % interval == 0 or rollout_id + 1 == num_rollout
+
+
+def should_save(interval: int | None, rollout_id: int, num_rollout: int) -> bool:
+    """As should_run, and after the last rollout even without an interval: a run that saved nothing would lose its
+    training, and the evaluate and export stages read the final checkpoint. (slime saves nothing when
+    --save-interval is unset; we deliberately save once, at the end.)"""
+    return should_run(interval, rollout_id, num_rollout) or rollout_id + 1 == num_rollout
 
 
 def evaluate(rollout_manager, version: int, report: Reporter) -> Metrics:
