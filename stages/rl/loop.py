@@ -20,6 +20,11 @@ Metrics = dict[str, float]
 
 
 class Reporter(Protocol):
+    def started(self, start_rollout_id: int, evaluates_first: bool) -> None:
+        """Before anything else: the loop starts at `start_rollout_id` (after the loaded checkpoint) and, when
+        `evaluates_first`, evaluates weights version `start_rollout_id` first. What was reported for later rollouts
+        (by a killed run) is redone and must not be kept twice."""
+
     def generated(self, rollout_id: int, row_ids: list[list[str]]) -> None: ...
 
     def rollout(self, rollout_id: int, metrics: Metrics) -> None: ...
@@ -45,13 +50,16 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
     rollout_manager, actor_group = placement.rollout_manager, placement.actor_group
     start_rollout_id, saved_state = actor_group.load()
     result = LoopResult(start_rollout_id, num_rollout)
+    evaluate_first = (start_rollout_id < num_rollout and bool(config.eval.eval_interval)
+                      and not config.eval.skip_eval_before_train)
+    report.started(start_rollout_id, evaluate_first)
     if start_rollout_id >= num_rollout:
         return result  # a finished run, started again: nothing left to do
     if saved_state.get("data_source"):
         rollout_manager.load_state_dict(saved_state["data_source"])
     actor_group.update_weights(version=start_rollout_id)
 
-    if config.eval.eval_interval and not config.eval.skip_eval_before_train:
+    if evaluate_first:
         result.eval_history[start_rollout_id] = evaluate(rollout_manager, start_rollout_id, report)
 
     for rollout_id in range(start_rollout_id, num_rollout):
