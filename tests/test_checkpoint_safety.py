@@ -188,3 +188,11 @@ def test_export_and_evaluate_refuse_a_damaged_checkpoint_before_writing(copy, tm
     with pytest.raises(CheckpointError, match=r"extra_state.json: (sha256|\d+ bytes)"):
         write_hf(directory, tmp_path / "hf-out", hf_dir)
     assert not (tmp_path / "hf-out").exists()
+
+
+def test_saving_over_an_existing_checkpoint_says_so(copy, caplog):
+    hf_dir, root, _ = copy
+    with caplog.at_level(logging.WARNING):
+        save_checkpoint(make_backend(hf_dir), root, 1, {"rollout_id": 1})
+    assert any("replacing the checkpoint" in r.getMessage() and "iter_0000001" in r.getMessage()
+               for r in caplog.records)

@@ -18,6 +18,7 @@ Checkpoint roots are local paths (an s3 root is refused with a message; copy a l
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 import shutil
 import uuid
@@ -44,6 +45,8 @@ from slimeflow.stages.rl.backend.torch_backend import rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+
+logger = logging.getLogger(__name__)
 
 SIDE_DIR = "slimeflow"
 TRAINING_STATE = "training_state.pt"
@@ -94,6 +97,8 @@ def _save(backend: TorchBackend, root: Path, rollout_id: int, extra_json: str, r
         write_checksums(staged)  # last: it covers every other file
         if before_commit is not None:
             before_commit()
+        if target.exists():  # a rollout saved before is redone (--start-rollout-id): say so, never silently
+            logger.warning("replacing the checkpoint %s with a new save of rollout %d", target, rollout_id)
         replace_dir(staged, target)
         return checkpoints.commit(Storage(), str(root), rollout_id)
     except BaseException:
