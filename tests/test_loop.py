@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from slimeflow.stages.rl import loop
 from slimeflow.stages.rl.config import TrainConfig
 
@@ -43,7 +45,10 @@ class Recorder:
 
 class Reports:
     def __init__(self, recorder=None):
-        self.rollouts, self.evals, self.recorder = [], [], recorder
+        self.rollouts, self.evals, self.recorder, self.starts = [], [], recorder, []
+
+    def started(self, start_rollout_id, evaluates_first):
+        self.starts.append((start_rollout_id, evaluates_first))
 
     def generated(self, rollout_id, row_ids):
         if self.recorder is not None:
@@ -119,3 +124,51 @@ def test_the_driver_imports_neither_torch_nor_transformers():
             "print(sorted(m for m in ('torch', 'transformers', 'safetensors.torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_without_save_interval_the_loop_still_saves_after_the_last_rollout():
+    # Without a save the run would end holding no checkpoint: its training lost, nothing for evaluate/export.
+    recorder = Recorder()
+    placement = FakePlacement(recorder, checkpoint={"save_interval": None}, eval={"eval_interval": None})
+    result = loop.train(placement, 3, Reports())
+    assert [c for c in recorder.calls if c[0] == "save"] == [("save", 2)] and result.checkpoint == "iter_2"
+    assert not any(c[0] == "eval" for c in recorder.calls)  # no --eval-interval: no eval, as in slime
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_resumed_run_keeps_each_rollout_once_in_its_record_and_its_mlflow_run(tmp_path):
+    from slimeflow.stages.rl.stage import RolloutLog
+
+    path = tmp_path / "train" / "rollouts.jsonl"
+
+    class DiesInRollout3(Recorder):
+        def train(self, rollout_id, batch):
+            if rollout_id == 3:
+                raise Killed
+            return super().train(rollout_id, batch)
+
+    first_run = []  # the killed attempt's MLflow run: (step, metric) as logged
+    try:
+        loop.train(FakePlacement(DiesInRollout3()), 4, RolloutLog(path, lambda m, s: first_run.extend((s, k) for k in m)))
+    except Killed:
+        pass
+    with path.open("a") as out:
+        out.write('{"step": 3, "rollout/rew')  # a line cut short by the kill
+    # The checkpoint covers rollout 1 (save interval 2): the resumed run redoes 2 and 3, and evaluates version 2 first.
+    second_run = []
+    resumed = Recorder(start=2, saved={"data_source": {"offset": 9}, "rollout_id": 1})
+    loop.train(FakePlacement(resumed), 4, RolloutLog(path, lambda m, s: second_run.extend((s, k) for k in m)))
+
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    rollouts = [r["step"] for r in records if "rollout/reward_mean" in r]
+    evals = [r["step"] for r in records if "eval/x/avg_at_1" in r]
+    assert rollouts == [0, 1, 2, 3] and evals == [0, 2, 4]
+    ids = [json.loads(line)["rollout_id"] for line in path.with_name("row_ids.jsonl").read_text().splitlines()]
+    assert ids == [0, 1, 2, 3]
+    # This attempt's MLflow run holds the whole history, each (step, metric) once.
+    assert len(second_run) == len(set(second_run))
+    assert {s for s, k in second_run if k == "rollout/reward_mean"} == {0, 1, 2, 3}
+    assert {s for s, k in second_run if k == "eval/x/avg_at_1"} == {0, 2, 4}

@@ -145,9 +145,12 @@ def launch(config, workdir: Path) -> subprocess.Popen:
 
 
 def row_ids(workdir: Path) -> dict[int, list[str]]:
-    """The prompt row ids of each rollout (a resumed run's lines replace the killed run's)."""
+    """The prompt row ids of each rollout (a line per rollout: a resumed run drops the killed run's lines for the
+    rollouts it redoes)."""
     lines = (workdir / "train" / "row_ids.jsonl").read_text().splitlines()
-    return {r["rollout_id"]: r["row_ids"] for r in map(json.loads, lines)}
+    records = [json.loads(line) for line in lines]
+    assert len({r["rollout_id"] for r in records}) == len(records), "a rollout is on record twice"
+    return {r["rollout_id"]: r["row_ids"] for r in records}
 
 
 def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_data_order(tmp_path):
@@ -187,7 +190,7 @@ def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_data_order(tmp
     assert row_ids(tmp_path / "resumed") == expected
     log = (tmp_path / "resumed" / "train" / "rollouts.jsonl").read_text().splitlines()
     steps = [json.loads(line)["step"] for line in log]
-    assert steps[-4:] == [2, 3, 4, 5]  # the resumed run started after the checkpointed rollout 1
+    assert steps == [0, 1, 2, 3, 4, 5]  # each once: the killed run's rollout 2, redone after checkpoint 1, replaced
     assert tracker.read_text() == "5"
 
 

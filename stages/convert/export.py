@@ -19,6 +19,7 @@ from slimeflow.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.convert.families import Family, family_for, supported_architectures
+from slimeflow.stages.convert.integrity import verify_checkpoint
 from slimeflow.stages.convert.mapping import ModelShape, global_rules, megatron_to_hf
 from slimeflow.stages.convert.torch_dist import load_torch_dist, read_common, tensor_metadata, unstack_layers
 from slimeflow.stages.model.stage import INDEX_FILE, fingerprint
@@ -75,6 +76,7 @@ def write_hf(checkpoint_dir: Path, output: Path, origin: Path, vocab_size: int |
     Returns the number of tensors written. `vocab_size` defaults to the origin config's; shards hold at most
     `max_shard_bytes` (a single larger tensor is a shard of its own).
     """
+    verify_checkpoint(checkpoint_dir)  # CheckpointError naming a damaged file, before anything is written
     hf_config, family = origin_family(origin)
     args = read_common(checkpoint_dir)["args"]
     shape = ModelShape.from_megatron_args(args, family, vocab_size or hf_config["vocab_size"],

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from slimeflow.stages.convert import safe_pickle
+
 CHECKPOINT_VERSION = 3.0
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LINEARS_WITH_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
@@ -138,16 +140,38 @@ def write_behind(directory: Path, pattern: str, interval: float = WRITE_BEHIND_I
 
 
 def read_common(checkpoint_dir: str | Path) -> dict:
-    """common.pt: `args`, `checkpoint_version`, `iteration` (pickled objects: only read checkpoints you trust)."""
-    return torch.load(Path(checkpoint_dir) / "common.pt", map_location="cpu", weights_only=False)
+    """common.pt: `args`, `checkpoint_version`, `iteration`. Unpickled without running code from it (safe_pickle:
+    classes off its allow-list become inert placeholders), so an untrusted checkpoint can be read."""
+    return safe_pickle.torch_load(Path(checkpoint_dir) / "common.pt")
+
+
+def read_dcp_metadata(checkpoint_dir: str | Path):
+    """`.metadata`, torch.distributed.checkpoint's index of the checkpoint, unpickled as read_common does."""
+    path = Path(checkpoint_dir) / ".metadata"
+    return safe_pickle.loads(path.read_bytes(), path)
+
+
+def _reader(checkpoint_dir: str | Path):
+    """torch's FileSystemReader, except that it reads `.metadata` with read_dcp_metadata (torch unpickles it)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = read_dcp_metadata(checkpoint_dir)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(checkpoint_dir))
 
 
 def tensor_metadata(checkpoint_dir: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Global shape and dtype of every tensor in the checkpoint (from `.metadata`; objects left out)."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(checkpoint_dir)).read_metadata()
+    metadata = read_dcp_metadata(checkpoint_dir)
     return {key: (tuple(meta.size), meta.properties.dtype)
             for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
 
@@ -166,7 +190,7 @@ def load_torch_dist(checkpoint_dir: str | Path, keys: Iterable[str] | None = Non
     if missing:
         raise KeyError(f"{checkpoint_dir} has no tensor {missing[0]!r} ({len(missing)} missing)")
     state = {k: torch.empty(available[k][0], dtype=available[k][1]) for k in wanted}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(checkpoint_dir)), no_dist=True)
+    dcp.load(state, storage_reader=_reader(checkpoint_dir), no_dist=True)
     return state, read_common(checkpoint_dir)["args"]
 
 

@@ -20,6 +20,11 @@ Metrics = dict[str, float]
 
 
 class Reporter(Protocol):
+    def started(self, start_rollout_id: int, evaluates_first: bool) -> None:
+        """Before anything else: the loop starts at `start_rollout_id` (after the loaded checkpoint) and, when
+        `evaluates_first`, evaluates weights version `start_rollout_id` first. What was reported for later rollouts
+        (by a killed run) is redone and must not be kept twice."""
+
     def generated(self, rollout_id: int, row_ids: list[list[str]]) -> None: ...
 
     def rollout(self, rollout_id: int, metrics: Metrics) -> None: ...
@@ -45,13 +50,16 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
     rollout_manager, actor_group = placement.rollout_manager, placement.actor_group
     start_rollout_id, saved_state = actor_group.load()
     result = LoopResult(start_rollout_id, num_rollout)
+    evaluate_first = (start_rollout_id < num_rollout and bool(config.eval.eval_interval)
+                      and not config.eval.skip_eval_before_train)
+    report.started(start_rollout_id, evaluate_first)
     if start_rollout_id >= num_rollout:
         return result  # a finished run, started again: nothing left to do
     if saved_state.get("data_source"):
         rollout_manager.load_state_dict(saved_state["data_source"])
     actor_group.update_weights(version=start_rollout_id)
 
-    if config.eval.eval_interval and not config.eval.skip_eval_before_train:
+    if evaluate_first:
         result.eval_history[start_rollout_id] = evaluate(rollout_manager, start_rollout_id, report)
 
     for rollout_id in range(start_rollout_id, num_rollout):
@@ -62,7 +70,7 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
         with timer("train"):
             train_metrics = actor_group.train(rollout_id, batch)
 
-        if should_run(config.checkpoint.save_interval, rollout_id, num_rollout):
+        if should_save(config.checkpoint.save_interval, rollout_id, num_rollout):
             with timer("save"):
                 result.checkpoint = actor_group.save(rollout_id, {"data_source": rollout_manager.state_dict()})
 
@@ -97,6 +105,13 @@ def should_run(interval: int | None, rollout_id: int, num_rollout: int) -> bool:
     if interval is None:
         return False
     return (rollout_id + 1) % interval == 0 or rollout_id + 1 == num_rollout
+
+
+def should_save(interval: int | None, rollout_id: int, num_rollout: int) -> bool:
+    """As should_run, and after the last rollout even without an interval: a run that saved nothing would lose its
+    training, and the evaluate and export stages read the final checkpoint. (slime saves nothing when
+    --save-interval is unset; we deliberately save once, at the end.)"""
+    return should_run(interval, rollout_id, num_rollout) or rollout_id + 1 == num_rollout
 
 
 def evaluate(rollout_manager, version: int, report: Reporter) -> Metrics:

@@ -2,14 +2,15 @@
 
 `--save` defaults to <workdir>/checkpoints and `--load` to `--save`, so running the stage again after a crash
 resumes at the rollout after the latest checkpoint, with the same data order; a finished run reruns nothing.
-Per-rollout metrics go to MLflow (through the context) and to `<output>/train/rollouts.jsonl`, the reward and
-eval curves to `<output>/train/reward_curve.png`.
+Per-rollout metrics go to MLflow (through the context) and to `<output>/train/rollouts.jsonl` (each rollout once,
+a resumed run included: RolloutLog), the reward and eval curves to `<output>/train/reward_curve.png`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -123,12 +124,32 @@ def resolve_num_rollout(config: TrainConfig, prompt_data: str, ctx: StageContext
 
 class RolloutLog:
     """The loop's reporter: rollouts.jsonl (a line per rollout and per evaluation), row_ids.jsonl (the prompt row
-    ids of each rollout; a resumed run appends the rollouts it redoes) and `log_metrics` (MLflow) as they come."""
+    ids of each rollout) and `log_metrics` (MLflow) as they come.
+
+    Each rollout is on record once: when the loop starts, lines for what it is about to redo (reported by a killed
+    run after its last checkpoint) are dropped, and the lines kept are logged to `log_metrics` again, so that the
+    MLflow run of this attempt (the flows open a new one per attempt) holds the whole history, each step once;
+    the killed attempt's run keeps what it had logged.
+    """
 
     def __init__(self, path: Path, log_metrics: Callable[[dict[str, float], int], None] | None = None):
         self.path = path
         self.log_metrics = log_metrics
         path.parent.mkdir(parents=True, exist_ok=True)
+
+    def started(self, start_rollout_id: int, evaluates_first: bool) -> None:
+        def kept(record: dict[str, Any]) -> bool:
+            step = record["step"]
+            is_eval = all(key.startswith("eval/") for key in record if key != "step")
+            return step < start_rollout_id or (is_eval and step == start_rollout_id and not evaluates_first)
+
+        records = [r for r in _read_jsonl(self.path) if kept(r)]
+        _rewrite(self.path, records)
+        ids = self.path.with_name("row_ids.jsonl")
+        _rewrite(ids, [r for r in _read_jsonl(ids) if r["rollout_id"] < start_rollout_id])
+        if self.log_metrics is not None:
+            for record in records:
+                self.log_metrics({k: v for k, v in record.items() if k != "step"}, record["step"])
 
     def generated(self, rollout_id: int, row_ids: list[list[str]]) -> None:
         self._append(self.path.with_name("row_ids.jsonl"),
@@ -150,9 +171,31 @@ class RolloutLog:
             out.write(json.dumps(record) + "\n")
 
     def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line]
+        return _read_jsonl(self.path)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a jsonl file ([] when absent); a last line cut short by a kill is left out."""
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line]
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise ValueError(f"{path}, line {number}: not JSON ({line[:80]!r}); fix or delete the line") from None
+    return records
+
+
+def _rewrite(path: Path, records: list[dict[str, Any]]) -> None:
+    """Replace `path` with `records`, atomically (a kill leaves the old file or the new one)."""
+    if not path.exists() and not records:
+        return
+    staged = path.with_name(f".{path.name}.tmp")
+    staged.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    os.replace(staged, path)
 
 
 def manifest(config: TrainConfig, ctx: StageContext, result: loop.LoopResult, history: RolloutLog) -> Manifest:

@@ -6,18 +6,24 @@ stage and by our export), plus slimeflow's side files for an exact resume.
         slimeflow/training_state.pt     optimizer + scheduler state (identical on every data-parallel rank)
         slimeflow/rng_state.pt          every rank's python, numpy, torch (and CUDA) RNG states
         slimeflow/extra_state.json      the caller's JSON state (data source, rollout id, ...)
+        slimeflow/checksums.json        sha256 of every other file (convert.integrity), checked before a load
 
 A save is staged in `<root>/.iter_XXXXXXX.tmp-*`, renamed into place when complete, and only then committed to
-the tracker; a save that fails or is killed at any point leaves the previous checkpoint as the latest.
+the tracker; a save that fails or is killed at any point leaves the previous checkpoint as the latest. A load
+refuses a damaged checkpoint (CheckpointError naming the file) and an iteration checkpoint that lost its resume
+state, rather than training on it or restarting at rollout 0 over the run's checkpoints.
 Checkpoint roots are local paths (an s3 root is refused with a message; copy a local root with io.storage).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import pickle
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -25,9 +31,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from slimeflow.io import checkpoints
-from slimeflow.io.checkpoints import CheckpointRef
+from slimeflow.io.checkpoints import RELEASE, CheckpointError, CheckpointRef
 from slimeflow.io.storage import Storage, local_path
+from slimeflow.stages.convert import safe_pickle
 from slimeflow.stages.convert.export import origin_family, replace_dir
+from slimeflow.stages.convert.integrity import verify_checkpoint, write_checksums
 from slimeflow.stages.convert.mapping import ModelShape, megatron_to_hf
 from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
 from slimeflow.stages.convert.torch_dist import load_torch_dist, unstack_layers
@@ -37,6 +45,8 @@ from slimeflow.stages.rl.backend.torch_backend import rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+
+logger = logging.getLogger(__name__)
 
 SIDE_DIR = "slimeflow"
 TRAINING_STATE = "training_state.pt"
@@ -84,8 +94,11 @@ def _save(backend: TorchBackend, root: Path, rollout_id: int, extra_json: str, r
     target = root / name
     try:
         write_side_files(staged / SIDE_DIR, backend.training_state(), rngs, extra_json)
+        write_checksums(staged)  # last: it covers every other file
         if before_commit is not None:
             before_commit()
+        if target.exists():  # a rollout saved before is redone (--start-rollout-id): say so, never silently
+            logger.warning("replacing the checkpoint %s with a new save of rollout %d", target, rollout_id)
         replace_dir(staged, target)
         return checkpoints.commit(Storage(), str(root), rollout_id)
     except BaseException:
@@ -118,8 +131,22 @@ def write_side_files(side: Path, training_state: dict[str, Any], rngs: list[Any]
     """slimeflow's resume state next to the Megatron files (Megatron ignores the folder)."""
     side.mkdir(parents=True, exist_ok=True)
     torch.save(training_state, side / TRAINING_STATE)
-    torch.save({"ranks": rngs}, side / RNG_STATE)
+    torch.save({"ranks": [_portable_rng(rng) for rng in rngs]}, side / RNG_STATE)
     (side / EXTRA_STATE).write_text(extra_json, encoding="utf-8")
+
+
+def _portable_rng(state: dict[str, Any]) -> dict[str, Any]:
+    """An RNG state that torch.load(weights_only=True) reads: numpy's key array as a list (python's state is
+    already a tuple of ints, torch's a tensor)."""
+    kind, key, *rest = state["numpy"]
+    return {**state, "numpy": (kind, key.tolist(), *rest)}
+
+
+def _read_rngs(path: Path) -> list[Any]:
+    try:
+        return torch.load(path, weights_only=True)["ranks"]
+    except pickle.UnpicklingError:  # saved before the RNG states were portable: numpy arrays, pickled
+        return safe_pickle.torch_load(path)["ranks"]
 
 
 def _gather_objects(obj: Any, world_size: int) -> list[Any]:
@@ -134,28 +161,66 @@ def read_weights(checkpoint: str | Path, hf_dir: str | Path) -> dict[str, torch.
     """HF-named weights of a torch_dist checkpoint (a root, iter_XXXXXXX/ or release/), vocabulary padding
     stripped; `hf_dir` gives the family and the true vocabulary size."""
     ref = checkpoints.resolve(Storage(), str(checkpoint))
+    verify_checkpoint(local_path(ref.uri))
+    return _read_weights(local_path(ref.uri), hf_dir)
+
+
+def _read_weights(directory: Path, hf_dir: str | Path) -> dict[str, torch.Tensor]:
     hf_config, family = origin_family(Path(hf_dir))
-    tensors, args = load_torch_dist(local_path(ref.uri))
+    with reading(directory):
+        tensors, args = load_torch_dist(directory)
     shape = ModelShape.from_megatron_args(args, family, hf_config["vocab_size"])
     return megatron_to_hf(unstack_layers(tensors), shape)
 
 
+@contextmanager
+def reading(path: Path) -> Iterator[None]:
+    """Turn a failure to read `path` (EOFError, a bad zip record, ...) into a CheckpointError that names it."""
+    try:
+        yield
+    except (CheckpointError, KeyError):
+        raise
+    except Exception as err:
+        raise CheckpointError(f"reading {path} failed: {type(err).__name__}: {err}. The checkpoint is damaged "
+                              "or was not written by Megatron or slimeflow; restore it from a copy") from err
+
+
 def load_checkpoint(backend: TorchBackend, ref_or_uri: CheckpointRef | str | Path,
                     weights_only: bool = False) -> dict[str, Any]:
-    """Restore weights, then (unless weights_only) optimizer, scheduler and this rank's RNG states; returns the
-    saved extra_state. A checkpoint without side files (a converted release/, Megatron's own) loads weights
-    only and returns {}. Every rank calls it; none needs the others."""
+    """Verify the checkpoint, restore weights, then (unless weights_only) optimizer, scheduler and this rank's RNG
+    states; returns the saved extra_state. A release/ checkpoint without side files (a converted one) loads weights
+    only and returns {}. CheckpointError for a damaged checkpoint (convert.integrity) and, unless weights_only, for
+    an iteration checkpoint without its resume state. Every rank calls it; none needs the others."""
     ref = ref_or_uri if isinstance(ref_or_uri, CheckpointRef) else checkpoints.resolve(Storage(), str(ref_or_uri))
     directory = local_root(ref.uri)
-    backend.load_weights(read_weights(directory, backend.hf_checkpoint), ref.uri)
+    verify_checkpoint(directory)
     side = directory / SIDE_DIR
-    if weights_only or not (side / TRAINING_STATE).is_file():
+    resume = not weights_only and has_resume_state(ref, side)
+    backend.load_weights(_read_weights(directory, backend.hf_checkpoint), ref.uri)
+    if not resume:
         return {}
-    backend.load_training_state(torch.load(side / TRAINING_STATE, map_location=backend.device, weights_only=True))
-    # Pickled python/numpy RNG states: our own files (only load checkpoints you trust, as with common.pt).
-    rngs = torch.load(side / RNG_STATE, weights_only=False)["ranks"]
+    with reading(side / TRAINING_STATE):
+        backend.load_training_state(torch.load(side / TRAINING_STATE, map_location=backend.device,
+                                               weights_only=True))
+    with reading(side / RNG_STATE):
+        rngs = _read_rngs(side / RNG_STATE)
     set_rng_state(rngs[backend.rank % len(rngs)])
-    return json.loads((side / EXTRA_STATE).read_text(encoding="utf-8"))
+    with reading(side / EXTRA_STATE):
+        return json.loads((side / EXTRA_STATE).read_text(encoding="utf-8"))
+
+
+def has_resume_state(ref: CheckpointRef, side: Path) -> bool:
+    """True when `side` holds every resume file; False for a release/ without any (weights only, as slime);
+    CheckpointError otherwise: resuming from the weights alone would restart at rollout 0 and overwrite the run's
+    checkpoints."""
+    missing = [name for name in (TRAINING_STATE, RNG_STATE, EXTRA_STATE) if not (side / name).is_file()]
+    if not missing or (ref.iteration == RELEASE and len(missing) == 3):
+        return not missing
+    raise CheckpointError(
+        f"{ref.uri} cannot be resumed: {', '.join(str(side / m) for m in missing)} missing, so the optimizer, "
+        f"scheduler, RNG and data position it was saved with are lost, and starting over from its weights would "
+        f"restart at rollout 0 over the checkpoints in {ref.root}. To train on from its weights, pass "
+        f"--ref-load {ref.uri} with a new --save; to resume from an earlier checkpoint, move {ref.uri} aside")
 
 
 @dataclass(frozen=True)
