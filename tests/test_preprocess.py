@@ -280,3 +280,12 @@ def test_seeded_shuffle_and_held_out_split_are_deterministic_and_lose_nothing(tm
     assert 25 <= len(held) <= 75 and first.facts["sets"]["train"]["outputs"] == {"train": len(train), "heldout": len(held)}
     assert prompts(other.outputs["train"]) != prompts(plain.outputs["train"])
     assert sorted(prompts(other.outputs["train"])) == sorted(prompts(plain.outputs["train"]))
+
+
+@pytest.mark.parametrize("names", [{"eval_input": {"../../escaped": "IN"}}, {"eval_split_name": "../up"}])
+def test_a_set_name_that_would_leave_the_output_is_refused(tmp_path, names):
+    source = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"p{i}", "label": "l"} for i in range(20)])
+    names = {k: {n: str(source) for n in v} if isinstance(v, dict) else v for k, v in names.items()}
+    with pytest.raises(StageInputError, match=r"--eval-input / --eval-split-name[\s\S]*'\.\./"):
+        run_stage(tmp_path, input=[str(source)], input_key="prompt", eval_split_fraction=0.5, **names)
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "out").exists()

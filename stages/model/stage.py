@@ -12,7 +12,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from slimeflow.io.storage import ArtifactRecord, Storage, is_local, local_path
+from slimeflow.io.storage import ArtifactRecord, Storage, UnsafePathError, inside, is_local, local_path
 from slimeflow.manifest import Manifest, content_hash
 from slimeflow.progress import byte_progress
 from slimeflow.stages.base import StageContext, StageInputError
@@ -111,7 +111,7 @@ def _check_weights(path: Path, problems: list[str]) -> dict[str, dict[str, Any]]
     index = path / INDEX_FILE
     if index.is_file():
         weight_map = (_read_json(index, problems) or {}).get("weight_map", {})
-        shards = sorted(set(weight_map.values()))
+        shards = _shards_inside(path, set(weight_map.values()), problems)
     elif (path / "model.safetensors").is_file():
         weight_map, shards = {}, ["model.safetensors"]
     else:
@@ -125,6 +125,17 @@ def _check_weights(path: Path, problems: list[str]) -> dict[str, dict[str, Any]]
     if missing and not any(p.startswith(tuple(shards)) for p in problems):
         problems.append(f"{INDEX_FILE} names {len(missing)} tensors absent from their shards: {missing[:5]}")
     return tensors
+
+
+def _shards_inside(path: Path, shards: set[str], problems: list[str]) -> list[str]:
+    """The index's shard names that stay inside the checkpoint; one problem for each that would leave it."""
+    kept = []
+    for shard in sorted(shards):
+        try:
+            kept.append(inside(str(path), shard))
+        except UnsafePathError as err:
+            problems.append(f"{INDEX_FILE} names a shard outside the checkpoint: {err}")
+    return kept
 
 
 def _safetensors_header(shard: Path, problems: list[str]) -> dict[str, Any]:

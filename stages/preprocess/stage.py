@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from slimeflow.io.storage import ArtifactRecord, Storage, join
+from slimeflow.io.storage import ArtifactRecord, Storage, UnsafePathError, inside, join
 from slimeflow.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.preprocess.config import PreprocessConfig
@@ -46,6 +46,7 @@ def run(config: PreprocessConfig, ctx: StageContext) -> Manifest:
         sets = {"train": config.input, **config.eval_input} if config.input else dict(config.eval_input)
         if not sets:
             raise StageInputError("preprocess", ["no input"], "Give --input PATH and/or --eval-input NAME PATH.")
+        _check_set_names([*sets, config.eval_split_name], output)
         inputs = {name: _resolve([specs] if isinstance(specs, str) else specs, ctx.storage)
                   for name, specs in sets.items()}  # every input checked before any work
         with _long_lived_heap_frozen():
@@ -137,6 +138,19 @@ def _process(name: str, inputs: tuple[list[str], list[str]], config: PreprocessC
     for writer in result.writers.values():
         writer.close()
     return result
+
+
+def _check_set_names(names: list[str], output: str) -> None:
+    """Set names become directories (eval/NAME/): StageInputError for one that would leave eval/."""
+    problems = []
+    for name in names:
+        try:
+            inside(join(output, "eval"), name)
+        except UnsafePathError as err:
+            problems.append(str(err))
+    if problems:
+        raise StageInputError("--eval-input / --eval-split-name", problems,
+                              "Name each eval set with letters, digits, '-' or '_' (e.g. aime, gsm8k-test).")
 
 
 def _relative_dir(output: str, input_set: str) -> str:
