@@ -446,6 +446,19 @@ class Storage:
         `local_path` untouched. The record's path is `local_path`."""
         return self._copy(uri, os.fspath(local_path), expect=expect)
 
+    def copy(self, src_uri: str, dst_uri: str) -> None:
+        """Copy one object, atomically: server-side within one object store (no bytes pass through here),
+        streamed otherwise. NotFoundError if `src_uri` is absent."""
+        src_fs, src = self._locate(src_uri)
+        dst_fs, dst = self._locate(dst_uri)
+        if src_fs is not dst_fs or isinstance(src_fs, LocalFileSystem):
+            self._copy(src_uri, dst_uri)
+            return
+        try:
+            src_fs.copy(src, dst)  # S3 CopyObject (multipart copy when large): visible once complete
+        except FileNotFoundError as exc:
+            raise NotFoundError(f"{src_uri}: no such object to copy to {dst_uri}") from exc
+
     def copy_tree(
         self, src_uri: str, dst_uri: str, progress: Callable[[int], None] | None = None
     ) -> list[ArtifactRecord]:
