@@ -229,3 +229,18 @@ def test_a_kill_while_copying_into_place_reports_the_target_incomplete_and_a_rer
     assert committed(storage, target, new.hashes["content"]) and new.hashes["content"] == marker.content
     assert _files(storage, target) == sorted([MARKER, *(r.path for r in new.artifacts)])
     assert not any(name.startswith(STAGING) for name in _files(storage, target))
+
+
+def test_the_stage_cache_reuses_an_export_only_while_its_marker_holds_that_export(tmp_path):
+    from slimeflow.flows.stages import cache_key, cached_manifest
+    from slimeflow.manifest import Manifest
+
+    storage, output = Storage(), str(tmp_path / "out")
+    marker = tmp_path / "hf" / ".slimeflow-export.json"
+    marker.parent.mkdir()
+    key = cache_key("export", ExportConfig(), [])
+    Manifest(stage="export", outputs={"hf_model": str(marker.parent), "commit": str(marker)},
+             hashes={"content": "abc"}, cache_key=key).write(storage, output)
+    for state, content, reused in [("complete", "abc", True), ("replacing", "abc", False), ("complete", "abd", False)]:
+        marker.write_text(json.dumps({"state": state, "files": [], "content": content}))
+        assert (cached_manifest(storage, output, "export", key) is not None) == reused, (state, content)
