@@ -2,7 +2,8 @@
 
 Layout under the output URI: `train/part-00000.parquet`, `eval/<name>/part-00000.parquet` (named eval sets and
 the held-out split), `quarantine.jsonl` (one JSON object per bad row: dataset, file, line or row, reason,
-detail, raw) and `manifest.json`. For every input set, rows_in = rows_out + filtered + quarantined, by reason.
+detail, raw) and `manifest.json`, written last (an earlier run's is removed before any part is replaced, so a
+killed run leaves none). For every input set, rows_in = rows_out + filtered + quarantined, by reason.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from slimeflow.io.storage import ArtifactRecord, Storage, UnsafePathError, inside, join
+from slimeflow.io.storage import ArtifactRecord, Storage, StorageError, UnsafePathError, inside, join
 from slimeflow.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.preprocess.config import PreprocessConfig
@@ -33,6 +34,7 @@ from slimeflow.stages.preprocess.writer import SCHEMA, DatasetWriter, Deduper
 
 PART = "part-00000.parquet"
 QUARANTINE = "quarantine.jsonl"
+MANIFEST = "manifest.json"
 
 
 def run(config: PreprocessConfig, ctx: StageContext) -> Manifest:
@@ -294,7 +296,13 @@ def _fail_if_empty(results: list[SetResult], quarantine: Quarantine) -> None:
 
 def _publish(results: list[SetResult], quarantine: Quarantine, config: PreprocessConfig, storage: Storage,
              staging: Path, output: str) -> Manifest:
-    """Upload the parquet files and the quarantine, then manifest.json, and return the manifest."""
+    """Upload the parquet files and the quarantine, then manifest.json, and return the manifest.
+
+    An earlier run's manifest.json is removed before any part is replaced, and a new one written only once every
+    part is in place: a run killed in between leaves no manifest, never an old one describing new parts.
+    """
+    _withdraw(storage, output, {writer.path.relative_to(staging).as_posix()
+                                for result in results for writer in result.writers.values() if writer.rows})
     records, outputs, sets = [], {"root": output}, {}
     for result in results:
         for name, writer in result.writers.items():
@@ -305,7 +313,8 @@ def _publish(results: list[SetResult], quarantine: Quarantine, config: Preproces
             outputs["train" if relative.startswith("train/") else f"eval.{name}"] = join(output, str(Path(relative).parent))
         sets[result.name] = _set_facts(result)
     records.append(storage.put_file(quarantine.path, join(output, QUARANTINE)).model_copy(update={"path": QUARANTINE}))
-    outputs.update(quarantine=join(output, QUARANTINE), manifest=join(output, "manifest.json"))
+    outputs.update(quarantine=join(output, QUARANTINE), manifest=join(output, MANIFEST))
+    outputs["commit"] = outputs["manifest"]  # the stage cache reuses this run only while it names this content
     inputs = [f for r in results for f in r.files]
     manifest = Manifest(
         stage="preprocess", outputs=outputs, artifacts=records, artifact_root=output,
@@ -317,6 +326,24 @@ def _publish(results: list[SetResult], quarantine: Quarantine, config: Preproces
     )
     storage.write_text(outputs["manifest"], manifest.model_dump_json(indent=2))
     return manifest
+
+
+def _withdraw(storage: Storage, output: str, rewritten: set[str]) -> None:
+    """Remove an earlier run's manifest.json at `output`, then the files it lists that this run does not rewrite
+    (an eval set no longer asked for): they were ours, and no manifest describes them any more."""
+    uri = join(output, MANIFEST)
+    if not storage.exists(uri):
+        return
+    try:
+        earlier = Manifest.read(storage, uri)
+    except (StorageError, ValueError) as err:
+        raise StageInputError(uri, [f"is not a preprocess manifest: {err}"],
+                              "Remove it, or choose another --output; preprocess writes manifest.json itself.") from None
+    storage.remove(uri)
+    for record in earlier.artifacts:
+        stale = join(output, inside(output, record.path))
+        if record.path not in rewritten and record.path != QUARANTINE and storage.exists(stale):
+            storage.remove(stale)
 
 
 def _set_facts(result: SetResult) -> dict[str, Any]:
