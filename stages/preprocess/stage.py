@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +27,7 @@ from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.preprocess.config import PreprocessConfig
 from slimeflow.stages.preprocess.prepare import PreparedBatch, Preparer, Rows, first_seen
 from slimeflow.stages.preprocess.sources import Problem, read_batches, resolve
+from slimeflow.stages.preprocess.staging import staging_dir
 from slimeflow.stages.preprocess.tokens import PromptTokenizer, TokenStats
 from slimeflow.stages.preprocess.writer import SCHEMA, DatasetWriter, Deduper
 
@@ -41,9 +40,7 @@ def run(config: PreprocessConfig, ctx: StageContext) -> Manifest:
     """Process the training input and every eval input; raise StageInputError when a set yields no rows."""
     tokenizer = _tokenizer(config)
     output = config.output or join(ctx.output, "preprocess")
-    ctx.workdir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix="preprocess-", dir=ctx.workdir))
-    try:
+    with staging_dir(ctx.workdir) as staging:  # removes what killed runs left there first
         quarantine = Quarantine(staging / QUARANTINE, config.strict)
         sets = {"train": config.input, **config.eval_input} if config.input else dict(config.eval_input)
         if not sets:
@@ -57,8 +54,6 @@ def run(config: PreprocessConfig, ctx: StageContext) -> Manifest:
         quarantine.close()
         _fail_if_empty(results, quarantine)
         return _publish(results, quarantine, config, ctx.storage, staging, output)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _tokenizer(config: PreprocessConfig) -> PromptTokenizer | None:
