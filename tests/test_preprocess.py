@@ -333,3 +333,43 @@ def test_a_run_killed_while_uploading_to_s3_leaves_no_manifest_describing_other_
     storage.verify_tree(output, again.artifacts)
     assert not storage.exists(f"{output}/eval/aime")  # the earlier run's set, no longer asked for, is gone
     assert sorted(r.path for r in again.artifacts) == ["quarantine.jsonl", "train/part-00000.parquet"]
+
+
+_DYING_WHILE_STAGING = """
+import json, os, signal, sys
+from pathlib import Path
+from slimeflow.io.storage import Storage
+from slimeflow.stages.base import StageContext
+from slimeflow.stages.preprocess.config import PreprocessConfig
+from slimeflow.stages.preprocess.stage import run
+
+args = json.loads(sys.argv[1])
+
+class Dying(Storage):  # SIGKILLs its own process when it fingerprints the input: the staging directory exists
+    def sha256(self, uri):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+run(PreprocessConfig(**args["config"]), StageContext(Dying(), Path(args["work"]), args["work"]))
+"""
+
+
+def test_the_staging_left_by_a_killed_run_is_removed_by_the_next_and_a_live_runs_is_kept(tmp_path):
+    import subprocess
+    import sys
+
+    work, source = tmp_path / "work", write_jsonl(tmp_path / "in.jsonl", DAPO[:5])
+    config = {"input": [str(source)], "input_key": "prompt", "output": str(tmp_path / "out")}
+    args = {"config": config, "work": str(work)}
+    done = subprocess.run([sys.executable, "-c", _DYING_WHILE_STAGING, json.dumps(args)], capture_output=True, timeout=60)
+    assert done.returncode == -9, done.stderr.decode()[-2000:]
+    assert len([p for p in work.iterdir() if p.name.startswith("preprocess-")]) == 1  # the killed run's
+    (work / "preprocess-notes").mkdir()  # not a name we create
+    (work / "preprocess-abcdefgh").mkdir()  # our name, no lock yet: a run creating it right now
+    run_stage(tmp_path, input_key="prompt", input=[str(source)])
+    assert sorted(p.name for p in work.iterdir()) == ["preprocess-abcdefgh", "preprocess-notes"]
+    from slimeflow.stages.preprocess.staging import staging_dir
+
+    with staging_dir(work) as live:  # a concurrent run, alive while this one runs
+        run_stage(tmp_path, input_key="prompt", input=[str(source)])
+        assert live.is_dir()
+    assert not live.exists()
