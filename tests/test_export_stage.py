@@ -16,6 +16,8 @@ from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.convert.stage import run as convert
 from slimeflow.stages.export.config import ExportConfig, parse_size
 from slimeflow.stages.export.stage import run as export
+from slimeflow.stages.model.config import ModelConfig
+from slimeflow.stages.model.stage import run as run_model
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 
 
@@ -225,10 +227,14 @@ def test_a_kill_while_copying_into_place_reports_the_target_incomplete_and_a_rer
     assert marker is not None and marker.state == "replacing" and not committed(storage, target, old.hashes["content"])
     assert not storage.exists(f"{target}/config.json")  # an HF reader cannot load the torn target
     storage.verify_tree(join(target, marker.staging), marker.files)  # the new export is whole in staging
+    model = StageContext(storage, tmp_path / "model-work", str(tmp_path / "model-out"))
+    with pytest.raises(StageInputError, match="unfinished export: its .slimeflow-export.json says 'replacing'"):
+        run_model(ModelConfig(hf_checkpoint=target), model)  # a reader of the target is told, not misled
     new = _export(release, storage, tmp_path, target, max_shard_size="100KB")
     assert committed(storage, target, new.hashes["content"]) and new.hashes["content"] == marker.content
     assert _files(storage, target) == sorted([MARKER, *(r.path for r in new.artifacts)])
     assert not any(name.startswith(STAGING) for name in _files(storage, target))
+    assert run_model(ModelConfig(hf_checkpoint=target), model).hashes["content"] == new.hashes["content"]
 
 
 def test_the_stage_cache_reuses_an_export_only_while_its_marker_holds_that_export(tmp_path):

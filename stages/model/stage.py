@@ -12,10 +12,11 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from slimeflow.io.storage import ArtifactRecord, Storage, UnsafePathError, inside, is_local, local_path
+from slimeflow.io.storage import ArtifactRecord, Storage, UnsafePathError, inside, is_local, join, local_path
 from slimeflow.manifest import Manifest, content_hash
 from slimeflow.progress import byte_progress
 from slimeflow.stages.base import StageContext, StageInputError
+from slimeflow.stages.export.publish import MARKER, STAGING, ExportMarker, read_marker
 from slimeflow.stages.model.config import ModelConfig
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model, is_tiny_uri
 
@@ -59,9 +60,30 @@ def materialise(config: ModelConfig, ctx: StageContext) -> Path:
     files = ctx.storage.list(spec, recursive=True)
     if not files:
         raise StageInputError(f"--hf-checkpoint {spec}", ["holds no files"], "Check the URI and the S3 credentials.")
+    exported = _complete_export(ctx.storage, spec, files)
     with byte_progress(f"download {spec}", None, ctx.show_progress) as advance:
-        ctx.storage.copy_tree(spec, str(target), progress=advance)
+        if exported is None:
+            ctx.storage.copy_tree(spec, str(target), progress=advance)
+        else:  # our own export: exactly the files its marker lists, each checked against its sha256
+            for record in exported.files:
+                relative = inside(spec, record.path)
+                ctx.storage.get_file(join(spec, relative), target / relative, expect=record)
+                advance(record.size)
     return target
+
+
+def _complete_export(storage: Storage, spec: str, files: list[str]) -> ExportMarker | None:
+    """The marker of the export stage's output at `spec` (None for any other checkpoint); StageInputError if
+    that export is unfinished (a killed upload, or one still running)."""
+    marker = read_marker(storage, spec)
+    staged = any(f"/{STAGING}/" in uri for uri in files)
+    if marker is None and not staged:
+        return None
+    if marker is not None and marker.state == "complete":
+        return marker
+    state = f"its {MARKER} says {marker.state!r}" if marker else f"files under {STAGING}/, no {MARKER} yet"
+    raise StageInputError(f"--hf-checkpoint {spec}", [f"is an unfinished export: {state}"],
+                          "Run the export again (it completes or replaces it), or wait for the one running.")
 
 
 def inspect_hf_dir(path: Path) -> dict[str, Any]:
