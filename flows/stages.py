@@ -2,7 +2,8 @@
 
 A stage whose cache key (its config, the content hashes of the manifests it reads, the code version; never the
 run id) equals the key of the manifest already at <output>/manifests/<stage>.json, and whose outputs still
-exist, is skipped: its manifest is returned as it is. A stage that did not finish wrote no manifest, so it runs
+exist (and, for a stage that commits its output with a marker, still hold this manifest's content), is skipped:
+its manifest is returned as it is. A stage that did not finish wrote no manifest, so it runs
 again (and the train stage resumes from its latest checkpoint).
 """
 
@@ -17,7 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from slimeflow import code_version
 from slimeflow.config.pipeline import RunSettings
-from slimeflow.io.storage import Storage, is_local, join
+from slimeflow.io.storage import Storage, StorageError, is_local, join
 from slimeflow.io.tracking import Tracker
 from slimeflow.manifest import MANIFEST_DIR, Manifest, config_hash
 from slimeflow.stages import runner
@@ -54,7 +55,21 @@ def cached_manifest(storage: Storage, output: str, stage: str, key: str) -> Mani
     paths = [v for v in manifest.outputs.values() if isinstance(v, str) and ("://" in v or v.startswith("/"))]
     if not all(storage.exists(p) for p in paths if is_local(p) or p.startswith("s3://")):
         return None
-    return manifest
+    return manifest if _still_committed(storage, manifest) else None
+
+
+def _still_committed(storage: Storage, manifest: Manifest) -> bool:
+    """A stage that commits its output with a small JSON (outputs["commit"]) is reused only while that JSON is
+    complete and names this manifest's content: a later run, killed or with another config, may have replaced it."""
+    uri = manifest.outputs.get("commit")
+    if uri is None:
+        return True
+    try:
+        marker = json.loads(storage.read_bytes(uri))
+    except (StorageError, ValueError):
+        return False
+    content = marker.get("content", marker.get("hashes", {}).get("content"))
+    return marker.get("state", "complete") == "complete" and content == manifest.hashes.get("content")
 
 
 def execute_stage(stage: str, config, settings: RunSettings, parent_run_id: str | None,

@@ -42,6 +42,10 @@ class NotFoundError(StorageError):
     """No file or object exists under the URI."""
 
 
+class UnsafePathError(StorageError):
+    """A path taken from data (an object key, an index entry, a manifest, a set name) would leave its root."""
+
+
 class S3Config(pydantic.BaseModel):
     """Where and as whom to reach S3. Unset fields fall back to botocore's defaults (its credential chain)."""
 
@@ -91,6 +95,23 @@ def join(uri: str, *parts: str) -> str:
         return uri
     scheme, sep, rest = uri.rpartition("://")
     return "/".join([scheme + sep + rest.rstrip("/"), *pieces])
+
+
+def inside(root: str, relative: str) -> str:
+    """`relative`, a path taken from data, normalised ('a//./b' -> 'a/b'); UnsafePathError unless it stays
+    inside `root` (named in the message): absolute paths, '..' parts, backslashes and NULs are refused.
+
+    Every path read from data goes through here before it is joined onto a directory or a prefix: an object key
+    such as 'model/../../etc/x' or an index entry '../outside.safetensors' must fail, naming itself, not escape.
+    """
+    parts = [part for part in relative.split("/") if part not in ("", ".")]
+    bad = relative.startswith("/") or "\\" in relative or "\0" in relative or ".." in parts or not parts
+    if bad:
+        raise UnsafePathError(
+            f"{relative!r} (under {root}) is not a plain relative path inside it; refusing a path from data "
+            "that is absolute, empty or holds '..', a backslash or a NUL: rename or remove it at its source"
+        )
+    return "/".join(parts)
 
 
 def split(uri: str) -> tuple[str, str]:
@@ -425,28 +446,42 @@ class Storage:
         `local_path` untouched. The record's path is `local_path`."""
         return self._copy(uri, os.fspath(local_path), expect=expect)
 
+    def copy(self, src_uri: str, dst_uri: str) -> None:
+        """Copy one object, atomically: server-side within one object store (no bytes pass through here),
+        streamed otherwise. NotFoundError if `src_uri` is absent."""
+        src_fs, src = self._locate(src_uri)
+        dst_fs, dst = self._locate(dst_uri)
+        if src_fs is not dst_fs or isinstance(src_fs, LocalFileSystem):
+            self._copy(src_uri, dst_uri)
+            return
+        try:
+            src_fs.copy(src, dst)  # S3 CopyObject (multipart copy when large): visible once complete
+        except FileNotFoundError as exc:
+            raise NotFoundError(f"{src_uri}: no such object to copy to {dst_uri}") from exc
+
     def copy_tree(
         self, src_uri: str, dst_uri: str, progress: Callable[[int], None] | None = None
     ) -> list[ArtifactRecord]:
         """Copy every file under `src_uri` to the same relative path under `dst_uri`, each atomically.
 
         Returns records with paths relative to the tree root (posix), sorted. `progress(nbytes)` is called
-        after each chunk copied; the calls sum to the total size.
+        after each chunk copied; the calls sum to the total size. UnsafePathError, before anything is copied,
+        for a key that would land outside `dst_uri` (one holding '..', say).
         """
         fs, path = self._locate(src_uri)
         self._require_dir(src_uri, fs, path)
+        # Every key is checked before anything is written: a key holding '..' must not land outside dst_uri.
+        targets = {rel: join(dst_uri, inside(src_uri, rel)) for rel in _relative_to(path, fs.find(path))}
         return [
-            self._copy(join(src_uri, rel), join(dst_uri, rel), progress=progress).model_copy(
-                update={"path": rel}
-            )
-            for rel in _relative_to(path, fs.find(path))
+            self._copy(join(src_uri, rel), target, progress=progress).model_copy(update={"path": rel})
+            for rel, target in targets.items()
         ]
 
     def verify_tree(self, uri: str, records: list[ArtifactRecord]) -> None:
         """ChecksumError listing every record whose file under `uri` is missing or differs in size or sha256."""
         problems = []
         for record in records:
-            target = join(uri, record.path)
+            target = join(uri, inside(uri, record.path))
             try:
                 difference = _mismatch(record, self.sha256(target))
             except NotFoundError:

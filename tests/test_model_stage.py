@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from slimeflow.io.storage import Storage
+from slimeflow.io.storage import Storage, UnsafePathError
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.model.config import ModelConfig
 from slimeflow.stages.model.stage import run
@@ -78,4 +78,25 @@ def test_pytorch_bin_weights_are_refused_with_the_fix(tmp_path):
     model = build_tiny_model(tmp_path / "m")
     (model / "model.safetensors").rename(model / "pytorch_model.bin")
     with pytest.raises(StageInputError, match="no safetensors weights"):
+        run(ModelConfig(hf_checkpoint=str(model)), context(tmp_path))
+
+
+def test_an_s3_key_climbing_out_of_the_checkpoint_fails_naming_it(tmp_path, s3_config, s3_bucket):
+    storage = Storage(s3_config)
+    storage.copy_tree(str(build_tiny_model(tmp_path / "m")), f"{s3_bucket}/models/llama")
+    storage.write_text(f"{s3_bucket}/models/llama/../../../escape/x.txt", "x")
+    with pytest.raises(UnsafePathError, match="escape/x.txt"):
+        run(ModelConfig(hf_checkpoint=f"{s3_bucket}/models/llama"), context(tmp_path, storage))
+    assert not list(tmp_path.rglob("x.txt"))
+
+
+def test_an_index_entry_pointing_outside_the_checkpoint_is_refused(tmp_path):
+    model = build_tiny_model(tmp_path / "m", TinyModelSpec(max_shard_size="100KB"))
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    (tmp_path / "outside").mkdir()
+    (model / shard).rename(tmp_path / "outside" / "evil.safetensors")  # readable, but not the checkpoint's
+    index["weight_map"] = {k: "../outside/evil.safetensors" if v == shard else v for k, v in index["weight_map"].items()}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(StageInputError, match=r"outside the checkpoint: '\.\./outside/evil\.safetensors'"):
         run(ModelConfig(hf_checkpoint=str(model)), context(tmp_path))

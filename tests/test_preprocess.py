@@ -11,6 +11,7 @@ import pytest
 from preprocess_helpers import messages, quarantine, reasons, run_stage, write_jsonl
 
 from slimeflow.io.storage import Storage
+from slimeflow.manifest import Manifest
 from slimeflow.stages.base import StageInputError
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.preprocess.reader import PromptDataset, iter_prompts
@@ -280,3 +281,95 @@ def test_seeded_shuffle_and_held_out_split_are_deterministic_and_lose_nothing(tm
     assert 25 <= len(held) <= 75 and first.facts["sets"]["train"]["outputs"] == {"train": len(train), "heldout": len(held)}
     assert prompts(other.outputs["train"]) != prompts(plain.outputs["train"])
     assert sorted(prompts(other.outputs["train"])) == sorted(prompts(plain.outputs["train"]))
+
+
+@pytest.mark.parametrize("names", [{"eval_input": {"../../escaped": "IN"}}, {"eval_split_name": "../up"}])
+def test_a_set_name_that_would_leave_the_output_is_refused(tmp_path, names):
+    source = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"p{i}", "label": "l"} for i in range(20)])
+    names = {k: {n: str(source) for n in v} if isinstance(v, dict) else v for k, v in names.items()}
+    with pytest.raises(StageInputError, match=r"--eval-input / --eval-split-name[\s\S]*'\.\./"):
+        run_stage(tmp_path, input=[str(source)], input_key="prompt", eval_split_fraction=0.5, **names)
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "out").exists()
+
+
+_DYING_PREPROCESS = """
+import json, os, signal, sys
+from pathlib import Path
+from slimeflow.io.storage import S3Config, Storage
+from slimeflow.stages.base import StageContext
+from slimeflow.stages.preprocess.config import PreprocessConfig
+from slimeflow.stages.preprocess.stage import run
+
+args = json.loads(sys.argv[1])
+
+class Dying(Storage):  # SIGKILLs its own process when the quarantine upload starts: the parts are in place
+    def put_file(self, local_path, uri):
+        if uri.endswith("/quarantine.jsonl"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().put_file(local_path, uri)
+
+run(PreprocessConfig(**args["config"]), StageContext(Dying(S3Config(**args["s3"])), Path(args["work"]), args["work"]))
+"""
+
+
+def test_a_run_killed_while_uploading_to_s3_leaves_no_manifest_describing_other_parts(tmp_path, s3_config, s3_bucket):
+    import subprocess
+    import sys
+
+    storage, output = Storage(s3_config), f"{s3_bucket}/prompts"
+    small, large = write_jsonl(tmp_path / "small.jsonl", DAPO[:20]), write_jsonl(tmp_path / "large.jsonl", DAPO)
+    keys = {"input_key": "prompt", "label_key": "label"}
+    run_stage(tmp_path, storage, input=[str(small)], eval_input={"aime": str(small)}, output=output, **keys)
+    s3 = {"endpoint_url": s3_config.endpoint_url, "access_key_id": s3_config.access_key_id,
+          "secret_access_key": s3_config.secret_access_key.get_secret_value(), "region": s3_config.region}
+    args = {"s3": s3, "config": {"input": [str(large)], "output": output, **keys}, "work": str(tmp_path / "killed")}
+    done = subprocess.run([sys.executable, "-c", _DYING_PREPROCESS, json.dumps(args)], capture_output=True, timeout=60)
+    assert done.returncode == -9, done.stderr.decode()[-2000:]
+    if storage.exists(f"{output}/manifest.json"):  # a manifest left behind must describe exactly what is there
+        left = Manifest.model_validate_json(storage.read_text(f"{output}/manifest.json"))
+        storage.verify_tree(output, left.artifacts)
+    assert len(PromptDataset(f"{output}/train", storage)) == 40  # the new part is whole (atomic object)
+    again = run_stage(tmp_path, storage, input=[str(large)], output=output, **keys)
+    storage.verify_tree(output, again.artifacts)
+    assert not storage.exists(f"{output}/eval/aime")  # the earlier run's set, no longer asked for, is gone
+    assert sorted(r.path for r in again.artifacts) == ["quarantine.jsonl", "train/part-00000.parquet"]
+
+
+_DYING_WHILE_STAGING = """
+import json, os, signal, sys
+from pathlib import Path
+from slimeflow.io.storage import Storage
+from slimeflow.stages.base import StageContext
+from slimeflow.stages.preprocess.config import PreprocessConfig
+from slimeflow.stages.preprocess.stage import run
+
+args = json.loads(sys.argv[1])
+
+class Dying(Storage):  # SIGKILLs its own process when it fingerprints the input: the staging directory exists
+    def sha256(self, uri):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+run(PreprocessConfig(**args["config"]), StageContext(Dying(), Path(args["work"]), args["work"]))
+"""
+
+
+def test_the_staging_left_by_a_killed_run_is_removed_by_the_next_and_a_live_runs_is_kept(tmp_path):
+    import subprocess
+    import sys
+
+    work, source = tmp_path / "work", write_jsonl(tmp_path / "in.jsonl", DAPO[:5])
+    config = {"input": [str(source)], "input_key": "prompt", "output": str(tmp_path / "out")}
+    args = {"config": config, "work": str(work)}
+    done = subprocess.run([sys.executable, "-c", _DYING_WHILE_STAGING, json.dumps(args)], capture_output=True, timeout=60)
+    assert done.returncode == -9, done.stderr.decode()[-2000:]
+    assert len([p for p in work.iterdir() if p.name.startswith("preprocess-")]) == 1  # the killed run's
+    (work / "preprocess-notes").mkdir()  # not a name we create
+    (work / "preprocess-abcdefgh").mkdir()  # our name, no lock yet: a run creating it right now
+    run_stage(tmp_path, input_key="prompt", input=[str(source)])
+    assert sorted(p.name for p in work.iterdir()) == ["preprocess-abcdefgh", "preprocess-notes"]
+    from slimeflow.stages.preprocess.staging import staging_dir
+
+    with staging_dir(work) as live:  # a concurrent run, alive while this one runs
+        run_stage(tmp_path, input_key="prompt", input=[str(source)])
+        assert live.is_dir()
+    assert not live.exists()

@@ -16,6 +16,8 @@ from slimeflow.io.storage import (
     S3Config,
     Storage,
     StorageError,
+    UnsafePathError,
+    inside,
     is_local,
     join,
     local_path,
@@ -331,3 +333,34 @@ def test_uri_helpers(tmp_path):
     assert local_path("rel/x") == Path("rel/x")
     with pytest.raises(StorageError, match="not a local path"):
         local_path("s3://bucket/key")
+
+
+# -- paths from data stay inside their root -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("relative", ["../x", "a/../../x", "/etc/passwd", "a/..", "..", "", "a\\..\\x", "a\0b"])
+def test_inside_refuses_paths_that_leave_their_root(relative):
+    with pytest.raises(UnsafePathError, match="under s3://b/root"):
+        inside("s3://b/root", relative)
+
+
+def test_inside_normalises_harmless_paths():
+    assert inside("r", "a//./b/c.txt") == "a/b/c.txt" and inside("r", "x..y/.hidden") == "x..y/.hidden"
+
+
+def test_copy_tree_refuses_an_s3_key_that_would_land_outside_the_destination(tmp_path, s3_config, s3_bucket):
+    storage = Storage(s3_config)
+    storage.write_text(join(s3_bucket, "models/llama/config.json"), "{}")
+    storage.write_text(join(s3_bucket, "models/llama/../../../../escape/x.txt"), "not yours")
+    destination = tmp_path / "1" / "2" / "3" / "4" / "dst"
+    with pytest.raises(UnsafePathError, match=r"'\.\./\.\./\.\./\.\./escape/x\.txt'"):
+        storage.copy_tree(join(s3_bucket, "models/llama"), str(destination))
+    assert not list(tmp_path.rglob("x.txt")) and not destination.exists()  # refused before anything was written
+
+
+def test_verify_tree_refuses_a_record_path_outside_the_tree(tmp_path):
+    (tmp_path / "tree").mkdir()
+    (tmp_path / "outside.txt").write_text("x")
+    record = Storage().sha256(str(tmp_path / "outside.txt")).model_copy(update={"path": "../outside.txt"})
+    with pytest.raises(UnsafePathError, match="outside.txt"):
+        Storage().verify_tree(str(tmp_path / "tree"), [record])

@@ -19,7 +19,7 @@ from typing import Any
 
 from slimeflow.io import checkpoints
 from slimeflow.io.checkpoints import RELEASE, CheckpointError
-from slimeflow.io.storage import Storage, is_local, join, local_path
+from slimeflow.io.storage import Storage, inside, is_local, join, local_path
 from slimeflow.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.convert.config import ConvertConfig
@@ -136,7 +136,8 @@ def _read_headers(path: Path) -> tuple[dict[str, str], dict[str, tuple[tuple[int
     from safetensors import safe_open
 
     index = path / INDEX_FILE
-    files = (sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    files = (sorted({inside(str(path), name)  # index entries are data: none may point outside the checkpoint
+                     for name in json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()})
              if index.is_file() else ["model.safetensors"])
     weight_map, headers = {}, {}
     for filename in files:

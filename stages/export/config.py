@@ -35,7 +35,8 @@ class ExportConfig(ConfigModel):
     max_shard_size: str = "5GB"
     """Largest safetensors shard (HF's spelling: 5GB, 500MB, 2GiB)."""
     overwrite: bool = True
-    """Replace an earlier export at output_dir."""
+    """Replace an earlier export at output_dir (one this stage wrote: its .slimeflow-export.json lists its files).
+    A target holding anything else is refused whatever this says; false refuses an earlier export too."""
 
     @field_validator("max_shard_size")
     @classmethod

@@ -2,11 +2,14 @@
 
 The HF directory is written locally (the convert stage's torch-dist -> HF path: sharded safetensors, the index,
 the origin's config and tokenizer), checksummed, then uploaded to `--output-dir` when that is remote and verified
-there against the checksums. The manifest lists every file with its sha256 and size.
+there against the checksums. The manifest lists every file with its sha256 and size. The target gets a marker
+listing them; a target holding anything else is refused, an earlier export is replaced only with --overwrite,
+and an upload is staged and committed so that a kill never leaves a torn export looking complete (publish.py).
 """
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 from slimeflow.io import checkpoints
@@ -15,6 +18,7 @@ from slimeflow.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.convert.export import write_hf
 from slimeflow.stages.export.config import ExportConfig, parse_size
+from slimeflow.stages.export.publish import MARKER, check_target, publish, write_marker
 from slimeflow.stages.model.stage import fingerprint
 
 
@@ -22,20 +26,17 @@ def run(config: ExportConfig, ctx: StageContext) -> Manifest:
     """Export; returns the manifest (output URI, checksums, the checkpoint it came from)."""
     ref, origin = _inputs(config, ctx)
     target = config.output_dir or join(ctx.output, "export", "hf")
+    previous = check_target(ctx.storage, target, config.overwrite)  # before any work: refusals come first
     local = local_path(target) if is_local(target) else ctx.workdir / "export" / "hf"
-    if is_local(target) and local.exists() and any(local.iterdir()) and not config.overwrite:
-        raise StageInputError(f"--output-dir {target}", ["exists and is not empty"],
-                              "Choose another --output-dir, or pass --overwrite true to replace it.")
     tensors = write_hf(local_path(ref.uri), local, origin, config.vocab_size, parse_size(config.max_shard_size))
     records = fingerprint(local, ctx.storage, ctx.show_progress)
-    if not is_local(target):
-        if ctx.storage.exists(target):
-            ctx.storage.remove(target, recursive=True)
-        ctx.storage.copy_tree(str(local), target)
-        ctx.storage.verify_tree(target, records)
+    if is_local(target):
+        write_marker(ctx.storage, target, records)
+    else:
+        publish(ctx.storage, local, target, records, previous, uuid.uuid4().hex[:12])
     return Manifest(
         stage="export",
-        outputs={"hf_model": target, "checkpoint": ref.uri},
+        outputs={"hf_model": target, "checkpoint": ref.uri, "commit": join(target, MARKER)},
         artifacts=records, artifact_root=target,
         counts={"files": len(records), "bytes": sum(r.size for r in records), "tensors": tensors},
         hashes={"content": content_hash(records)},

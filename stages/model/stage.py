@@ -12,10 +12,11 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from slimeflow.io.storage import ArtifactRecord, Storage, is_local, local_path
+from slimeflow.io.storage import ArtifactRecord, Storage, UnsafePathError, inside, is_local, join, local_path
 from slimeflow.manifest import Manifest, content_hash
 from slimeflow.progress import byte_progress
 from slimeflow.stages.base import StageContext, StageInputError
+from slimeflow.stages.export.publish import MARKER, STAGING, ExportMarker, read_marker
 from slimeflow.stages.model.config import ModelConfig
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model, is_tiny_uri
 
@@ -59,9 +60,30 @@ def materialise(config: ModelConfig, ctx: StageContext) -> Path:
     files = ctx.storage.list(spec, recursive=True)
     if not files:
         raise StageInputError(f"--hf-checkpoint {spec}", ["holds no files"], "Check the URI and the S3 credentials.")
+    exported = _complete_export(ctx.storage, spec, files)
     with byte_progress(f"download {spec}", None, ctx.show_progress) as advance:
-        ctx.storage.copy_tree(spec, str(target), progress=advance)
+        if exported is None:
+            ctx.storage.copy_tree(spec, str(target), progress=advance)
+        else:  # our own export: exactly the files its marker lists, each checked against its sha256
+            for record in exported.files:
+                relative = inside(spec, record.path)
+                ctx.storage.get_file(join(spec, relative), target / relative, expect=record)
+                advance(record.size)
     return target
+
+
+def _complete_export(storage: Storage, spec: str, files: list[str]) -> ExportMarker | None:
+    """The marker of the export stage's output at `spec` (None for any other checkpoint); StageInputError if
+    that export is unfinished (a killed upload, or one still running)."""
+    marker = read_marker(storage, spec)
+    staged = any(f"/{STAGING}/" in uri for uri in files)
+    if marker is None and not staged:
+        return None
+    if marker is not None and marker.state == "complete":
+        return marker
+    state = f"its {MARKER} says {marker.state!r}" if marker else f"files under {STAGING}/, no {MARKER} yet"
+    raise StageInputError(f"--hf-checkpoint {spec}", [f"is an unfinished export: {state}"],
+                          "Run the export again (it completes or replaces it), or wait for the one running.")
 
 
 def inspect_hf_dir(path: Path) -> dict[str, Any]:
@@ -111,7 +133,7 @@ def _check_weights(path: Path, problems: list[str]) -> dict[str, dict[str, Any]]
     index = path / INDEX_FILE
     if index.is_file():
         weight_map = (_read_json(index, problems) or {}).get("weight_map", {})
-        shards = sorted(set(weight_map.values()))
+        shards = _shards_inside(path, set(weight_map.values()), problems)
     elif (path / "model.safetensors").is_file():
         weight_map, shards = {}, ["model.safetensors"]
     else:
@@ -125,6 +147,17 @@ def _check_weights(path: Path, problems: list[str]) -> dict[str, dict[str, Any]]
     if missing and not any(p.startswith(tuple(shards)) for p in problems):
         problems.append(f"{INDEX_FILE} names {len(missing)} tensors absent from their shards: {missing[:5]}")
     return tensors
+
+
+def _shards_inside(path: Path, shards: set[str], problems: list[str]) -> list[str]:
+    """The index's shard names that stay inside the checkpoint; one problem for each that would leave it."""
+    kept = []
+    for shard in sorted(shards):
+        try:
+            kept.append(inside(str(path), shard))
+        except UnsafePathError as err:
+            problems.append(f"{INDEX_FILE} names a shard outside the checkpoint: {err}")
+    return kept
 
 
 def _safetensors_header(shard: Path, problems: list[str]) -> dict[str, Any]:

@@ -2,15 +2,14 @@
 
 Layout under the output URI: `train/part-00000.parquet`, `eval/<name>/part-00000.parquet` (named eval sets and
 the held-out split), `quarantine.jsonl` (one JSON object per bad row: dataset, file, line or row, reason,
-detail, raw) and `manifest.json`. For every input set, rows_in = rows_out + filtered + quarantined, by reason.
+detail, raw) and `manifest.json`, written last (an earlier run's is removed before any part is replaced, so a
+killed run leaves none). For every input set, rows_in = rows_out + filtered + quarantined, by reason.
 """
 
 from __future__ import annotations
 
 import gc
 import hashlib
-import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,30 +21,31 @@ from typing import Any
 import numpy as np
 import orjson
 
-from slimeflow.io.storage import ArtifactRecord, Storage, join
+from slimeflow.io.storage import ArtifactRecord, Storage, StorageError, UnsafePathError, inside, join
 from slimeflow.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.preprocess.config import PreprocessConfig
 from slimeflow.stages.preprocess.prepare import PreparedBatch, Preparer, Rows, first_seen
 from slimeflow.stages.preprocess.sources import Problem, read_batches, resolve
+from slimeflow.stages.preprocess.staging import staging_dir
 from slimeflow.stages.preprocess.tokens import PromptTokenizer, TokenStats
 from slimeflow.stages.preprocess.writer import SCHEMA, DatasetWriter, Deduper
 
 PART = "part-00000.parquet"
 QUARANTINE = "quarantine.jsonl"
+MANIFEST = "manifest.json"
 
 
 def run(config: PreprocessConfig, ctx: StageContext) -> Manifest:
     """Process the training input and every eval input; raise StageInputError when a set yields no rows."""
     tokenizer = _tokenizer(config)
     output = config.output or join(ctx.output, "preprocess")
-    ctx.workdir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix="preprocess-", dir=ctx.workdir))
-    try:
+    with staging_dir(ctx.workdir) as staging:  # removes what killed runs left there first
         quarantine = Quarantine(staging / QUARANTINE, config.strict)
         sets = {"train": config.input, **config.eval_input} if config.input else dict(config.eval_input)
         if not sets:
             raise StageInputError("preprocess", ["no input"], "Give --input PATH and/or --eval-input NAME PATH.")
+        _check_set_names([*sets, config.eval_split_name], output)
         inputs = {name: _resolve([specs] if isinstance(specs, str) else specs, ctx.storage)
                   for name, specs in sets.items()}  # every input checked before any work
         with _long_lived_heap_frozen():
@@ -54,8 +54,6 @@ def run(config: PreprocessConfig, ctx: StageContext) -> Manifest:
         quarantine.close()
         _fail_if_empty(results, quarantine)
         return _publish(results, quarantine, config, ctx.storage, staging, output)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _tokenizer(config: PreprocessConfig) -> PromptTokenizer | None:
@@ -137,6 +135,19 @@ def _process(name: str, inputs: tuple[list[str], list[str]], config: PreprocessC
     for writer in result.writers.values():
         writer.close()
     return result
+
+
+def _check_set_names(names: list[str], output: str) -> None:
+    """Set names become directories (eval/NAME/): StageInputError for one that would leave eval/."""
+    problems = []
+    for name in names:
+        try:
+            inside(join(output, "eval"), name)
+        except UnsafePathError as err:
+            problems.append(str(err))
+    if problems:
+        raise StageInputError("--eval-input / --eval-split-name", problems,
+                              "Name each eval set with letters, digits, '-' or '_' (e.g. aime, gsm8k-test).")
 
 
 def _relative_dir(output: str, input_set: str) -> str:
@@ -280,7 +291,13 @@ def _fail_if_empty(results: list[SetResult], quarantine: Quarantine) -> None:
 
 def _publish(results: list[SetResult], quarantine: Quarantine, config: PreprocessConfig, storage: Storage,
              staging: Path, output: str) -> Manifest:
-    """Upload the parquet files and the quarantine, then manifest.json, and return the manifest."""
+    """Upload the parquet files and the quarantine, then manifest.json, and return the manifest.
+
+    An earlier run's manifest.json is removed before any part is replaced, and a new one written only once every
+    part is in place: a run killed in between leaves no manifest, never an old one describing new parts.
+    """
+    _withdraw(storage, output, {writer.path.relative_to(staging).as_posix()
+                                for result in results for writer in result.writers.values() if writer.rows})
     records, outputs, sets = [], {"root": output}, {}
     for result in results:
         for name, writer in result.writers.items():
@@ -291,7 +308,8 @@ def _publish(results: list[SetResult], quarantine: Quarantine, config: Preproces
             outputs["train" if relative.startswith("train/") else f"eval.{name}"] = join(output, str(Path(relative).parent))
         sets[result.name] = _set_facts(result)
     records.append(storage.put_file(quarantine.path, join(output, QUARANTINE)).model_copy(update={"path": QUARANTINE}))
-    outputs.update(quarantine=join(output, QUARANTINE), manifest=join(output, "manifest.json"))
+    outputs.update(quarantine=join(output, QUARANTINE), manifest=join(output, MANIFEST))
+    outputs["commit"] = outputs["manifest"]  # the stage cache reuses this run only while it names this content
     inputs = [f for r in results for f in r.files]
     manifest = Manifest(
         stage="preprocess", outputs=outputs, artifacts=records, artifact_root=output,
@@ -303,6 +321,24 @@ def _publish(results: list[SetResult], quarantine: Quarantine, config: Preproces
     )
     storage.write_text(outputs["manifest"], manifest.model_dump_json(indent=2))
     return manifest
+
+
+def _withdraw(storage: Storage, output: str, rewritten: set[str]) -> None:
+    """Remove an earlier run's manifest.json at `output`, then the files it lists that this run does not rewrite
+    (an eval set no longer asked for): they were ours, and no manifest describes them any more."""
+    uri = join(output, MANIFEST)
+    if not storage.exists(uri):
+        return
+    try:
+        earlier = Manifest.read(storage, uri)
+    except (StorageError, ValueError) as err:
+        raise StageInputError(uri, [f"is not a preprocess manifest: {err}"],
+                              "Remove it, or choose another --output; preprocess writes manifest.json itself.") from None
+    storage.remove(uri)
+    for record in earlier.artifacts:
+        stale = join(output, inside(output, record.path))
+        if record.path not in rewritten and record.path != QUARANTINE and storage.exists(stale):
+            storage.remove(stale)
 
 
 def _set_facts(result: SetResult) -> dict[str, Any]:
