@@ -77,3 +77,12 @@ def test_missing_args_are_named_with_the_file():
         ModelShape.from_megatron_args(args, FAMILIES["qwen3"], 200, source="/ckpt/iter_0000003/common.pt")
     assert str(err.value).startswith("/ckpt/iter_0000003/common.pt: the checkpoint's Megatron args lack "
                                      "norm_epsilon or layernorm_epsilon, rotary_base;")
+
+
+def test_common_pt_is_a_valid_zip_with_crcs(release):
+    """The data files skip torch.save's CRC32 for speed; common.pt, which users' tools open as a zip, keeps them."""
+    import zipfile
+
+    with zipfile.ZipFile(release[1] / "common.pt") as archive:
+        assert archive.testzip() is None
+    assert read_common(release[1])["iteration"] == 1

@@ -79,6 +79,19 @@ def save_torch_dist(tensors: Mapping[str, torch.Tensor], args: argparse.Namespac
     with megatron_on_cpu(), in_process_write_results(), serialization.patch({"save.compute_crc32": False}), \
             write_behind(Path(checkpoint_dir), f"__{rank}_*.distcp"):
         dist_checkpointing.save(state, str(checkpoint_dir), sharded_strategy=("torch_dist", 1))
+    if rank == 0:
+        _with_crc32(Path(checkpoint_dir) / "common.pt")
+
+
+def _with_crc32(path: Path) -> None:
+    """Rewrite the small common.pt with its zip CRC32s (the patch above skipped them), so that `unzip -t`, Python's
+    zipfile and the tools of slime's users that check it accept the file. It is this process's own file."""
+    common = torch.load(path, map_location="cpu", weights_only=False)
+    staged = path.with_name(f".{path.name}.tmp")
+    torch.save(common, staged)
+    with open(staged, "rb") as file:
+        os.fsync(file.fileno())
+    os.replace(staged, path)
 
 
 WRITE_BEHIND_INTERVAL_S = 0.05
