@@ -121,6 +121,8 @@ def write_behind(directory: Path, pattern: str, interval: float = WRITE_BEHIND_I
                 try:
                     fd = opened.get(path)
                     if fd is None:
+                        if not path.is_file():  # a FIFO, say: opening it would wait for a writer, forever
+                            continue
                         fd = opened[path] = os.open(path, os.O_RDONLY)
                     start_writeback(fd)
                 except OSError:
