@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,7 +21,8 @@ import psutil
 import pytest
 
 from slimeflow.stages.convert.launch import launch
-from slimeflow.stages.convert.stage import assign_shares, read_hf_source
+from slimeflow.stages.convert.stage import assign_shares, convert_hf_to_torch_dist, read_hf_source
+from slimeflow.stages.convert.staging import claimed_dir
 from slimeflow.stages.convert.worker import Job
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 
@@ -59,6 +62,10 @@ def alive(proc: psutil.Process) -> bool:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def wait_for_end(proc: psutil.Process, timeout: float) -> None:
+    wait_for(lambda: None if alive(proc) else True, f"end of {proc}", timeout)
 
 
 class Processes:
@@ -161,8 +168,55 @@ def test_a_killed_rank_fails_the_conversion_naming_it_and_takes_its_writer_along
         wait_for(lambda: processes.rank(1), "rank 1")
         rank0.send_signal(signal.SIGKILL)
         message = failure_within(future, SOON_S)
-        wait_for(lambda: None if alive(writer) else True, "end of the killed rank's writer", timeout=SOON_S)
+        wait_for_end(writer, SOON_S)
     finally:
         processes.left()
         future.exception(timeout=60)
     assert message.startswith("conversion rank 0 was killed by SIGKILL (SIGKILL: often the kernel's out-of-memory")
+
+
+MAIN = """
+import sys
+from pathlib import Path
+from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
+convert_hf_to_torch_dist(read_hf_source(Path(sys.argv[1])), Path(sys.argv[2]), processes=2)
+"""
+
+
+def kill_main_mid_conversion(hf: Path, root: Path, watched: Callable[..., Processes]) -> None:
+    """Start a conversion in a process of its own, wait until rank 0's writer blocks (on a FIFO made in the
+    staging directory before the ranks, still importing torch, get there), SIGKILL that process and check that
+    its ranks and writer follow it within SOON_S."""
+    main = subprocess.Popen([sys.executable, "-c", MAIN, str(hf), str(root)])
+    try:
+        staging = wait_for(lambda: next(root.glob(".release.tmp-*"), None), "staging directory")
+        os.mkfifo(staging / "__0_0.distcp")
+        job = wait_for(lambda: next(root.glob(".convert-job-*/job.json"), None), "job file")
+        processes = watched(job, psutil.Process(main.pid))
+        rank0 = wait_for(lambda: processes.rank(0), "rank 0")
+        orphans = [rank0, wait_for(lambda: processes.writer(rank0), "writer of rank 0"),
+                   wait_for(lambda: processes.rank(1), "rank 1")]
+        main.kill()
+        main.wait()
+        for proc in orphans:
+            wait_for_end(proc, SOON_S)
+    finally:
+        if main.poll() is None:
+            main.kill()
+            main.wait()
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_main_process_takes_its_ranks_along_and_the_next_run_removes_what_it_left(small_hf, tmp_path,
+                                                                                            watched):
+    root = tmp_path / "ckpt"
+    kill_main_mid_conversion(small_hf, root, watched)
+    left = sorted(p.name[:13] for p in root.iterdir())
+    assert left == [".convert-job-", ".release.tmp-"], left
+    others = [root / ".release.tmp-not-ours", root / ".convert-job-0123abcd.txt", root / "notes"]
+    others[0].mkdir()
+    others[1].write_text("a file, not a staging directory")
+    others[2].mkdir()
+    with claimed_dir(root, ".release.tmp-") as live:  # a conversion running beside this one
+        staged, _ = convert_hf_to_torch_dist(read_hf_source(small_hf), root, processes=1)
+        assert sorted(root.iterdir()) == sorted([live, staged, *others])
