@@ -22,6 +22,7 @@ from slimeflow.io.storage import Storage, is_local, join, local_path
 from slimeflow.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.convert.config import ConvertConfig
+from slimeflow.stages.convert.diskspace import no_space_left, ran_out_of_space
 from slimeflow.stages.convert.export import replace_dir, run_to_hf
 from slimeflow.stages.convert.families import Family, family_for, supported_architectures
 from slimeflow.stages.convert.launch import Launcher, launch
@@ -231,11 +232,19 @@ def write_torch_dist(source: HFSource, staging: Path, processes: int = 1, make_v
             job.write(scratch / "job.json")
             launch(scratch / "job.json", processes, launcher, ray_address)
             return [json.loads((scratch / f"rank-{r}.json").read_text(encoding="utf-8")) for r in range(processes)]
-        except BaseException:
+        except BaseException as err:
             shutil.rmtree(staging, ignore_errors=True)
+            _raise_if_out_of_space(err, staging, sum(source.sizes.values()))
             raise
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _raise_if_out_of_space(err: BaseException, staging: Path, needed: int) -> None:
+    """NoSpaceLeft, from `err`, when the conversion failed for want of space in `staging` (ran_out_of_space: the
+    ranks' logs beside it may have lost their words, but the checkpoint still does not fit)."""
+    if isinstance(err, Exception) and ran_out_of_space(err, staging, needed):
+        raise no_space_left(staging, "the checkpoint", needed) from err
 
 
 def publish_release(storage: Storage, staged: Path, root: str) -> checkpoints.CheckpointRef:

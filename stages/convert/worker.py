@@ -31,6 +31,7 @@ import torch
 
 from slimeflow._compat import eager_jit_fusions
 from slimeflow.stages.convert import supervise
+from slimeflow.stages.convert.diskspace import no_space_left, ran_out_of_space
 from slimeflow.stages.convert.mapping import ModelShape, hf_to_megatron, megatron_args
 
 JOB_TIMEOUT = timedelta(minutes=60)
@@ -161,7 +162,14 @@ def convert_share(job: Job, rank: int, importing: threading.Thread | None = None
     read = time.time()
     if importing is not None:
         importing.join()
-    save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration)
+    try:
+        save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # a failed save raises torch's CheckpointException, a BaseException
+        if ran_out_of_space(err, Path(job.checkpoint_dir), counts["bytes"]):
+            raise no_space_left(Path(job.checkpoint_dir), f"rank {rank}'s share", counts["bytes"]) from err
+        raise
     return {**counts, "read_at": read, "saved_at": time.time()}
 
 
