@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -118,12 +119,24 @@ def watched(tmp_path) -> Iterator[Callable[[Path], Processes]]:
         assert not left, f"processes outlived the test: {left}"
 
 
-def converting(job: Path, processes: int = 2) -> Future:
-    """launch() on a thread of its own, so the test can kill what it started."""
+@contextmanager
+def blocked_conversion(hf: Path, tmp: Path, watched: Callable[..., Processes]
+                       ) -> Iterator[tuple[Future, psutil.Process, psutil.Process]]:
+    """A two-rank launch() on a thread of its own, once rank 0's writer is blocked: (the conversion, rank 0, that
+    writer). Afterwards every process it started is killed (which unblocks a hung launch) and it is awaited."""
+    job = blocked_job(hf, tmp)
+    processes = watched(job)
     pool = ThreadPoolExecutor(1)
-    future = pool.submit(launch, job, processes)
+    future = pool.submit(launch, job, 2)
     pool.shutdown(wait=False)
-    return future
+    try:
+        rank0 = wait_for(lambda: processes.rank(0), "rank 0")
+        writer = wait_for(lambda: processes.writer(rank0), "writer of rank 0")
+        wait_for(lambda: processes.rank(1), "rank 1")
+        yield future, rank0, writer
+    finally:
+        processes.left()
+        future.exception(timeout=60)
 
 
 def failure_within(future: Future, seconds: float) -> str:
@@ -141,37 +154,19 @@ def failure_within(future: Future, seconds: float) -> str:
 
 @pytest.mark.timeout(150)
 def test_a_killed_checkpoint_writer_fails_the_conversion_within_seconds_naming_it(small_hf, tmp_path, watched):
-    job = blocked_job(small_hf, tmp_path)
-    processes = watched(job)
-    future = converting(job)
-    try:
-        rank0 = wait_for(lambda: processes.rank(0), "rank 0")
-        writer = wait_for(lambda: processes.writer(rank0), "writer of rank 0")
-        wait_for(lambda: processes.rank(1), "rank 1")
+    with blocked_conversion(small_hf, tmp_path, watched) as (future, _, writer):
         writer.send_signal(signal.SIGKILL)
         message = failure_within(future, SOON_S)
-    finally:
-        processes.left()  # unblocks a hung launch()
-        future.exception(timeout=60)
     assert f"checkpoint writer (pid {writer.pid}) was killed by SIGKILL" in message
     assert message.startswith("conversion rank 0 exited with 1:") and str(tmp_path / "ckpt") in message
 
 
 @pytest.mark.timeout(150)
 def test_a_killed_rank_fails_the_conversion_naming_it_and_takes_its_writer_along(small_hf, tmp_path, watched):
-    job = blocked_job(small_hf, tmp_path)
-    processes = watched(job)
-    future = converting(job)
-    try:
-        rank0 = wait_for(lambda: processes.rank(0), "rank 0")
-        writer = wait_for(lambda: processes.writer(rank0), "writer of rank 0")
-        wait_for(lambda: processes.rank(1), "rank 1")
+    with blocked_conversion(small_hf, tmp_path, watched) as (future, rank0, writer):
         rank0.send_signal(signal.SIGKILL)
         message = failure_within(future, SOON_S)
         wait_for_end(writer, SOON_S)
-    finally:
-        processes.left()
-        future.exception(timeout=60)
     assert message.startswith("conversion rank 0 was killed by SIGKILL (SIGKILL: often the kernel's out-of-memory")
 
 

@@ -89,25 +89,37 @@ def failed_child() -> tuple[int, int] | None:
 
 
 @contextmanager
-def stop_when_a_child_fails(message: Callable[[int, int], str], interval: float = WATCH_INTERVAL_S
-                            ) -> Iterator[None]:
-    """While the body runs, check this process's children every `interval` seconds; when one has failed, write
-    `message(pid, returncode)` to stderr and end this process at once with status 1 (its other children then
-    die by die_with_parent). The body may be stuck waiting for that child, so nothing gentler would do."""
+def periodically(interval: float, tick: Callable[[], object], name: str) -> Iterator[None]:
+    """Call `tick()` every `interval` seconds on a daemon thread named `name` while the body runs; the thread is
+    stopped (at once, not at its next tick) and joined when the body ends."""
     stop = threading.Event()
 
-    def watch() -> None:
+    def loop() -> None:
         while not stop.wait(interval):
-            failed = failed_child()
-            if failed is not None:
-                sys.stderr.write(message(*failed) + "\n")
-                sys.stderr.flush()
-                os._exit(1)
+            tick()
 
-    thread = threading.Thread(target=watch, name="child watchdog", daemon=True)
+    thread = threading.Thread(target=loop, name=name, daemon=True)
     thread.start()
     try:
         yield
     finally:
         stop.set()
         thread.join()
+
+
+@contextmanager
+def stop_when_a_child_fails(message: Callable[[int, int], str], interval: float = WATCH_INTERVAL_S
+                            ) -> Iterator[None]:
+    """While the body runs, check this process's children every `interval` seconds; when one has failed, write
+    `message(pid, returncode)` to stderr and end this process at once with status 1 (its other children then
+    die by die_with_parent). The body may be stuck waiting for that child, so nothing gentler would do."""
+
+    def check() -> None:
+        failed = failed_child()
+        if failed is not None:
+            sys.stderr.write(message(*failed) + "\n")
+            sys.stderr.flush()
+            os._exit(1)
+
+    with periodically(interval, check, "child watchdog"):
+        yield
