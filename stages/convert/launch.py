@@ -8,16 +8,22 @@ node sees at the same path (a local Ray on this machine always does).
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Literal
 
+from slimeflow.stages.convert.supervise import exit_description
+
 Launcher = Literal["local", "ray"]
 LAUNCHERS: tuple[str, ...] = ("local", "ray")
 RAY_PLACEMENT_TIMEOUT_S = 300
 """How long the Ray launcher waits for the cluster to place every rank at once before giving up."""
+POLL_INTERVAL_S = 0.05
+"""How often the local launcher checks its ranks (a conversion's end is seen this much late at most)."""
 
 # `-c`, not `-m`: megatron-core's writer starts a spawn-context multiprocessing manager, and a spawned child
 # re-imports a `-m` main module (the worker: torch, megatron) before it serves; with `-c` it imports nothing.
@@ -37,15 +43,26 @@ def launch(job_path: Path, processes: int, launcher: Launcher = "local", ray_add
 
 
 def start_rank(job_path: Path, rank: int) -> subprocess.Popen:
-    """Start one rank as a subprocess logging to `rank-<r>.log` next to the job file."""
+    """Start one rank as a subprocess logging to `rank-<r>.log` next to the job file, in a process group of its
+    own (which its checkpoint writers join: stop_rank ends them together); it dies with this process."""
     with _log(job_path, rank).open("wb") as out:
-        return subprocess.Popen([sys.executable, "-c", _WORKER, str(job_path), str(rank)], stdout=out,
-                                stderr=subprocess.STDOUT)
+        return subprocess.Popen([sys.executable, "-c", _WORKER, str(job_path), str(rank), "--parent-pid",
+                                 str(os.getpid())], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_rank(proc: subprocess.Popen) -> None:
+    """SIGKILL a rank's process group, the rank and its checkpoint writers (if it has already ended, the writers
+    it left), and reap the rank."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # nothing left in the group
+        pass
+    proc.wait()
 
 
 def rank_failure(job_path: Path, rank: int, code: int) -> RuntimeError:
     tail = _log(job_path, rank).read_text(encoding="utf-8", errors="replace")[-3000:]
-    return RuntimeError(f"conversion rank {rank} exited with {code}:\n{tail}")
+    return RuntimeError(f"conversion rank {rank} {exit_description(code)}:\n{tail}")
 
 
 def _log(job_path: Path, rank: int) -> Path:
@@ -53,20 +70,30 @@ def _log(job_path: Path, rank: int) -> Path:
 
 
 def _launch_local(job_path: Path, processes: int) -> None:
-    procs = [start_rank(job_path, rank) for rank in range(processes)]
+    procs: list[subprocess.Popen] = []
+    failed = None
     try:
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
-                break
-            time.sleep(0.05)
+        procs.extend(start_rank(job_path, rank) for rank in range(processes))
+        failed = _first_failure(procs)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-    if failed:
-        raise rank_failure(job_path, *failed[0])
+        for proc in procs:  # after a failure or an interruption: a rank that succeeded has no writers left
+            if proc.poll() != 0:
+                stop_rank(proc)
+    if failed is not None:
+        raise rank_failure(job_path, failed, procs[failed].returncode)
+
+
+def _first_failure(procs: list[subprocess.Popen]) -> int | None:
+    """Wait until every rank has succeeded (None) or one has failed (its rank). Of ranks seen failing together,
+    one killed by a signal comes first: the others' errors (a peer's closed connection) follow from it."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed:
+            return min(failed, key=lambda rank: (codes[rank] >= 0, rank))
+        if all(code == 0 for code in codes):
+            return None
+        time.sleep(POLL_INTERVAL_S)
 
 
 def run_rank(job_path: str, rank: int) -> None:
@@ -74,10 +101,9 @@ def run_rank(job_path: str, rank: int) -> None:
     proc = start_rank(Path(job_path), rank)
     try:
         code = proc.wait()
-    finally:  # a cancelled task stops its rank
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    finally:  # a cancelled task stops its rank; a failed one leaves no writer behind
+        if proc.poll() != 0:
+            stop_rank(proc)
     if code != 0:
         raise rank_failure(Path(job_path), rank, code)
 

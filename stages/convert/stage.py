@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +22,12 @@ from slimeflow.io.storage import Storage, inside, is_local, join, local_path
 from slimeflow.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.convert.config import ConvertConfig
+from slimeflow.stages.convert.diskspace import no_space_left, ran_out_of_space
 from slimeflow.stages.convert.export import replace_dir, run_to_hf
 from slimeflow.stages.convert.families import Family, family_for, supported_architectures
 from slimeflow.stages.convert.launch import Launcher, launch
 from slimeflow.stages.convert.mapping import ModelShape, expected_hf_tensors, global_rules
+from slimeflow.stages.convert.staging import JOB_PREFIX, claimed_dir, remove_abandoned, staging_prefix
 from slimeflow.stages.convert.worker import Job, Share
 from slimeflow.stages.model.config import ModelConfig
 from slimeflow.stages.model.stage import INDEX_FILE, fingerprint, inspect_hf_dir, materialise
@@ -70,14 +71,15 @@ def _to_torch_dist(config: ConvertConfig, ctx: StageContext) -> Manifest:
     check_target_root(ctx.storage, save, config.overwrite)
     local_root = local_path(save) if is_local(save) else ctx.workdir / "convert-staging"
     started = time.perf_counter()
-    staged, ranks = convert_hf_to_torch_dist(source, local_root, config.processes, config.make_vocab_size_divisible_by,
-                                             config.tensor_model_parallel_size, launcher=config.launcher,
-                                             ray_address=ctx.ray_address)
-    ref = publish_release(ctx.storage, staged, save)
-    seconds = time.perf_counter() - started
-    records = fingerprint(staged if not is_local(save) else local_path(ref.uri), ctx.storage)
-    if not is_local(save):
-        shutil.rmtree(staged, ignore_errors=True)
+    with claimed_dir(local_root, staging_prefix(RELEASE)) as staged:  # claimed until published
+        ranks = write_torch_dist(source, staged, config.processes, config.make_vocab_size_divisible_by,
+                                 config.tensor_model_parallel_size, launcher=config.launcher,
+                                 ray_address=ctx.ray_address)
+        ref = publish_release(ctx.storage, staged, save)
+        seconds = time.perf_counter() - started
+        records = fingerprint(staged if not is_local(save) else local_path(ref.uri), ctx.storage)
+        if not is_local(save):
+            shutil.rmtree(staged, ignore_errors=True)
     return Manifest(
         stage="convert",
         outputs={"torch_dist": save, "checkpoint": ref.uri, "hf_checkpoint": str(source.path)},
@@ -200,32 +202,50 @@ def convert_hf_to_torch_dist(source: HFSource, root: Path, processes: int = 1, m
                              tensor_model_parallel_size: int = 1, iteration: int = ITERATION,
                              staging_name: str = RELEASE, launcher: Launcher = "local", ray_address: str | None = None
                              ) -> tuple[Path, list[dict[str, Any]]]:
-    """Write the torch_dist checkpoint of `source` into a staging directory under `root` with `processes`
-    worker processes, started by `launcher` (launch.py: local subprocesses, or Ray tasks on the cluster at
-    `ray_address`, None: a local Ray); returns the staging directory and each rank's report. The caller
-    publishes it.
+    """Write the torch_dist checkpoint of `source` into a staging directory under `root` (write_torch_dist);
+    returns the staging directory and each rank's report. The caller publishes it.
 
     `iteration` goes into common.pt and the staging directory is `.<staging_name>.tmp-*`: a conversion keeps
     the defaults (release), a training backend saving its weights passes its iteration and `iter_XXXXXXX`."""
-    root.mkdir(parents=True, exist_ok=True)
-    staging = root / f".{staging_name}.tmp-{uuid.uuid4().hex[:8]}"
-    scratch = root / f".convert-job-{uuid.uuid4().hex[:8]}"
-    scratch.mkdir()
-    job = Job(hf_dir=str(source.path), weight_map=source.weight_map, shape=source.shape.__dict__, dtype=source.dtype,
-              make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-              tensor_model_parallel_size=tensor_model_parallel_size, checkpoint_dir=str(staging),
-              iteration=iteration, init_method=(scratch / "rendezvous").resolve().as_uri(),
-              shares=assign_shares(source, processes))
-    try:
-        job.write(scratch / "job.json")
-        launch(scratch / "job.json", processes, launcher, ray_address)
-        ranks = [json.loads((scratch / f"rank-{r}.json").read_text(encoding="utf-8")) for r in range(processes)]
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    with claimed_dir(root, staging_prefix(staging_name)) as staging:
+        ranks = write_torch_dist(source, staging, processes, make_vocab_size_divisible_by, tensor_model_parallel_size,
+                                 iteration, launcher, ray_address)
     return staging, ranks
+
+
+def write_torch_dist(source: HFSource, staging: Path, processes: int = 1, make_vocab_size_divisible_by: int = 128,
+                     tensor_model_parallel_size: int = 1, iteration: int = ITERATION, launcher: Launcher = "local",
+                     ray_address: str | None = None) -> list[dict[str, Any]]:
+    """Write the torch_dist checkpoint of `source` into the (claimed, empty) directory `staging` with `processes`
+    worker processes, started by `launcher` (launch.py: local subprocesses, or Ray tasks on the cluster at
+    `ray_address`, None: a local Ray); returns each rank's report. On failure `staging` is removed.
+
+    The job's files live in a claimed `.convert-job-*` beside `staging`, removed at the end; first, what crashed
+    conversions left beside it is removed (staging.remove_abandoned)."""
+    remove_abandoned(staging.parent)
+    with claimed_dir(staging.parent, JOB_PREFIX) as scratch:
+        job = Job(hf_dir=str(source.path), weight_map=source.weight_map, shape=source.shape.__dict__,
+                  dtype=source.dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                  tensor_model_parallel_size=tensor_model_parallel_size, checkpoint_dir=str(staging),
+                  iteration=iteration, init_method=(scratch / "rendezvous").resolve().as_uri(),
+                  shares=assign_shares(source, processes))
+        try:
+            job.write(scratch / "job.json")
+            launch(scratch / "job.json", processes, launcher, ray_address)
+            return [json.loads((scratch / f"rank-{r}.json").read_text(encoding="utf-8")) for r in range(processes)]
+        except BaseException as err:
+            shutil.rmtree(staging, ignore_errors=True)
+            _raise_if_out_of_space(err, staging, sum(source.sizes.values()))
+            raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _raise_if_out_of_space(err: BaseException, staging: Path, needed: int) -> None:
+    """NoSpaceLeft, from `err`, when the conversion failed for want of space in `staging` (ran_out_of_space: the
+    ranks' logs beside it may have lost their words, but the checkpoint still does not fit)."""
+    if isinstance(err, Exception) and ran_out_of_space(err, staging, needed):
+        raise no_space_left(staging, "the checkpoint", needed) from err
 
 
 def publish_release(storage: Storage, staged: Path, root: str) -> checkpoints.CheckpointRef:

@@ -17,7 +17,6 @@ import functools
 import os
 import re
 import sys
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from slimeflow.stages.convert import safe_pickle
+from slimeflow.stages.convert.supervise import periodically
 
 CHECKPOINT_VERSION = 3.0
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -127,27 +127,24 @@ def write_behind(directory: Path, pattern: str, interval: float = WRITE_BEHIND_I
     if start_writeback is None:
         yield
         return
-    stop = threading.Event()
     opened: dict[Path, int] = {}
 
-    def loop() -> None:
-        while not stop.wait(interval):
-            for path in directory.glob(pattern):
-                try:
-                    fd = opened.get(path)
-                    if fd is None:
-                        fd = opened[path] = os.open(path, os.O_RDONLY)
-                    start_writeback(fd)
-                except OSError:
-                    continue
+    def tick() -> None:
+        for path in directory.glob(pattern):
+            try:
+                fd = opened.get(path)
+                if fd is None:
+                    if not path.is_file():  # a FIFO, say: opening it would wait for a writer, forever
+                        continue
+                    fd = opened[path] = os.open(path, os.O_RDONLY)
+                start_writeback(fd)
+            except OSError:
+                continue
 
-    thread = threading.Thread(target=loop, name="write-behind", daemon=True)
-    thread.start()
     try:
-        yield
+        with periodically(interval, tick, "write-behind"):
+            yield
     finally:
-        stop.set()
-        thread.join()
         for fd in opened.values():
             os.close(fd)
 

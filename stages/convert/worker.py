@@ -4,12 +4,14 @@ Every rank joins a process group (gloo; NCCL when it has a GPU) through the job'
 HF tensors of its share (lazily, one tensor at a time from memory-mapped safetensors), maps them to Megatron's
 names and fusions, and writes them with megatron-core's dist_checkpointing; rank 0's common.pt carries the args. Each
 rank leaves `rank-<r>.json` with its peak RSS next to the job file. Run as its own process (never imported
-into a caller's process): dist_checkpointing forks writers and a process group is process-global.
+into a caller's process): dist_checkpointing forks writers and a process group is process-global. A rank dies
+with its launcher, its writers die with it, and a writer that dies ends the rank at once (supervise.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import mmap
@@ -28,6 +30,8 @@ from typing import Any, NoReturn
 import torch
 
 from slimeflow._compat import eager_jit_fusions
+from slimeflow.stages.convert import supervise
+from slimeflow.stages.convert.diskspace import no_space_left, ran_out_of_space
 from slimeflow.stages.convert.mapping import ModelShape, hf_to_megatron, megatron_args
 
 JOB_TIMEOUT = timedelta(minutes=60)
@@ -158,7 +162,14 @@ def convert_share(job: Job, rank: int, importing: threading.Thread | None = None
     read = time.time()
     if importing is not None:
         importing.join()
-    save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration)
+    try:
+        save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # a failed save raises torch's CheckpointException, a BaseException
+        if ran_out_of_space(err, Path(job.checkpoint_dir), counts["bytes"]):
+            raise no_space_left(Path(job.checkpoint_dir), f"rank {rank}'s share", counts["bytes"]) from err
+        raise
     return {**counts, "read_at": read, "saved_at": time.time()}
 
 
@@ -171,19 +182,30 @@ def _backend(rank: int) -> str:
     return "gloo"
 
 
+def _writer_died(job: Job, rank: int, pid: int, returncode: int) -> str:
+    return (f"conversion rank {rank}: its checkpoint writer (pid {pid}) {supervise.exit_description(returncode)} while "
+            f"writing {job.checkpoint_dir}; the checkpoint cannot be completed, so this rank stops (and the "
+            f"launcher stops the others). Convert again once the cause is gone.")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m slimeflow.stages.convert.worker")
     parser.add_argument("job", type=Path)
     parser.add_argument("rank", type=int)
+    parser.add_argument("--parent-pid", type=int, help="end this rank when that process (the launcher) ends")
     options = parser.parse_args(argv)
     started = time.time()
+    if options.parent_pid is not None:
+        supervise.die_with_parent(options.parent_pid)
+    supervise.children_die_with_this_process()
     importing = import_in_background("megatron.core.dist_checkpointing")
     job = Job.read(options.job)
     torch.distributed.init_process_group(_backend(options.rank), init_method=job.init_method, rank=options.rank,
                                          world_size=len(job.shares), timeout=JOB_TIMEOUT)
     try:
-        written = convert_share(job, options.rank, importing)
-        torch.distributed.barrier()
+        with supervise.stop_when_a_child_fails(functools.partial(_writer_died, job, options.rank)):
+            written = convert_share(job, options.rank, importing)
+            torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
     result = {"rank": options.rank, "started_at": started, **written, **peak_rss_bytes()}

@@ -1,0 +1,217 @@
+"""A conversion's processes live and die together: real SIGKILLs of a checkpoint writer, a rank and the main
+process fail the conversion within seconds, naming what died, and leave no process behind.
+
+A rank's writer is held at a known point without any test hook: its data file `__0_0.distcp` is made a FIFO
+that nobody reads, so the writer (dist_checkpointing's forked child) blocks opening it until it is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+import psutil
+import pytest
+
+from slimeflow.stages.convert.launch import launch
+from slimeflow.stages.convert.stage import assign_shares, convert_hf_to_torch_dist, read_hf_source
+from slimeflow.stages.convert.staging import claimed_dir
+from slimeflow.stages.convert.worker import Job
+from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+
+T = TypeVar("T")
+SOON_S = 5.0
+"""A death must fail the conversion within this many seconds (the machine is shared and slow)."""
+
+
+@pytest.fixture(scope="module")
+def small_hf(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("hf") / "hf", TinyModelSpec.from_uri("tiny:qwen2?seed=3"))
+
+
+def blocked_job(hf: Path, tmp: Path, processes: int = 2) -> Path:
+    """A job file whose rank 0 writer blocks opening its data file, a FIFO that nobody reads."""
+    source = read_hf_source(hf)
+    checkpoint = tmp / "ckpt"
+    checkpoint.mkdir()
+    os.mkfifo(checkpoint / "__0_0.distcp")
+    job = Job(hf_dir=str(hf), weight_map=source.weight_map, shape=source.shape.__dict__, dtype=source.dtype,
+              make_vocab_size_divisible_by=128, tensor_model_parallel_size=1, checkpoint_dir=str(checkpoint),
+              iteration=1, init_method=(tmp / "rendezvous").as_uri(), shares=assign_shares(source, processes))
+    job.write(tmp / "job.json")
+    return tmp / "job.json"
+
+
+def wait_for(find: Callable[[], T | None], what: str, timeout: float = 90.0) -> T:
+    deadline = time.monotonic() + timeout
+    while (found := find()) is None:
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.02)
+    return found
+
+
+def alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_for_end(proc: psutil.Process, timeout: float) -> None:
+    wait_for(lambda: None if alive(proc) else True, f"end of {proc}", timeout)
+
+
+class Processes:
+    """The conversion processes this test sees (ranks: their command line names the job file), remembered so
+    that the test can check that none outlives it, wherever it was reparented."""
+
+    def __init__(self, root: psutil.Process, job: Path):
+        self.root, self.job, self.seen = root, str(job), []
+
+    def rank(self, rank: int) -> psutil.Process | None:
+        for proc in self.root.children():
+            try:
+                if proc.cmdline()[3:5] == [self.job, str(rank)]:
+                    return self._remember(proc)
+            except psutil.NoSuchProcess:
+                continue
+        return None
+
+    def writer(self, rank: psutil.Process) -> psutil.Process | None:
+        try:
+            children = rank.children()
+        except psutil.NoSuchProcess:
+            return None
+        return self._remember(children[0]) if children else None
+
+    def _remember(self, proc: psutil.Process) -> psutil.Process:
+        if proc not in self.seen:
+            self.seen.append(proc)
+        return proc
+
+    def left(self) -> list[psutil.Process]:
+        """Those still running, each then killed (so that a failing test leaks nothing)."""
+        left = [proc for proc in self.seen if alive(proc)]
+        for proc in left:
+            proc.kill()
+        return left
+
+
+@pytest.fixture
+def watched(tmp_path) -> Iterator[Callable[[Path], Processes]]:
+    made: list[Processes] = []
+
+    def make(job: Path, root: psutil.Process | None = None) -> Processes:
+        made.append(Processes(root or psutil.Process(), job))
+        return made[-1]
+
+    yield make
+    for processes in made:
+        left = processes.left()
+        assert not left, f"processes outlived the test: {left}"
+
+
+@contextmanager
+def blocked_conversion(hf: Path, tmp: Path, watched: Callable[..., Processes]
+                       ) -> Iterator[tuple[Future, psutil.Process, psutil.Process]]:
+    """A two-rank launch() on a thread of its own, once rank 0's writer is blocked: (the conversion, rank 0, that
+    writer). Afterwards every process it started is killed (which unblocks a hung launch) and it is awaited."""
+    job = blocked_job(hf, tmp)
+    processes = watched(job)
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(launch, job, 2)
+    pool.shutdown(wait=False)
+    try:
+        rank0 = wait_for(lambda: processes.rank(0), "rank 0")
+        writer = wait_for(lambda: processes.writer(rank0), "writer of rank 0")
+        wait_for(lambda: processes.rank(1), "rank 1")
+        yield future, rank0, writer
+    finally:
+        processes.left()
+        future.exception(timeout=60)
+
+
+def failure_within(future: Future, seconds: float) -> str:
+    """The error the conversion ended with, which must come within `seconds`."""
+    started = time.monotonic()
+    try:
+        future.result(timeout=seconds)
+    except TimeoutError:
+        raise AssertionError(f"the conversion did not fail within {seconds} s") from None
+    except RuntimeError as err:
+        print(f"failed after {time.monotonic() - started:.2f} s")
+        return str(err)
+    raise AssertionError("the conversion succeeded")
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_checkpoint_writer_fails_the_conversion_within_seconds_naming_it(small_hf, tmp_path, watched):
+    with blocked_conversion(small_hf, tmp_path, watched) as (future, _, writer):
+        writer.send_signal(signal.SIGKILL)
+        message = failure_within(future, SOON_S)
+    assert f"checkpoint writer (pid {writer.pid}) was killed by SIGKILL" in message
+    assert message.startswith("conversion rank 0 exited with 1:") and str(tmp_path / "ckpt") in message
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_rank_fails_the_conversion_naming_it_and_takes_its_writer_along(small_hf, tmp_path, watched):
+    with blocked_conversion(small_hf, tmp_path, watched) as (future, rank0, writer):
+        rank0.send_signal(signal.SIGKILL)
+        message = failure_within(future, SOON_S)
+        wait_for_end(writer, SOON_S)
+    assert message.startswith("conversion rank 0 was killed by SIGKILL (SIGKILL: often the kernel's out-of-memory")
+
+
+MAIN = """
+import sys
+from pathlib import Path
+from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
+convert_hf_to_torch_dist(read_hf_source(Path(sys.argv[1])), Path(sys.argv[2]), processes=2)
+"""
+
+
+def kill_main_mid_conversion(hf: Path, root: Path, watched: Callable[..., Processes]) -> None:
+    """Start a conversion in a process of its own, wait until rank 0's writer blocks (on a FIFO made in the
+    staging directory before the ranks, still importing torch, get there), SIGKILL that process and check that
+    its ranks and writer follow it within SOON_S."""
+    main = subprocess.Popen([sys.executable, "-c", MAIN, str(hf), str(root)])
+    try:
+        staging = wait_for(lambda: next(root.glob(".release.tmp-*"), None), "staging directory")
+        os.mkfifo(staging / "__0_0.distcp")
+        job = wait_for(lambda: next(root.glob(".convert-job-*/job.json"), None), "job file")
+        processes = watched(job, psutil.Process(main.pid))
+        rank0 = wait_for(lambda: processes.rank(0), "rank 0")
+        orphans = [rank0, wait_for(lambda: processes.writer(rank0), "writer of rank 0"),
+                   wait_for(lambda: processes.rank(1), "rank 1")]
+        main.kill()
+        main.wait()
+        for proc in orphans:
+            wait_for_end(proc, SOON_S)
+    finally:
+        if main.poll() is None:
+            main.kill()
+            main.wait()
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_main_process_takes_its_ranks_along_and_the_next_run_removes_what_it_left(small_hf, tmp_path,
+                                                                                            watched):
+    root = tmp_path / "ckpt"
+    kill_main_mid_conversion(small_hf, root, watched)
+    left = sorted(p.name[:13] for p in root.iterdir())
+    assert left == [".convert-job-", ".release.tmp-"], left
+    others = [root / ".release.tmp-not-ours", root / ".convert-job-0123abcd.txt", root / "notes"]
+    others[0].mkdir()
+    others[1].write_text("a file, not a staging directory")
+    others[2].mkdir()
+    with claimed_dir(root, ".release.tmp-") as live:  # a conversion running beside this one
+        staged, _ = convert_hf_to_torch_dist(read_hf_source(small_hf), root, processes=1)
+        assert sorted(root.iterdir()) == sorted([live, staged, *others])
