@@ -3,6 +3,8 @@ user: with the cause's type and message, not "the actor died"."""
 
 from __future__ import annotations
 
+import sys
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -78,3 +80,56 @@ def test_evaluate_checks_its_sets_the_same_way(tmp_path):
     assert [p.split(": ")[0] for p in err.value.problems] == ["zero", "missing"]
     good = config.model_copy(update={"eval_prompt_data": {"good": str(tmp_path / "good.parquet")}})
     assert [row["label"] for row in _eval_sets(good, ctx)["good"]] == ["1", "2"]
+
+
+class Unpicklable(Exception):
+    def __init__(self, a, b):  # pickle would call Unpicklable("1/2"): Ray cannot carry it back as it is
+        super().__init__(f"{a}/{b}")
+
+
+class Toy:
+    """An actor that fails to start when asked, and whose methods fail."""
+
+    def __init__(self, fail: bool):
+        if fail:
+            raise ValueError("the prompt dataset is empty")
+        self.seen: list[str] = []
+
+    def ping(self) -> str:
+        return "pong"
+
+    def unpicklable(self) -> None:
+        raise Unpicklable(1, 2)
+
+    def with_callback(self) -> None:
+        try:
+            self.unpicklable()  # a call from inside the actor raises what the method raises
+        except Unpicklable as err:
+            raise KeyError(f"callback: {err}") from err
+
+
+def test_an_actor_failure_reaches_the_driver_with_its_type_and_message():
+    import ray
+
+    from slimeflow.stages.rl.actors import LoopError, call
+    from slimeflow.stages.rl.placement import LOCAL_RAY_SYSTEM_CONFIG
+    from slimeflow.stages.rl.remote import hosted
+
+    ray.init(num_cpus=1, include_dashboard=False, configure_logging=False, log_to_driver=False,
+             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
+    try:
+        broken = ray.remote(num_cpus=0)(hosted(Toy)).remote(True)
+        with pytest.raises(LoopError) as err:
+            call(broken.ping.remote(), "starting the toy")
+        assert str(err.value) == "starting the toy failed: ValueError: Toy could not start: the prompt dataset is empty"
+        assert 'raise ValueError("the prompt dataset is empty")' in "".join(err.value.__notes__)  # its traceback
+        toy = ray.remote(num_cpus=0)(hosted(Toy)).remote(False)
+        assert call(toy.ping.remote(), "ping") == "pong"
+        with pytest.raises(LoopError, match=r"^unpicklable failed: Unpicklable: 1/2\n"):
+            call(toy.unpicklable.remote(), "unpicklable")
+        with pytest.raises(LoopError, match=r"^callback failed: KeyError: 'callback: 1/2'\n"):
+            call(toy.with_callback.remote(), "callback")
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        ray.shutdown()
