@@ -210,6 +210,10 @@ def test_inputs_that_are_entirely_bad_fail_with_a_summary(tmp_path):
     message = str(err.value)
     assert "train: 3 rows in, 0 out" in message and "quarantined.missing_key 1" in message
     assert "filtered.empty_prompt 1" in message and "bad.jsonl line 3: malformed_json" in message
+    kept = tmp_path / "work" / "preprocess" / "quarantine.jsonl"  # the file the message names outlives the stage
+    assert f"The quarantine {kept} lists every bad row" in message
+    assert [(r["line"], r["reason"]) for r in map(json.loads, kept.read_text().splitlines())] == \
+        [(1, "missing_key"), (3, "malformed_json")]
     with pytest.raises(StageInputError, match="no such file"):
         run_stage(tmp_path, input=[str(tmp_path / "missing.jsonl")])
     with pytest.raises(StageInputError, match="need a tokenizer"):

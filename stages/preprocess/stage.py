@@ -52,7 +52,7 @@ def run(config: PreprocessConfig, ctx: StageContext) -> Manifest:
             results = [_process(name, files, config, tokenizer, ctx.storage, staging, quarantine)
                        for name, files in inputs.items()]
         quarantine.close()
-        _fail_if_empty(results, quarantine)
+        _fail_if_empty(results, quarantine, keep=ctx.workdir / "preprocess" / QUARANTINE)
         return _publish(results, quarantine, config, ctx.storage, staging, output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -266,16 +266,19 @@ def _hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-def _fail_if_empty(results: list[SetResult], quarantine: Quarantine) -> None:
-    """A set that yields no row is an error with a summary of what became of its rows, not an empty success."""
+def _fail_if_empty(results: list[SetResult], quarantine: Quarantine, keep: Path) -> None:
+    """A set that yields no row is an error with a summary of what became of its rows, not an empty success; the
+    quarantine is moved to `keep` (the staging directory is deleted) and the message names it."""
     empty = [r for r in results if not r.counts["rows_out"]]
     if not empty:
         return
     problems = [f"{r.name}: {r.counts['rows_in']} rows in, 0 out ("
                 + ", ".join(f"{k} {v}" for k, v in sorted(r.counts.items()) if "." in k and v) + ")" for r in empty]
     problems += [f"e.g. {example}" for example in quarantine.examples]
+    keep.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(quarantine.path, keep)
     raise StageInputError("preprocess: no usable rows", problems,
-                          f"The quarantine ({quarantine.path.name}) lists every bad row with its file, line and reason.")
+                          f"The quarantine {keep} lists every bad row with its file, line and reason.")
 
 
 def _publish(results: list[SetResult], quarantine: Quarantine, config: PreprocessConfig, storage: Storage,
