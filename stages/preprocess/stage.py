@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 import orjson
 
-from slimeflow.io.storage import ArtifactRecord, Storage, join
+from slimeflow.io.storage import ArtifactRecord, Storage, StorageError, join
 from slimeflow.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.preprocess.config import PreprocessConfig
 from slimeflow.stages.preprocess.prepare import PreparedBatch, Preparer, Rows, first_seen
-from slimeflow.stages.preprocess.sources import Problem, read_batches, resolve
+from slimeflow.stages.preprocess.sources import Problem, read_batches, resolve, unreadable
 from slimeflow.stages.preprocess.tokens import PromptTokenizer, TokenStats
 from slimeflow.stages.preprocess.writer import SCHEMA, DatasetWriter, Deduper
 
@@ -128,7 +128,11 @@ def _process(name: str, inputs: tuple[list[str], list[str]], config: PreprocessC
           ThreadPoolExecutor(max_workers=1, thread_name_prefix="preprocess-write") as writing):
         preparer, batcher = Preparer(config, tokenizer), _Batcher(result, config, tokenizer, quarantine, pool, writing)
         for uri in files:
-            result.files.append(storage.sha256(uri))
+            try:
+                result.files.append(storage.sha256(uri))
+            except (OSError, StorageError) as err:  # a dangling symlink, no permission: quarantined, not fatal
+                batcher.process(preparer.prepare(unreadable(uri, err)))
+                continue
             for batch in read_batches(uri, storage, config.read_batch_size):
                 batcher.process(preparer.prepare(batch))
         batcher.finish()
