@@ -122,7 +122,7 @@ def test_an_actor_failure_reaches_the_driver_with_its_type_and_message():
         broken = ray.remote(num_cpus=0)(hosted(Toy)).remote(True)
         with pytest.raises(LoopError) as err:
             call(broken.ping.remote(), "starting the toy")
-        assert str(err.value) == "starting the toy failed: ValueError: Toy could not start: the prompt dataset is empty"
+        assert str(err.value) == "starting the toy failed: Toy could not start: ValueError: the prompt dataset is empty"
         assert 'raise ValueError("the prompt dataset is empty")' in "".join(err.value.__notes__)  # its traceback
         toy = ray.remote(num_cpus=0)(hosted(Toy)).remote(False)
         assert call(toy.ping.remote(), "ping") == "pong"

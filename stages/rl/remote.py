@@ -16,19 +16,19 @@ from typing import Any
 
 
 class ActorFailure(RuntimeError):
-    """An exception raised inside an actor, as text: `kind` (its type's name), `message` and `traceback_text`."""
+    """An exception raised inside an actor, as text: `kind` (its type's name), `message`, `traceback_text`, and
+    `context` (what the actor was doing, e.g. "RolloutManager could not start")."""
 
-    def __init__(self, kind: str, message: str, traceback_text: str = ""):
-        super().__init__(kind, message, traceback_text)  # pickled as these three strings
-        self.kind, self.message, self.traceback_text = kind, message, traceback_text
+    def __init__(self, kind: str, message: str, traceback_text: str = "", context: str = ""):
+        super().__init__(kind, message, traceback_text, context)  # pickled as these strings
+        self.kind, self.message, self.traceback_text, self.context = kind, message, traceback_text, context
 
     @classmethod
     def of(cls, exc: BaseException, context: str = "") -> ActorFailure:
-        message = f"{context}: {exc}" if context else str(exc)
-        return cls(type(exc).__name__, message, "".join(traceback.format_exception(exc)))
+        return cls(type(exc).__name__, str(exc), "".join(traceback.format_exception(exc)), context)
 
     def __str__(self) -> str:
-        return f"{self.kind}: {self.message}"
+        return f"{self.context}: {self.kind}: {self.message}" if self.context else f"{self.kind}: {self.message}"
 
 
 def hosted(cls: type) -> type:
