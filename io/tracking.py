@@ -7,7 +7,9 @@ log into each other's runs. The default store is `sqlite:///<workdir>/mlflow.db`
 from __future__ import annotations
 
 import contextlib
+import fcntl
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from mlflow.entities import Metric, Param, RunStatus
@@ -23,13 +25,14 @@ class Tracker:
 
     def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None = None):
         self.tracking_uri = tracking_uri
-        self.client = MlflowClient(tracking_uri=tracking_uri)
-        found = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = (
-            found.experiment_id
-            if found is not None
-            else self.client.create_experiment(experiment, artifact_location=artifact_location)
-        )
+        with _store_lock(tracking_uri):  # creating the client creates (migrates) a new sqlite store
+            self.client = MlflowClient(tracking_uri=tracking_uri)
+            found = self.client.get_experiment_by_name(experiment)
+            self.experiment_id = (
+                found.experiment_id
+                if found is not None
+                else self.client.create_experiment(experiment, artifact_location=artifact_location)
+            )
 
     @contextlib.contextmanager
     def run(
@@ -70,6 +73,37 @@ class Tracker:
     def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
         for key, value in tags.items():
             self.client.set_tag(run_id, key, value)
+
+
+@contextlib.contextmanager
+def _store_lock(tracking_uri: str) -> Iterator[None]:
+    """Hold an exclusive lock on `<db>.lock` beside a local sqlite store; nothing for any other store.
+
+    MLflow creates a new sqlite store by running its migrations, which two processes cannot do at once (the second
+    fails with `table _alembic_tmp_experiments already exists`); nor can they both create the experiment. Two runs
+    on one fresh work directory take turns here instead; the lock is released when the process exits.
+    """
+    database = _sqlite_file(tracking_uri)
+    if database is None:
+        yield
+        return
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with database.with_name(database.name + ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _sqlite_file(tracking_uri: str) -> Path | None:
+    """The database file of a `sqlite:///` tracking URI (None for a server, a file store or in-memory sqlite)."""
+    if not tracking_uri.startswith("sqlite:"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    database = make_url(tracking_uri).database
+    return Path(database) if database and database != ":memory:" else None
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

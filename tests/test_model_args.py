@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from slimeflow.config.pipeline import load_stage_config
-from slimeflow.stages.base import StageInputError
+from slimeflow.io.storage import Storage
+from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.rl.model_args import check_model_args
 from slimeflow.stages.rl.stage import rollout_setup
 
@@ -76,7 +77,7 @@ def test_the_train_stage_refuses_tp8_before_anything_starts(tmp_path: Path):
     config = train_config("--hf-checkpoint", str(tmp_path), "--prompt-data", str(tmp_path / "prompts"),
                           "--tensor-model-parallel-size", "8", "--num-layers", "28")
     with pytest.raises(StageInputError) as err:
-        rollout_setup(config, ctx=None)
+        rollout_setup(config, StageContext(Storage(), tmp_path / "work", str(tmp_path / "work")))
     text = str(err.value)
     assert "--tensor-model-parallel-size 8: Megatron parallelism" in text
     assert "--num-layers 28 does not match the HF config (num_hidden_layers: 36" in text

@@ -196,6 +196,15 @@ def test_every_bad_input_lands_in_the_quarantine_with_file_line_and_reason(tmp_p
     assert records[0]["raw"].startswith('{"prompt": "cut off') and records[2]["raw"] == '{"question":"no prompt key","label":"1"}'
 
 
+def test_a_dangling_symlink_in_an_input_directory_is_quarantined_not_fatal(tmp_path):
+    source = write_jsonl(tmp_path / "in" / "a.jsonl", [{"prompt": "ok", "label": "1"}])
+    (source.parent / "b.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    manifest = run_stage(tmp_path, input=[str(source.parent)], input_key="prompt", label_key="label")
+    assert reasons(quarantine(manifest)) == [("b.jsonl", 0, "unreadable_file")]
+    assert quarantine(manifest)[0]["detail"].startswith(f"a dangling symlink to {tmp_path / 'gone.jsonl'}")
+    assert manifest.counts["quarantined.unreadable_file"] == 1 and manifest.counts["rows_out"] == 1
+
+
 def test_strict_mode_fails_on_the_first_problem_naming_file_and_line(tmp_path):
     source = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "fine"}, {"prompt": ""}, {"prompt": None}, "x"])
     with pytest.raises(StageInputError, match=r"a\.jsonl line 3: missing_key") as err:
@@ -211,6 +220,10 @@ def test_inputs_that_are_entirely_bad_fail_with_a_summary(tmp_path):
     message = str(err.value)
     assert "train: 3 rows in, 0 out" in message and "quarantined.missing_key 1" in message
     assert "filtered.empty_prompt 1" in message and "bad.jsonl line 3: malformed_json" in message
+    kept = tmp_path / "work" / "preprocess" / "quarantine.jsonl"  # the file the message names outlives the stage
+    assert f"The quarantine {kept} lists every bad row" in message
+    assert [(r["line"], r["reason"]) for r in map(json.loads, kept.read_text().splitlines())] == \
+        [(1, "missing_key"), (3, "malformed_json")]
     with pytest.raises(StageInputError, match="no such file"):
         run_stage(tmp_path, input=[str(tmp_path / "missing.jsonl")])
     with pytest.raises(StageInputError, match="need a tokenizer"):

@@ -60,6 +60,22 @@ def test_plugin_errors_name_the_flag_path_and_reason(path, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("module, source, message", [
+    ("raises_plugin", "raise RuntimeError('needs GPU')\n",
+     "importing module 'raises_plugin' failed: RuntimeError: needs GPU (at {dir}/raises_plugin.py:1)"),
+    ("syntax_plugin", "def reward(:\n", "importing module 'syntax_plugin' failed: SyntaxError: "),
+    ("needs_plugin", "import no_such_dependency_xyz\n",
+     "cannot import module 'needs_plugin' (ModuleNotFoundError: No module named 'no_such_dependency_xyz')"),
+])
+def test_a_plugin_module_that_fails_on_import_names_its_flag(tmp_path, monkeypatch, module, source, message):
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(PluginError) as err:
+        load_plugin(f"{module}:reward", "custom-rm-path")
+    assert str(err.value).startswith(f"--custom-rm-path '{module}:reward': ")
+    assert message.format(dir=tmp_path) in str(err.value)
+
+
 def test_plugin_path_in_slime_dotted_form():
     assert load_plugin("slimeflow.stages.rl.data_source.pop_first", "buffer-filter-path").__name__ == "pop_first"
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -31,3 +35,33 @@ def test_nested_runs_params_metrics_and_failure(mlflow_uri, tmp_path):
     assert runs == {"pipeline": "FINISHED", "train": "FINISHED", "export": "FAILED"}
     # The same experiment is found, not created twice.
     assert Tracker(mlflow_uri, "exp").experiment_id == tracker.experiment_id
+
+
+# A process that imports MLflow, says it is ready, waits for the signal, then opens the tracker.
+RACER = """
+import sys, time
+from pathlib import Path
+from slimeflow.io.tracking import Tracker
+ready, go = Path(sys.argv[2]), Path(sys.argv[3])
+ready.touch()
+while not go.exists():
+    time.sleep(0.001)
+print(Tracker(sys.argv[1], "exp").experiment_id)
+"""
+
+
+def test_two_processes_create_one_fresh_sqlite_store_together(tmp_path):
+    """Two `slimeflow run` on a fresh work directory: both create the store and experiment, neither fails in
+    MLflow's migrations (`table _alembic_tmp_experiments already exists`)."""
+    uri, go = f"sqlite:///{tmp_path / 'mlflow.db'}", tmp_path / "go"
+    ready = [tmp_path / f"ready-{i}" for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, uri, str(r), str(go)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in ready]
+    deadline = time.monotonic() + 60
+    while not all(r.exists() for r in ready) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    go.touch()  # both start together
+    results = [p.communicate(timeout=60) for p in procs]
+    for proc, (_, err) in zip(procs, results, strict=True):
+        assert proc.returncode == 0, err[-2000:]
+    assert len({out.strip() for out, _ in results}) == 1  # one experiment, found by the second

@@ -56,20 +56,15 @@ async def _evaluate(config: EvaluateConfig, model_dir: str, url: str, sets: dict
 
 
 def _eval_sets(config: EvaluateConfig, ctx: StageContext) -> dict[str, list]:
-    from slimeflow.stages.preprocess.reader import PromptDataset
+    from slimeflow.stages.preprocess.reader import open_prompt_sets
 
     if not config.eval_prompt_data:
         raise StageInputError("the evaluate stage has no eval set", ["--eval-prompt-data is empty"],
                               "Pass --eval-prompt-data NAME PATH [NAME PATH ...] (the preprocess stage's eval sets).")
-    sets, problems = {}, []
-    for name, uri in config.eval_prompt_data.items():
-        try:
-            sets[name] = list(PromptDataset(uri, ctx.storage))
-        except Exception as exc:  # every unreadable set is reported, not just the first
-            problems.append(f"{name}: {uri}: {exc}")
+    sets, problems = open_prompt_sets(config.eval_prompt_data, ctx.storage)
     if problems:
         raise StageInputError("--eval-prompt-data", problems, "Point each set at prompt parquet (a file or directory).")
-    return sets
+    return {name: list(dataset) for name, dataset in sets.items()}
 
 
 def _model_dir(config: EvaluateConfig, ctx: StageContext) -> tuple[Path, str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import orjson
@@ -113,6 +113,26 @@ class PromptDataset(Sequence):
     def _read(self, slot: int) -> list[dict[str, Any]]:
         file, group = self._groups[slot]
         return self._files[file].read_row_group(group, columns=COLUMNS).to_pylist()
+
+
+def open_prompt_sets(sets: Mapping[str, str], storage: Storage) -> tuple[dict[str, PromptDataset], list[str]]:
+    """Each named prompt parquet opened (schema checked, rows counted), and a problem for every one that is missing,
+    unreadable, not prompt parquet or empty: `"NAME: URI: what is wrong"`. Rows are not decoded."""
+    datasets, problems = {}, []
+    for name, uri in sets.items():
+        try:
+            if not storage.exists(uri):
+                problems.append(f"{name}: {uri}: no such file, directory or object")
+                continue
+            dataset = PromptDataset(uri, storage)
+        except Exception as exc:  # every unreadable set is reported, not just the first
+            problems.append(f"{name}: {uri}: {type(exc).__name__}: {exc}")
+            continue
+        if len(dataset) == 0:
+            problems.append(f"{name}: {uri}: has no rows (a set needs at least one prompt)")
+        else:
+            datasets[name] = dataset
+    return datasets, problems
 
 
 def iter_prompts(uri: str, batch_size: int = 1024, storage: Storage | None = None) -> Iterator[dict[str, Any]]:

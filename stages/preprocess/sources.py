@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from slimeflow.io.storage import Storage, StorageError
+from slimeflow.io.storage import Storage, StorageError, is_local, local_path
 from slimeflow.stages.base import StageInputError
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -134,6 +134,18 @@ def read_batches(uri: str, storage: Storage, batch_size: int) -> Iterator[Source
         _add_problem(batch, (0, "empty_file", "the file holds no rows", ""))
     if len(batch):
         yield batch
+
+
+def unreadable(uri: str, err: Exception) -> SourceBatch:
+    """The batch of a file that cannot be opened at all (a dangling symlink, no permission): one problem."""
+    batch = SourceBatch(uri, "line" if file_format(uri) in ("jsonl", "csv") else "row")
+    path = local_path(uri) if is_local(uri) else None
+    if path is not None and path.is_symlink() and not path.exists():
+        detail = f"a dangling symlink to {path.readlink()}; point it at the file or remove it"
+    else:
+        detail = f"{type(err).__name__}: {err}"
+    _add_problem(batch, (0, "unreadable_file", detail, ""))
+    return batch
 
 
 def _add_problem(batch: SourceBatch, item: tuple[int, str, str, str | bytes]) -> None:

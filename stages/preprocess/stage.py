@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import shutil
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,7 +27,7 @@ from slimeflow.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.preprocess.config import PreprocessConfig
 from slimeflow.stages.preprocess.prepare import PreparedBatch, Preparer, Rows, first_seen
-from slimeflow.stages.preprocess.sources import Problem, read_batches, resolve
+from slimeflow.stages.preprocess.sources import Problem, read_batches, resolve, unreadable
 from slimeflow.stages.preprocess.staging import staging_dir
 from slimeflow.stages.preprocess.tokens import PromptTokenizer, TokenStats
 from slimeflow.stages.preprocess.writer import SCHEMA, DatasetWriter, Deduper
@@ -52,7 +53,7 @@ def run(config: PreprocessConfig, ctx: StageContext) -> Manifest:
             results = [_process(name, files, config, tokenizer, ctx.storage, staging, quarantine)
                        for name, files in inputs.items()]
         quarantine.close()
-        _fail_if_empty(results, quarantine)
+        _fail_if_empty(results, quarantine, keep=ctx.workdir / "preprocess" / QUARANTINE)
         return _publish(results, quarantine, config, ctx.storage, staging, output)
 
 
@@ -126,7 +127,11 @@ def _process(name: str, inputs: tuple[list[str], list[str]], config: PreprocessC
           ThreadPoolExecutor(max_workers=1, thread_name_prefix="preprocess-write") as writing):
         preparer, batcher = Preparer(config, tokenizer), _Batcher(result, config, tokenizer, quarantine, pool, writing)
         for uri in files:
-            result.files.append(storage.sha256(uri))
+            try:
+                result.files.append(storage.sha256(uri))
+            except (OSError, StorageError) as err:  # a dangling symlink, no permission: quarantined, not fatal
+                batcher.process(preparer.prepare(unreadable(uri, err)))
+                continue
             for batch in read_batches(uri, storage, config.read_batch_size):
                 batcher.process(preparer.prepare(batch))
         batcher.finish()
@@ -277,16 +282,19 @@ def _hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
-def _fail_if_empty(results: list[SetResult], quarantine: Quarantine) -> None:
-    """A set that yields no row is an error with a summary of what became of its rows, not an empty success."""
+def _fail_if_empty(results: list[SetResult], quarantine: Quarantine, keep: Path) -> None:
+    """A set that yields no row is an error with a summary of what became of its rows, not an empty success; the
+    quarantine is moved to `keep` (the staging directory is deleted) and the message names it."""
     empty = [r for r in results if not r.counts["rows_out"]]
     if not empty:
         return
     problems = [f"{r.name}: {r.counts['rows_in']} rows in, 0 out ("
                 + ", ".join(f"{k} {v}" for k, v in sorted(r.counts.items()) if "." in k and v) + ")" for r in empty]
     problems += [f"e.g. {example}" for example in quarantine.examples]
+    keep.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(quarantine.path, keep)
     raise StageInputError("preprocess: no usable rows", problems,
-                          f"The quarantine ({quarantine.path.name}) lists every bad row with its file, line and reason.")
+                          f"The quarantine {keep} lists every bad row with its file, line and reason.")
 
 
 def _publish(results: list[SetResult], quarantine: Quarantine, config: PreprocessConfig, storage: Storage,

@@ -22,6 +22,7 @@ import ray
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.engines import WeightTargets
 from slimeflow.stages.rl.plugins import load_plugin
+from slimeflow.stages.rl.remote import ActorFailure
 
 if TYPE_CHECKING:
     from slimeflow.stages.rl.rollout import RolloutContext
@@ -212,14 +213,20 @@ class LoopError(RuntimeError):
 
 
 def call(ref: Any, what: str) -> Any:
-    """ray.get with the cause's own message instead of a stack of Ray wrappers."""
+    """ray.get with the cause's own type and message instead of a stack of Ray wrappers; the actor's traceback
+    (from an actor class made with remote.hosted) is a note on the LoopError."""
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as err:
         cause = err.cause if getattr(err, "cause", None) is not None else err
-        raise LoopError(f"{what} failed: {type(cause).__name__}: {cause}") from None
+        error = LoopError(f"{what} failed: {cause}" if isinstance(cause, ActorFailure)
+                          else f"{what} failed: {type(cause).__name__}: {cause}")
+        if isinstance(cause, ActorFailure):
+            error.add_note(f"raised in the actor:\n{cause.traceback_text}")
+        raise error from None
     except ray.exceptions.RayActorError as err:
-        raise LoopError(f"{what} failed: the actor died ({err.__class__.__name__}); see its log above") from None
+        last = next((line for line in reversed(str(err).splitlines()) if line.strip()), "")
+        raise LoopError(f"{what} failed: the actor died ({type(err).__name__}: {last}); see its log above") from None
 
 
 def _prompts(uri: str) -> list[dict[str, Any]]:

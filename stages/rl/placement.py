@@ -18,6 +18,7 @@ import ray
 
 from slimeflow.stages.rl.actors import LoopError, RolloutManager, RolloutSetup, TrainActor, call
 from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.stages.rl.remote import hosted
 
 if TYPE_CHECKING:
     from slimeflow.stages.rl.types import TrainBatch
@@ -119,12 +120,17 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
     if not gpus and setup.engine_threads is None:
         setup = replace(setup, engine_threads=cpu_threads(1))
     init_method = (scratch / f"dist-{uuid.uuid4().hex[:8]}").resolve().as_uri() if world > 1 else ""
-    manager = ray.remote(num_cpus=0)(RolloutManager).remote(config, setup)
-    actors = [ray.remote(num_cpus=0, num_gpus=gpus)(TrainActor).remote(
+    manager = ray.remote(num_cpus=0)(hosted(RolloutManager)).remote(config, setup)
+    actors = [ray.remote(num_cpus=0, num_gpus=gpus)(hosted(TrainActor)).remote(
         config, setup.hf_checkpoint, rank, world, init_method, total_steps, threads, run_token)
         for rank in range(world)]
-    targets = call(manager.weight_targets.remote(), "starting the rollout manager (engines)")
-    call(actors[0].connect_engines.remote(targets), "connecting the trainer to the engines")
+    try:
+        targets = call(manager.weight_targets.remote(), "starting the rollout manager (engines)")
+        call(actors[0].connect_engines.remote(targets), "connecting the trainer to the engines")
+    except LoopError:
+        for actor in [manager, *actors]:
+            ray.kill(actor)
+        raise
     return Placement(config, RolloutManagerHandle(manager), ActorGroup(actors))
 
 

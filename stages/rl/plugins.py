@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -27,9 +28,12 @@ def load_plugin(path: str, flag: str) -> Callable[..., Any]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise PluginError(
-            f"--{flag} {path!r}: cannot import module {module_name!r} ({exc}); check the spelling and that the "
-            "module is on PYTHONPATH"
+            f"--{flag} {path!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}); check the "
+            "spelling and that the module and what it imports are on PYTHONPATH"
         ) from exc
+    except Exception as exc:  # the module's own code failed (SyntaxError, an error at import time, ...)
+        raise PluginError(f"--{flag} {path!r}: importing module {module_name!r} failed: {type(exc).__name__}: {exc}"
+                          f"{_raised_at(exc)}; fix the module") from exc
     if not hasattr(module, attr):
         public = sorted(name for name in dir(module) if not name.startswith("_"))
         raise PluginError(
@@ -40,3 +44,11 @@ def load_plugin(path: str, flag: str) -> Callable[..., Any]:
     if not callable(function):
         raise PluginError(f"--{flag} {path!r}: {attr!r} is a {type(function).__name__}, not a function")
     return function
+
+
+def _raised_at(exc: BaseException) -> str:
+    """' (at FILE:LINE)' of the innermost frame of `exc` (of the code for a SyntaxError), else ''."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f" (at {exc.filename}:{exc.lineno})"
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""

@@ -55,6 +55,9 @@ def with_defaults(config: TrainConfig, ctx: StageContext) -> TrainConfig:
     return config.model_copy(update={"checkpoint": ckpt.model_copy(update=update)})
 
 
+RAW_SUFFIXES = (".jsonl", ".json", ".csv", ".jsonl.gz", ".json.gz")
+
+
 def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
     problems = []
     if config.checkpoint.hf_checkpoint is None:
@@ -63,24 +66,38 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
         problems.append(f"--hf-checkpoint {config.checkpoint.hf_checkpoint} has no config.json")
     if config.data.prompt_data is None:
         problems.append("--prompt-data is not set (the preprocess stage's train parquet)")
-    elif config.data.prompt_data.endswith((".jsonl", ".json", ".csv", ".jsonl.gz", ".json.gz")):
+    elif config.data.prompt_data.endswith(RAW_SUFFIXES):
         problems.append(f"--prompt-data {config.data.prompt_data} is a raw dataset; the train stage reads the "
                         "preprocess stage's prompt parquet (run `slimeflow preprocess --input FILE --output DIR`, "
                         "or the pipeline with a preprocess section, and point --prompt-data at DIR/train)")
     hf_config = Path(config.checkpoint.hf_checkpoint or "", "config.json")
     if hf_config.is_file():
         problems += check_model_args(config.megatron, json.loads(hf_config.read_text()), config.placement.train_backend)
+    problems += data_problems(config, ctx)
     if config.placement.train_backend != "torch":
         problems.append(f"--train-backend {config.placement.train_backend} is not available in this version; use "
                         "--train-backend torch (its checkpoints are Megatron's torch_dist all the same)")
     if problems:
         raise StageInputError("the train stage cannot start", problems,
-                              "In a pipeline these come from the model and preprocess stages; alone, pass them.")
+                              "In a pipeline these come from the model and preprocess stages; alone, pass them "
+                              "(the data flags: the preprocess stage's prompt parquet, a file or a set's directory).")
     check_plugins(config)
     return RolloutSetup(hf_checkpoint=config.checkpoint.hf_checkpoint, prompt_data=config.data.prompt_data,
                         eval_prompt_data=dict(config.eval.eval_prompt_data),
                         num_engines=max(1, (config.placement.rollout_num_gpus or 1)
                                         // config.placement.rollout_num_gpus_per_engine))
+
+
+def data_problems(config: TrainConfig, ctx: StageContext) -> list[str]:
+    """--prompt-data and every --eval-prompt-data set: there, readable, prompt parquet, not empty (before Ray,
+    where a bad one would only show as a dead actor)."""
+    from slimeflow.stages.preprocess.reader import open_prompt_sets
+
+    sets = {f"--eval-prompt-data {name}": uri for name, uri in config.eval.eval_prompt_data.items()}
+    prompt_data = config.data.prompt_data
+    if prompt_data is not None and not prompt_data.endswith(RAW_SUFFIXES):
+        sets = {"--prompt-data": prompt_data, **sets}
+    return open_prompt_sets(sets, ctx.storage)[1]
 
 
 PLUGIN_FLAGS = {
