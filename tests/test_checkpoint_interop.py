@@ -4,6 +4,7 @@ a checkpoint whose args are spelled as current Megatron-LM writes them converts 
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,8 +59,9 @@ def test_a_checkpoint_with_megatron_lms_newer_args_converts_back_bit_exactly(rel
     hf, directory = release
     copy = tmp_path / "release"
     copy.mkdir()
-    for path in directory.iterdir():
-        (copy / path.name).write_bytes(path.read_bytes())
+    for path in directory.iterdir():  # the data files and common.pt; Megatron-LM writes no side folder of ours
+        if path.is_file():
+            (copy / path.name).write_bytes(path.read_bytes())
     common = torch.load(copy / "common.pt", weights_only=False)  # our own file, just written
     common["args"] = as_megatron_lm_writes_it(common["args"])
     torch.save(common, copy / "common.pt")
@@ -86,3 +88,20 @@ def test_common_pt_is_a_valid_zip_with_crcs(release):
     with zipfile.ZipFile(release[1] / "common.pt") as archive:
         assert archive.testzip() is None
     assert read_common(release[1])["iteration"] == 1
+
+
+def test_a_converted_release_carries_checksums_that_its_readers_verify(release, tmp_path):
+    """convert writes the release's sha256 once (also the manifest's records); a flipped byte is then refused."""
+    from slimeflow.io.checkpoints import CheckpointError
+    from slimeflow.stages.convert.export import write_hf
+
+    hf, directory = release
+    assert (directory / "slimeflow" / "checksums.json").is_file()
+    copy = tmp_path / "release"
+    shutil.copytree(directory, copy)
+    data = max(copy.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=data.name):
+        write_hf(copy, tmp_path / "hf-out", hf)

@@ -25,12 +25,13 @@ from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.convert.diskspace import no_space_left, ran_out_of_space
 from slimeflow.stages.convert.export import replace_dir, run_to_hf
 from slimeflow.stages.convert.families import Family, family_for, supported_architectures
+from slimeflow.stages.convert.integrity import CHECKSUMS, write_checksums
 from slimeflow.stages.convert.launch import Launcher, launch
 from slimeflow.stages.convert.mapping import ModelShape, expected_hf_tensors, global_rules
 from slimeflow.stages.convert.staging import JOB_PREFIX, claimed_dir, remove_abandoned, staging_prefix
 from slimeflow.stages.convert.worker import Job, Share
 from slimeflow.stages.model.config import ModelConfig
-from slimeflow.stages.model.stage import INDEX_FILE, fingerprint, inspect_hf_dir, materialise
+from slimeflow.stages.model.stage import INDEX_FILE, inspect_hf_dir, materialise
 
 ITERATION = 1  # a converted model is saved as iteration 1 and published as release/, as Megatron's tools do
 
@@ -75,9 +76,12 @@ def _to_torch_dist(config: ConvertConfig, ctx: StageContext) -> Manifest:
         ranks = write_torch_dist(source, staged, config.processes, config.make_vocab_size_divisible_by,
                                  config.tensor_model_parallel_size, launcher=config.launcher,
                                  ray_address=ctx.ray_address)
+        # Hashed once, before the commit: the release's own checksums (verified where it is loaded, e.g. as
+        # --ref-load) and the manifest's records.
+        records = write_checksums(staged)
+        records.append(ctx.storage.sha256(str(staged / CHECKSUMS)).model_copy(update={"path": CHECKSUMS}))
         ref = publish_release(ctx.storage, staged, save)
         seconds = time.perf_counter() - started
-        records = fingerprint(staged if not is_local(save) else local_path(ref.uri), ctx.storage)
         if not is_local(save):
             shutil.rmtree(staged, ignore_errors=True)
     return Manifest(
