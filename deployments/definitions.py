@@ -39,7 +39,7 @@ class DeploymentSpec:
 
 
 def canonical(model: BaseModel) -> dict[str, Any]:
-    """A validated config as the JSON that Prefect stores and the server's schema validates (only what was set)."""
+    """A validated config as the JSON that Prefect stores and the server's schema validates (what was set)."""
     return model.model_dump(mode="json", exclude_unset=True)
 
 
@@ -53,32 +53,39 @@ def _stage(stage: str, description: str, config: dict[str, Any], run_name: str) 
 def specs() -> list[DeploymentSpec]:
     """Every deployment, the pipeline first (defaults: the tiny demo model, paths of examples/demo.yaml)."""
     pipeline = PipelineConfig.model_validate({"name": "scheduled-tiny", "model": {"hf_checkpoint": TINY}})
+    train = {
+        "batch": {"rollout_batch_size": 16, "n_samples_per_prompt": 8, "num_rollout": 120},
+        "checkpoint": {"hf_checkpoint": DEMO_MODEL, "save_interval": 40},
+        "data": {"prompt_data": "runs/demo/preprocess/train", "rollout_shuffle": True},
+        "rollout": {"rollout_max_response_len": 2},
+        "reward": {"rm_type": "prefix_match"},
+        "optimizer": {"lr": 0.0003},
+    }
+    evaluate = {
+        "load": "runs/demo/checkpoints", "hf_checkpoint": DEMO_MODEL,
+        "eval_prompt_data": {"increment": "runs/demo/preprocess/eval/increment"},
+        "eval_temperature": 0.0, "eval_max_response_len": 2, "rm_type": "prefix_match",
+    }
     return [
         DeploymentSpec("pipeline", pipeline_flow,
-                       "The whole pipeline (the stages that are configured), on the tiny demo model by default.",
+                       "The whole pipeline (the configured stages), on the tiny demo model by default.",
                        {"config": canonical(pipeline)}, ("slimeflow", "pipeline"), cron="0 3 * * *"),
-        _stage("model", "Resolve, validate and fingerprint a base HF checkpoint (local path, s3:// URI or "
-               "tiny:<family>).", {"hf_checkpoint": TINY}, "model-check"),
-        _stage("convert", "Convert an HF checkpoint to Megatron torch_dist (release/) or a torch_dist checkpoint "
-               "back to HF.", {"direction": "hf-to-torch-dist", "hf_checkpoint": TINY, "processes": 2},
-               "convert-check"),
-        _stage("preprocess", "Raw datasets (JSONL, JSON, CSV, parquet; local or s3://) -> prompt parquet, "
-               "quarantine, manifest.",
-               {"input": ["examples/data/math-train.jsonl"], "eval_input": {"math-eval": "examples/data/math-eval.jsonl"},
+        _stage("model", "Resolve, validate and fingerprint a base HF checkpoint "
+               "(local path, s3:// URI or tiny:<family>).", {"hf_checkpoint": TINY}, "model-check"),
+        _stage("convert", "Convert an HF checkpoint to Megatron torch_dist (release/) "
+               "or a torch_dist checkpoint back to HF.",
+               {"direction": "hf-to-torch-dist", "hf_checkpoint": TINY, "processes": 2}, "convert-check"),
+        _stage("preprocess", "Raw datasets (JSONL, JSON, CSV, parquet; local or s3://) "
+               "-> prompt parquet, quarantine, manifest.",
+               {"input": ["examples/data/math-train.jsonl"],
+                "eval_input": {"math-eval": "examples/data/math-eval.jsonl"},
                 "input_key": "prompt", "label_key": "label"}, "preprocess-example"),
-        _stage("train", "The Ray-hosted rollout/train loop (GRPO family), resumable from the latest checkpoint "
-               "under --load.",
-               {"batch": {"rollout_batch_size": 16, "n_samples_per_prompt": 8, "num_rollout": 120},
-                "checkpoint": {"hf_checkpoint": DEMO_MODEL, "save_interval": 40},
-                "data": {"prompt_data": "runs/demo/preprocess/train", "rollout_shuffle": True},
-                "rollout": {"rollout_max_response_len": 2}, "reward": {"rm_type": "prefix_match"},
-                "optimizer": {"lr": 0.0003}}, "demo"),
-        _stage("evaluate", "A checkpoint on named eval sets (avg@n, pass@k) through the embedded engine or SGLang.",
-               {"load": "runs/demo/checkpoints", "hf_checkpoint": DEMO_MODEL,
-                "eval_prompt_data": {"increment": "runs/demo/preprocess/eval/increment"}, "eval_temperature": 0.0,
-                "eval_max_response_len": 2, "rm_type": "prefix_match"}, "demo"),
-        _stage("export", "A torch_dist checkpoint -> HF safetensors (sharded, config, tokenizer) at a local or "
-               "s3:// URI.",
+        _stage("train", "The Ray-hosted rollout/train loop (GRPO family), "
+               "resumable from the latest checkpoint under --load.", train, "demo"),
+        _stage("evaluate", "A checkpoint on named eval sets (avg@n, pass@k) "
+               "through the embedded engine or SGLang.", evaluate, "demo"),
+        _stage("export", "A torch_dist checkpoint -> HF safetensors (sharded, config, tokenizer) "
+               "at a local or s3:// URI.",
                {"input_dir": "runs/demo/checkpoints", "origin_hf_dir": DEMO_MODEL,
                 "output_dir": "runs/demo/export/hf"}, "demo"),
     ]

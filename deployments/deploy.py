@@ -1,4 +1,4 @@
-"""`slimeflow deploy`: create the process work pool (if missing) and apply slimeflow's deployments to a server.
+"""`slimeflow deploy`: create the process work pool (if missing) and apply slimeflow's deployments.
 
 Runs from any install of slimeflow (the deployments are declared in slimeflow.deployments.definitions, with
 module-path entrypoints) and is idempotent: a second run updates the deployments and leaves the pool as it is.
@@ -11,8 +11,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
+
+if TYPE_CHECKING:
+    from slimeflow.deployments.definitions import DeploymentSpec
 
 EXIT_ERROR = 1
 
@@ -30,8 +34,8 @@ def ensure_pool(client, name: str) -> bool:
     try:
         pool = client.read_work_pool(name)
     except ObjectNotFound:
-        # The process worker's own job template, as `prefect work-pool create --type process` gives it: without
-        # it the pool would ignore the deployments' job variables (working_dir).
+        # The process worker's own job template, as `prefect work-pool create --type process` gives it:
+        # without it the pool would ignore the deployments' job variables (working_dir).
         template = ProcessWorker.get_default_base_job_template()
         try:
             client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template))
@@ -44,16 +48,13 @@ def ensure_pool(client, name: str) -> bool:
     return False
 
 
-def apply(names: Sequence[str], pool: str, working_dir: Path) -> list[tuple[str, str]]:
-    """Ensure the pool, then create or update each named deployment; returns [(full name, id)]."""
+def apply(chosen: Sequence[DeploymentSpec], pool: str, working_dir: Path) -> list[tuple[str, str]]:
+    """Ensure the pool, then create or update each deployment; returns [(full name, id)]."""
     from prefect import get_client
     from prefect.exceptions import PrefectHTTPStatusError
     from prefect.schedules import Cron
     from prefect.types.entrypoint import EntrypointType
 
-    from slimeflow.deployments.definitions import specs
-
-    chosen = [s for s in specs() if not names or s.name in names]
     with get_client(sync_client=True) as client:
         if ensure_pool(client, pool):
             print(f"created work pool {pool!r} (process)")
@@ -87,7 +88,8 @@ def _api_url() -> str:
 def main(argv: Sequence[str] = ()) -> int:
     from slimeflow.deployments.definitions import POOL, specs
 
-    known = [s.name for s in specs()]
+    every = specs()
+    known = [s.name for s in every]
     parser = argparse.ArgumentParser(prog="slimeflow deploy", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", metavar="NAME",
@@ -99,11 +101,13 @@ def main(argv: Sequence[str] = ()) -> int:
     args = parser.parse_args(list(argv))
     unknown = [n for n in args.names if n not in known]
     if unknown:
-        parser.error(f"unknown deployment {', '.join(map(repr, unknown))}; the deployments are {', '.join(known)}")
+        parser.error(f"unknown deployment {', '.join(map(repr, unknown))}; "
+                     f"the deployments are {', '.join(known)}")
     try:
         url = _api_url()
         print(f"deploying to {url}")
-        for name, deployment_id in apply(args.names, args.pool, args.working_dir.resolve()):
+        chosen = [s for s in every if not args.names or s.name in args.names]
+        for name, deployment_id in apply(chosen, args.pool, args.working_dir.resolve()):
             print(f"applied {name} ({deployment_id})")
     except httpx.TransportError as err:
         print(f"slimeflow deploy: cannot reach the Prefect server at {url}: {err}; is `prefect server start` "
