@@ -1,0 +1,283 @@
+"""A real `prefect server start` and a process worker on loopback, driven through the API as the UI drives them.
+
+The server and the worker run in process groups of their own, in a temporary PREFECT_HOME, and are stopped by
+pid (the group is killed) at the end of the module; the teardown asserts that no process they started is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PREFECT = [sys.executable, "-m", "prefect"]
+SLIMEFLOW = [sys.executable, "-m", "slimeflow.cli"]
+STAGES = ("model", "convert", "preprocess")
+SERVER_START_S = 120
+RUN_S = 240
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+@dataclass
+class Services:
+    """The processes this module started (each the leader of its own process group) and every pid seen under them."""
+
+    env: dict[str, str]
+    logs: Path
+    started: list[subprocess.Popen] = field(default_factory=list)
+    seen: set[int] = field(default_factory=set)
+
+    def start(self, name: str, argv: list[str], cwd: Path) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 - the child writes it until it is stopped
+        process = subprocess.Popen(argv, cwd=cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        log.close()
+        self.started.append(process)
+        return process
+
+    def remember_descendants(self) -> None:
+        import psutil
+
+        for process in self.started:
+            try:
+                self.seen |= {p.pid for p in psutil.Process(process.pid).children(recursive=True)}
+            except psutil.NoSuchProcess:
+                pass
+
+    def stop(self, process: subprocess.Popen, grace_s: float = 10) -> None:
+        """SIGTERM to the process's group, SIGKILL after `grace_s`; then any descendant that left the group."""
+        import psutil
+
+        self.remember_descendants()
+        self.seen.add(process.pid)
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(process.pid, sig)  # start_new_session: the group id is the leader's pid
+            except ProcessLookupError:
+                pass
+            try:
+                process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+        for pid in self.seen:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+
+    def leftovers(self) -> list[str]:
+        import psutil
+
+        alive = []
+        for pid in sorted(self.seen):
+            try:
+                process = psutil.Process(pid)
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{pid} {' '.join(process.cmdline())[:120]}")
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory) -> Iterator[Services]:
+    """The processes of this module; at teardown every one is stopped by pid and none may be left."""
+    home = tmp_path_factory.mktemp("prefect-server")
+    env = {**os.environ, "PREFECT_HOME": str(home / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    found = Services(env, home)
+    yield found
+    for process in reversed(found.started):  # the worker before the server it talks to
+        found.stop(process)
+    assert not found.leftovers(), f"processes left after the harness stopped: {found.leftovers()}"
+
+
+@pytest.fixture(scope="module")
+def prefect_server(services: Services) -> Iterator[str]:
+    """`prefect server start` on a free loopback port; yields its API URL once /api/health answers."""
+    import httpx
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    server = services.start("server", [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            services.logs)
+    deadline = time.monotonic() + SERVER_START_S
+    while True:
+        if server.poll() is not None:
+            pytest.fail(f"prefect server exited with {server.returncode}:\n{_tail(services.logs / 'server.log')}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"prefect server not healthy after {SERVER_START_S} s:\n"
+                        f"{_tail(services.logs / 'server.log')}")
+        time.sleep(0.5)
+    services.env["PREFECT_API_URL"] = url
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        yield url
+
+
+def _deploy(services: Services, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*SLIMEFLOW, "deploy"], cwd=cwd, env=services.env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def deploy_cwd(tmp_path_factory) -> Path:
+    """Where `slimeflow deploy` runs: not the checkout (and so the worker's working directory)."""
+    return tmp_path_factory.mktemp("deploy-cwd")
+
+
+@pytest.fixture(scope="module")
+def first_deploy(prefect_server: str, services: Services, deploy_cwd: Path) -> subprocess.CompletedProcess:
+    return _deploy(services, deploy_cwd)
+
+
+@pytest.fixture(scope="module")
+def prefect_worker(first_deploy, services: Services, deploy_cwd: Path) -> subprocess.Popen:
+    """A process worker polling the `slimeflow` pool (which the first deploy created) every second."""
+    return services.start("worker", [*PREFECT, "worker", "start", "--pool", "slimeflow", "--type", "process"],
+                          deploy_cwd)
+
+
+@pytest.fixture(scope="module")
+def deployed(first_deploy, prefect_worker, services: Services, deploy_cwd: Path) -> list[subprocess.CompletedProcess]:
+    """`slimeflow deploy` twice; the second while the worker starts (it runs no flow until asked)."""
+    return [first_deploy, _deploy(services, deploy_cwd)]
+
+
+@pytest.mark.slow
+def test_slimeflow_deploy_twice_against_a_real_server(deployed, services):
+    from prefect import get_client
+
+    from slimeflow import stages
+
+    for attempt, result in enumerate(deployed, 1):
+        assert result.returncode == 0, f"deploy #{attempt}:\n{result.stdout}\n{result.stderr}"
+    assert "created work pool 'slimeflow'" in deployed[0].stdout
+    assert "created work pool" not in deployed[1].stdout
+    with get_client(sync_client=True) as client:
+        # The filter endpoints that `prefect work-pool ls` / `prefect deployment ls` call, with limit: null
+        # (refused with 422 by prefect 3.8.8's server under fastapi >= 0.151).
+        assert [(p.name, p.type) for p in client.read_work_pools()] == [("slimeflow", "process")]
+        deployments = {d.name: d for d in client.read_deployments()}
+    assert set(deployments) == {"pipeline", *stages.available()}
+    pipeline = deployments["pipeline"]
+    assert pipeline.entrypoint == "slimeflow.flows.pipeline.pipeline_flow"
+    assert [(s.schedule.cron, s.active) for s in pipeline.schedules] == [("0 3 * * *", False)]  # not doubled
+
+
+def _tiny_config(workdir: Path) -> dict:
+    """examples/tiny.yaml's stages (model, convert, preprocess) in the parameters' canonical form."""
+    data = ROOT / "examples" / "data"
+    return {"name": "tiny", "workdir": str(workdir), "model": {"hf_checkpoint": "tiny:llama?seed=0"},
+            "convert": {"direction": "hf-to-torch-dist", "processes": 1},
+            "preprocess": {"input": [str(data / "math-train.jsonl")],
+                           "eval_input": {"arith": str(data / "math-eval.jsonl")}, "input_key": "prompt",
+                           "label_key": "label", "apply_chat_template": True, "rollout_max_prompt_len": 256}}
+
+
+def _run_pipeline(config: dict, services: Services):
+    """Create a flow run of the pipeline deployment (the UI's "Run") and wait for a final state."""
+    from prefect.deployments import run_deployment
+
+    started = time.monotonic()
+    run = run_deployment("slimeflow-pipeline/pipeline", parameters={"config": config}, timeout=RUN_S,
+                         poll_interval=1)
+    services.remember_descendants()
+    assert run.state is not None and run.state.is_completed(), (
+        f"flow run {run.name}: {run.state} after {time.monotonic() - started:.0f} s\n"
+        f"worker log:\n{_tail(services.logs / 'worker.log', 60)}")
+    return run
+
+
+def _stage_logs(parent_id, expected: list[str], wait_s: float = 30) -> str:
+    """The logs of a flow run and its subflows, once they hold every `expected` line (logs arrive in batches)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+
+    deadline = time.monotonic() + wait_s
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+            ids = [parent_id, *(r.id for r in runs)]
+            logs = "\n".join(log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids))))
+            if all(line in logs for line in expected) or time.monotonic() > deadline:
+                return logs
+            time.sleep(1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_S + 300)
+def test_pipeline_deployment_runs_on_a_worker_and_a_rerun_reuses_every_stage(deployed, services, tmp_path):
+    manifests = tmp_path / "run" / "manifests"
+    config = _tiny_config(tmp_path / "run")
+    _run_pipeline(config, services)
+    first = {stage: (manifests / f"{stage}.json").stat().st_mtime_ns for stage in STAGES}
+
+    rerun = _run_pipeline(config, services)
+    assert {stage: (manifests / f"{stage}.json").stat().st_mtime_ns for stage in STAGES} == first, (
+        "a rerun with unchanged inputs rewrote a manifest")
+    reused = [f"{stage}: inputs, config and code unchanged; reusing" for stage in STAGES]
+    logs = _stage_logs(rerun.id, reused)
+    assert all(line in logs for line in reused), logs
+
+
+def test_deploy_without_a_server_says_how_to_start_one(capsys):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from slimeflow.deployments.deploy import main
+
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert main([]) == 1
+    err = capsys.readouterr().err
+    assert "PREFECT_API_URL is not set" in err and "prefect server start" in err
+
+
+def test_deploy_to_an_unreachable_server_names_it(capsys):
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    from slimeflow.deployments.deploy import main
+
+    url = f"http://127.0.0.1:{_free_port()}/api"
+    with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_CLIENT_MAX_RETRIES: 0}):
+        assert main([]) == 1
+    assert f"cannot reach the Prefect server at {url}" in capsys.readouterr().err
+
+
+def test_deploy_refuses_an_unknown_deployment_and_lists_the_known_ones(capsys):
+    from slimeflow.deployments.deploy import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["pipelin"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown deployment 'pipelin'" in err and "pipeline, model, convert" in err
