@@ -115,8 +115,10 @@ def test_an_actor_failure_reaches_the_driver_with_its_type_and_message():
     from slimeflow.stages.rl.placement import LOCAL_RAY_SYSTEM_CONFIG
     from slimeflow.stages.rl.remote import hosted
 
-    ray.init(num_cpus=1, include_dashboard=False, configure_logging=False, log_to_driver=False,
-             _system_config=LOCAL_RAY_SYSTEM_CONFIG)
+    started = not ray.is_initialized()  # an in-process train test earlier in the session may have left its Ray up
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, configure_logging=False, log_to_driver=False,
+                 _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
     try:
         broken = ray.remote(num_cpus=0)(hosted(Toy)).remote(True)
@@ -132,4 +134,5 @@ def test_an_actor_failure_reaches_the_driver_with_its_type_and_message():
             call(toy.with_callback.remote(), "callback")
     finally:
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-        ray.shutdown()
+        if started:
+            ray.shutdown()
