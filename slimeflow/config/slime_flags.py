@@ -14,8 +14,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--use-distributed-optimizer": "the Megatron backend is not available yet",
     "--custom-config-path": "custom YAML args for plug-ins are not supported yet",
     "--eval-function-path": "a custom eval function is not supported yet",
-    "--debug-rollout-only": "debug modes are not supported yet",
-    "--debug-train-only": "debug modes are not supported yet",
     "--tensorboard-dir": "slimeflow tracks with MLflow: set --mlflow-tracking-uri",
     "--use-wandb": "slimeflow tracks with MLflow: set --mlflow-tracking-uri",
 }
