@@ -46,6 +46,10 @@ def test_debug_flag_combinations_that_cannot_run_are_refused():
     assert "its only placeholder may be {rollout_id} (KeyError: 'rank')" in refused(
         "--save-debug-rollout-data", "/d/{rank}_{rollout_id}.pt")
     assert "give a local path" in refused("--load-debug-rollout-data", "s3://bucket/{rollout_id}.pt")
+    # slime's other debug-data flags are refused with what to use instead, not left unknown.
+    assert "--save-debug-train-data: not supported yet (saving the trainer's per-rank data" in refused(
+        "--save-debug-train-data", "/d/{rollout_id}.pt")
+    assert "use --save-debug-rollout-data DIR/rollout_data/{rollout_id}.pt" in refused("--dump-details", "/d")
 
 
 def samples(n_groups: int = 2, n: int = 2) -> list[Sample]:
