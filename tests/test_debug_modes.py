@@ -156,6 +156,18 @@ def test_without_a_trainer_the_loop_reports_rollouts_and_saves_nothing():
     assert result.checkpoint is None and "pg_loss" not in result.last_metrics
 
 
+def test_an_evaluation_with_nothing_evaluated_leaves_no_line(tmp_path):
+    # --debug-train-only has no engine to evaluate with (slime skips its eval too): no empty {"step": k} record.
+    from slimeflow.stages.rl.actors import ReplayRolloutManager
+    from slimeflow.stages.rl.stage import RolloutLog
+
+    log = RolloutLog(tmp_path / "rollouts.jsonl")
+    config = load_stage_config("train", None, [*TRAIN, "--load-debug-rollout-data", "/d/{rollout_id}.pt"])
+    loop.evaluate(ReplayRolloutManager(config, None), 0, log)
+    log.evaluation(2, {"eval/x/avg_at_1": 0.5})
+    assert log.read() == [{"step": 2, "eval/x/avg_at_1": 0.5}]
+
+
 # --- on Ray, with the tiny model -------------------------------------------------------------------------------
 
 def run_stage(config, workdir: Path, monkeypatch) -> tuple[list[dict], list[str], object]:
