@@ -14,8 +14,11 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--use-distributed-optimizer": "the Megatron backend is not available yet",
     "--custom-config-path": "custom YAML args for plug-ins are not supported yet",
     "--eval-function-path": "a custom eval function is not supported yet",
-    "--debug-rollout-only": "debug modes are not supported yet",
-    "--debug-train-only": "debug modes are not supported yet",
+    "--load-debug-rollout-data-subsample": "subsampling replayed rollouts is not supported yet: "
+                                           "--load-debug-rollout-data replays whole rollouts",
+    "--save-debug-train-data": "saving the trainer's per-rank data is not supported yet: "
+                               "--save-debug-rollout-data saves what the trainer receives",
+    "--dump-details": "use --save-debug-rollout-data DIR/rollout_data/{rollout_id}.pt (the rollout half of it)",
     "--tensorboard-dir": "slimeflow tracks with MLflow: set --mlflow-tracking-uri",
     "--use-wandb": "slimeflow tracks with MLflow: set --mlflow-tracking-uri",
 }

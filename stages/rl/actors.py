@@ -37,7 +37,8 @@ class RolloutSetup:
     """What the RolloutManager is built from besides the train config."""
 
     hf_checkpoint: str
-    prompt_data: str
+    prompt_data: str | None
+    """None with --debug-train-only, which reads saved rollouts instead."""
     eval_prompt_data: dict[str, str]
     num_engines: int = 1
     engine_threads: int | None = None
@@ -91,13 +92,17 @@ class RolloutManager:
 
     def generate(self, rollout_id: int) -> tuple[PackedBatch, dict[str, float], list[list[str]]]:
         """Rollout `rollout_id` with the weights of version `rollout_id`: (train batch, metrics, row ids per group)."""
+        from slimeflow.stages.rl.debug_data import row_ids, save_rollout
         from slimeflow.stages.rl.rollout import generate_rollout
         from slimeflow.stages.rl.types import PackedBatch, TrainBatch
 
-        ctx = self._context(str(rollout_id))
+        # With --debug-rollout-only no trainer pushes weights: every rollout comes from the start weights.
+        ctx = self._context(None if self.config.debug.debug_rollout_only else str(rollout_id))
         result = self.loop.run_until_complete(generate_rollout(ctx, self.data, rollout_id))
-        row_ids = [[str(s.metadata.get("row_id", s.prompt)) for s in group] for group in result.groups]
-        return PackedBatch.pack(TrainBatch.from_samples(result.samples)), result.metrics, row_ids
+        if self.config.debug.save_debug_rollout_data is not None:
+            save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, result.samples,
+                         self.config.batch.n_samples_per_prompt)
+        return PackedBatch.pack(TrainBatch.from_samples(result.samples)), result.metrics, row_ids(result.samples)
 
     def evaluate(self, version: str | None) -> dict[str, float]:
         """Every eval set with the eval sampling settings (eval_* flags, else the rollout's)."""
@@ -126,6 +131,48 @@ class RolloutManager:
         self.scorer.close()
         self.loop.run_until_complete(self.engines.aclose())
         self.engines.stop()
+
+
+class ReplayRolloutManager:
+    """--debug-train-only: the RolloutManager's interface over rollouts saved by --save-debug-rollout-data. No engine
+    starts, nothing is generated or scored, and evaluation is skipped (as in slime): each rollout's samples come
+    from its file and reach the trainer as the original run's did."""
+
+    def __init__(self, config: TrainConfig, setup: RolloutSetup):
+        self.config = config
+        self.template = config.debug.load_debug_rollout_data
+        freeze_startup_heap()
+
+    def generate(self, rollout_id: int) -> tuple[PackedBatch, dict[str, float], list[list[str]]]:
+        """The saved rollout `rollout_id`: (train batch, no rollout metrics (nothing was generated), row ids)."""
+        from slimeflow.stages.rl.debug_data import load_rollout, row_ids, save_rollout
+        from slimeflow.stages.rl.types import PackedBatch, TrainBatch
+
+        samples = load_rollout(self.template, rollout_id, self.config.batch.n_samples_per_prompt)
+        if self.config.debug.save_debug_rollout_data is not None:
+            save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, samples,
+                         self.config.batch.n_samples_per_prompt)
+        return PackedBatch.pack(TrainBatch.from_samples(samples)), {}, row_ids(samples)
+
+    def evaluate(self, version: str | None) -> dict[str, float]:
+        return {}  # no engine to evaluate with
+
+    def weight_targets(self) -> WeightTargets | None:
+        return None  # no engine: the trainer pushes its weights nowhere
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the files are the data: a resumed replay reads rollout k from rollout k's file
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def rollout_manager_class(config: TrainConfig) -> type:
+    """What serves the loop's rollouts: saved ones with --debug-train-only, else engines."""
+    return ReplayRolloutManager if config.debug.debug_train_only else RolloutManager
 
 
 class TrainActor:

@@ -391,6 +391,57 @@ class SglangConfig(ConfigModel):
     """Pass-through SGLang server arguments, keyed by name without the sglang_ prefix."""
 
 
+class DebugConfig(ConfigModel):
+    """slime's debug modes: rollouts without a trainer, or training on saved rollouts without an engine."""
+
+    debug_rollout_only: bool = False
+    """Generate and score rollouts but create no trainer: no training, checkpoints or weight updates (the engines
+    keep --hf-checkpoint's weights); for testing rollout and reward plug-ins."""
+    debug_train_only: bool = False
+    """Train on the rollouts of --load-debug-rollout-data; no engine starts and evaluation is skipped."""
+    save_debug_rollout_data: str | None = None
+    """Write each rollout's samples to this path, `{rollout_id}` replaced by the rollout id (e.g.
+    /tmp/debug/rollout_{rollout_id}.pt): torch.save of plain lists and numbers, read back with weights_only."""
+    load_debug_rollout_data: str | None = None
+    """Train on the samples saved at this path (`{rollout_id}` as above) instead of generating them; implies
+    --debug-train-only, as in slime."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DebugConfig:
+        problems = [p for flag, path in (("--save-debug-rollout-data", self.save_debug_rollout_data),
+                                         ("--load-debug-rollout-data", self.load_debug_rollout_data))
+                    if path is not None for p in _path_template_problems(flag, path)]
+        if self.save_debug_rollout_data is not None and "{rollout_id}" not in self.save_debug_rollout_data:
+            problems.append(f"--save-debug-rollout-data {self.save_debug_rollout_data} has no {{rollout_id}}: every "
+                            "rollout would overwrite one file; put {rollout_id} in it, e.g. "
+                            "/tmp/debug/rollout_{rollout_id}.pt")
+        if self.debug_rollout_only and (self.debug_train_only or self.load_debug_rollout_data is not None):
+            given = "--debug-train-only" if self.debug_train_only else "--load-debug-rollout-data (which implies it)"
+            problems.append(f"--debug-rollout-only and {given} are both set: the one runs no trainer, the other no "
+                            "engine; choose one (as slime refuses the pair)")
+        elif self.debug_train_only and self.load_debug_rollout_data is None:
+            problems.append("--debug-train-only needs --load-debug-rollout-data PATH (the rollouts to train on, "
+                            "written by a run with --save-debug-rollout-data PATH); give it, or drop "
+                            "--debug-train-only")
+        if problems:
+            raise ValueError("; ".join(problems))
+        if self.load_debug_rollout_data is not None:
+            self.__dict__["debug_train_only"] = True  # as slime: loaded rollouts need no engine
+        return self
+
+
+def _path_template_problems(flag: str, path: str) -> list[str]:
+    """A debug-data path is local and takes only the {rollout_id} placeholder (slime formats it so)."""
+    if "://" in path:
+        return [f"{flag} {path}: give a local path (or a shared file system's); URIs are not read or written here"]
+    try:
+        path.format(rollout_id=0)
+    except (KeyError, IndexError, ValueError) as err:
+        return [f"{flag} {path}: its only placeholder may be {{rollout_id}} ({type(err).__name__}: {err}); write a "
+                "literal brace as {{ or }}"]
+    return []
+
+
 class TrainConfig(ConfigModel):
     """The train stage: slime's train.py flags, grouped."""
 
@@ -407,6 +458,7 @@ class TrainConfig(ConfigModel):
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     sglang: SglangConfig = Field(default_factory=SglangConfig)
+    debug: DebugConfig = Field(default_factory=DebugConfig)
 
     @model_validator(mode="after")
     def _cross_group(self) -> TrainConfig:

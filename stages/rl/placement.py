@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from slimeflow.stages.rl.actors import LoopError, RolloutManager, RolloutSetup, TrainActor, call
+from slimeflow.stages.rl.actors import LoopError, RolloutSetup, TrainActor, call, rollout_manager_class
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.remote import hosted
 
@@ -50,8 +50,10 @@ class RolloutManagerHandle:
 class ActorGroup:
     """The TrainActors (one per data-parallel rank), called together."""
 
-    def __init__(self, actors: list[Any]):
+    def __init__(self, actors: list[Any], pushes_weights: bool = True):
         self.actors = actors
+        self.pushes_weights = pushes_weights
+        """False with --debug-train-only: there is no engine to push to."""
 
     def _all(self, method: str, *args: Any, what: str) -> list[Any]:
         return call([getattr(a, method).remote(*args) for a in self.actors], what)
@@ -67,7 +69,29 @@ class ActorGroup:
 
     def update_weights(self, version: int) -> None:
         """Rank 0 pushes its replica (ranks are identical after a step) to every engine as `version`."""
-        call(self.actors[0].update_weights.remote(str(version)), f"pushing weights {version}")
+        if self.pushes_weights:
+            call(self.actors[0].update_weights.remote(str(version)), f"pushing weights {version}")
+
+
+class NoTrainer:
+    """--debug-rollout-only: the actor group's interface with no TrainActor behind it (as slime's actors return at
+    once in that mode): nothing loads, trains, saves or pushes weights; the loop starts at --start-rollout-id or 0."""
+
+    def __init__(self, start_rollout_id: int | None):
+        self.start_rollout_id = start_rollout_id or 0
+        self.actors: list[Any] = []
+
+    def load(self) -> tuple[int, dict[str, Any]]:
+        return self.start_rollout_id, {}
+
+    def train(self, rollout_id: int, batch: Any) -> dict[str, float]:
+        return {}
+
+    def save(self, rollout_id: int, extra_state: dict[str, Any]) -> None:
+        return None
+
+    def update_weights(self, version: int) -> None:
+        pass
 
 
 @dataclass
@@ -76,7 +100,7 @@ class Placement:
 
     config: TrainConfig
     rollout_manager: RolloutManagerHandle
-    actor_group: ActorGroup
+    actor_group: ActorGroup | NoTrainer
 
     def shutdown(self) -> None:
         try:
@@ -112,7 +136,8 @@ def init_ray(address: str | None) -> None:
 def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int, scratch: Path,
                      run_token: str | None = None) -> Placement:
     """The RolloutManager and `actor_num_nodes x actor_num_gpus_per_node` TrainActors; `run_token` is the run's
-    claim on --save (backend.ownership.claim_root), checked before every commit."""
+    claim on --save (backend.ownership.claim_root), checked before every commit. The debug modes change the cast:
+    --debug-rollout-only creates no TrainActor, --debug-train-only replays saved rollouts without an engine."""
     placement = config.placement
     world = placement.actor_num_nodes * placement.actor_num_gpus_per_node
     gpus = 1 if _has_gpus() else 0
@@ -120,18 +145,22 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
     if not gpus and setup.engine_threads is None:
         setup = replace(setup, engine_threads=cpu_threads(1))
     init_method = (scratch / f"dist-{uuid.uuid4().hex[:8]}").resolve().as_uri() if world > 1 else ""
-    manager = ray.remote(num_cpus=0)(hosted(RolloutManager)).remote(config, setup)
+    manager = ray.remote(num_cpus=0)(hosted(rollout_manager_class(config))).remote(config, setup)
+    ranks = 0 if config.debug.debug_rollout_only else world
     actors = [ray.remote(num_cpus=0, num_gpus=gpus)(hosted(TrainActor)).remote(
         config, setup.hf_checkpoint, rank, world, init_method, total_steps, threads, run_token)
-        for rank in range(world)]
+        for rank in range(ranks)]
     try:
         targets = call(manager.weight_targets.remote(), "starting the rollout manager (engines)")
-        call(actors[0].connect_engines.remote(targets), "connecting the trainer to the engines")
+        if actors and targets is not None:
+            call(actors[0].connect_engines.remote(targets), "connecting the trainer to the engines")
     except LoopError:
         for actor in [manager, *actors]:
             ray.kill(actor)
         raise
-    return Placement(config, RolloutManagerHandle(manager), ActorGroup(actors))
+    group = ActorGroup(actors, pushes_weights=targets is not None) if actors else NoTrainer(
+        config.checkpoint.start_rollout_id)
+    return Placement(config, RolloutManagerHandle(manager), group)
 
 
 def cpu_threads(processes: int, *, spare: int = 1) -> int:

@@ -64,7 +64,9 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
         problems.append("--hf-checkpoint is not set (the HF model: tokenizer, config and starting weights)")
     elif not Path(config.checkpoint.hf_checkpoint, "config.json").is_file():
         problems.append(f"--hf-checkpoint {config.checkpoint.hf_checkpoint} has no config.json")
-    if config.data.prompt_data is None:
+    if config.debug.debug_train_only:
+        problems += replay_problems(config)
+    elif config.data.prompt_data is None:
         problems.append("--prompt-data is not set (the preprocess stage's train parquet)")
     elif config.data.prompt_data.endswith(RAW_SUFFIXES):
         problems.append(f"--prompt-data {config.data.prompt_data} is a raw dataset; the train stage reads the "
@@ -86,6 +88,26 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
                         eval_prompt_data=dict(config.eval.eval_prompt_data),
                         num_engines=max(1, (config.placement.rollout_num_gpus or 1)
                                         // config.placement.rollout_num_gpus_per_engine))
+
+
+def replay_problems(config: TrainConfig) -> list[str]:
+    """--debug-train-only: the saved rollouts to train on are there (prompts are not read, but --num-epoch counts
+    them)."""
+    from slimeflow.stages.rl.debug_data import rollout_path
+
+    template = config.debug.load_debug_rollout_data
+    if config.batch.num_rollout is None:
+        return [] if config.data.prompt_data is not None else [
+            "--num-epoch with --debug-train-only needs --prompt-data to count the rollouts of an epoch; give "
+            "--num-rollout N (the number of saved rollouts to train on) instead"]
+    first = config.checkpoint.start_rollout_id or 0
+    missing = [str(rollout_path(template, k)) for k in range(first, config.batch.num_rollout)
+               if not rollout_path(template, k).is_file()]
+    if not missing:
+        return []
+    return [f"--load-debug-rollout-data {template}: {len(missing)} of the files of rollouts {first}.."
+            f"{config.batch.num_rollout - 1} are missing ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
+            "write them with a run given --save-debug-rollout-data, or lower --num-rollout"]
 
 
 def data_problems(config: TrainConfig, ctx: StageContext) -> list[str]:
@@ -178,6 +200,8 @@ class RolloutLog:
             self.log_metrics(metrics, rollout_id)
 
     def evaluation(self, version: int, metrics: dict[str, float]) -> None:
+        if not metrics:
+            return  # nothing was evaluated (no eval set, or --debug-train-only: no engine)
         self._append(self.path, {"step": version, **metrics})
         if self.log_metrics is not None:
             self.log_metrics(metrics, version)
@@ -216,23 +240,27 @@ def _rewrite(path: Path, records: list[dict[str, Any]]) -> None:
 
 
 def manifest(config: TrainConfig, ctx: StageContext, result: loop.LoopResult, history: RolloutLog) -> Manifest:
+    """The latest checkpoint with the run's figures; with --debug-rollout-only (no trainer) the figures alone."""
     root = config.checkpoint.save
-    latest = checkpoints.find_latest(ctx.storage, root)
-    if latest is None:
-        raise RuntimeError(f"training finished but {root} holds no complete checkpoint")
-    records = fingerprint(Path(latest.uri), ctx.storage)
+    outputs = {"hf_checkpoint": config.checkpoint.hf_checkpoint, "rollouts": str(history.path),
+               "row_ids": str(history.path.with_name("row_ids.jsonl"))}
+    records, latest = [], None
+    if not config.debug.debug_rollout_only:
+        latest = checkpoints.find_latest(ctx.storage, root)
+        if latest is None:
+            raise RuntimeError(f"training finished but {root} holds no complete checkpoint")
+        records = fingerprint(Path(latest.uri), ctx.storage)
+        outputs.update({"checkpoint": latest.uri, "checkpoint_root": root})
     curve = plot_curves(history.read(), ctx.workdir / "train" / "reward_curve.png")
-    outputs = {"checkpoint": latest.uri, "checkpoint_root": root, "hf_checkpoint": config.checkpoint.hf_checkpoint,
-               "rollouts": str(history.path), "row_ids": str(history.path.with_name("row_ids.jsonl"))}
     if curve is not None:
         uri = join(ctx.output, "train", "reward_curve.png")
         ctx.storage.put_file(curve, uri)
         outputs["reward_curve"] = uri
     evals = sorted(result.eval_history.items())
     return Manifest(
-        stage="train", outputs=outputs, artifacts=records, artifact_root=latest.uri,
+        stage="train", outputs=outputs, artifacts=records, artifact_root=latest and latest.uri,
         counts={"num_rollout": result.num_rollout, "start_rollout_id": result.start_rollout_id,
-                "rollouts_run": len(result.row_ids), "iteration": int(latest.iteration)},
+                "rollouts_run": len(result.row_ids), **({"iteration": int(latest.iteration)} if latest else {})},
         hashes={"content": content_hash(records)},
         facts={"eval_first": evals[0][1] if evals else {}, "eval_last": evals[-1][1] if evals else {},
                "last_metrics": result.last_metrics},
