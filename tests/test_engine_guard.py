@@ -36,7 +36,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(model_dir, weights_dir):
     with start_engine(model_dir, num_threads=1, max_batch_size=4, api_key=KEY, weights_dir=weights_dir,
-                      weight_version="v0") as process:
+                      weight_version="v0", context_length=256, max_queued_requests=1200) as process:
         yield process
 
 
@@ -64,18 +64,19 @@ MUTATING = [("POST", "/update_weights_from_disk", {"model_path": "/tmp"}), ("POS
 @pytest.mark.parametrize("key", [None, "wrong-key"], ids=["no-key", "wrong-key"])
 def test_every_path_but_health_needs_the_api_key(engine, key):
     headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    served = version(engine)
     for method, path, body in MUTATING:
         response = httpx.request(method, engine.url + path, json=body, headers=headers, timeout=10)
         assert response.status_code == 401, (path, response.status_code, response.text)
         assert "Authorization: Bearer <key>" in response.json()["error"]["message"]
     for path in ("/health", "/health_generate"):  # as SGLang: probes need no key
         assert httpx.get(engine.url + path, headers=headers, timeout=30).status_code == 200
-    assert version(engine) == "v0"
+    assert version(engine) == served
     assert httpx.get(engine.url + "/get_model_info", headers=AUTH, timeout=10).status_code == 200
 
 
 def test_disk_updates_load_only_from_inside_the_weights_dir(engine, weights_dir, tmp_path):
-    before = greedy(engine)["output_ids"]
+    before, served = greedy(engine)["output_ids"], version(engine)
     outside = build_tiny_model(tmp_path / "outside", TinyModelSpec(seed=2))
     secret = tmp_path / "secret"
     secret.mkdir()
@@ -87,18 +88,18 @@ def test_disk_updates_load_only_from_inside_the_weights_dir(engine, weights_dir,
         with pytest.raises(EngineRequestError, match="outside the engine's --weights-dir") as err:
             asyncio.run(client(engine).update_weights_from_disk(str(path), "stolen"))
         assert err.value.status == 403 and "customer_embedding" not in err.value.message
-    assert version(engine) == "v0" and greedy(engine)["output_ids"] == before
+    assert version(engine) == served and greedy(engine)["output_ids"] == before
 
 
 def test_non_finite_weights_are_refused_and_the_old_weights_keep_serving(engine, model_dir, weights_dir):
     from transformers import AutoModelForCausalLM
 
-    before = greedy(engine)["output_ids"]
+    before, served = greedy(engine)["output_ids"], version(engine)
     weight = AutoModelForCausalLM.from_pretrained(model_dir).lm_head.weight.detach().clone()
     for bad in (float("nan"), float("inf")):
         poisoned = weight.clone()
         poisoned[3, 5] = bad
-        with pytest.raises(EngineRequestError, match="NaN or Inf.*keeps serving weight version 'v0'") as err:
+        with pytest.raises(EngineRequestError, match=f"NaN or Inf.*keeps serving weight version '{served}'") as err:
             asyncio.run(client(engine).update_weights_from_tensor({"lm_head.weight": poisoned}, "poisoned"))
         assert err.value.status == 400
     on_disk = weights_dir / "nan"
@@ -106,7 +107,7 @@ def test_non_finite_weights_are_refused_and_the_old_weights_keep_serving(engine,
     save_file({"lm_head.weight": weight * float("nan")}, str(on_disk / "model.safetensors"))
     with pytest.raises(EngineRequestError, match="NaN or Inf"):
         asyncio.run(client(engine).update_weights_from_disk(str(on_disk), "poisoned"))
-    assert version(engine) == "v0" and greedy(engine)["output_ids"] == before
+    assert version(engine) == served and greedy(engine)["output_ids"] == before
 
 
 # ---- item 8: how much they may ask ---------------------------------------------------------------------------
@@ -156,8 +157,9 @@ def test_a_text_longer_than_the_context_is_refused_without_tokenising(engine):
 
 
 def test_health_answers_while_a_long_batch_of_text_tokenises(engine):
-    # 60 texts just under the length check, ~2.3 M characters: seconds of tokenising, then refused (too many tokens).
-    body = {"text": ["y" * 38_000] * 60, "sampling_params": {"max_new_tokens": 1}}
+    # 240 texts just under the length check (4 x 19 characters x 256 positions), ~4.6 M characters of short words:
+    # ~4 s of tokenising, then refused (too many tokens).
+    body = {"text": [("ab cd e, " * 2200)[:19_000]] * 240, "sampling_params": {"max_new_tokens": 1}}
 
     async def probe_while_tokenising() -> tuple[float, httpx.Response]:
         async with httpx.AsyncClient(base_url=engine.url, headers=AUTH, timeout=120) as http:
@@ -170,23 +172,26 @@ def test_health_answers_while_a_long_batch_of_text_tokenises(engine):
             return waited, await request
 
     waited, response = asyncio.run(probe_while_tokenising())
-    assert response.status_code == 400 and "at or beyond the model's max_position_embeddings" in response.text
+    assert response.status_code == 400 and "at or beyond the engine's context length (256" in response.text
     print(f"/health answered in {waited:.3f} s while tokenising")
 
 
 def test_health_generate_and_other_callers_are_not_starved_by_one_huge_call(engine):
-    huge = {"input_ids": [PROMPT] * 1000, "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}, "rid": "huge"}
+    huge = {"input_ids": [PROMPT] * 1000, "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}, "rid": "huge"}
 
     async def others_during_the_huge_call() -> None:
         async with httpx.AsyncClient(base_url=engine.url, headers=AUTH, timeout=300) as http:
             request = asyncio.create_task(http.post("/generate", json=huge))
             while (await http.get("/get_model_info")).json()["running"] == 0:
+                assert not request.done(), request.result().text
                 await asyncio.sleep(0.01)
             try:
-                # Behind 1000 x 500 tokens at 4 a step (minutes), each of these answered within the bound.
+                # Behind 1000 x 240 tokens at 4 a step (minutes), each of these answered within the bound.
                 assert (await http.get("/health_generate", timeout=5)).status_code == 200
                 small = await http.post("/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY}, timeout=5)
                 assert small.json()["meta_info"]["completion_tokens"] == 8
+                more = await http.post("/generate", json={"input_ids": [PROMPT] * 300}, timeout=5)
+                assert more.status_code == 503 and "--max-queued-requests 1200" in more.json()["error"]["message"]
                 assert not request.done()
             finally:
                 await http.post("/abort_request", json={"abort_all": True})
@@ -199,3 +204,39 @@ def test_health_generate_and_other_callers_are_not_starved_by_one_huge_call(engi
 def test_the_key_reaches_the_engine_through_its_environment_not_its_command_line(engine):
     with open(f"/proc/{engine.process.pid}/cmdline", "rb") as cmdline:  # readable by every local user
         assert KEY.encode() not in cmdline.read()
+
+
+def test_external_servers_get_the_sglang_api_key_on_every_call(engine, model_dir):
+    """--sglang-api-key: the key of SGLang servers started with --api-key (this engine stands in for one), sent by
+    the rollout client and by the weight sync, which writes into the servers' weights directory."""
+    from transformers import AutoModelForCausalLM
+
+    from slimeflow.stages.rl.engines import EngineSet, WeightSync
+
+    weights_dir = engine.command[engine.command.index("--weights-dir") + 1]
+    engines = EngineSet.start(str(model_dir), {"worker_urls": [engine.url], "weights_dir": weights_dir,
+                                               "api_key": KEY}, num_engines=1)
+    targets = engines.weight_targets()
+    assert KEY not in repr(targets) and KEY not in repr(engines)
+
+    async def rollout_and_sync() -> dict:
+        sync = WeightSync(targets)
+        try:
+            named = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+            assert await sync.push(named, "external-1") == "external-1"
+            return await engines.client().generate(PROMPT, GREEDY)
+        finally:
+            await sync.aclose()
+            await engines.aclose()
+
+    assert asyncio.run(rollout_and_sync())["meta_info"]["weight_version"] == "external-1"
+
+
+@pytest.mark.parametrize(("body", "words"), [
+    ({"input_ids": [[256]] * 1201}, "a /generate of 1201 prompts is more than the engine queues (--max-queued-requests"),
+    ({"input_ids": [256] * 300}, "the prompt has 300 tokens, at or beyond the engine's context length (256: --context-length"),
+    ({"input_ids": [256] * 200, "sampling_params": {"max_new_tokens": 100}}, "max_new_tokens=100 does not fit"),
+])
+def test_requests_past_the_engines_limits_answer_400_naming_the_flag(engine, body, words):
+    response = httpx.post(engine.url + "/generate", json=body, headers=AUTH, timeout=30)
+    assert response.status_code == 400 and words in response.json()["error"]["message"], response.text

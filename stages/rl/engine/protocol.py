@@ -30,19 +30,26 @@ _NORMALISER_MARGIN = 4
 
 @dataclass(frozen=True)
 class PromptLimits:
-    """What a prompt may hold: token ids below `vocab_size`, fewer than `max_positions` tokens (prompt and
-    completion together: the model's context length), and, for text, at most `max_text_chars` characters, past
-    which it cannot tokenise into fewer than `max_positions` tokens (so it is refused without tokenising)."""
+    """What a /generate may hold: at most `max_prompts` prompts (--max-queued-requests); token ids below
+    `vocab_size`; fewer than `max_positions` tokens per prompt, completion included (--context-length); and, for
+    text, at most `max_text_chars` characters, past which it cannot tokenise into fewer than `max_positions` tokens
+    (so it is refused without tokenising)."""
 
     max_positions: int
     vocab_size: int
     max_text_chars: int
+    max_prompts: int
 
     @classmethod
-    def of(cls, loaded: LoadedModel) -> PromptLimits:
+    def of(cls, loaded: LoadedModel, *, context_length: int | None, max_prompts: int) -> PromptLimits:
+        """Raises ValueError when `context_length` (None: the model's) is beyond the model's positions."""
+        positions = context_length or loaded.max_positions
+        if not 0 < positions <= loaded.max_positions:
+            raise ValueError(f"--context-length {positions} is not in [1, {loaded.max_positions}] (the model's "
+                             "max_position_embeddings): the model attends to no position past that")
         longest = max((len(token) for token in loaded.tokenizer.get_vocab()), default=1)
-        return cls(loaded.max_positions, int(loaded.model.config.vocab_size),
-                   _NORMALISER_MARGIN * longest * loaded.max_positions)
+        return cls(positions, int(loaded.model.config.vocab_size), _NORMALISER_MARGIN * longest * positions,
+                   max_prompts)
 
 
 def parse_generate(body: Any, *, tokenizer: PreTrainedTokenizerBase,
@@ -56,6 +63,9 @@ def parse_generate(body: Any, *, tokenizer: PreTrainedTokenizerBase,
     _check_fields(body)
     max_positions, vocab_size = limits.max_positions, limits.vocab_size
     prompts, is_batch = _prompts(body, tokenizer, limits)
+    if len(prompts) > limits.max_prompts:
+        raise BadRequestError(f"a /generate of {len(prompts)} prompts is more than the engine queues "
+                              f"(--max-queued-requests {limits.max_prompts}); send fewer per request or raise it")
     params = _per_item(body.get("sampling_params"), len(prompts), "sampling_params", dict)
     rids = _per_item(body.get("rid"), len(prompts), "rid", str)
     if is_batch and isinstance(body.get("rid"), str):
@@ -66,8 +76,8 @@ def parse_generate(body: Any, *, tokenizer: PreTrainedTokenizerBase,
         room = max_positions - len(prompt)
         if room <= 0:
             raise BadRequestError(
-                f"the prompt has {len(prompt)} tokens, at or beyond the model's max_position_embeddings "
-                f"({max_positions}); shorten it"
+                f"the prompt has {len(prompt)} tokens, at or beyond the engine's context length ({max_positions}: "
+                "--context-length, at most the model's max_position_embeddings); shorten it"
             )
         requests.append(GenerateRequest(rid=rid or uuid.uuid4().hex, input_ids=prompt,
                                         params=_sampling(raw, room, vocab_size, parsed)))
@@ -111,7 +121,7 @@ def _prompts(body: dict, tokenizer: PreTrainedTokenizerBase, limits: PromptLimit
         if longest > limits.max_text_chars:
             raise BadRequestError(
                 f"a /generate text has {longest} characters: more than {limits.max_text_chars}, so more tokens than "
-                f"the model's context length ({limits.max_positions}, its max_position_embeddings); shorten it"
+                f"the engine's context length ({limits.max_positions}, --context-length); shorten it"
             )
         return [tokenizer(t).input_ids for t in texts], isinstance(text, list)
     is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)

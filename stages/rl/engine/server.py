@@ -50,7 +50,14 @@ from slimeflow.stages.rl.engine.weights import (
 log = logging.getLogger("slimeflow.engine")
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 DEFAULT_MAX_BODY_MB = 64.0
+DEFAULT_MAX_QUEUED = 16384
+"""Requests waiting at once (each holds its prompt and a generator until it starts); a rollout keeps at most
+--sglang-server-concurrency (512) in flight."""
 """A /generate of 4096 prompts of 2k token ids is ~50 MB; sglang-router's own cap is 512 MB."""
+
+
+class QueueFullError(Exception):
+    """More requests than --max-queued-requests would wait (answered 503: retry later)."""
 
 
 @dataclass
@@ -87,6 +94,10 @@ def create_app(state: EngineState) -> FastAPI:
     async def forbidden(_: Request, err: ForbiddenError) -> JSONResponse:
         return _error(403, str(err))
 
+    @app.exception_handler(QueueFullError)
+    async def queue_full(_: Request, err: QueueFullError) -> JSONResponse:
+        return _error(503, str(err))
+
     @app.exception_handler(BodyTooLargeError)
     async def too_large(_: Request, err: BodyTooLargeError) -> JSONResponse:
         return _error(413, str(err))
@@ -100,6 +111,7 @@ def create_app(state: EngineState) -> FastAPI:
     async def generate(request: Request):
         body = await _json(request)
         requests, is_batch = await _parse(state, body)
+        _check_queue(state, len(requests))
         state.requests_received += len(requests)
         pending = state.batcher.submit_batch(requests) if is_batch else state.batcher.submit(requests[0])
         results = await asyncio.wrap_future(pending)
@@ -209,6 +221,14 @@ async def _parse(state: EngineState, body: dict) -> tuple[list[GenerateRequest],
     return await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, parse)
 
 
+def _check_queue(state: EngineState, count: int) -> None:
+    """Refuse (503, which clients retry) `count` more requests when the queue would pass --max-queued-requests."""
+    waiting, limit = state.batcher.load()["waiting"], state.limits.max_prompts
+    if waiting + count > limit:
+        raise QueueFullError(f"the engine's queue is full: {waiting} requests wait and {count} more would pass "
+                             f"--max-queued-requests {limit}; retry later, or raise it")
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}, "message": message, "success": False},
                         status_code=status)
@@ -264,6 +284,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-request-body-mb", type=float, default=DEFAULT_MAX_BODY_MB,
                         help="largest JSON request body (413 above it); /update_weights_from_tensor takes up to the "
                              "served model's float32 size instead")
+    parser.add_argument("--context-length", type=int, default=None,
+                        help="most tokens per prompt, completion included (default and maximum: the model's "
+                             "max_position_embeddings)")
+    parser.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED,
+                        help="most requests waiting to start: a larger /generate answers 400, one that would "
+                             "overfill the queue 503")
     return parser.parse_args(argv)
 
 
@@ -279,7 +305,9 @@ def build_server(args: argparse.Namespace) -> tuple[EngineState, uvicorn.Server]
     batcher = Batcher(loaded, max_batch_size=args.max_batch_size, weight_version=args.weight_version,
                       seed=args.seed, admission_window_s=args.admission_window_ms / 1000, num_threads=threads)
     state = EngineState(loaded=loaded, batcher=batcher, model_path=args.model_path, dtype=args.dtype,
-                        max_batch_size=args.max_batch_size, limits=PromptLimits.of(loaded),
+                        max_batch_size=args.max_batch_size,
+                        limits=PromptLimits.of(loaded, context_length=args.context_length,
+                                               max_prompts=args.max_queued_requests),
                         weights_dir=args.weights_dir)
     if args.api_key is None:
         log.warning("serving without --api-key: any local process may update this engine's weights")
