@@ -82,25 +82,21 @@ class EngineState:
         self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
 
+# What each refusal answers; the message says what to change.
+_STATUSES: dict[type[Exception], int] = {BadRequestError: 400, ForbiddenError: 403, BodyTooLargeError: 413,
+                                         QueueFullError: 503}
+
+
+async def _answer(status: int, _: Request, err: Exception) -> JSONResponse:
+    return _error(status, str(err))
+
+
 def create_app(state: EngineState) -> FastAPI:
     """The FastAPI app serving `state`; the caller starts and stops `state.batcher`."""
     app = FastAPI(title="slimeflow embedded rollout engine")
 
-    @app.exception_handler(BadRequestError)
-    async def bad_request(_: Request, err: BadRequestError) -> JSONResponse:
-        return _error(400, str(err))
-
-    @app.exception_handler(ForbiddenError)
-    async def forbidden(_: Request, err: ForbiddenError) -> JSONResponse:
-        return _error(403, str(err))
-
-    @app.exception_handler(QueueFullError)
-    async def queue_full(_: Request, err: QueueFullError) -> JSONResponse:
-        return _error(503, str(err))
-
-    @app.exception_handler(BodyTooLargeError)
-    async def too_large(_: Request, err: BodyTooLargeError) -> JSONResponse:
-        return _error(413, str(err))
+    for error, status in _STATUSES.items():
+        app.add_exception_handler(error, functools.partial(_answer, status))
 
     @app.exception_handler(Exception)
     async def internal(_: Request, err: Exception) -> JSONResponse:
