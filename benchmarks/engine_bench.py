@@ -42,12 +42,14 @@ from transformers import AutoModelForCausalLM
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
 from slimeflow.stages.rl.engine.client import EngineClient
-from slimeflow.stages.rl.engine.launch import start_engine
+from slimeflow.stages.rl.engine.launch import new_api_key, start_engine
 from slimeflow.stages.rl.engine.sampling import SamplingParams
 from slimeflow.stages.rl.engine.weights import load_model
 
 SPEC = TinyModelSpec(family="llama", hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                      num_key_value_heads=4, intermediate_size=512, max_position_embeddings=1024, seed=0)
+
+API_KEY = new_api_key()  # the engine's; every request sends it
 
 
 def make_workload(n: int, max_new: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
@@ -86,7 +88,7 @@ def _hf_batch(model, prompts: list[list[int]], max_new: int, pad_id: int) -> flo
 
 async def engine_run(url: str, prompts: list[list[int]], lengths: list[int]) -> tuple[float, int]:
     """Seconds and generated tokens for all requests sent at once to the engine."""
-    async with EngineClient(url, timeout_s=600) as client:
+    async with EngineClient(url, api_key=API_KEY, timeout_s=600) as client:
         start = time.perf_counter()
         responses = await asyncio.gather(*(
             client.generate(p, {"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True, "sampling_seed": i})
@@ -97,7 +99,7 @@ async def engine_run(url: str, prompts: list[list[int]], lengths: list[int]) -> 
 
 async def engine_batch_run(url: str, prompts: list[list[int]], lengths: list[int]) -> tuple[float, int]:
     """Seconds and generated tokens for the same requests sent as one batched /generate."""
-    async with EngineClient(url, timeout_s=600) as client:
+    async with EngineClient(url, api_key=API_KEY, timeout_s=600) as client:
         start = time.perf_counter()
         responses = await client.generate_batch(prompts, [
             {"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True, "sampling_seed": i}
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = build_tiny_model(Path(tmp) / "tiny", SPEC)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         pad = int(model.generation_config.pad_token_id)
-        with start_engine(model_dir, num_threads=args.threads, max_batch_size=args.requests) as engine:
+        with start_engine(model_dir, num_threads=args.threads, max_batch_size=args.requests,
+                          api_key=API_KEY) as engine:
             batcher = Batcher(load_model(model_dir, device="cpu"), max_batch_size=args.requests,
                               num_threads=args.threads)
             batcher.start()

@@ -16,24 +16,26 @@ from transformers import AutoModelForCausalLM
 
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
-from slimeflow.stages.rl.engine.launch import free_port, start_engine, start_router
+from slimeflow.stages.rl.engine.launch import free_port, new_api_key, start_engine, start_router
 
 SPEC = TinyModelSpec(seed=1)
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 50, 43, 50, 61], [256, 84, 104, 101, 32, 99, 97, 116, 32, 115]]
 GREEDY = {"temperature": 0.0}
+KEY = new_api_key()  # the engines' (and router's) API key
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-async def _generate(url: str, prompt: list[int], params: dict, **kwargs) -> dict:
-    async with EngineClient(url, timeout_s=60) as client:
+async def _generate(url: str, prompt: list[int], params: dict, key: str, **kwargs) -> dict:
+    async with EngineClient(url, api_key=key, timeout_s=60) as client:
         return await client.generate(prompt, params, **kwargs)
 
 
-def generate(url: str, prompt: list[int], params: dict, **kwargs) -> dict:
-    return run(_generate(url, prompt, params, **kwargs))
+def generate(url: str, prompt: list[int], params: dict, key: str = KEY, **kwargs) -> dict:
+    return run(_generate(url, prompt, params, key, **kwargs))
 
 
 def tokens(response: dict) -> list[int]:
@@ -52,13 +54,19 @@ def reference(model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    with start_engine(model_dir, num_threads=1, max_batch_size=32, weight_version="v0") as process:
+    with start_engine(model_dir, num_threads=1, max_batch_size=32, weight_version="v0", api_key=KEY) as process:
         yield process
 
 
 @pytest.fixture(scope="module")
-def engine_b(model_dir):
-    with start_engine(model_dir, num_threads=1, max_batch_size=32) as process:
+def weights_dir(tmp_path_factory):
+    """engine_b's --weights-dir: the only place it loads weights from disk."""
+    return tmp_path_factory.mktemp("weights")
+
+
+@pytest.fixture(scope="module")
+def engine_b(model_dir, weights_dir):
+    with start_engine(model_dir, num_threads=1, max_batch_size=32, api_key=KEY, weights_dir=weights_dir) as process:
         yield process
 
 
@@ -73,7 +81,7 @@ def forward_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tenso
 
 def wait_running(url: str, at_least: int = 1, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while httpx.get(url + "/get_model_info").json()["running"] < at_least:
+    while httpx.get(url + "/get_model_info", headers=AUTH).json()["running"] < at_least:
         assert time.monotonic() < deadline, "the request never started running"
         time.sleep(0.01)
 
@@ -83,11 +91,11 @@ def test_concurrent_requests_share_forward_passes(engine):
     prompts = [PROMPTS[i % 3] + [65 + i] for i in range(16)]
 
     async def one_by_one():
-        async with EngineClient(engine.url) as client:
+        async with EngineClient(engine.url, api_key=KEY) as client:
             return [await client.generate(p, params | {"sampling_seed": i}) for i, p in enumerate(prompts)]
 
     async def all_at_once():
-        async with EngineClient(engine.url) as client:
+        async with EngineClient(engine.url, api_key=KEY) as client:
             return await asyncio.gather(*(client.generate(p, params | {"sampling_seed": i})
                                           for i, p in enumerate(prompts)))
 
@@ -112,7 +120,7 @@ def test_logprobs_equal_forward_pass_alone_and_when_joining(engine, reference):
                                atol=1e-4, rtol=0)
 
     async def join_running_batch():
-        async with EngineClient(engine.url) as client:
+        async with EngineClient(engine.url, api_key=KEY) as client:
             long = asyncio.create_task(client.generate(PROMPTS[2], params | {"max_new_tokens": 300}))
             await asyncio.to_thread(wait_running, engine.url)
             joiner = await client.generate(PROMPTS[1], params | {"sampling_seed": 3})
@@ -135,7 +143,7 @@ def test_same_seed_same_sample_and_batch_form(engine):
     params = {"temperature": 0.9, "top_p": 0.9, "top_k": 50, "max_new_tokens": 12, "sampling_seed": 11}
     assert tokens(generate(engine.url, PROMPTS[0], params)) == tokens(generate(engine.url, PROMPTS[0], params))
     body = {"input_ids": PROMPTS[:2], "sampling_params": GREEDY | {"max_new_tokens": 5}}
-    batch = httpx.post(engine.url + "/generate", json=body, timeout=30).json()
+    batch = httpx.post(engine.url + "/generate", json=body, timeout=30, headers=AUTH).json()
     assert isinstance(batch, list) and [tokens(r) for r in batch] == [
         tokens(generate(engine.url, p, GREEDY | {"max_new_tokens": 5})) for p in PROMPTS[:2]]
     assert batch[0]["meta_info"]["weight_version"] == "v0"
@@ -159,7 +167,7 @@ def test_stop_token_ids_and_stop_strings(engine):
 
 def test_abort_request_returns_partial_output(engine):
     async def abort_one():
-        async with EngineClient(engine.url) as client:
+        async with EngineClient(engine.url, api_key=KEY) as client:
             victim = asyncio.create_task(client.generate(PROMPTS[0], {"max_new_tokens": 400, "ignore_eos": True},
                                                          rid="victim"))
             await asyncio.to_thread(wait_running, engine.url)
@@ -173,7 +181,7 @@ def test_abort_request_returns_partial_output(engine):
 
 def test_pause_and_continue(engine):
     async def paused_request():
-        async with httpx.AsyncClient(base_url=engine.url, timeout=30) as http:
+        async with httpx.AsyncClient(base_url=engine.url, timeout=30, headers=AUTH) as http:
             assert (await http.post("/pause_generation")).status_code == 200
             task = asyncio.create_task(http.post("/generate", json={"input_ids": PROMPTS[0],
                                                                     "sampling_params": {"max_new_tokens": 3}}))
@@ -184,7 +192,7 @@ def test_pause_and_continue(engine):
 
     assert paused_request_done(run(paused_request()))
     assert httpx.get(engine.url + "/health_generate", timeout=30).status_code == 200
-    assert httpx.post(engine.url + "/flush_cache").status_code == 200
+    assert httpx.post(engine.url + "/flush_cache", headers=AUTH).status_code == 200
 
 
 def paused_request_done(response: dict) -> bool:
@@ -206,17 +214,17 @@ def paused_request_done(response: dict) -> bool:
     ({"input_ids": [[1, 2], [1, True]]}, "input_ids[1] must hold integer token ids"),
 ])
 def test_bad_generate_requests_answer_400_with_the_fix(engine, body, words):
-    response = httpx.post(engine.url + "/generate", json=body)
+    response = httpx.post(engine.url + "/generate", json=body, headers=AUTH)
     assert response.status_code == 400
     assert words in response.json()["error"]["message"]
 
 
-def test_weight_updates_change_version_and_outputs_and_abort_in_flight(engine_b, reference, tmp_path):
+def test_weight_updates_change_version_and_outputs_and_abort_in_flight(engine_b, reference, weights_dir):
     before = tokens(generate(engine_b.url, PROMPTS[0], GREEDY | {"max_new_tokens": 16}))
     shifted = {"lm_head.weight": reference.lm_head.weight.detach() + 0.5 * torch.randn_like(reference.lm_head.weight)}
 
     async def update_during_a_request():
-        async with EngineClient(engine_b.url) as client:
+        async with EngineClient(engine_b.url, api_key=KEY) as client:
             long = asyncio.create_task(client.generate(PROMPTS[1], {"max_new_tokens": 400, "ignore_eos": True}))
             await asyncio.to_thread(wait_running, engine_b.url)
             await client.update_weights_from_tensor(shifted, weight_version="v1")
@@ -230,17 +238,17 @@ def test_weight_updates_change_version_and_outputs_and_abort_in_flight(engine_b,
     after = generate(engine_b.url, PROMPTS[0], GREEDY | {"max_new_tokens": 16})
     assert tokens(after) != before and after["meta_info"]["weight_version"] == "v1"
 
-    other = build_tiny_model(tmp_path / "seed2", TinyModelSpec(seed=2))
-    run(EngineClient(engine_b.url).update_weights_from_disk(str(other), "v2"))
+    other = build_tiny_model(weights_dir / "seed2", TinyModelSpec(seed=2))
+    run(EngineClient(engine_b.url, api_key=KEY).update_weights_from_disk(str(other), "v2"))
     expected = AutoModelForCausalLM.from_pretrained(other).generate(
         torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=16)[0, len(PROMPTS[0]):]
     from_disk = generate(engine_b.url, PROMPTS[0], GREEDY | {"max_new_tokens": 16})
     assert tokens(from_disk) == expected.tolist() and from_disk["meta_info"]["weight_version"] == "v2"
-    assert httpx.get(engine_b.url + "/get_model_info").json()["model_path"] == str(other)
+    assert httpx.get(engine_b.url + "/get_model_info", headers=AUTH).json()["model_path"] == str(other)
 
 
-def test_bad_weight_updates_answer_400_and_change_nothing(engine_b):
-    client = EngineClient(engine_b.url)
+def test_bad_weight_updates_answer_400_and_change_nothing(engine_b, weights_dir):
+    client = EngineClient(engine_b.url, api_key=KEY)
     version = run(client.weight_version())
     with pytest.raises(EngineRequestError, match="does not have, e.g. \\['lm_head.weights'\\]") as err:
         run(client.update_weights_from_tensor({"lm_head.weights": torch.zeros(3)}, "bad"))
@@ -248,18 +256,19 @@ def test_bad_weight_updates_answer_400_and_change_nothing(engine_b):
     with pytest.raises(EngineRequestError, match="wrong shape .*lm_head.weight: got \\(3,\\)"):
         run(client.update_weights_from_tensor({"lm_head.weight": torch.zeros(3)}, "bad"))
     with pytest.raises(EngineRequestError, match="not a directory with \\*.safetensors"):
-        run(client.update_weights_from_disk("/nonexistent/model", "bad"))
+        run(client.update_weights_from_disk(str(weights_dir / "nonexistent"), "bad"))
     assert run(client.weight_version()) == version
 
 
 def test_router_spreads_requests_over_both_engines(engine, engine_b):
     def received() -> list[int]:
-        return [httpx.get(e.url + "/get_model_info").json()["requests_received"] for e in (engine, engine_b)]
+        return [httpx.get(e.url + "/get_model_info", headers=AUTH).json()["requests_received"]
+                for e in (engine, engine_b)]
 
     before = received()
-    with start_router([engine.url, engine_b.url]) as router:
+    with start_router([engine.url, engine_b.url], api_key=KEY) as router:
         async def through_router():
-            async with EngineClient(router.url) as client:
+            async with EngineClient(router.url, api_key=KEY) as client:
                 return await asyncio.gather(*(client.generate(PROMPTS[i % 3], {"max_new_tokens": 4})
                                               for i in range(8)))
 
@@ -368,14 +377,14 @@ def test_an_in_process_engine_answers_as_the_process_does_and_stops_with_its_thr
     try:
         assert "engine-scheduler" in {t.name for t in threading.enumerate()}
         params = {"temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 7, "ignore_eos": True}
-        here, there = (generate(url, PROMPTS[2], params, return_logprob=True)
-                       for url in (engines.rollout_url, engine.url))
+        here, there = (generate(url, PROMPTS[2], params, key, return_logprob=True)
+                       for url, key in ((engines.rollout_url, engines.api_key), (engine.url, KEY)))
         assert tokens(here) == tokens(there)
         logprobs = [[lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] for out in (here, there)]
         assert logprobs[0] == pytest.approx(logprobs[1], abs=1e-5)
         zeros = {"lm_head.weight": torch.zeros_like(reference.lm_head.weight)}
-        run(EngineClient(engines.rollout_url).update_weights_from_tensor(zeros, weight_version="w1"))
-        assert generate(engines.rollout_url, PROMPTS[0], GREEDY)["meta_info"]["weight_version"] == "w1"
+        run(EngineClient(engines.rollout_url, api_key=engines.api_key).update_weights_from_tensor(zeros, "w1"))
+        assert generate(engines.rollout_url, PROMPTS[0], GREEDY, engines.api_key)["meta_info"]["weight_version"] == "w1"
     finally:
         engines.stop()
     assert not [t.name for t in threading.enumerate() if t.name.startswith("engine-")]  # server and scheduler

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from slimeflow.io import checkpoints
 from slimeflow.io.storage import join, local_path
@@ -14,15 +15,19 @@ from slimeflow.manifest import Manifest
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.evaluate.config import EvaluateConfig
 
+if TYPE_CHECKING:
+    from slimeflow.stages.rl.engine.client import EngineClient
+
 
 def run(config: EvaluateConfig, ctx: StageContext) -> Manifest:
     """Evaluate; the manifest's metrics hold eval/<set>/avg_at_<n> and eval/<set>/pass_at_<k> for every set."""
+    from slimeflow.stages.rl.engine.client import EngineClient
     from slimeflow.stages.rl.engine.launch import start_engine
 
     sets = _eval_sets(config, ctx)
     model_dir, source = _model_dir(config, ctx)
     with start_engine(str(model_dir)) as engine:
-        metrics = asyncio.run(_evaluate(config, str(model_dir), engine.url, sets))
+        metrics = asyncio.run(_evaluate(config, str(model_dir), EngineClient(engine.url, api_key=engine.api_key), sets))
     results = join(ctx.output, "evaluate", "results.json")
     ctx.storage.write_text(results, json.dumps({"checkpoint": source, "metrics": metrics}, indent=2))
     return Manifest(stage="evaluate", outputs={"results": results, "checkpoint": source},
@@ -30,11 +35,10 @@ def run(config: EvaluateConfig, ctx: StageContext) -> Manifest:
                     metrics=metrics, config=config.model_dump(mode="json"))
 
 
-async def _evaluate(config: EvaluateConfig, model_dir: str, url: str, sets: dict) -> dict[str, float]:
+async def _evaluate(config: EvaluateConfig, model_dir: str, client: EngineClient, sets: dict) -> dict[str, float]:
     from transformers import AutoTokenizer
 
     from slimeflow.stages.rl.config import TrainConfig
-    from slimeflow.stages.rl.engine.client import EngineClient
     from slimeflow.stages.rl.evaluation import EvalSettings, evaluate_sets
     from slimeflow.stages.rl.rewards import RewardScorer
     from slimeflow.stages.rl.rollout import RolloutContext, sampling_params
@@ -49,7 +53,7 @@ async def _evaluate(config: EvaluateConfig, model_dir: str, url: str, sets: dict
                              top_k=config.eval_top_k)
     scorer = RewardScorer(train.reward)
     try:
-        ctx = RolloutContext(train, AutoTokenizer.from_pretrained(model_dir), EngineClient(url), scorer)
+        ctx = RolloutContext(train, AutoTokenizer.from_pretrained(model_dir), client, scorer)
         return await evaluate_sets(ctx, sets, EvalSettings(config.n_samples_per_eval_prompt, params))
     finally:
         scorer.close()

@@ -6,6 +6,9 @@ Rollouts go to one URL (the router's, or the only engine's). Weights go from the
 tensors over HTTP (`/update_weights_from_tensor`); external SGLang servers load an HF directory written to
 `--sglang-weights-dir` (a path every server can read) through `/update_weights_from_disk`. HTTP clients are kept for
 the life of the run (a new one per call cost a TLS context and a TCP connection every rollout).
+
+Every client carries the run's API key: a new one for the embedded engines (and the router) of each run, or
+`--sglang-api-key` for external SGLang servers and router started with `--api-key`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class WeightTargets:
     worker_urls: tuple[str, ...]
     hf_checkpoint: str
     weights_dir: str | None = None
+    api_key: str | None = field(default=None, repr=False)
 
 
 class WeightSync:
@@ -36,7 +40,7 @@ class WeightSync:
 
     def __init__(self, targets: WeightTargets):
         self.targets = targets
-        self.clients = [EngineClient(url) for url in targets.worker_urls]
+        self.clients = [EngineClient(url, api_key=targets.api_key) for url in targets.worker_urls]
 
     async def push(self, named_tensors: Mapping[str, Any], version: str) -> str:
         """Every engine serves `version` afterwards; raises naming the engine that did not take it."""
@@ -78,6 +82,7 @@ class EngineSet:
     hf_checkpoint: str
     weights_dir: str | None = None
     processes: list[Any] = field(default_factory=list)
+    api_key: str | None = field(default=None, repr=False)
     _client: RoutedClient | None = field(default=None, init=False, repr=False)
 
     @classmethod
@@ -100,13 +105,14 @@ class EngineSet:
             if not weights_dir:
                 raise ValueError("--sglang-worker-urls needs --sglang-weights-dir DIR: a directory every SGLang "
                                  "server can read, where the trainer writes the weights it pushes")
+            key = sglang_args.get("api_key")
             return EngineLaunch(hf_checkpoint, external=cls(urls, _router_url(sglang_args) or urls[0], hf_checkpoint,
-                                                            str(weights_dir)))
-        from slimeflow.stages.rl.engine.launch import launch_engine, launch_engine_thread
+                                                            str(weights_dir), api_key=str(key) if key else None))
+        from slimeflow.stages.rl.engine.launch import launch_engine, launch_engine_thread, new_api_key
 
-        options = {"num_threads": threads} if threads else {}
+        launching = EngineLaunch(hf_checkpoint, api_key=new_api_key())
+        options: dict[str, Any] = {"api_key": launching.api_key, **({"num_threads": threads} if threads else {})}
         start = launch_engine_thread if in_process and num_engines == 1 else launch_engine
-        launching = EngineLaunch(hf_checkpoint)
         try:
             for _ in range(num_engines):
                 launching.processes.append(start(hf_checkpoint, **options))
@@ -124,16 +130,17 @@ class EngineSet:
     async def check_health(self) -> None:
         """Every engine and the rollout URL answer /health (EngineUnavailableError names the one that does not)."""
         urls = dict.fromkeys([*self.worker_urls, self.rollout_url])
-        await asyncio.gather(*(EngineClient(url, retries=2).health() for url in urls))
+        await asyncio.gather(*(EngineClient(url, api_key=self.api_key, retries=2).health() for url in urls))
 
     def client(self) -> RoutedClient:
         """The rollout's client (the same one every call, so its connections are reused)."""
         if self._client is None:
-            self._client = RoutedClient(EngineClient(self.rollout_url), [EngineClient(url) for url in self.worker_urls])
+            self._client = RoutedClient(EngineClient(self.rollout_url, api_key=self.api_key),
+                                        [EngineClient(url, api_key=self.api_key) for url in self.worker_urls])
         return self._client
 
     def weight_targets(self) -> WeightTargets:
-        return WeightTargets(tuple(self.worker_urls), self.hf_checkpoint, self.weights_dir)
+        return WeightTargets(tuple(self.worker_urls), self.hf_checkpoint, self.weights_dir, self.api_key)
 
     async def aclose(self) -> None:
         """Close the rollout client's connections (on the event loop they were opened on)."""
@@ -150,8 +157,9 @@ class EngineLaunch:
     """Engines on their way up (EngineSet.launch): the embedded engines' `processes`, starting, or the `external`
     servers' EngineSet. `ready()` waits for them, `cancel()` stops what was started."""
 
-    def __init__(self, hf_checkpoint: str, external: EngineSet | None = None):
-        self.hf_checkpoint, self.external = hf_checkpoint, external
+    def __init__(self, hf_checkpoint: str, external: EngineSet | None = None, api_key: str | None = None):
+        """`api_key`: the one the embedded engines are launched with (an external EngineSet holds its own)."""
+        self.hf_checkpoint, self.external, self.api_key = hf_checkpoint, external, api_key
         self.processes: list[Any] = []
 
     def ready(self) -> EngineSet:
@@ -167,11 +175,12 @@ class EngineLaunch:
                 process.wait_ready("/health", ENGINE_READY_TIMEOUT_S)
             urls = [p.url for p in self.processes]
             if len(urls) > 1:
-                self.processes.append(start_router(urls))
+                self.processes.append(start_router(urls, api_key=self.api_key))
         except BaseException:
             self.cancel()
             raise
-        return EngineSet(urls, self.processes[-1].url, self.hf_checkpoint, None, self.processes)
+        return EngineSet(urls, self.processes[-1].url, self.hf_checkpoint, processes=self.processes,
+                         api_key=self.api_key)
 
     def cancel(self) -> None:
         for process in reversed(self.processes):
@@ -215,8 +224,8 @@ class Coalescer:
     """Sends the `generate_batch` calls made in one turn of the event loop as one batched /generate, and hands each
     caller its own slice of the answer (a rollout's groups start together: 16 requests of 16 samples became one of
     256, one prefill in the engine instead of a merge per request). Only calls with the same return_logprob are
-    merged. When the engine rejects a merged request (400: a bad prompt, say), each part is sent again on its own,
-    so that only the bad one fails, as it would have alone."""
+    merged. When the engine rejects a merged request (400: a bad prompt, say; 413: too large a body), each part is
+    sent again on its own, so that only the bad one fails, as it would have alone."""
 
     def __init__(self, client: EngineClient):
         self.client = client
@@ -242,7 +251,7 @@ class Coalescer:
         try:
             outs = await self._request(parts, return_logprob)
         except EngineRequestError as err:
-            if len(parts) == 1 or err.status != 400:
+            if len(parts) == 1 or err.status not in (400, 413):  # a bad prompt, or too much in one request
                 _fail(parts, err)
                 return
             await asyncio.gather(*(self._send_alone(part, return_logprob) for part in parts))

@@ -12,11 +12,13 @@ each merged into the batch with a copy of its cache. So waiting requests are adm
 or the oldest has waited `admission_window_s` (TGI's max-waiting-tokens plays the same part); the running
 batch keeps decoding meanwhile, and no request waits longer than the window for a free slot. Prompts that come
 in one batched /generate (`submit_batch`) are all there at once: nothing is waited for when they are the newest.
+
+Each call's requests wait in a lane of their own and are admitted round-robin between calls (lanes.py), so one
+huge call does not hold back the calls after it; health probes (`probe`) need no slot and start at the next turn.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import random
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 from slimeflow.stages.rl.engine import kv_batch
+from slimeflow.stages.rl.engine.lanes import Lanes
 from slimeflow.stages.rl.engine.native import select_forward
 from slimeflow.stages.rl.engine.sampling import SamplingParams, sample_rows
 from slimeflow.stages.rl.engine.weights import LoadedModel, apply_update, check_update
@@ -139,7 +142,8 @@ class Batcher:
         self._weight_version = weight_version
         self._seeds = random.Random(seed)  # seeds requests that give no sampling_seed
         self._inbox: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
-        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._waiting: Lanes[_Sequence] = Lanes()
+        self._probes: list[_Sequence] = []  # one-token requests: finished at their first token, they need no slot
         self._running: list[_Sequence] = []
         self._kv: kv_batch.KVBatch | None = None
         self._paused = False
@@ -161,7 +165,7 @@ class Batcher:
         """Stop the scheduler thread; requests not finished are failed with RuntimeError."""
         self._stopping.set()
         self._thread.join(timeout_s)
-        for seq in [*self._running, *self._waiting]:
+        for seq in [*self._running, *self._waiting, *self._probes]:
             if not seq.future.done():
                 seq.future.set_exception(RuntimeError("the engine stopped before the request finished"))
 
@@ -181,7 +185,7 @@ class Batcher:
         arrived = time.monotonic()
 
         def enqueue() -> None:
-            self._waiting.append(self._sequence(request, result, arrived))
+            self._waiting.add([self._sequence(request, result, arrived)])
 
         self._call(enqueue).add_done_callback(lambda f: f.exception() and result.set_exception(f.exception()))
         return result
@@ -198,12 +202,23 @@ class Batcher:
         arrived = time.monotonic()
 
         def enqueue() -> None:
-            for position, request in enumerate(requests):
-                self._waiting.append(self._sequence(request, _BatchMember(batch, position), arrived,
-                                                    ends_batch=position == len(requests) - 1))
+            self._waiting.add([self._sequence(request, _BatchMember(batch, position), arrived,
+                                              ends_batch=position == len(requests) - 1)
+                               for position, request in enumerate(requests)])
 
         self._call(enqueue).add_done_callback(lambda f: f.exception() and batch.fail(f.exception()))
         return batch.future
+
+    def probe(self, request: GenerateRequest) -> Future:
+        """Generate one token for `request` ahead of every waiting request, without a batch slot (a liveness
+        check: it answers at the next scheduler turn, however many requests wait); resolves to its result."""
+        if request.params.max_new_tokens != 1:
+            raise ValueError(f"a probe generates exactly one token, not max_new_tokens={request.params.max_new_tokens}")
+        result: Future = Future()
+        arrived = time.monotonic()
+        self._call(lambda: self._probes.append(self._sequence(request, result, arrived))).add_done_callback(
+            lambda f: f.exception() and result.set_exception(f.exception()))
+        return result
 
     def _sequence(self, request: GenerateRequest, future: Future | _BatchMember, arrived: float,
                   ends_batch: bool = False) -> _Sequence:
@@ -266,15 +281,16 @@ class Batcher:
         while only held requests wait, else a short wait (so that stop() is noticed without a wake-up)."""
         if self._running and not self._paused:
             return 0.0
-        if self._waiting and not self._paused:
+        if (self._waiting or self._probes) and not self._paused:
             return max(0.0, self._admission_due() - time.monotonic())
         return 0.2
 
     def _admission_due(self) -> float:
         """When the waiting requests must be admitted (now if they fill the batch's free slots)."""
-        if len(self._waiting) >= self._max_batch_size - len(self._running) or self._waiting[-1].ends_batch:
+        if (self._probes or len(self._waiting) >= self._max_batch_size - len(self._running)
+                or self._waiting.newest_ends_batch()):
             return 0.0
-        return self._waiting[0].arrived + self._admission_window_s
+        return self._waiting.oldest_arrival() + self._admission_window_s
 
     def _run_commands(self, wait_s: float) -> None:
         try:
@@ -294,10 +310,10 @@ class Batcher:
 
     def _admit(self) -> None:
         room = self._max_batch_size - len(self._running)
-        if not self._waiting or room == 0 or time.monotonic() < self._admission_due():
+        if not ((self._waiting and room) or self._probes) or time.monotonic() < self._admission_due():
             return
         self.admission_rounds += 1
-        newcomers = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+        newcomers, self._probes = [*self._probes, *self._waiting.take(room)], []
         for seq in [s for s in newcomers if s.request.params.max_new_tokens == 0]:
             self._finish(seq, {"type": "length", "length": 0})
         newcomers = [s for s in newcomers if s.finish is None]
@@ -374,7 +390,7 @@ class Batcher:
         victims = [s for s in [*self._running, *self._waiting] if hit(s)]
         for seq in victims:
             self._finish(seq, {"type": "abort", "message": "aborted by abort_request or a weight update"})
-        self._waiting = collections.deque(s for s in self._waiting if s.finish is None)
+        self._waiting.remove(lambda s: s.finish is not None)
         self._retire()
         return len(victims)
 

@@ -4,7 +4,8 @@ Only SGLang endpoints are used, with one exception: `update_weights_from_tensor`
 HF-named tensors, which only the embedded engine reads (SGLang's endpoint takes pickled
 `serialized_named_tensors`; against SGLang, use update_weights_from_disk or the NCCL path instead).
 
-Every call has a timeout. Connection failures (the request never reached a server) and 502/503 answers (a
+With `api_key`, every request carries `Authorization: Bearer <key>`, as SGLang servers and sglang-router started
+with `--api-key` (and the embedded engine started with one) require. Every call has a timeout. Connection failures (the request never reached a server) and 502/503 answers (a
 router with no healthy worker) are retried `retries` times with backoff, then raise EngineUnavailableError.
 """
 
@@ -39,9 +40,10 @@ _RETRY_STATUSES = (502, 503)
 class EngineClient:
     """Calls one engine or router at `url` (e.g. http://127.0.0.1:30000); use as `async with` or call aclose()."""
 
-    def __init__(self, url: str, *, timeout_s: float = 600.0, retries: int = 3, connect_timeout_s: float = 5.0,
-                 backoff_s: float = 0.5) -> None:
+    def __init__(self, url: str, *, api_key: str | None = None, timeout_s: float = 600.0, retries: int = 3,
+                 connect_timeout_s: float = 5.0, backoff_s: float = 0.5) -> None:
         self.url = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
         self.retries = retries
         self.backoff_s = backoff_s
@@ -130,7 +132,7 @@ class EngineClient:
             # Certificates matter to https URLs only: for http:// the client skips loading the CA bundle, which
             # took 20-50 ms of every new client (one per health probe, per event loop, per benchmark run).
             self._client = httpx.AsyncClient(timeout=self.timeout, limits=httpx.Limits(max_connections=None),
-                                             verify=self.url.startswith("https://"))
+                                             verify=self.url.startswith("https://"), headers=self._headers)
             self._loop = loop
         return self._client
 

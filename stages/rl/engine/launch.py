@@ -3,11 +3,16 @@
 Every process is stopped by `.stop()`, by leaving its `with` block, when its handle is garbage-collected, or
 at interpreter exit (a `weakref.finalize` each). Engines are also given `--parent-pid`, so an engine whose
 launcher was killed outright shuts itself down.
+
+Every engine serves behind an API key (`.api_key` of its handle; one is made when none is given): its callers
+send it as `Authorization: Bearer <key>`. Keys reach the processes through their environment, never their
+command line, which any local user can read.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -19,11 +24,22 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from slimeflow.stages.rl.engine.guard import API_KEY_ENV
+
 if TYPE_CHECKING:
     from slimeflow.stages.rl.engine.server import EngineThread
 
 ENGINE_MODULE = "slimeflow.stages.rl.engine.server"
 _LOG_TAIL_CHARS = 4000
+# The router's key variable, read by a launcher that appends it to sglang-router's own arguments.
+_ROUTER_API_KEY_ENV = "SLIMEFLOW_ROUTER_API_KEY"
+_ROUTER_WITH_KEY = (f"import os, sys; sys.argv += ['--api-key', os.environ.pop('{_ROUTER_API_KEY_ENV}')]; "
+                    "from sglang_router.launch_router import main; main()")
+
+
+def new_api_key() -> str:
+    """A fresh per-run key for the engines, the router and their callers."""
+    return secrets.token_urlsafe(32)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -50,13 +66,17 @@ class _ManagedProcess:
 
     kind = "process"
 
-    def __init__(self, command: list[str], url: str) -> None:
+    def __init__(self, command: list[str], url: str, api_key: str | None = None,
+                 key_env: str = API_KEY_ENV) -> None:
+        """`api_key`: handed to the process as `$key_env`; wait_ready sends it too."""
         self.url = url
         self.command = command
+        self.api_key = api_key
         self._log = tempfile.NamedTemporaryFile(prefix=f"slimeflow-{self.kind}-", suffix=".log", delete=False)
         self.log_path = Path(self._log.name)
+        env = {**os.environ, key_env: api_key} if api_key else None
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL)
+                                        stdin=subprocess.DEVNULL, env=env)
         self._finalizer = weakref.finalize(self, _terminate, self.process, self._log)
 
     def log_tail(self, chars: int = _LOG_TAIL_CHARS) -> str:
@@ -73,7 +93,8 @@ class _ManagedProcess:
         taken from the imports of the process being waited for).
         """
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0, verify=self.url.startswith("https://")) as client:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        with httpx.Client(timeout=2.0, verify=self.url.startswith("https://"), headers=headers) as client:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
                     self.stop()
@@ -126,7 +147,8 @@ def start_engine(model_path: str | Path, *, port: int | None = None, host: str =
     """Start `python -m slimeflow.stages.rl.engine.server` on `model_path` and wait until /health answers.
 
     `options` are the server's flags in Python spelling (max_batch_size=8, dtype="bfloat16", num_threads=1,
-    weight_version="v0", seed=0). Raises RuntimeError (the server died) or TimeoutError, with its log tail.
+    weight_version="v0", seed=0, weights_dir=DIR, api_key=KEY: a new key when not given, `.api_key`).
+    Raises RuntimeError (the server died) or TimeoutError, with its log tail.
     """
     engine = launch_engine(model_path, port=port, host=host, **options)
     engine.wait_ready("/health", timeout_s)
@@ -134,22 +156,22 @@ def start_engine(model_path: str | Path, *, port: int | None = None, host: str =
 
 
 def launch_engine(model_path: str | Path, *, port: int | None = None, host: str = "127.0.0.1",
-                  **options: Any) -> EngineProcess:
+                  api_key: str | None = None, **options: Any) -> EngineProcess:
     """start_engine without the wait: the process is starting when this returns; `wait_ready("/health", ...)`
     before sending it work (its start-up, seconds of imports and loading, can overlap the caller's)."""
     port = port or free_port(host)
     command = [sys.executable, "-m", ENGINE_MODULE, *_engine_flags(model_path, host, port, options),
                "--parent-pid", str(os.getpid())]
-    return EngineProcess(command, f"http://{host}:{port}")
+    return EngineProcess(command, f"http://{host}:{port}", api_key or new_api_key())
 
 
 def launch_engine_thread(model_path: str | Path, *, port: int | None = None, host: str = "127.0.0.1",
-                         **options: Any) -> EngineThread:
+                         api_key: str | None = None, **options: Any) -> EngineThread:
     """launch_engine's in-process twin: the engine serves from a thread of this process (server.EngineThread),
-    loading while this returns; same flags, same `url`, `wait_ready` and `stop`."""
+    loading while this returns; same flags, same `url`, `api_key`, `wait_ready` and `stop`."""
     from slimeflow.stages.rl.engine.server import EngineThread
 
-    return EngineThread(_engine_flags(model_path, host, port or free_port(host), options))
+    return EngineThread(_engine_flags(model_path, host, port or free_port(host), options), api_key or new_api_key())
 
 
 def _engine_flags(model_path: str | Path, host: str, port: int, options: dict[str, Any]) -> list[str]:
@@ -161,14 +183,18 @@ def _engine_flags(model_path: str | Path, host: str, port: int, options: dict[st
 
 
 def start_router(worker_urls: list[str], *, port: int | None = None, host: str = "127.0.0.1",
-                 policy: str = "round_robin", timeout_s: float = 60.0) -> RouterProcess:
-    """Start sglang-router over `worker_urls` and wait until it lists every worker as registered."""
+                 policy: str = "round_robin", timeout_s: float = 60.0, api_key: str | None = None) -> RouterProcess:
+    """Start sglang-router over `worker_urls` and wait until it lists every worker as registered.
+
+    With `api_key` (the workers' key) the router is started with `--api-key`: it then requires the same Bearer key
+    of its own callers (except /health) and sends it to the workers."""
     if not worker_urls:
         raise ValueError("start_router needs at least one worker URL")
     port = port or free_port(host)
-    command = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls,
+    launcher = ["-c", _ROUTER_WITH_KEY] if api_key else ["-m", "sglang_router.launch_router"]
+    command = [sys.executable, *launcher, "--worker-urls", *worker_urls,
                "--host", host, "--port", str(port), "--policy", policy, "--log-level", "warn"]
-    router = RouterProcess(command, f"http://{host}:{port}")
+    router = RouterProcess(command, f"http://{host}:{port}", api_key, key_env=_ROUTER_API_KEY_ENV)
     router.wait_ready("/workers", timeout_s, ready=lambda r: _router_has(r, worker_urls))
     return router
 

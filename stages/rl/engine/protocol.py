@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
 from slimeflow.stages.rl.engine.batcher import GenerateRequest, GenerateResult
 from slimeflow.stages.rl.engine.sampling import BadRequestError, SamplingParams, parse_sampling_params
+
+if TYPE_CHECKING:
+    from slimeflow.stages.rl.engine.weights import LoadedModel
 
 # Top-level /generate fields SGLang accepts (sglang-router fills them all in) that change nothing here at these
 # values; any other value asks for a feature this engine lacks, so it is refused rather than ignored.
@@ -19,10 +23,37 @@ _NEUTRAL_FIELDS = {"stream": False, "return_text_in_logprobs": False, "top_logpr
 # Fields that only steer logging, routing or input logprobs (not returned here): any value is fine.
 _INFORMATIONAL_FIELDS = {"model", "log_metrics", "no_logs", "logprob_start_len"}
 _FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "rid"}
+# No token of a vocabulary is this many times longer than its vocabulary entry: a margin for normalisers (NFC
+# composes two or three characters into one) in the bound on a text's length below.
+_NORMALISER_MARGIN = 4
 
 
-def parse_generate(body: Any, *, tokenizer: PreTrainedTokenizerBase, max_positions: int,
-                   vocab_size: int) -> tuple[list[GenerateRequest], bool]:
+@dataclass(frozen=True)
+class PromptLimits:
+    """What a /generate may hold: at most `max_prompts` prompts (--max-queued-requests); token ids below
+    `vocab_size`; fewer than `max_positions` tokens per prompt, completion included (--context-length); and, for
+    text, at most `max_text_chars` characters, past which it cannot tokenise into fewer than `max_positions` tokens
+    (so it is refused without tokenising)."""
+
+    max_positions: int
+    vocab_size: int
+    max_text_chars: int
+    max_prompts: int
+
+    @classmethod
+    def of(cls, loaded: LoadedModel, *, context_length: int | None, max_prompts: int) -> PromptLimits:
+        """Raises ValueError when `context_length` (None: the model's) is beyond the model's positions."""
+        positions = context_length or loaded.max_positions
+        if not 0 < positions <= loaded.max_positions:
+            raise ValueError(f"--context-length {positions} is not in [1, {loaded.max_positions}] (the model's "
+                             "max_position_embeddings): the model attends to no position past that")
+        longest = max((len(token) for token in loaded.tokenizer.get_vocab()), default=1)
+        return cls(positions, int(loaded.model.config.vocab_size), _NORMALISER_MARGIN * longest * positions,
+                   max_prompts)
+
+
+def parse_generate(body: Any, *, tokenizer: PreTrainedTokenizerBase,
+                   limits: PromptLimits) -> tuple[list[GenerateRequest], bool]:
     """The requests of a /generate body and whether it was a batch (input_ids a list of lists, or text a list).
 
     Raises BadRequestError naming the field and how to fix it.
@@ -30,7 +61,11 @@ def parse_generate(body: Any, *, tokenizer: PreTrainedTokenizerBase, max_positio
     if not isinstance(body, dict):
         raise BadRequestError("the /generate body must be a JSON object with input_ids or text")
     _check_fields(body)
-    prompts, is_batch = _prompts(body, tokenizer, vocab_size)
+    max_positions, vocab_size = limits.max_positions, limits.vocab_size
+    prompts, is_batch = _prompts(body, tokenizer, limits)
+    if len(prompts) > limits.max_prompts:
+        raise BadRequestError(f"a /generate of {len(prompts)} prompts is more than the engine queues "
+                              f"(--max-queued-requests {limits.max_prompts}); send fewer per request or raise it")
     params = _per_item(body.get("sampling_params"), len(prompts), "sampling_params", dict)
     rids = _per_item(body.get("rid"), len(prompts), "rid", str)
     if is_batch and isinstance(body.get("rid"), str):
@@ -41,8 +76,8 @@ def parse_generate(body: Any, *, tokenizer: PreTrainedTokenizerBase, max_positio
         room = max_positions - len(prompt)
         if room <= 0:
             raise BadRequestError(
-                f"the prompt has {len(prompt)} tokens, at or beyond the model's max_position_embeddings "
-                f"({max_positions}); shorten it"
+                f"the prompt has {len(prompt)} tokens, at or beyond the engine's context length ({max_positions}: "
+                "--context-length, at most the model's max_position_embeddings); shorten it"
             )
         requests.append(GenerateRequest(rid=rid or uuid.uuid4().hex, input_ids=prompt,
                                         params=_sampling(raw, room, vocab_size, parsed)))
@@ -74,14 +109,20 @@ def _check_fields(body: dict) -> None:
                                   f"engine; omit it or set it to {neutral!r}")
 
 
-def _prompts(body: dict, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> tuple[list[list[int]], bool]:
-    ids, text = body.get("input_ids"), body.get("text")
+def _prompts(body: dict, tokenizer: PreTrainedTokenizerBase, limits: PromptLimits) -> tuple[list[list[int]], bool]:
+    ids, text, vocab_size = body.get("input_ids"), body.get("text"), limits.vocab_size
     if (ids is None) == (text is None):
         raise BadRequestError("/generate needs exactly one of input_ids (token ids) or text")
     if text is not None:
         texts = text if isinstance(text, list) else [text]
         if not texts or not all(isinstance(t, str) and t for t in texts):
             raise BadRequestError("/generate text must be a non-empty string or a non-empty list of them")
+        longest = max(len(t) for t in texts)
+        if longest > limits.max_text_chars:
+            raise BadRequestError(
+                f"a /generate text has {longest} characters: more than {limits.max_text_chars}, so more tokens than "
+                f"the engine's context length ({limits.max_positions}, --context-length); shorten it"
+            )
         return [tokenizer(t).input_ids for t in texts], isinstance(text, list)
     is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
     prompts = ids if is_batch else [ids]

@@ -90,7 +90,8 @@ def _check_limits(params: SamplingParams, room: int) -> None:
     if params.max_new_tokens > room:
         raise BadRequestError(
             f"sampling_params.max_new_tokens={params.max_new_tokens} does not fit: the prompt leaves room for "
-            f"{room} tokens within the model's max_position_embeddings; lower max_new_tokens or shorten the prompt"
+            f"{room} tokens within the engine's context length (--context-length, at most the model's "
+            "max_position_embeddings); lower max_new_tokens or shorten the prompt"
         )
 
 

@@ -6,6 +6,9 @@ is the safetensors serialisation of HF-named tensors (a full or partial state di
 parameter), where SGLang takes pickled `serialized_named_tensors` that only a process on the same GPU node can
 read. Bad requests answer 400 with {"error": {"message"}, "message", "success": false}, never a stack trace.
 
+Callers need the `--api-key` (guard.py: SGLang's Bearer scheme, every path but /health*); disk updates load only
+from inside `--weights-dir`; request bodies are capped, and weight updates with NaN/Inf values are refused.
+
     python -m slimeflow.stages.rl.engine.server --model-path DIR [--host 127.0.0.1] [--port P] ...
 """
 
@@ -13,13 +16,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import logging
 import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import orjson
 import torch
@@ -30,12 +35,29 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from slimeflow.stages.rl.engine.batcher import ADMISSION_WINDOW_S, Batcher, GenerateRequest
-from slimeflow.stages.rl.engine.protocol import parse_generate, to_response
+from slimeflow.stages.rl.engine.guard import API_KEY_ENV, BodyTooLargeError, Guard
+from slimeflow.stages.rl.engine.protocol import PromptLimits, parse_generate, to_response
 from slimeflow.stages.rl.engine.sampling import BadRequestError, SamplingParams
-from slimeflow.stages.rl.engine.weights import LoadedModel, load_model, read_checkpoint
+from slimeflow.stages.rl.engine.weights import (
+    ForbiddenError,
+    LoadedModel,
+    check_finite,
+    load_model,
+    read_checkpoint,
+    update_body_limit,
+)
 
 log = logging.getLogger("slimeflow.engine")
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+DEFAULT_MAX_BODY_MB = 64.0
+DEFAULT_MAX_QUEUED = 16384
+"""Requests waiting at once (each holds its prompt and a generator until it starts); a rollout keeps at most
+--sglang-server-concurrency (512) in flight."""
+"""A /generate of 4096 prompts of 2k token ids is ~50 MB; sglang-router's own cap is 512 MB."""
+
+
+class QueueFullError(Exception):
+    """More requests than --max-queued-requests would wait (answered 503: retry later)."""
 
 
 @dataclass
@@ -47,16 +69,34 @@ class EngineState:
     model_path: str
     dtype: str
     max_batch_size: int
+    limits: PromptLimits
+    weights_dir: str | None = None
+    """The only directory /update_weights_from_disk loads from (None: it loads nothing)."""
     requests_received: int = 0
+    # Tokenising a long `text` takes seconds: done here, never on the event loop that answers /health.
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize"))
+
+    def stop(self) -> None:
+        self.batcher.stop()
+        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+
+# What each refusal answers; the message says what to change.
+_STATUSES: dict[type[Exception], int] = {BadRequestError: 400, ForbiddenError: 403, BodyTooLargeError: 413,
+                                         QueueFullError: 503}
+
+
+async def _answer(status: int, _: Request, err: Exception) -> JSONResponse:
+    return _error(status, str(err))
 
 
 def create_app(state: EngineState) -> FastAPI:
     """The FastAPI app serving `state`; the caller starts and stops `state.batcher`."""
     app = FastAPI(title="slimeflow embedded rollout engine")
 
-    @app.exception_handler(BadRequestError)
-    async def bad_request(_: Request, err: BadRequestError) -> JSONResponse:
-        return _error(400, str(err))
+    for error, status in _STATUSES.items():
+        app.add_exception_handler(error, functools.partial(_answer, status))
 
     @app.exception_handler(Exception)
     async def internal(_: Request, err: Exception) -> JSONResponse:
@@ -66,9 +106,8 @@ def create_app(state: EngineState) -> FastAPI:
     @app.post("/generate")
     async def generate(request: Request):
         body = await _json(request)
-        requests, is_batch = parse_generate(body, tokenizer=state.loaded.tokenizer,
-                                            max_positions=state.loaded.max_positions,
-                                            vocab_size=int(state.loaded.model.config.vocab_size))
+        requests, is_batch = await _parse(state, body)
+        _check_queue(state, len(requests))
         state.requests_received += len(requests)
         pending = state.batcher.submit_batch(requests) if is_batch else state.batcher.submit(requests[0])
         results = await asyncio.wrap_future(pending)
@@ -88,8 +127,7 @@ def create_app(state: EngineState) -> FastAPI:
         probe = GenerateRequest(rid=f"health-{time.monotonic_ns()}", input_ids=[_probe_token(state.loaded)],
                                 params=SamplingParams(temperature=0.0, max_new_tokens=1))
         try:
-            await asyncio.wait_for(asyncio.wrap_future(state.batcher.submit_batch([probe])),
-                                   HEALTH_GENERATE_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.wrap_future(state.batcher.probe(probe)), HEALTH_GENERATE_TIMEOUT_S)
         except TimeoutError:
             return _error(503, f"no token generated within {HEALTH_GENERATE_TIMEOUT_S}s (paused or overloaded?)")
         return PlainTextResponse("")
@@ -129,7 +167,7 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             raise BadRequestError('update_weights_from_disk needs {"model_path": "<HF checkpoint dir>"}')
-        tensors = await asyncio.to_thread(read_checkpoint, path)
+        tensors = await asyncio.to_thread(_read_update, path, state)
         aborted = await asyncio.wrap_future(state.batcher.update_weights(tensors, body.get("weight_version")))
         state.model_path = path
         return {"success": True, "message": f"loaded {len(tensors)} tensors from {path}; aborted {aborted} "
@@ -144,6 +182,7 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
             raise BadRequestError(
                 f"the body is not safetensors bytes ({err}); send safetensors.torch.save(named_tensors)"
             ) from None
+        await asyncio.to_thread(check_finite, tensors, state.batcher.weight_version)
         aborted = await asyncio.wrap_future(state.batcher.update_weights(tensors, weight_version))
         return {"success": True, "message": f"updated {len(tensors)} tensors; aborted {aborted} running requests"}
 
@@ -162,6 +201,28 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
                 "max_batch_size": state.max_batch_size, "dtype": state.dtype,
                 "device": str(state.loaded.device), "admission_rounds": state.batcher.admission_rounds,
                 **state.batcher.load()}
+
+
+def _read_update(path: str, state: EngineState) -> dict[str, torch.Tensor]:
+    tensors = read_checkpoint(path, state.weights_dir)
+    check_finite(tensors, state.batcher.weight_version)
+    return tensors
+
+
+async def _parse(state: EngineState, body: dict) -> tuple[list[GenerateRequest], bool]:
+    """parse_generate; on the tokenizer pool when there is text to tokenise (token ids are checked in place)."""
+    parse = functools.partial(parse_generate, body, tokenizer=state.loaded.tokenizer, limits=state.limits)
+    if body.get("text") is None:
+        return parse()
+    return await asyncio.get_running_loop().run_in_executor(state.tokenizer_pool, parse)
+
+
+def _check_queue(state: EngineState, count: int) -> None:
+    """Refuse (503, which clients retry) `count` more requests when the queue would pass --max-queued-requests."""
+    waiting, limit = state.batcher.load()["waiting"], state.limits.max_prompts
+    if waiting + count > limit:
+        raise QueueFullError(f"the engine's queue is full: {waiting} requests wait and {count} more would pass "
+                             f"--max-queued-requests {limit}; retry later, or raise it")
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -211,6 +272,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--seed", type=int, default=0, help="seeds requests that give no sampling_seed")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    parser.add_argument("--api-key", default=None,
+                        help=f"callers must send 'Authorization: Bearer KEY' on every path but /health* (as SGLang's "
+                             f"--api-key); default: ${API_KEY_ENV}, which keeps the key out of `ps`; none: no check")
+    parser.add_argument("--weights-dir", default=None,
+                        help="the only directory /update_weights_from_disk loads from (default: none, no disk updates)")
+    parser.add_argument("--max-request-body-mb", type=float, default=DEFAULT_MAX_BODY_MB,
+                        help="largest JSON request body (413 above it); /update_weights_from_tensor takes up to the "
+                             "served model's float32 size instead")
+    parser.add_argument("--context-length", type=int, default=None,
+                        help="most tokens per prompt, completion included (default and maximum: the model's "
+                             "max_position_embeddings)")
+    parser.add_argument("--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED,
+                        help="most requests waiting to start: a larger /generate answers 400, one that would "
+                             "overfill the queue 503")
     return parser.parse_args(argv)
 
 
@@ -226,14 +301,23 @@ def build_server(args: argparse.Namespace) -> tuple[EngineState, uvicorn.Server]
     batcher = Batcher(loaded, max_batch_size=args.max_batch_size, weight_version=args.weight_version,
                       seed=args.seed, admission_window_s=args.admission_window_ms / 1000, num_threads=threads)
     state = EngineState(loaded=loaded, batcher=batcher, model_path=args.model_path, dtype=args.dtype,
-                        max_batch_size=args.max_batch_size)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host=args.host, port=args.port,
-                                           log_level="warning", access_log=False))
+                        max_batch_size=args.max_batch_size,
+                        limits=PromptLimits.of(loaded, context_length=args.context_length,
+                                               max_prompts=args.max_queued_requests),
+                        weights_dir=args.weights_dir)
+    if args.api_key is None:
+        log.warning("serving without --api-key: any local process may update this engine's weights")
+    app = Guard(create_app(state), api_key=args.api_key, max_body_bytes=int(args.max_request_body_mb * 2**20),
+                limits={"/update_weights_from_tensor": update_body_limit(loaded.model)})
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           access_log=False))
     return state, server
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.api_key is None:  # popped: the processes this one starts (the C compiler) need not see it
+        args.api_key = os.environ.pop(API_KEY_ENV, None)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state, server = build_server(args)
     # What start-up allocated (modules, model, tokenizer) lives as long as the process: exempt it from garbage
@@ -246,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         server.run()
     finally:
-        state.batcher.stop()
+        state.stop()
     sys.exit(0)
 
 
@@ -259,8 +343,11 @@ class EngineThread:
     What EngineLaunch uses of launch.EngineProcess: `url`, `wait_ready(path, timeout_s)`, `stop()`.
     """
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], api_key: str | None = None) -> None:
         self.args = parse_args(argv)
+        if api_key is not None:
+            self.args.api_key = api_key
+        self.api_key = self.args.api_key
         self.url = f"http://{self.args.host}:{self.args.port}"
         self.state: EngineState | None = None
         self.server: uvicorn.Server | None = None
@@ -282,7 +369,7 @@ class EngineThread:
             log.exception("the in-process engine failed")
         finally:
             if self.state is not None:
-                self.state.batcher.stop()
+                self.state.stop()
 
     def wait_ready(self, path: str = "/health", timeout_s: float = 120.0) -> None:
         """Until the server has started listening (`path` is EngineProcess's probe; in process, the server's own start

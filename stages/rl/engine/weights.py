@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from slimeflow.stages.rl.engine.sampling import BadRequestError
 
 DTYPES = ("float32", "bfloat16")
+
+
+class ForbiddenError(Exception):
+    """A request for what this engine does not allow (answered 403): a disk update from outside --weights-dir."""
 
 
 @dataclass
@@ -63,9 +68,14 @@ def check_update(model_tensors: dict[str, torch.Tensor], update: dict[str, torch
         raise BadRequestError(f"weight update has {len(wrong)} tensors of the wrong shape ({described})")
 
 
-def read_checkpoint(model_path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the safetensors files in an HF directory; BadRequestError when there are none."""
-    directory = Path(model_path)
+def read_checkpoint(model_path: str | Path, weights_dir: str | Path | None) -> dict[str, torch.Tensor]:
+    """All tensors of the safetensors files in an HF directory inside `weights_dir` (symlinks resolved, so every
+    file read lies inside it); ForbiddenError outside it, BadRequestError when it holds none."""
+    if weights_dir is None:
+        raise ForbiddenError("this engine loads no weights from disk: it was started without --weights-dir; start "
+                             "it with --weights-dir DIR (the run's weights directory) and pass a directory inside it")
+    root = os.path.realpath(weights_dir)
+    directory = _inside(root, model_path, "model_path")
     files = sorted(directory.glob("*.safetensors")) if directory.is_dir() else []
     if not files:
         raise BadRequestError(
@@ -74,8 +84,36 @@ def read_checkpoint(model_path: str | Path) -> dict[str, torch.Tensor]:
         )
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
-        tensors.update(load_file(file))
+        tensors.update(load_file(_inside(root, file, "a weights file")))
     return tensors
+
+
+def _inside(root: str, path: str | Path, what: str) -> Path:
+    resolved = os.path.realpath(path)
+    if os.path.commonpath([root, resolved]) != root:
+        raise ForbiddenError(f"{what} {str(path)!r} is outside the engine's --weights-dir {root!r}; write the "
+                             "weights under that directory (links are followed: their targets must be inside too)")
+    return Path(resolved)
+
+
+def check_finite(update: dict[str, torch.Tensor], serving: str) -> None:
+    """Raise BadRequestError when a floating-point tensor of `update` holds NaN or Inf (`serving`: the version that
+    keeps serving, for the message)."""
+    bad = [name for name, t in update.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise BadRequestError(
+            f"weight update refused: {len(bad)} of {len(update)} tensors hold NaN or Inf values (e.g. {bad[:3]}); "
+            f"the engine keeps serving weight version {serving!r}. The trainer's weights diverged: check its loss "
+            "and grad norm (a lower --lr, --clip-grad) or the checkpoint the weights came from"
+        )
+
+
+def update_body_limit(model: PreTrainedModel) -> tuple[int, str]:
+    """The largest /update_weights_from_tensor body (bytes, how to fix): every tensor of the model in float32 (or
+    its own wider dtype), plus room for the safetensors header."""
+    tensors = model.state_dict()
+    limit = sum(t.numel() * max(4, t.element_size()) for t in tensors.values()) + 2**20 + 512 * len(tensors)
+    return limit, "send only the served model's tensors, in float32 or narrower"
 
 
 def apply_update(model: PreTrainedModel, update: dict[str, torch.Tensor]) -> None:
