@@ -180,3 +180,20 @@ def test_a_train_actor_whose_ray_node_died_or_whose_root_was_claimed_refuses_to_
     monkeypatch.setattr(os, "getppid", lambda: 1)
     with pytest.raises(RuntimeError, match="not committing the checkpoint: this TrainActor's parent process"):
         actor.check_may_commit()
+
+
+def test_a_run_claiming_its_root_removes_the_staging_killed_saves_left_and_keeps_a_live_ones(tmp_path):
+    """A SIGKILL mid-save leaves `.hf-weights-*` (the HF weights being converted) and `.iter_XXXXXXX.tmp-*` (the
+    staged checkpoint); they are ours by name, their owner is gone, and the next run on the root removes them."""
+    from slimeflow.stages.convert.staging import claimed_dir
+
+    root = tmp_path / "ckpt"
+    left = [root / ".hf-weights-0a1b2c3d", root / ".iter_0000003.tmp-4e5f6a7b"]
+    others = [root / ".hf-weights-notours", root / "iter_0000001", root / "notes"]
+    for path in left + others:
+        (path / "inside").mkdir(parents=True)
+    with claimed_dir(root, ".hf-weights-") as live:  # a save still running (this process holds its lock)
+        ownership.claim_root(root)
+        assert live.is_dir()
+    assert not [p for p in left if p.exists()]
+    assert all(p.is_dir() for p in others)

@@ -21,8 +21,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 JOB_PREFIX = ".convert-job-"
-ABANDONED = re.compile(r"^(\.release\.tmp-|\.convert-job-)[0-9a-f]{8}$")
-"""The names of the directories a conversion stages in (only ours, by name: nothing else is ever removed)."""
+ABANDONED = re.compile(r"^(\.release\.tmp-|\.iter_\d{7}\.tmp-|\.convert-job-|\.hf-weights-)[0-9a-f]{8}$")
+"""The names of the directories a conversion, or a training save (its HF weights and its iter_XXXXXXX), stages in
+(only ours, by name: nothing else is ever removed)."""
 
 
 def staging_prefix(name: str) -> str:
@@ -61,6 +62,17 @@ def claimed_dir(root: Path, prefix: str) -> Iterator[Path]:
             break
         except (FileNotFoundError, BlockingIOError):  # a remove_abandoned elsewhere took it first: another name
             continue
+    try:
+        yield path
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+@contextmanager
+def held(path: Path) -> Iterator[Path]:
+    """Claim the existing staging directory `path` for the duration of the block (while a save adds to it)."""
+    fd = _lock(path)
     try:
         yield path
     finally:

@@ -21,7 +21,6 @@ import json
 import logging
 import pickle
 import shutil
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from slimeflow.stages.convert.export import origin_family, replace_dir
 from slimeflow.stages.convert.integrity import verify_checkpoint, write_checksums
 from slimeflow.stages.convert.mapping import ModelShape, megatron_to_hf
 from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
+from slimeflow.stages.convert.staging import claimed_dir, held
 from slimeflow.stages.convert.torch_dist import load_torch_dist, unstack_layers
 from slimeflow.stages.model.stage import TOKENIZER_FILES
 from slimeflow.stages.rl.backend.ownership import local_root
@@ -93,13 +93,14 @@ def _save(backend: TorchBackend, root: Path, rollout_id: int, extra_json: str, r
     staged = _stage_weights(backend, root, rollout_id)
     target = root / name
     try:
-        write_side_files(staged / SIDE_DIR, backend.training_state(), rngs, extra_json)
-        write_checksums(staged)  # last: it covers every other file
-        if before_commit is not None:
-            before_commit()
-        if target.exists():  # a rollout saved before is redone (--start-rollout-id): say so, never silently
-            logger.warning("replacing the checkpoint %s with a new save of rollout %d", target, rollout_id)
-        replace_dir(staged, target)
+        with held(staged):  # claimed until it is moved into place: a killed save's is removed by the next run
+            write_side_files(staged / SIDE_DIR, backend.training_state(), rngs, extra_json)
+            write_checksums(staged)  # last: it covers every other file
+            if before_commit is not None:
+                before_commit()
+            if target.exists():  # a rollout saved before is redone (--start-rollout-id): say so, never silently
+                logger.warning("replacing the checkpoint %s with a new save of rollout %d", target, rollout_id)
+            replace_dir(staged, target)
         return checkpoints.commit(Storage(), str(root), rollout_id)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
@@ -109,21 +110,21 @@ def _save(backend: TorchBackend, root: Path, rollout_id: int, extra_json: str, r
 
 
 def _stage_weights(backend: TorchBackend, root: Path, rollout_id: int) -> Path:
-    """The current weights as a staged torch_dist directory, via HF safetensors and the convert stage's writer."""
+    """The current weights as a staged torch_dist directory, via HF safetensors and the convert stage's writer
+    (in a claimed `.hf-weights-*`, removed after; one a killed save left is removed by the next run)."""
     from safetensors.torch import save_file
 
-    scratch = root / f".hf-weights-{uuid.uuid4().hex[:8]}"
-    scratch.mkdir(parents=True)
-    try:
-        weights = {k: v.contiguous() for k, v in backend.named_weights().items()}
-        save_file(weights, str(scratch / "model.safetensors"), metadata={"format": "pt"})
-        for filename in _HF_SIDE_FILES:
-            if (backend.hf_checkpoint / filename).is_file():
-                shutil.copy2(backend.hf_checkpoint / filename, scratch / filename)
-        staged, _ = convert_hf_to_torch_dist(read_hf_source(scratch), root, processes=1, iteration=rollout_id,
-                                             staging_name=checkpoints.iteration_dirname(rollout_id))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    with claimed_dir(root, ".hf-weights-") as scratch:
+        try:
+            weights = {k: v.contiguous() for k, v in backend.named_weights().items()}
+            save_file(weights, str(scratch / "model.safetensors"), metadata={"format": "pt"})
+            for filename in _HF_SIDE_FILES:
+                if (backend.hf_checkpoint / filename).is_file():
+                    shutil.copy2(backend.hf_checkpoint / filename, scratch / filename)
+            staged, _ = convert_hf_to_torch_dist(read_hf_source(scratch), root, processes=1, iteration=rollout_id,
+                                                 staging_name=checkpoints.iteration_dirname(rollout_id))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     return staged
 
 

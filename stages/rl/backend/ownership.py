@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 
 from slimeflow.io.storage import Storage, is_local, local_path
+from slimeflow.stages.convert.staging import remove_abandoned
 
 OWNER_FILENAME = ".slimeflow-run"
 """The token of the run that may commit checkpoints under a root (claim_root / check_owner)."""
@@ -24,11 +25,13 @@ def local_root(root: str | Path) -> Path:
 def claim_root(root: str | Path) -> str:
     """Make the calling run the one that commits checkpoints under `root`: a fresh token, written atomically to
     `<root>/.slimeflow-run`. A run that claimed the root before (a crashed one whose actors still finish a save, or
-    one still running on the same root by mistake) then fails check_owner instead of committing."""
+    one still running on the same root by mistake) then fails check_owner instead of committing. Staging that
+    killed saves left under `root` is removed."""
     token = uuid.uuid4().hex
     path = local_root(root)
     path.mkdir(parents=True, exist_ok=True)
     Storage().write_text(str(path / OWNER_FILENAME), token)
+    remove_abandoned(path)  # what killed saves staged (their owners are gone: a live one's stays claimed)
     return token
 
 
