@@ -30,6 +30,8 @@ class EvaluateConfig(ConfigModel):
     """Built-in reward used to score responses (metadata['rm_type'] overrides)."""
     custom_rm_path: str | None = None
     """async reward(args, sample) -> float, as in training."""
+    eval_reward_key: str | None = None
+    """The entry of a dict the reward function or server returns that is the reward (as slime's flag)."""
     apply_chat_template: bool = False
     """Render message-list prompts with the tokenizer's chat template."""
     rollout_seed: int = 42

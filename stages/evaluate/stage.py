@@ -42,7 +42,8 @@ async def _evaluate(config: EvaluateConfig, model_dir: str, url: str, sets: dict
     train = TrainConfig.model_validate({
         "batch": {"rollout_batch_size": 1, "num_rollout": 1},
         "data": {"apply_chat_template": config.apply_chat_template, "rollout_seed": config.rollout_seed},
-        "reward": {"rm_type": config.rm_type, "custom_rm_path": config.custom_rm_path},
+        "reward": {"rm_type": config.rm_type, "custom_rm_path": config.custom_rm_path,
+                   "eval_reward_key": config.eval_reward_key},
         "rollout": {"rollout_max_response_len": config.eval_max_response_len or 1024},
     })
     params = sampling_params(train.rollout, temperature=config.eval_temperature, top_p=config.eval_top_p,

@@ -145,6 +145,11 @@ class RewardConfig(ConfigModel):
     """Remote reward server (HTTP)."""
     group_rm: bool = False
     """Reward a whole group at once."""
+    reward_key: str | None = None
+    """The entry of a dict a reward function or server returns that is the reward (as slime; without it a dict's
+    'reward', else its 'score')."""
+    eval_reward_key: str | None = None
+    """--reward-key for evaluation (default: --reward-key)."""
 
 
 class AlgorithmConfig(ConfigModel):
