@@ -168,3 +168,17 @@ def test_train_on_a_raw_jsonl_trains_and_reports_the_quarantined_row(tmp_path):
                   for line in (ctx.workdir / "train" / "row_ids.jsonl").read_text().splitlines()}
     ids = [p["row_id"] for p in prompts(manifest.outputs["data.train.prompt_data"])]
     assert trained_on == {0: ids[:2], 1: ids[2:4]}  # the prepared rows, in file order
+
+
+def test_evaluate_preprocesses_a_raw_eval_set_with_its_own_keys(tmp_path):
+    from slimeflow.stages.evaluate.config import EvaluateConfig
+    from slimeflow.stages.evaluate.stage import _eval_sets
+
+    raw = write_jsonl(tmp_path / "eval.jsonl", [*ROWS, {"question": None, "answer": "0"}])
+    config = EvaluateConfig(eval_prompt_data={"raw": str(raw), "ours": prompt_parquet(tmp_path / "ours.parquet", 1)},
+                            input_key="question", label_key="answer")
+    sets, prepared = _eval_sets(config, StageContext(Storage(), tmp_path / "work", str(tmp_path / "out")))
+    assert [(p["prompt"], p["label"]) for p in sets["raw"]] == [(r["question"], r["answer"]) for r in ROWS]
+    assert len(sets["ours"]) == 1 and list(prepared) == ["data.eval.raw"]
+    assert prepared["data.eval.raw"].counts("data.eval.raw")["data.eval.raw.quarantined.missing_key"] == 1
+    assert str(tmp_path / "work" / "evaluate" / "data") in prepared["data.eval.raw"].prompt_data

@@ -78,7 +78,7 @@ def test_evaluate_checks_its_sets_the_same_way(tmp_path):
         _eval_sets(config, ctx)
     assert [p.split(": ")[0] for p in err.value.problems] == ["zero", "missing"]
     good = config.model_copy(update={"eval_prompt_data": {"good": str(tmp_path / "good.parquet")}})
-    assert [row["label"] for row in _eval_sets(good, ctx)["good"]] == ["1", "2"]
+    assert [row["label"] for row in _eval_sets(good, ctx)[0]["good"]] == ["1", "2"]
 
 
 class Unpicklable(Exception):

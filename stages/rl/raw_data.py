@@ -34,16 +34,24 @@ def prepare_data(config: TrainConfig, storage: Storage, workdir: Path) -> tuple[
     mapping = preprocess_config(config.data, config.checkpoint.hf_checkpoint)
     root = workdir / "train" / "data"
     prepared: dict[str, PreparedSet] = {}
-    data, evals = config.data, dict(config.eval.eval_prompt_data)
+    data = config.data
     if data.prompt_data is not None and is_raw(data.prompt_data, storage):
         prepared["data.train"] = _prepare(TRAIN, data.prompt_data, mapping, storage, root)
         data = data.model_copy(update={"prompt_data": prepared["data.train"].prompt_data})
-    for name, uri in evals.items():
+    evals, prepared_evals = prepare_eval_sets(config.eval.eval_prompt_data, mapping, storage, root)
+    ev = config.eval.model_copy(update={"eval_prompt_data": evals})
+    return config.model_copy(update={"data": data, "eval": ev}), {**prepared, **prepared_evals}
+
+
+def prepare_eval_sets(sets: dict[str, str], mapping: PreprocessConfig, storage: Storage,
+                      root: Path) -> tuple[dict[str, str], dict[str, PreparedSet]]:
+    """Named eval sets with each raw one replaced by its prompt parquet, and the prepared ones ("data.eval.NAME")."""
+    sets, prepared = dict(sets), {}
+    for name, uri in sets.items():
         if is_raw(uri, storage):
             prepared[f"data.eval.{name}"] = _prepare(name, uri, mapping, storage, root)
-            evals[name] = prepared[f"data.eval.{name}"].prompt_data
-    ev = config.eval.model_copy(update={"eval_prompt_data": evals})
-    return config.model_copy(update={"data": data, "eval": ev}), prepared
+            sets[name] = prepared[f"data.eval.{name}"].prompt_data
+    return sets, prepared
 
 
 def _prepare(name: str, uri: str, mapping: PreprocessConfig, storage: Storage, root: Path) -> PreparedSet:
