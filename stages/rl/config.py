@@ -83,7 +83,8 @@ class DataConfig(ConfigModel):
     """Where prompts come from and how rows map onto samples."""
 
     prompt_data: str | None = None
-    """Prompt parquet (or jsonl) path or URI; in a pipeline, the preprocess stage's output."""
+    """Raw data (JSONL, JSON, CSV, parquet: preprocessed first) or prompt parquet, a path or URI; in a pipeline, the
+    preprocess stage's output."""
     input_key: str = "input"
     """Column holding the prompt (a string or an OpenAI messages list)."""
     label_key: str | None = None
@@ -264,7 +265,7 @@ class EvalConfig(ConfigModel):
     eval_interval: OptionalPositiveInt = None
     """Evaluate every this many rollouts."""
     eval_prompt_data: dict[str, str] = Field(default_factory=dict)
-    """Named eval sets: --eval-prompt-data NAME PATH [NAME PATH ...]."""
+    """Named eval sets: --eval-prompt-data NAME PATH [NAME PATH ...] (raw data or prompt parquet, as --prompt-data)."""
     n_samples_per_eval_prompt: PositiveInt = 1
     """Responses per eval prompt (pass@k, avg@n)."""
     eval_max_response_len: OptionalPositiveInt = None
