@@ -42,6 +42,8 @@ def test_raw_or_ours_is_decided_by_content_not_by_the_suffix(tmp_path):
     write_jsonl(tmp_path / "raw.jsonl", ROWS)
     write_jsonl(tmp_path / "rawdir" / "a.jsonl", ROWS)
     assert not is_raw(ours, storage) and not is_raw(str(tmp_path / "ours"), storage)
+    write_jsonl(tmp_path / "ours" / "quarantine.jsonl", [{"reason": "missing_key"}])  # as the preprocess output root
+    assert not is_raw(str(tmp_path / "ours"), storage)
     assert is_raw(str(tmp_path / "raw.parquet"), storage)
     assert is_raw(str(tmp_path / "raw.jsonl"), storage) and is_raw(str(tmp_path / "rawdir"), storage)
     assert is_raw(str(tmp_path / "*.jsonl"), storage)

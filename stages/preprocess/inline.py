@@ -29,7 +29,8 @@ TRAIN = "train"
 
 def is_raw(uri: str, storage: Storage) -> bool:
     """True for data that needs preprocessing: a glob, a JSONL/JSON/CSV file, a parquet without our columns, or a
-    directory holding any of these. A missing path is not raw (the prompt-parquet check names it)."""
+    directory of such files. A directory whose parquet has our columns is ours (the preprocess stage's output root
+    holds manifest.json and quarantine.jsonl beside it); a missing path is not raw (the prompt-parquet check names it)."""
     if any(ch in uri for ch in "*?["):
         return True
     if not storage.exists(uri):
@@ -39,7 +40,8 @@ def is_raw(uri: str, storage: Storage) -> bool:
             files = resolve(uri, storage)[0]
         except Exception:  # nothing readable under it: the prompt-parquet check says what
             return False
-        return any(file_format(f) != "parquet" for f in files) or not _ours(files[0], storage)
+        parquet = [f for f in files if file_format(f) == "parquet"]
+        return not parquet or not _ours(parquet[0], storage)
     fmt = file_format(uri)
     return fmt is not None and (fmt != "parquet" or not _ours(uri, storage))
 
