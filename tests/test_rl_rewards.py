@@ -238,3 +238,11 @@ def test_reward_key_picks_the_entry_of_a_dict_reward_and_eval_reward_key_that_of
     (failed,) = score(RewardScorer(wrong, judge=judge), sample("Ada", label=label))
     assert failed.status is Status.FAILED and "without 'acc'" in failed.failure_reason
     assert "['format', 'score']" in failed.failure_reason
+
+
+def test_built_in_rewards_take_number_labels_and_refuse_structured_ones_by_name(judge):
+    scorer = RewardScorer(RewardConfig(rm_type="prefix_match"), judge=judge)
+    number, structured = score(scorer, sample("42 apples", label=42), sample("x", label={"ground_truth": "x"}))
+    assert number.reward == 1.0
+    assert structured.status is Status.FAILED and "label is a dict; score structured labels with --custom-rm-path" \
+        in structured.failure_reason

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import math
 import re
 import string
@@ -31,9 +32,15 @@ BuiltinReward = Callable[[str, str | None, dict[str, Any], MathJudge], float]
 """(response, label, metadata, judge) -> reward."""
 
 
-def _need_label(label: str | None, rm_type: str) -> str:
+def _need_label(label: Any, rm_type: str) -> str:
+    """The label as text (a number from a JSON-label set as its JSON text); a structured label is refused."""
     if label is None:
         raise ValueError(f"rm_type {rm_type!r} compares against a label, and this sample has none (set --label-key)")
+    if isinstance(label, int | float) and not isinstance(label, bool):
+        return json.dumps(label)
+    if not isinstance(label, str):
+        raise ValueError(f"rm_type {rm_type!r} compares against a text label, and this sample's label is a "
+                         f"{type(label).__name__}; score structured labels with --custom-rm-path")
     return label
 
 
