@@ -19,6 +19,7 @@ from slimeflow.stages.preprocess.inline import is_raw
 from slimeflow.stages.preprocess.reader import PromptDataset
 from slimeflow.stages.rl import stage
 from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.stages.rl.data_source import DataSource
 from slimeflow.stages.rl.raw_data import prepare_data
 
 ROWS = [{"question": "1+1=", "answer": "2"}, {"question": "2+1=", "answer": "3"}, {"question": "3+1=", "answer": "4"}]
@@ -121,6 +122,8 @@ def test_dict_labels_read_back_as_dicts(tmp_path, suffix):
         path.write_text(json.dumps(rows))
     prepared_config, _ = prepare_data(train_config(str(path), label_key="reward_model"), Storage(), tmp_path / "w")
     assert [p["label"] for p in prompts(prepared_config.data.prompt_data)] == [r["reward_model"] for r in rows]
+    (group,) = DataSource.from_prompt_data(prepared_config.data.prompt_data, n_samples_per_prompt=2).get_groups(1)
+    assert [s.label for s in group] == [rows[0]["reward_model"]] * 2 and group[0].label is not group[1].label
 
 
 def test_a_raw_set_without_a_usable_row_stops_the_train_stage_before_ray_naming_its_quarantine(tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ START_ROLLOUT_ID = "start_rollout_id"
 class DataSource:
     """Groups of samples over a `Sequence` of prompt dicts (the prompt-parquet reader's items, or plain dicts).
 
-    An item is `{"prompt": str | list[dict], "label": str | None, "metadata": dict | JSON str, "tools": list | None,
+    An item is `{"prompt": str | list[dict], "label": str | dict | None, "metadata": dict | JSON str, "tools": list | None,
     "row_id": str}`; only "prompt" is required. Tools go to metadata["tools"], the row id to metadata["row_id"].
     """
 
