@@ -18,6 +18,7 @@ import orjson
 
 from slimeflow.io.storage import Storage, StorageError, join
 from slimeflow.manifest import Manifest
+from slimeflow.stages.base import StageInputError
 from slimeflow.stages.preprocess.config import PreprocessConfig
 from slimeflow.stages.preprocess.reader import COLUMNS
 from slimeflow.stages.preprocess.sources import file_format, resolve
@@ -38,7 +39,7 @@ def is_raw(uri: str, storage: Storage) -> bool:
     if storage.isdir(uri):
         try:
             files = resolve(uri, storage)[0]
-        except Exception:  # nothing readable under it: the prompt-parquet check says what
+        except StageInputError:  # no data file under it: the prompt-parquet check says what
             return False
         parquet = [f for f in files if file_format(f) == "parquet"]
         return not parquet or not _ours(parquet[0], storage)
