@@ -187,3 +187,22 @@ def test_evaluate_preprocesses_a_raw_eval_set_with_its_own_keys(tmp_path):
     assert len(sets["ours"]) == 1 and list(prepared) == ["data.eval.raw"]
     assert prepared["data.eval.raw"].counts("data.eval.raw")["data.eval.raw.quarantined.missing_key"] == 1
     assert str(tmp_path / "work" / "evaluate" / "data") in prepared["data.eval.raw"].prompt_data
+
+
+def test_the_chat_template_and_the_length_filter_use_the_runs_hf_checkpoint(tmp_path):
+    from transformers import AutoTokenizer
+
+    from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+
+    hf = build_tiny_model(tmp_path / "qwen3", TinyModelSpec.from_uri("tiny:qwen3?seed=0"))
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    rows = [{"question": [{"role": "user", "content": "word " * n}], "answer": str(n)} for n in (1, 2, 40)]
+    rendered = [tokenizer.apply_chat_template(r["question"], tokenize=False, add_generation_prompt=True) for r in rows]
+    lengths = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in rendered]
+    config = train_config(str(write_jsonl(tmp_path / "chat.jsonl", rows)), apply_chat_template=True,
+                          rollout_max_prompt_len=lengths[1])
+    config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"hf_checkpoint": str(hf)})})
+    prepared_config, prepared = prepare_data(config, Storage(), tmp_path / "work")
+    assert [p["prompt"] for p in prompts(prepared_config.data.prompt_data)] == rendered[:2]
+    assert prepared["data.train"].counts("data.train")["data.train.filtered.too_long"] == 1
+    assert prepared["data.train"].manifest.config["hf_checkpoint"] == str(hf)
