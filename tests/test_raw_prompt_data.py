@@ -142,8 +142,19 @@ def test_a_raw_set_without_a_usable_row_stops_the_train_stage_before_ray_naming_
     assert not (tmp_path / "work" / "checkpoints").exists()
 
 
+@pytest.fixture
+def own_ray():
+    """Shut down the Ray that the train stage starts in this process (later tests start their own)."""
+    import ray
+
+    started = not ray.is_initialized()
+    yield
+    if started:
+        ray.shutdown()
+
+
 @pytest.mark.slow
-def test_train_on_a_raw_jsonl_trains_and_reports_the_quarantined_row(tmp_path):
+def test_train_on_a_raw_jsonl_trains_and_reports_the_quarantined_row(tmp_path, own_ray):
     from slimeflow.config.pipeline import load_stage_config
     from slimeflow.stages.model.config import ModelConfig
     from slimeflow.stages.model.stage import run as model_run
