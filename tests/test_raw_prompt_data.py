@@ -109,6 +109,10 @@ def test_a_raw_set_on_s3_is_preprocessed(tmp_path, s3_config, s3_bucket):
     prepared_config, prepared = prepare_data(train_config(uri), storage, tmp_path / "work")
     assert [p["prompt"] for p in prompts(prepared_config.data.prompt_data)] == ["1+1=", "2+1=", "3+1="]
     assert prepared["data.train"].source == uri
+    storage.put_file(prompt_parquet(tmp_path / "ours.parquet", 2), f"{s3_bucket}/ours.parquet")
+    pq.write_table(pa.table({"question": ["1+1="], "answer": ["2"]}), tmp_path / "raw.parquet")
+    storage.put_file(tmp_path / "raw.parquet", f"{s3_bucket}/raw.parquet")
+    assert not is_raw(f"{s3_bucket}/ours.parquet", storage) and is_raw(f"{s3_bucket}/raw.parquet", storage)
 
 
 @pytest.mark.parametrize("suffix", ["jsonl", "json"])
