@@ -178,7 +178,7 @@ def test_every_bad_input_lands_in_the_quarantine_with_file_line_and_reason(tmp_p
         f.write(b'{"question": "no prompt key", "label": "1"}\n')  # line 4
         f.write(b'{"prompt": 42, "label": "1"}\n')                 # line 5
         f.write(b'["an", "array"]\n\n')                            # line 6, then a blank line (not a row)
-        f.write(b'{"prompt": "ok 2", "label": {"a": 1}}\n')        # line 8: a structured label
+        f.write(b'{"prompt": "ok 2", "label": {"a": 1}}\n')        # line 8: an object label among strings
         f.write(b'{"prompt": "ok 3", "label": "3", "metadata": "not json"}\n')  # line 9
         f.write(b'{"prompt": "ok 4", "label": "4"}\n')
     (bad / "b.jsonl").write_bytes(b"")
@@ -188,7 +188,7 @@ def test_every_bad_input_lands_in_the_quarantine_with_file_line_and_reason(tmp_p
 
     assert reasons(quarantine(manifest)) == [
         ("a.jsonl", 2, "malformed_json"), ("a.jsonl", 3, "invalid_utf8"), ("a.jsonl", 4, "missing_key"),
-        ("a.jsonl", 5, "wrong_type"), ("a.jsonl", 6, "wrong_type"), ("a.jsonl", 8, "wrong_type"),
+        ("a.jsonl", 5, "wrong_type"), ("a.jsonl", 6, "wrong_type"), ("a.jsonl", 8, "mixed_label_format"),
         ("a.jsonl", 9, "wrong_type"), ("b.jsonl", 0, "empty_file"), ("c.json", 0, "malformed_json"),
         ("d.jsonl.gz", 0, "unreadable_file")]
     assert [d["prompt"] for d in PromptDataset(manifest.outputs["train"])] == ["ok 1", "ok 4"]

@@ -217,3 +217,32 @@ def test_a_worker_check_past_the_backstop_is_killed_and_counts_as_not_equal():
         assert results == [False, True]
     finally:
         judge.close()
+
+
+async def keyed_reward(args, sample):
+    """A Search-R1-style reward: the label is a dict (reward_model), the answer a dict of scores."""
+    hit = sample.response in sample.label["ground_truth"]["target"]
+    return {"score": float(hit), "format": 0.5}
+
+
+def test_reward_key_picks_the_entry_of_a_dict_reward_and_eval_reward_key_that_of_an_eval_sample(judge):
+    label = {"ground_truth": {"target": ["Ada"]}, "style": "rule"}
+    config = RewardConfig(custom_rm_path=f"{__name__}:keyed_reward", reward_key="score", eval_reward_key="format")
+    train, evaluated = score(RewardScorer(config, judge=judge), sample("Ada", label=label),
+                             sample("Ada", label=label, eval_set="held"))
+    assert (train.reward, evaluated.reward) == (1.0, 0.5)
+    by_default = RewardConfig(custom_rm_path=f"{__name__}:keyed_reward", reward_key="format")
+    (evaluated,) = score(RewardScorer(by_default, judge=judge), sample("Bob", label=label, eval_set="held"))
+    assert evaluated.reward == 0.5  # --eval-reward-key defaults to --reward-key, as slime
+    wrong = RewardConfig(custom_rm_path=f"{__name__}:keyed_reward", reward_key="acc")
+    (failed,) = score(RewardScorer(wrong, judge=judge), sample("Ada", label=label))
+    assert failed.status is Status.FAILED and "without 'acc'" in failed.failure_reason
+    assert "['format', 'score']" in failed.failure_reason
+
+
+def test_built_in_rewards_take_number_labels_and_refuse_structured_ones_by_name(judge):
+    scorer = RewardScorer(RewardConfig(rm_type="prefix_match"), judge=judge)
+    number, structured = score(scorer, sample("42 apples", label=42), sample("x", label={"ground_truth": "x"}))
+    assert number.reward == 1.0
+    assert structured.status is Status.FAILED and "label is a dict; score structured labels with --custom-rm-path" \
+        in structured.failure_reason

@@ -30,7 +30,17 @@ class EvaluateConfig(ConfigModel):
     """Built-in reward used to score responses (metadata['rm_type'] overrides)."""
     custom_rm_path: str | None = None
     """async reward(args, sample) -> float, as in training."""
+    eval_reward_key: str | None = None
+    """The entry of a dict the reward function or server returns that is the reward (as slime's flag)."""
     apply_chat_template: bool = False
     """Render message-list prompts with the tokenizer's chat template."""
+    input_key: str = "input"
+    """Raw eval sets: the column holding the prompt (our prompt parquet needs no keys)."""
+    label_key: str | None = None
+    """Raw eval sets: the column holding the label."""
+    metadata_key: str = "metadata"
+    """Raw eval sets: the column holding the metadata (a dict or a JSON string)."""
+    tool_key: str | None = None
+    """Raw eval sets: the column holding tool schemas."""
     rollout_seed: int = 42
     """Seed of the sampling (each response's seed derives from it)."""

@@ -14,6 +14,8 @@ from slimeflow.io.storage import join, local_path
 from slimeflow.manifest import Manifest
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.evaluate.config import EvaluateConfig
+from slimeflow.stages.rl.config import DataConfig
+from slimeflow.stages.rl.raw_data import PreparedSet, manifest_entries, prepare_eval_sets, preprocess_config
 
 if TYPE_CHECKING:
     from slimeflow.stages.rl.engine.client import EngineClient
@@ -24,14 +26,15 @@ def run(config: EvaluateConfig, ctx: StageContext) -> Manifest:
     from slimeflow.stages.rl.engine.client import EngineClient
     from slimeflow.stages.rl.engine.launch import start_engine
 
-    sets = _eval_sets(config, ctx)
+    sets, prepared = _eval_sets(config, ctx)
     model_dir, source = _model_dir(config, ctx)
     with start_engine(str(model_dir)) as engine:
         metrics = asyncio.run(_evaluate(config, str(model_dir), EngineClient(engine.url, api_key=engine.api_key), sets))
     results = join(ctx.output, "evaluate", "results.json")
     ctx.storage.write_text(results, json.dumps({"checkpoint": source, "metrics": metrics}, indent=2))
-    return Manifest(stage="evaluate", outputs={"results": results, "checkpoint": source},
-                    counts={"sets": len(sets), "prompts": sum(len(p) for p in sets.values())},
+    data_counts, data_outputs = manifest_entries(prepared)
+    return Manifest(stage="evaluate", outputs={"results": results, "checkpoint": source, **data_outputs},
+                    counts={"sets": len(sets), "prompts": sum(len(p) for p in sets.values()), **data_counts},
                     metrics=metrics, config=config.model_dump(mode="json"))
 
 
@@ -46,7 +49,8 @@ async def _evaluate(config: EvaluateConfig, model_dir: str, client: EngineClient
     train = TrainConfig.model_validate({
         "batch": {"rollout_batch_size": 1, "num_rollout": 1},
         "data": {"apply_chat_template": config.apply_chat_template, "rollout_seed": config.rollout_seed},
-        "reward": {"rm_type": config.rm_type, "custom_rm_path": config.custom_rm_path},
+        "reward": {"rm_type": config.rm_type, "custom_rm_path": config.custom_rm_path,
+                   "eval_reward_key": config.eval_reward_key},
         "rollout": {"rollout_max_response_len": config.eval_max_response_len or 1024},
     })
     params = sampling_params(train.rollout, temperature=config.eval_temperature, top_p=config.eval_top_p,
@@ -59,16 +63,23 @@ async def _evaluate(config: EvaluateConfig, model_dir: str, client: EngineClient
         scorer.close()
 
 
-def _eval_sets(config: EvaluateConfig, ctx: StageContext) -> dict[str, list]:
+def _eval_sets(config: EvaluateConfig, ctx: StageContext) -> tuple[dict[str, list], dict[str, PreparedSet]]:
+    """The prompts of each eval set (a raw set preprocessed first, as in training), and the prepared raw sets."""
     from slimeflow.stages.preprocess.reader import open_prompt_sets
 
     if not config.eval_prompt_data:
         raise StageInputError("the evaluate stage has no eval set", ["--eval-prompt-data is empty"],
-                              "Pass --eval-prompt-data NAME PATH [NAME PATH ...] (the preprocess stage's eval sets).")
-    sets, problems = open_prompt_sets(config.eval_prompt_data, ctx.storage)
+                              "Pass --eval-prompt-data NAME PATH [NAME PATH ...] (raw datasets or the preprocess "
+                              "stage's eval sets).")
+    data = DataConfig(input_key=config.input_key, label_key=config.label_key, metadata_key=config.metadata_key,
+                      tool_key=config.tool_key, apply_chat_template=config.apply_chat_template)
+    uris, prepared = prepare_eval_sets(config.eval_prompt_data, preprocess_config(data, config.hf_checkpoint),
+                                       ctx.storage, ctx.workdir / "evaluate" / "data")
+    sets, problems = open_prompt_sets(uris, ctx.storage)
     if problems:
-        raise StageInputError("--eval-prompt-data", problems, "Point each set at prompt parquet (a file or directory).")
-    return {name: list(dataset) for name, dataset in sets.items()}
+        raise StageInputError("--eval-prompt-data", problems, "Point each set at a raw dataset (JSONL, JSON, CSV, "
+                              "parquet) or at prompt parquet (a file or directory).")
+    return {name: list(dataset) for name, dataset in sets.items()}, prepared
 
 
 def _model_dir(config: EvaluateConfig, ctx: StageContext) -> tuple[Path, str]:

@@ -63,6 +63,7 @@ class PreparedBatch:
     empty: int
     duplicates: int | None
     prompt_format: str | None
+    label_format: str | None = None
 
 
 class Preparer:
@@ -104,7 +105,8 @@ class Preparer:
         mask = first_seen(self.deduper, rows.texts)  # nothing is too long: dedup first, count only what is kept
         if mask is not None:
             rows, duplicates = rows.where(mask), int(len(mask) - mask.sum())
-        return PreparedBatch(rows, problems, len(batch), empty, duplicates, self.prompt_format)
+        return PreparedBatch(rows, problems, len(batch), empty, duplicates, self.prompt_format,
+                             self.mapper.label_format)
 
     def _text(self, prepared: Prepared) -> str:
         """The prompt as stored: rendered text, the string itself, or the messages' JSON (one format per set)."""

@@ -3,8 +3,9 @@
 `PromptDataset(uri)` is a Sequence over a parquet file or a directory of them (the files in name order): it
 holds only the row-group layout and decodes one row group at a time on access (a small cache makes sequential
 and nearby reads cheap), so a dataset of any size costs about one row group of memory. `iter_prompts` streams.
-Items: {"prompt": str | list[dict], "label": str | None, "metadata": dict, "tools": list | None, "row_id": str};
-the prompt is a messages list when the file says `slimeflow.prompt_format = messages`.
+Items: {"prompt": str | list[dict], "label": str | dict | list | number | None, "metadata": dict, "tools": list |
+None, "row_id": str}; the prompt is a messages list when the file says `slimeflow.prompt_format = messages`, the
+label the JSON value it holds when `slimeflow.label_format = json` (else its text).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from slimeflow.io.storage import Storage, is_local, local_path
-from slimeflow.stages.preprocess.writer import PROMPT_FORMAT_KEY, SCHEMA
+from slimeflow.stages.preprocess.writer import LABEL_FORMAT_KEY, PROMPT_FORMAT_KEY, SCHEMA
 
 COLUMNS = [f.name for f in SCHEMA]
 CACHED_ROW_GROUPS = 4
@@ -42,18 +43,27 @@ def _open(uri: str, storage: Storage) -> pq.ParquetFile:
     return pq.ParquetFile(storage.open_read(uri))
 
 
-def _check_schema(uri: str, schema: pa.Schema) -> str:
+Formats = tuple[str, str]
+"""(prompt format, label format) of a file."""
+
+
+def _check_schema(uri: str, schema: pa.Schema) -> Formats:
     missing = [name for name in COLUMNS if name not in schema.names]
     if missing:
-        raise ValueError(f"{uri}: not a prompt parquet, it lacks {missing}; write it with the preprocess stage")
-    return (schema.metadata or {}).get(PROMPT_FORMAT_KEY, b"text").decode()
+        raise ValueError(f"{uri}: not a prompt parquet, it lacks {missing}; write it with the preprocess stage, or "
+                         "give the raw file to the train stage, which preprocesses it")
+    metadata = schema.metadata or {}
+    return metadata.get(PROMPT_FORMAT_KEY, b"text").decode(), metadata.get(LABEL_FORMAT_KEY, b"text").decode()
 
 
-def to_prompt(row: dict[str, Any], prompt_format: str) -> dict[str, Any]:
+def to_prompt(row: dict[str, Any], formats: Formats) -> dict[str, Any]:
     """One stored row -> the prompt dict the data source takes."""
-    prompt = orjson.loads(row["prompt"]) if prompt_format == "messages" else row["prompt"]
+    prompt = orjson.loads(row["prompt"]) if formats[0] == "messages" else row["prompt"]
+    label = row["label"]
+    if label is not None and formats[1] == "json":
+        label = orjson.loads(label)
     tools = row["tools"]
-    return {"prompt": prompt, "label": row["label"], "metadata": orjson.loads(row["metadata"]),
+    return {"prompt": prompt, "label": label, "metadata": orjson.loads(row["metadata"]),
             "tools": None if tools is None else orjson.loads(tools), "row_id": row["row_id"]}
 
 
@@ -140,7 +150,7 @@ def iter_prompts(uri: str, batch_size: int = 1024, storage: Storage | None = Non
     storage = storage or Storage()
     for file_uri in parquet_files(uri, storage):
         file = _open(file_uri, storage)
-        prompt_format = _check_schema(file_uri, file.schema_arrow)
+        formats = _check_schema(file_uri, file.schema_arrow)
         for batch in file.iter_batches(batch_size=batch_size, columns=COLUMNS):
             for row in batch.to_pylist():
-                yield to_prompt(row, prompt_format)
+                yield to_prompt(row, formats)

@@ -3,6 +3,10 @@
 slime's keys pick the prompt, label, metadata and tools; every other column is packed into the metadata JSON,
 merged with the row's own metadata (a dict or a JSON object string). A packed column whose name is already a
 metadata key with a different value is a collision: the row is quarantined, never overwritten.
+
+A label is a string, a number or (as slime passes Search-R1's `reward_model` to reward functions) a JSON object or
+array. A set's first label fixes its format: "text" (strings, numbers as their JSON text) or "json" (every label
+stored as JSON and read back as the value); a structured label in a text set is quarantined as mixed_label_format.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class Prepared(NamedTuple):
 
     prompt: Prompt
     label: str | None
+    """The label as stored: its text, or its JSON in a set whose label format is json."""
     metadata: str
     tools: list[Any] | None
     row_id: str
@@ -52,6 +57,8 @@ class RowMapper:
     config: PreprocessConfig
     packed: Counter[str] = field(default_factory=Counter)
     dropped: Counter[str] = field(default_factory=Counter)
+    label_format: str | None = None
+    """'text' or 'json', fixed by the first label (None until one is seen)."""
 
     def __post_init__(self) -> None:
         c = self.config
@@ -68,7 +75,7 @@ class RowMapper:
                 raise RowError("missing_key", f"no {c.input_key!r} (--input-key); the row has {sorted(row)[:10]}")
             value = _prompt(value, c.input_key)
         label = None if c.label_key is None else row.get(c.label_key)
-        if type(label) is not str:
+        if type(label) is not str or self.label_format != "text":
             label = self._label(row)
         metadata = self._metadata(row)
         tools = _tools(row.get(c.tool_key)) if c.tool_key else None
@@ -88,12 +95,21 @@ class RowMapper:
             if self.config.missing_label == "keep":
                 return None
             raise RowError("missing_label", f"no value for {key!r} (--label-key); --missing-label keep keeps such rows")
-        if isinstance(value, str):
-            return value
-        if isinstance(value, bool | int | float):
-            return orjson.dumps(value).decode()
-        raise RowError("wrong_type", f"{key!r} (--label-key) must be a string or a number, got {type(value).__name__}; "
-                       "put structured answers in the metadata")
+        structured = isinstance(value, dict | list)
+        if not structured and not isinstance(value, str | bool | int | float):
+            raise RowError("wrong_type", f"{key!r} (--label-key) must be a string, a number or a JSON object, got "
+                           f"{type(value).__name__}")
+        if self.label_format is None:
+            self.label_format = "json" if structured else "text"
+        if self.label_format == "json":
+            try:
+                return orjson.dumps(value, default=json_default).decode()
+            except TypeError as err:
+                raise RowError("wrong_type", f"{key!r} (--label-key) cannot be written as JSON: {err}") from None
+        if structured:
+            raise RowError("mixed_label_format", f"{key!r} (--label-key) is a {type(value).__name__} in a set whose "
+                           "first labels are strings; give one kind of label per set (or put this one in the metadata)")
+        return value if isinstance(value, str) else orjson.dumps(value).decode()
 
     def _metadata(self, row: dict[str, Any]) -> dict[str, Any]:
         key = self.config.metadata_key

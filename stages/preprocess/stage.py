@@ -39,22 +39,28 @@ MANIFEST = "manifest.json"
 
 def run(config: PreprocessConfig, ctx: StageContext) -> Manifest:
     """Process the training input and every eval input; raise StageInputError when a set yields no rows."""
+    return preprocess(config, ctx.storage, ctx.workdir, config.output or join(ctx.output, "preprocess"))
+
+
+def preprocess(config: PreprocessConfig, storage: Storage, workdir: Path, output: str) -> Manifest:
+    """The stage's work as a library function (the train and evaluate stages preprocess raw --prompt-data with it):
+    `config`'s sets -> prompt parquet, quarantine and manifest under `output`, staged under `workdir`; a failed run
+    keeps its quarantine at <workdir>/preprocess/quarantine.jsonl."""
     tokenizer = _tokenizer(config)
-    output = config.output or join(ctx.output, "preprocess")
-    with staging_dir(ctx.workdir) as staging:  # removes what killed runs left there first
+    with staging_dir(workdir) as staging:  # removes what killed runs left there first
         quarantine = Quarantine(staging / QUARANTINE, config.strict)
         sets = {"train": config.input, **config.eval_input} if config.input else dict(config.eval_input)
         if not sets:
             raise StageInputError("preprocess", ["no input"], "Give --input PATH and/or --eval-input NAME PATH.")
         _check_set_names([*sets, config.eval_split_name], output)
-        inputs = {name: _resolve([specs] if isinstance(specs, str) else specs, ctx.storage)
+        inputs = {name: _resolve([specs] if isinstance(specs, str) else specs, storage)
                   for name, specs in sets.items()}  # every input checked before any work
         with _long_lived_heap_frozen():
-            results = [_process(name, files, config, tokenizer, ctx.storage, staging, quarantine)
+            results = [_process(name, files, config, tokenizer, storage, staging, quarantine)
                        for name, files in inputs.items()]
         quarantine.close()
-        _fail_if_empty(results, quarantine, keep=ctx.workdir / "preprocess" / QUARANTINE)
-        return _publish(results, quarantine, config, ctx.storage, staging, output)
+        _fail_if_empty(results, quarantine, keep=workdir / "preprocess" / QUARANTINE)
+        return _publish(results, quarantine, config, storage, staging, output)
 
 
 def _tokenizer(config: PreprocessConfig) -> PromptTokenizer | None:
@@ -112,6 +118,7 @@ class SetResult:
     tokens: TokenStats = field(default_factory=TokenStats)
     writers: dict[str, DatasetWriter] = field(default_factory=dict)
     prompt_format: str | None = None
+    label_format: str | None = None
     packed_columns: Counter[str] = field(default_factory=Counter)
     dropped_columns: Counter[str] = field(default_factory=Counter)
 
@@ -197,6 +204,7 @@ class _Batcher:
         if batch.duplicates is not None:
             counts["filtered.duplicate_prompt"] += batch.duplicates
         self.result.prompt_format = batch.prompt_format
+        self.result.label_format = batch.label_format
         counting = self._start_count(batch.rows)
         self._finish_pending()
         self._pending = batch.rows, counting
@@ -262,20 +270,21 @@ class _Batcher:
             parts = [(output, rows.take(chosen)) for output, chosen in by_output.items()]
         else:
             parts = [(self.result.name, rows)]
-        fmt = self.result.prompt_format or "text"
+        formats = self.result.prompt_format or "text", self.result.label_format or "text"
         columns = [(self.result.writers[output], part.columns()) for output, part in parts]
         if self._writing is not None:
             self._writing.result()
-        self._writing = self.writer.submit(_write_parts, columns, fmt)
+        self._writing = self.writer.submit(_write_parts, columns, *formats)
 
     def _destination(self, row_id: str) -> str:
         keyed = _hash64(f"{self.config.data_seed}:{row_id}")
         return self.config.eval_split_name if keyed < self.config.eval_split_fraction * 2**64 else "train"  # type: ignore[operator]
 
 
-def _write_parts(parts: list[tuple[DatasetWriter, dict[str, list[Any]]]], prompt_format: str) -> None:
+def _write_parts(parts: list[tuple[DatasetWriter, dict[str, list[Any]]]], prompt_format: str,
+                 label_format: str) -> None:
     for writer, columns in parts:
-        writer.write(columns, prompt_format)
+        writer.write(columns, prompt_format, label_format)
 
 
 def _hash64(text: str) -> int:
@@ -354,7 +363,7 @@ def _set_facts(result: SetResult) -> dict[str, Any]:
     return {
         "inputs": [f.model_dump() for f in result.files],
         "skipped_files": result.skipped,
-        "prompt_format": result.prompt_format,
+        "prompt_format": result.prompt_format, "label_format": result.label_format,
         "packed_columns": dict(result.packed_columns), "dropped_columns": dict(result.dropped_columns),
         "outputs": {name: w.rows for name, w in result.writers.items()},
         "rows_in": result.counts["rows_in"], "rows_out": result.counts["rows_out"], **mapper_counts,

@@ -15,6 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 PROMPT_FORMAT_KEY = b"slimeflow.prompt_format"
+LABEL_FORMAT_KEY = b"slimeflow.label_format"
+"""'json' when the label column holds JSON (object labels); absent: labels are plain text."""
 SCHEMA = pa.schema([
     pa.field("row_id", pa.string(), nullable=False),
     pa.field("prompt", pa.string(), nullable=False),
@@ -29,8 +31,11 @@ PARQUET_OPTIONS: dict[str, Any] = {"compression": "zstd", "use_dictionary": ["la
 costs time for no smaller file."""
 
 
-def schema_for(prompt_format: str) -> pa.Schema:
-    return SCHEMA.with_metadata({PROMPT_FORMAT_KEY: prompt_format.encode()})
+def schema_for(prompt_format: str, label_format: str = "text") -> pa.Schema:
+    formats = {PROMPT_FORMAT_KEY: prompt_format.encode()}
+    if label_format != "text":
+        formats[LABEL_FORMAT_KEY] = label_format.encode()
+    return SCHEMA.with_metadata(formats)
 
 
 class DatasetWriter:
@@ -47,9 +52,9 @@ class DatasetWriter:
         self._writer: Any = None
         self._sink: Any = None
 
-    def write(self, columns: dict[str, list[Any]], prompt_format: str) -> None:
+    def write(self, columns: dict[str, list[Any]], prompt_format: str, label_format: str = "text") -> None:
         """Append rows given as columns of the schema (in any order)."""
-        batch = pa.RecordBatch.from_pydict(columns, schema=schema_for(prompt_format))
+        batch = pa.RecordBatch.from_pydict(columns, schema=schema_for(prompt_format, label_format))
         if not batch.num_rows:
             return
         if self._writer is None:

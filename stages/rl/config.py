@@ -83,7 +83,8 @@ class DataConfig(ConfigModel):
     """Where prompts come from and how rows map onto samples."""
 
     prompt_data: str | None = None
-    """Prompt parquet (or jsonl) path or URI; in a pipeline, the preprocess stage's output."""
+    """Raw data (JSONL, JSON, CSV, parquet: preprocessed first) or prompt parquet, a path or URI; in a pipeline, the
+    preprocess stage's output."""
     input_key: str = "input"
     """Column holding the prompt (a string or an OpenAI messages list)."""
     label_key: str | None = None
@@ -145,6 +146,11 @@ class RewardConfig(ConfigModel):
     """Remote reward server (HTTP)."""
     group_rm: bool = False
     """Reward a whole group at once."""
+    reward_key: str | None = None
+    """The entry of a dict a reward function or server returns that is the reward (as slime; without it a dict's
+    'reward', else its 'score')."""
+    eval_reward_key: str | None = None
+    """--reward-key for evaluation (default: --reward-key)."""
 
 
 class AlgorithmConfig(ConfigModel):
@@ -259,7 +265,7 @@ class EvalConfig(ConfigModel):
     eval_interval: OptionalPositiveInt = None
     """Evaluate every this many rollouts."""
     eval_prompt_data: dict[str, str] = Field(default_factory=dict)
-    """Named eval sets: --eval-prompt-data NAME PATH [NAME PATH ...]."""
+    """Named eval sets: --eval-prompt-data NAME PATH [NAME PATH ...] (raw data or prompt parquet, as --prompt-data)."""
     n_samples_per_eval_prompt: PositiveInt = 1
     """Responses per eval prompt (pass@k, avg@n)."""
     eval_max_response_len: OptionalPositiveInt = None

@@ -28,7 +28,7 @@ START_ROLLOUT_ID = "start_rollout_id"
 class DataSource:
     """Groups of samples over a `Sequence` of prompt dicts (the prompt-parquet reader's items, or plain dicts).
 
-    An item is `{"prompt": str | list[dict], "label": str | None, "metadata": dict | JSON str, "tools": list | None,
+    An item is `{"prompt": str | list[dict], "label": str | dict | None, "metadata": dict | JSON str, "tools": list | None,
     "row_id": str}`; only "prompt" is required. Tools go to metadata["tools"], the row id to metadata["row_id"].
     """
 
@@ -84,7 +84,7 @@ class DataSource:
         group = []
         for _ in range(self.n_samples_per_prompt):
             group.append(Sample(group_index=self.group_index, index=self.sample_index, prompt=json_copy(prompt),
-                                label=label, metadata=json_copy(metadata)))
+                                label=json_copy(label), metadata=json_copy(metadata)))
             self.sample_index += 1
         self.group_index += 1
         return group
@@ -128,7 +128,7 @@ def json_copy(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def _parse_item(item: Mapping[str, Any], row: int) -> tuple[Any, str | None, dict[str, Any]]:
+def _parse_item(item: Mapping[str, Any], row: int) -> tuple[Any, Any, dict[str, Any]]:
     if "prompt" not in item:
         raise ValueError(f"prompt row {row} has no 'prompt' field (fields: {sorted(item)}); "
                          "the prompt dataset must have a 'prompt' column")

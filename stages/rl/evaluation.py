@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slimeflow.stages.rl.data_source import DataSource
+from slimeflow.stages.rl.rewards import EVAL_SET
 from slimeflow.stages.rl.rollout import RolloutContext, generate_group
 from slimeflow.stages.rl.types import Sample, Status
 
@@ -66,7 +67,7 @@ async def evaluate_sets(ctx: RolloutContext, sets: Mapping[str, Sequence[Mapping
         groups = source.get_groups(len(prompts))
         for group in groups:
             for sample in group:
-                sample.metadata.setdefault("eval_set", name)
+                sample.metadata.setdefault(EVAL_SET, name)
         done = await asyncio.gather(*(generate_group(ctx, g, settings.sampling_params) for g in groups))
         metrics.update(score_set(name, done))
     return metrics

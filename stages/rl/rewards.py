@@ -2,13 +2,15 @@
 
 Precedence, as slime: --custom-rm-path, else the rm_type of the sample (metadata["rm_type"], else --rm-type);
 rm_type "remote_rm" (or no rm_type with --rm-url set) asks the reward server. A `boxed_` prefix scores the content
-of the response's last \\boxed{} with the rm_type after the prefix.
+of the response's last \\boxed{} with the rm_type after the prefix. A custom function or a server may answer a
+dict: --reward-key (--eval-reward-key for eval samples) names the entry that is the reward.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import math
 import re
 import string
@@ -23,13 +25,22 @@ from slimeflow.stages.rl.config import RewardConfig
 from slimeflow.stages.rl.plugins import load_plugin
 from slimeflow.stages.rl.types import Sample
 
+EVAL_SET = "eval_set"
+"""metadata key naming an eval sample's set (evaluation sets it): such a sample's reward is --eval-reward-key's."""
+
 BuiltinReward = Callable[[str, str | None, dict[str, Any], MathJudge], float]
 """(response, label, metadata, judge) -> reward."""
 
 
-def _need_label(label: str | None, rm_type: str) -> str:
+def _need_label(label: Any, rm_type: str) -> str:
+    """The label as text (a number from a JSON-label set as its JSON text); a structured label is refused."""
     if label is None:
         raise ValueError(f"rm_type {rm_type!r} compares against a label, and this sample has none (set --label-key)")
+    if isinstance(label, int | float) and not isinstance(label, bool):
+        return json.dumps(label)
+    if not isinstance(label, str):
+        raise ValueError(f"rm_type {rm_type!r} compares against a text label, and this sample's label is a "
+                         f"{type(label).__name__}; score structured labels with --custom-rm-path")
     return label
 
 
@@ -152,7 +163,7 @@ class RemoteReward:
     def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 3, backoff_s: float = 0.5):
         self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
 
-    async def __call__(self, sample: Sample) -> float:
+    async def __call__(self, sample: Sample, reward_key: str | None = None) -> float:
         payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label,
                    "metadata": sample.metadata, "index": sample.index, "group_index": sample.group_index}
         last = ""
@@ -161,7 +172,7 @@ class RemoteReward:
                 async with httpx.AsyncClient(timeout=self.timeout_s) as client:
                     reply = await client.post(self.url, json=payload)
                 reply.raise_for_status()
-                return _reward_value(reply.json())
+                return _reward_value(reply.json(), reward_key)
             except (httpx.HTTPError, ValueError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
                 if attempt + 1 < self.retries:
@@ -170,11 +181,27 @@ class RemoteReward:
                                 f"(timeout {self.timeout_s} s each); last error: {last}. Check --rm-url and the server")
 
 
-def _reward_value(body: Any) -> float:
-    value = body.get("reward", body.get("score")) if isinstance(body, dict) else body
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"the reward server answered {str(body)[:200]!r}; expected a number or {{'reward': number}}")
-    return float(value)
+def _reward_value(body: Any, reward_key: str | None) -> float:
+    try:
+        return reward_value(body, reward_key)
+    except ValueError as err:
+        raise ValueError(f"the reward server answered {str(body)[:200]!r}: {err}; expected a number or "
+                         "{'reward': number}") from None
+
+
+def reward_value(value: Any, reward_key: str | None) -> float:
+    """A reward function's answer as a finite number: a number, or the `reward_key` entry of a dict (without a key,
+    its 'reward', else its 'score')."""
+    if isinstance(value, dict):
+        if reward_key is None and not {"reward", "score"} & set(value):
+            raise ValueError(f"returned a dict with keys {sorted(value)[:10]}; name the reward's with --reward-key "
+                             "(and --eval-reward-key for evaluation)")
+        key = reward_key or ("reward" if "reward" in value else "score")
+        if key not in value:
+            raise ValueError(f"returned a dict without {key!r} (--reward-key / --eval-reward-key); its keys are "
+                             f"{sorted(value)[:10]}")
+        value = value[key]
+    return _finite(value)
 
 
 class RewardScorer:
@@ -210,7 +237,7 @@ class RewardScorer:
             rewards = await _maybe_await(self.custom(self.config, list(group)))
             if len(rewards) != len(group):
                 raise ValueError(f"returned {len(rewards)} rewards for a group of {len(group)}")
-            values = [_finite(r) for r in rewards]
+            values = [reward_value(r, self.reward_key(s)) for r, s in zip(rewards, group, strict=True)]
         except Exception as exc:
             for sample in group:
                 sample.mark_failed(f"group reward {self.config.custom_rm_path} raised {type(exc).__name__}: {exc}")
@@ -229,10 +256,10 @@ class RewardScorer:
             if self.custom is not None:
                 value = await _maybe_await(self.custom(self.config, sample))
             elif source == "remote_rm":
-                value = await self.remote(sample)
+                value = await self.remote(sample, self.reward_key(sample))
             else:
                 value = builtin_reward(source, sample.response, sample.label, sample.metadata, self.judge)
-            sample.reward = _finite(value)
+            sample.reward = reward_value(value, self.reward_key(sample))
         except Exception as exc:
             sample.mark_failed(f"{source} raised {type(exc).__name__}: {exc}")
 
@@ -245,6 +272,12 @@ class RewardScorer:
                                                    self.judge))
         except Exception as exc:
             sample.mark_failed(f"{source} raised {type(exc).__name__}: {exc}")
+
+    def reward_key(self, sample: Sample) -> str | None:
+        """--reward-key, or for an eval sample --eval-reward-key (default --reward-key), as slime."""
+        if EVAL_SET in sample.metadata:
+            return self.config.eval_reward_key or self.config.reward_key
+        return self.config.reward_key
 
     def _source(self, sample: Sample) -> str:
         if self.custom is not None:

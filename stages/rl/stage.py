@@ -28,11 +28,13 @@ from slimeflow.stages.rl.model_args import check_model_args
 from slimeflow.stages.rl.placement import create_placement, init_ray, scratch_dir
 from slimeflow.stages.rl.plots import plot_curves
 from slimeflow.stages.rl.plugins import PluginError, load_plugin
+from slimeflow.stages.rl.raw_data import PreparedSet, manifest_entries, prepare_data
 
 
 def run(config: TrainConfig, ctx: StageContext) -> Manifest:
     """Train; returns the manifest of the latest checkpoint with the run's figures."""
     config = with_defaults(config, ctx)
+    config, prepared = prepare_data(config, ctx.storage, ctx.workdir)  # raw data sets -> prompt parquet
     setup = rollout_setup(config, ctx)
     num_rollout = resolve_num_rollout(config, setup.prompt_data, ctx)
     total_steps = num_rollout * config.batch.num_steps_per_rollout
@@ -44,7 +46,7 @@ def run(config: TrainConfig, ctx: StageContext) -> Manifest:
         result = loop.train(placement, num_rollout, history)
     finally:
         placement.shutdown()
-    return manifest(config, ctx, result, history)
+    return manifest(config, ctx, result, history, prepared)
 
 
 def with_defaults(config: TrainConfig, ctx: StageContext) -> TrainConfig:
@@ -53,9 +55,6 @@ def with_defaults(config: TrainConfig, ctx: StageContext) -> TrainConfig:
     save = ckpt.save or str((ctx.workdir / "checkpoints").resolve())
     update = {"save": save, "load": ckpt.load or save}
     return config.model_copy(update={"checkpoint": ckpt.model_copy(update=update)})
-
-
-RAW_SUFFIXES = (".jsonl", ".json", ".csv", ".jsonl.gz", ".json.gz")
 
 
 def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
@@ -67,11 +66,7 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
     if config.debug.debug_train_only:
         problems += replay_problems(config)
     elif config.data.prompt_data is None:
-        problems.append("--prompt-data is not set (the preprocess stage's train parquet)")
-    elif config.data.prompt_data.endswith(RAW_SUFFIXES):
-        problems.append(f"--prompt-data {config.data.prompt_data} is a raw dataset; the train stage reads the "
-                        "preprocess stage's prompt parquet (run `slimeflow preprocess --input FILE --output DIR`, "
-                        "or the pipeline with a preprocess section, and point --prompt-data at DIR/train)")
+        problems.append("--prompt-data is not set (a raw dataset, or the preprocess stage's train parquet)")
     hf_config = Path(config.checkpoint.hf_checkpoint or "", "config.json")
     if hf_config.is_file():
         problems += check_model_args(config.megatron, json.loads(hf_config.read_text()), config.placement.train_backend)
@@ -82,7 +77,8 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
     if problems:
         raise StageInputError("the train stage cannot start", problems,
                               "In a pipeline these come from the model and preprocess stages; alone, pass them "
-                              "(the data flags: the preprocess stage's prompt parquet, a file or a set's directory).")
+                              "(the data flags: a raw JSONL, JSON, CSV or parquet dataset, or the preprocess stage's "
+                              "prompt parquet, a file or a set's directory).")
     check_plugins(config)
     return RolloutSetup(hf_checkpoint=config.checkpoint.hf_checkpoint, prompt_data=config.data.prompt_data,
                         eval_prompt_data=dict(config.eval.eval_prompt_data),
@@ -111,14 +107,13 @@ def replay_problems(config: TrainConfig) -> list[str]:
 
 
 def data_problems(config: TrainConfig, ctx: StageContext) -> list[str]:
-    """--prompt-data and every --eval-prompt-data set: there, readable, prompt parquet, not empty (before Ray,
-    where a bad one would only show as a dead actor)."""
+    """--prompt-data and every --eval-prompt-data set (raw ones already preprocessed): there, readable, prompt
+    parquet, not empty (before Ray, where a bad one would only show as a dead actor)."""
     from slimeflow.stages.preprocess.reader import open_prompt_sets
 
     sets = {f"--eval-prompt-data {name}": uri for name, uri in config.eval.eval_prompt_data.items()}
-    prompt_data = config.data.prompt_data
-    if prompt_data is not None and not prompt_data.endswith(RAW_SUFFIXES):
-        sets = {"--prompt-data": prompt_data, **sets}
+    if config.data.prompt_data is not None:
+        sets = {"--prompt-data": config.data.prompt_data, **sets}
     return open_prompt_sets(sets, ctx.storage)[1]
 
 
@@ -239,8 +234,11 @@ def _rewrite(path: Path, records: list[dict[str, Any]]) -> None:
     os.replace(staged, path)
 
 
-def manifest(config: TrainConfig, ctx: StageContext, result: loop.LoopResult, history: RolloutLog) -> Manifest:
-    """The latest checkpoint with the run's figures; with --debug-rollout-only (no trainer) the figures alone."""
+def manifest(config: TrainConfig, ctx: StageContext, result: loop.LoopResult, history: RolloutLog,
+             prepared: dict[str, PreparedSet] | None = None) -> Manifest:
+    """The latest checkpoint with the run's figures (with --debug-rollout-only, no trainer: the figures alone); raw
+    data sets add their counts (data.SET.rows_in, .quarantined, ...) and where their prompt parquet, quarantine and
+    preprocess manifest are (outputs data.SET.*)."""
     root = config.checkpoint.save
     outputs = {"hf_checkpoint": config.checkpoint.hf_checkpoint, "rollouts": str(history.path),
                "row_ids": str(history.path.with_name("row_ids.jsonl"))}
@@ -251,6 +249,8 @@ def manifest(config: TrainConfig, ctx: StageContext, result: loop.LoopResult, hi
             raise RuntimeError(f"training finished but {root} holds no complete checkpoint")
         records = fingerprint(Path(latest.uri), ctx.storage)
         outputs.update({"checkpoint": latest.uri, "checkpoint_root": root})
+    data_counts, data_outputs = manifest_entries(prepared or {})
+    outputs.update(data_outputs)
     curve = plot_curves(history.read(), ctx.workdir / "train" / "reward_curve.png")
     if curve is not None:
         uri = join(ctx.output, "train", "reward_curve.png")
@@ -260,7 +260,8 @@ def manifest(config: TrainConfig, ctx: StageContext, result: loop.LoopResult, hi
     return Manifest(
         stage="train", outputs=outputs, artifacts=records, artifact_root=latest and latest.uri,
         counts={"num_rollout": result.num_rollout, "start_rollout_id": result.start_rollout_id,
-                "rollouts_run": len(result.row_ids), **({"iteration": int(latest.iteration)} if latest else {})},
+                "rollouts_run": len(result.row_ids), **({"iteration": int(latest.iteration)} if latest else {}),
+                **data_counts},
         hashes={"content": content_hash(records)},
         facts={"eval_first": evals[0][1] if evals else {}, "eval_last": evals[-1][1] if evals else {},
                "last_metrics": result.last_metrics},

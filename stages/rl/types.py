@@ -35,7 +35,8 @@ class Sample:
     group_index: int
     index: int
     prompt: str | list[dict[str, Any]]
-    label: str | None = None
+    label: str | dict[str, Any] | list[Any] | float | None = None
+    """The prompt's label: text, or a JSON value (a dict such as Search-R1's reward_model) for reward functions."""
     metadata: dict[str, Any] = field(default_factory=dict)
     tokens: list[int] = field(default_factory=list)
     response: str = ""
