@@ -105,3 +105,15 @@ def test_a_converted_release_carries_checksums_that_its_readers_verify(release, 
     data.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match=data.name):
         write_hf(copy, tmp_path / "hf-out", hf)
+
+
+def test_an_export_removes_the_staging_a_killed_export_left_beside_its_output(release, tmp_path):
+    from slimeflow.stages.convert.export import write_hf
+
+    hf, directory = release
+    left, foreign = tmp_path / ".back.tmp-0123abcd", tmp_path / ".back.tmp-keepme"
+    for path in (left, foreign):
+        (path / "model-00001-of-00002.safetensors").parent.mkdir(parents=True)
+    write_hf(directory, tmp_path / "back", hf)
+    assert not left.exists() and foreign.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".back.tmp-keepme", "back"]

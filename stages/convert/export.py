@@ -21,6 +21,7 @@ from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.convert.families import Family, family_for, supported_architectures
 from slimeflow.stages.convert.integrity import verify_checkpoint
 from slimeflow.stages.convert.mapping import ModelShape, global_rules, megatron_to_hf
+from slimeflow.stages.convert.staging import claimed_dir, remove_abandoned
 from slimeflow.stages.convert.torch_dist import load_torch_dist, read_common, tensor_metadata, unstack_layers
 from slimeflow.stages.model.stage import INDEX_FILE, fingerprint
 
@@ -82,16 +83,16 @@ def write_hf(checkpoint_dir: Path, output: Path, origin: Path, vocab_size: int |
     shape = ModelShape.from_megatron_args(args, family, vocab_size or hf_config["vocab_size"],
                                           source=str(Path(checkpoint_dir) / "common.pt"))
     plan = _plan(shape, tensor_metadata(checkpoint_dir), checkpoint_dir)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.with_name(f".{output.name}.tmp-{uuid.uuid4().hex[:8]}")
-    staging.mkdir()
-    try:
-        weight_map = _write_shards(checkpoint_dir, staging, shape, plan, max_shard_bytes)
-        _copy_non_weights(origin, staging)
-        replace_dir(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    prefix = f".{output.name}.tmp-"  # claimed while written: what a killed export left is removed here next time
+    remove_abandoned(output.parent, prefix)
+    with claimed_dir(output.parent, prefix) as staging:
+        try:
+            weight_map = _write_shards(checkpoint_dir, staging, shape, plan, max_shard_bytes)
+            _copy_non_weights(origin, staging)
+            replace_dir(staging, output)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
     return len(weight_map)
 
 

@@ -80,12 +80,13 @@ def held(path: Path) -> Iterator[Path]:
             os.close(fd)
 
 
-def remove_abandoned(root: Path) -> list[Path]:
+def remove_abandoned(root: Path, prefix: str | None = None) -> list[Path]:
     """Remove the staging directories in `root` that crashed conversions left (ours by name, owner gone);
-    returns them."""
+    returns them. With `prefix`, also those named `<prefix><8 hex digits>` (claimed_dir's names)."""
+    ours = re.compile(re.escape(prefix) + r"[0-9a-f]{8}$") if prefix else ABANDONED
     removed = []
     for path in sorted(root.iterdir()) if root.is_dir() else []:
-        if not (ABANDONED.match(path.name) and path.is_dir() and not path.is_symlink()):
+        if not ((ABANDONED.match(path.name) or ours.match(path.name)) and path.is_dir() and not path.is_symlink()):
             continue
         try:
             fd = _lock(path)
