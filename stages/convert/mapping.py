@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from slimeflow.stages.convert.families import FAMILIES, GLOBAL_RULES, VOCAB_PADDED, Family, Rule
+from slimeflow.families import FAMILIES, GLOBAL_RULES, VOCAB_PADDED, FamilySpec, Rule
 
 HF_LAYER = "model.layers.{}."
 MEGATRON_LAYER = "decoder.layers.{}."
@@ -39,13 +39,15 @@ class ModelShape:
     rotary_base: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates (HF: partial_rotary_factor)."""
 
     @property
-    def info(self) -> Family:
+    def info(self) -> FamilySpec:
         return FAMILIES[self.family]
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any], family: Family, make_vocab_size_divisible_by: int = 128,
+    def from_hf_config(cls, config: Mapping[str, Any], family: FamilySpec, make_vocab_size_divisible_by: int = 128,
                        tensor_model_parallel_size: int = 1) -> ModelShape:
         """The shape of an HF `config.json` (a dict); KeyError names a missing field."""
         heads = config["num_attention_heads"]
@@ -67,10 +69,11 @@ class ModelShape:
             rotary_base=rotary_base,
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            rotary_percent=rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)),
         )
 
     @classmethod
-    def from_megatron_args(cls, args: argparse.Namespace, family: Family, vocab_size: int,
+    def from_megatron_args(cls, args: argparse.Namespace, family: FamilySpec, vocab_size: int,
                            source: str = "common.pt") -> ModelShape:
         """The shape in a checkpoint's Megatron `args` (ours, slime's or Megatron-LM's); `vocab_size` is the true
         (unpadded) vocabulary. ValueError names `source` and every attribute that is missing."""
@@ -88,6 +91,7 @@ class ModelShape:
             norm_epsilon=read("norm_epsilon", "layernorm_epsilon"), rotary_base=read("rotary_base"),
             max_position_embeddings=read("max_position_embeddings"),
             tie_word_embeddings=not read("untie_embeddings_and_output_weights", default=False),
+            rotary_percent=read("rotary_percent", default=1.0),
         )
         if read.missing:
             raise ValueError(f"{source}: the checkpoint's Megatron args lack {', '.join(read.missing)}; it was not "
@@ -146,8 +150,11 @@ def megatron_args(shape: ModelShape, dtype: torch.dtype, make_vocab_size_divisib
         # norm_epsilon under both spellings: Megatron-LM's newer (layernorm_epsilon) and older, which slime reads.
         normalization="RMSNorm", norm_epsilon=shape.norm_epsilon, layernorm_epsilon=shape.norm_epsilon,
         swiglu=True, add_bias_linear=False,
-        add_qkv_bias=info.add_qkv_bias, qk_layernorm=info.qk_layernorm, position_embedding_type="rope",
-        rotary_base=shape.rotary_base, max_position_embeddings=shape.max_position_embeddings,
+        add_qkv_bias=info.attention_bias, qk_layernorm=info.qk_norm, position_embedding_type="rope",
+        rotary_base=shape.rotary_base, rotary_percent=shape.rotary_percent,
+        rotary_interleaved=info.rotary_interleaved, max_position_embeddings=shape.max_position_embeddings,
+        # GLM4's sandwich norms, under the flag names of slime's patched Megatron-LM.
+        post_self_attn_layernorm=info.sandwich_norms, post_mlp_layernorm=info.sandwich_norms,
         untie_embeddings_and_output_weights=not shape.tie_word_embeddings,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype, ckpt_format="torch_dist",
         # Read by slime's converters for every model (None/False: no multi-latent attention, no experts).
@@ -178,6 +185,9 @@ _HF_SHAPES: dict[str, Callable[[ModelShape], tuple[int, ...]]] = {
     "mlp.gate_proj.weight": lambda s: (s.ffn_hidden_size, s.hidden_size),
     "mlp.up_proj.weight": lambda s: (s.ffn_hidden_size, s.hidden_size),
     "mlp.down_proj.weight": lambda s: (s.hidden_size, s.ffn_hidden_size),
+    "mlp.gate_up_proj.weight": lambda s: (2 * s.ffn_hidden_size, s.hidden_size),
+    "post_self_attn_layernorm.weight": lambda s: (s.hidden_size,),
+    "post_mlp_layernorm.weight": lambda s: (s.hidden_size,),
 }
 """HF tensor shapes by name (per-layer names without their `model.layers.<i>.` prefix)."""
 
