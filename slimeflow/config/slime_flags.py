@@ -9,8 +9,8 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--offload-train": "use --offload (colocated mode)",
     "--offload-rollout": "use --offload (colocated mode)",
     "--use-critic": "PPO with a trained critic is not supported yet",
-    "--multi-latent-attention": "MLA models (DeepSeek) are not supported yet: dense Llama/Qwen2/Qwen3 only",
-    "--num-experts": "mixture-of-experts models are not supported yet: dense Llama/Qwen2/Qwen3 only",
+    "--multi-latent-attention": "MLA models (DeepSeek) are not supported yet: dense Llama/Qwen2/Qwen3/GLM4 only",
+    "--num-experts": "mixture-of-experts models are not supported yet: dense Llama/Qwen2/Qwen3/GLM4 only",
     "--use-distributed-optimizer": "the Megatron backend is not available yet",
     "--custom-config-path": "custom YAML args for plug-ins are not supported yet",
     "--eval-function-path": "a custom eval function is not supported yet",
@@ -22,8 +22,10 @@ NOT_YET_SUPPORTED: dict[str, str] = {
 
 _MEGATRON = ("a Megatron-LM flag, read only by the Megatron training backend (--train-backend megatron), which is "
              "not in this version; the torch backend needs no such setting")
-_MLA = "multi-latent attention (DeepSeek-V3, Kimi-K2, Moonlight) is not supported yet: dense Llama/Qwen2/Qwen3 only"
+_MLA = "multi-latent attention (DeepSeek-V3, Kimi-K2, Moonlight) is not supported yet: dense Llama/Qwen2/Qwen3/GLM4 only"
 _MTP = "multi-token prediction layers are not supported yet"
+_SANDWICH = ("GLM4's sandwich norms come from its HF config (model_type glm4), which the torch backend and the "
+             "converter read; this Megatron-LM flag is read only by the Megatron backend, not in this version")
 
 # Megatron-LM flags that slime's scripts/run-*.sh and scripts/models/*.sh pass (THUDM/slime 624b824a8).
 NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (
@@ -39,8 +41,8 @@ NOT_YET_SUPPORTED.update({flag: _MLA for flag in (
 )})
 NOT_YET_SUPPORTED.update({flag: _MTP for flag in ("--mtp-num-layers", "--mtp-loss-scaling-factor", "--enable-mtp-training")})
 NOT_YET_SUPPORTED.update({
-    "--post-self-attn-layernorm": "GLM4's sandwich norms are not supported yet: dense Llama/Qwen2/Qwen3 only",
-    "--post-mlp-layernorm": "GLM4's sandwich norms are not supported yet: dense Llama/Qwen2/Qwen3 only",
+    "--post-self-attn-layernorm": _SANDWICH,
+    "--post-mlp-layernorm": _SANDWICH,
     "--update-weight-buffer-size": "bucketed weight sync is not supported yet: weights go to the engines whole",
     "--prefill-num-servers": "prefill/decode disaggregation is not supported yet",
     "--no-offload-train": "offload is not supported yet",
@@ -49,7 +51,7 @@ NOT_YET_SUPPORTED.update({
 })
 
 NOT_YET_SUPPORTED_PREFIXES: dict[str, str] = {
-    "--moe-": "mixture-of-experts models are not supported yet: dense Llama/Qwen2/Qwen3 only",
+    "--moe-": "mixture-of-experts models are not supported yet: dense Llama/Qwen2/Qwen3/GLM4 only",
     "--critic-": "PPO with a trained critic is not supported yet",
     "--wandb-": "slimeflow tracks with MLflow: set --mlflow-tracking-uri",
     "--fsdp-": "the FSDP backend is not supported: use --train-backend torch or megatron",

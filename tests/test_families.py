@@ -1,0 +1,249 @@
+"""The family specs (slimeflow.families) and GLM4, the seeds' running example, through factory, converter and engine.
+
+GLM4 differs from Llama in every place a converter can go wrong: an HF-fused gate_up_proj, a QKV bias, sandwich
+norms (`post_self_attn_layernorm`, `post_mlp_layernorm`, named as slime's patched Megatron names them), and
+interleaved RoPE on half of each head. Two tiny models are converted HF -> torch_dist -> HF once per module; the
+checkpoint is loaded by megatron-core's GPTModel built from its args, whose logits must equal transformers'.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from slimeflow.families import FAMILIES, family_for
+from slimeflow.io.storage import Storage
+from slimeflow.stages.base import StageContext
+from slimeflow.stages.convert.config import ConvertConfig
+from slimeflow.stages.convert.mapping import ModelShape, expected_hf_tensors
+from slimeflow.stages.convert.stage import run
+from slimeflow.stages.convert.torch_dist import load_torch_dist, read_common, tensor_metadata
+from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+
+GLM4_CASES = {
+    # unequal head counts, head_dim not hidden/heads (rotary on 12 of 24 dims), odd vocabulary (263)
+    "glm4-fp32-mqa-headdim-1p": ("tiny:glm4?head_dim=24&num_key_value_heads=1&seed=3", 1),
+    "glm4-bf16-gqa-2p": ("tiny:glm4?dtype=bfloat16&num_hidden_layers=3&num_attention_heads=8&hidden_size=96"
+                         "&max_shard_size=100KB&seed=5", 2),
+}
+
+
+def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    return {name: t for file in sorted(directory.glob("*.safetensors")) for name, t in load_file(file).items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Every family: the factory's model is exactly what the converter's name map expects; the engine's choice
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_familys_tiny_model_has_exactly_the_tensors_its_spec_maps(tmp_path, family):
+    spec = FAMILIES[family]
+    hf = build_tiny_model(tmp_path / "hf", TinyModelSpec(family=family, seed=1))
+    config = json.loads((hf / "config.json").read_text())
+    assert config["model_type"] == spec.model_type and family_for(config["architectures"]) is spec
+    shape = ModelShape.from_hf_config(config, spec)
+    tensors = hf_tensors(hf)
+    assert {name: tuple(t.shape) for name, t in tensors.items()} == expected_hf_tensors(shape)
+    assert any(name.endswith("q_proj.bias") for name in tensors) == spec.attention_bias
+    assert any(name.endswith("q_norm.weight") for name in tensors) == spec.qk_norm
+    assert any(name.endswith("post_mlp_layernorm.weight") for name in tensors) == spec.sandwich_norms
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_engine_runs_its_native_forward_exactly_for_the_families_whose_spec_says_so(tmp_path, family, caplog):
+    from transformers import AutoModelForCausalLM
+
+    from slimeflow.stages.rl.engine.native import NativeForward, select_forward
+
+    hf = build_tiny_model(tmp_path / "hf", TinyModelSpec(family=family, num_hidden_layers=1))
+    forward = select_forward(AutoModelForCausalLM.from_pretrained(hf))
+    assert isinstance(forward, NativeForward) == FAMILIES[family].native_forward
+    if not FAMILIES[family].native_forward:
+        assert f"model_type {family!r} is not one of ['llama', 'qwen2', 'qwen3']" in caplog.text
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GLM4: the tiny model
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def glm4_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("glm4") / "hf", TinyModelSpec(family="glm4", seed=7))
+
+
+def test_tiny_glm4_is_glm4_shaped_and_generates_from_its_chat_template(glm4_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(glm4_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(glm4_dir, local_files_only=True)
+    assert type(model).__name__ == "Glm4ForCausalLM"
+    assert model.config.rope_parameters["partial_rotary_factor"] == 0.5 and model.config.attention_bias
+    assert len(tokenizer) == model.config.vocab_size == 263  # 256 bytes + 7 GLM special tokens
+    assert model.model.layers[0].mlp.gate_up_proj.weight.shape == (2 * 128, 64)
+    messages = [{"role": "system", "content": "You add."}, {"role": "user", "content": "2+3?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt == "[gMASK]<sop><|system|>\nYou add.<|user|>\n2+3?<|assistant|>\n"
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    assert inputs["input_ids"][0, :2].tolist() == tokenizer.convert_tokens_to_ids(["[gMASK]", "<sop>"])
+    out = model.generate(**inputs, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert out.shape == (1, inputs["input_ids"].shape[1] + 5)
+    stops = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|user|>", "<|observation|>"])
+    assert model.generation_config.eos_token_id == stops
+    text = "naïve 世界 🎉"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+
+
+def test_the_engine_serves_glm4_through_transformers_forward(glm4_dir):
+    from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
+    from slimeflow.stages.rl.engine.sampling import SamplingParams
+    from slimeflow.stages.rl.engine.weights import load_model
+
+    loaded = load_model(str(glm4_dir), device="cpu")
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, sampling_seed=5)
+    prompts = [[72, 101, 108, 108, 111], [50, 43, 50, 61]]
+    batcher = Batcher(loaded, max_batch_size=4)
+    batcher.start()
+    try:
+        futures = [batcher.submit(GenerateRequest(rid=str(i), input_ids=p, params=params))
+                   for i, p in enumerate(prompts)]
+        results = [f.result(timeout=60) for f in futures]
+    finally:
+        batcher.stop()
+    for prompt, result in zip(prompts, results, strict=True):
+        assert len(result.output_ids) == 8
+        with torch.inference_mode():
+            logp = loaded.model(torch.tensor([prompt + result.output_ids])).logits[0].log_softmax(-1)
+        rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + 8)
+        expected = logp[rows, torch.tensor(result.output_ids)]
+        torch.testing.assert_close(torch.tensor(result.output_logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_the_torch_backend_trains_glm4(glm4_dir):
+    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+    from slimeflow.stages.rl.config import TrainConfig
+    from slimeflow.stages.rl.train_step import train_on_rollout
+    from slimeflow.stages.rl.types import TrainBatch
+
+    config = TrainConfig(batch={"rollout_batch_size": 2, "n_samples_per_prompt": 2, "num_rollout": 1},
+                         optimizer={"lr": 1e-2})
+    backend = TorchBackend(glm4_dir, config.optimizer, config.algorithm, config.batch, seed=3, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    lengths = [(7, 3), (9, 4), (5, 2), (8, 4)]
+    batch = TrainBatch(tokens=[torch.randint(3, 250, (n,), generator=g) for n, _ in lengths],
+                       response_lengths=[r for _, r in lengths], loss_masks=[torch.ones(r) for _, r in lengths],
+                       rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]),
+                       rollout_log_probs=[-torch.rand(r, generator=g) for _, r in lengths])
+    before = {n: p.detach().clone() for n, p in backend.model.named_parameters()}
+    train_on_rollout(backend, batch, config)
+    changed = {n for n, p in backend.model.named_parameters() if not torch.equal(p, before[n])}
+    assert any("post_self_attn_layernorm" in n for n in changed) and any("gate_up_proj" in n for n in changed)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GLM4: HF -> torch_dist -> HF, names as slime's, megatron-core's logits
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def glm4_converted(tmp_path_factory) -> dict[str, dict]:
+    out = {}
+    for case, (uri, processes) in GLM4_CASES.items():
+        tmp = tmp_path_factory.mktemp(case)
+        ctx = StageContext(Storage(), tmp / "work", str(tmp / "work"))
+        hf = build_tiny_model(tmp / "hf", TinyModelSpec.from_uri(uri))
+        run(ConvertConfig(hf_checkpoint=str(hf), save=str(tmp / "ckpt"), processes=processes), ctx)
+        run(ConvertConfig(direction="torch-dist-to-hf", input_dir=str(tmp / "ckpt"), output_dir=str(tmp / "back"),
+                          origin_hf_dir=str(hf)), ctx)
+        out[case] = {"hf": hf, "release": tmp / "ckpt" / "release", "back": tmp / "back"}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", GLM4_CASES)
+def test_glm4_round_trip_is_bit_exact(glm4_converted, case):
+    item = glm4_converted[case]
+    original, back = hf_tensors(item["hf"]), hf_tensors(item["back"])
+    assert sorted(back) == sorted(original)
+    for name, tensor in original.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+
+
+@pytest.mark.slow
+def test_glm4_checkpoint_uses_slimes_names_and_args(glm4_converted):
+    item = glm4_converted["glm4-bf16-gqa-2p"]
+    args = read_common(item["release"])["args"]
+    assert (args.post_self_attn_layernorm, args.post_mlp_layernorm, args.rotary_interleaved) == (True, True, True)
+    assert args.rotary_percent == 0.5 and args.add_qkv_bias and not args.qk_layernorm
+    keys = set(tensor_metadata(item["release"]))
+    assert {"decoder.layers.post_self_attn_layernorm.weight", "decoder.layers.post_mlp_layernorm.weight",
+            "decoder.layers.self_attention.linear_qkv.bias"} <= keys
+    stacked, _ = load_torch_dist(item["release"], ["decoder.layers.mlp.linear_fc1.weight",
+                                                   "decoder.layers.post_mlp_layernorm.weight"])
+    hf = hf_tensors(item["hf"])
+    for layer in range(3):  # fc1 is HF's gate_up_proj as it is: [gate; up] on dim 0
+        assert torch.equal(stacked["decoder.layers.mlp.linear_fc1.weight"][layer],
+                           hf[f"model.layers.{layer}.mlp.gate_up_proj.weight"])
+        assert torch.equal(stacked["decoder.layers.post_mlp_layernorm.weight"][layer],
+                           hf[f"model.layers.{layer}.post_mlp_layernorm.weight"])
+
+
+@pytest.fixture(scope="module")
+def megatron_world(tmp_path_factory):
+    """A one-rank gloo process group with megatron-core's model-parallel state (TP=PP=1), for this module."""
+    from megatron.core import parallel_state
+
+    store = tmp_path_factory.mktemp("world") / "rendezvous"
+    torch.distributed.init_process_group("gloo", init_method=store.as_uri(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "tolerance"), [("glm4-fp32-mqa-headdim-1p", 1e-5), ("glm4-bf16-gqa-2p", 1e-4)])
+def test_glm4_gpt_model_with_sandwich_norms_loads_the_checkpoint_and_matches_hf(glm4_converted, megatron_world,
+                                                                               case, tolerance):
+    from megatron.core import dist_checkpointing
+    from transformers import AutoModelForCausalLM
+
+    from slimeflow._compat import megatron_on_cpu
+    from slimeflow.families.megatron import gpt_model_from_args
+
+    item = glm4_converted[case]
+    model = gpt_model_from_args(read_common(item["release"])["args"]).eval()
+    declared = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    assert {"decoder.layers.0.post_self_attn_layernorm.weight", "decoder.layers.0.post_mlp_layernorm.weight"} <= declared
+    loaded = dist_checkpointing.load(model.sharded_state_dict(), str(item["release"]))
+    incompatible = model.load_state_dict(loaded, strict=False)
+    assert not [k for k in incompatible.missing_keys if not k.endswith("_extra_state")]
+    hf_model = AutoModelForCausalLM.from_pretrained(item["hf"], dtype=torch.float32).eval()
+    vocab = hf_model.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 11), generator=torch.Generator().manual_seed(0))
+    mask = torch.triu(torch.ones(11, 11, dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad(), megatron_on_cpu():
+        megatron_logits = model(ids, torch.arange(11)[None].expand(2, -1), mask)[..., :vocab]
+        hf_logits = hf_model(ids).logits
+    assert (megatron_logits - hf_logits).abs().max().item() <= tolerance
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.25])
+def test_rotary_percent_is_checked_against_partial_rotary_factor_wherever_the_config_keeps_it(glm4_dir, factor):
+    """transformers 5 writes it into rope_parameters (the tiny model's config); GLM-Z1's config.json at the top."""
+    from slimeflow.config.pipeline import load_stage_config
+    from slimeflow.stages.rl.model_args import check_model_args
+
+    megatron = load_stage_config("train", None, ["--rollout-batch-size", "8", "--num-rollout", "1",
+                                                 "--rotary-percent", str(factor)]).megatron
+    nested = json.loads((glm4_dir / "config.json").read_text())
+    top_level = {**nested, "partial_rotary_factor": 0.5, "rope_parameters": {"rope_theta": 10000.0}}
+    for config in (nested, top_level):
+        problems = check_model_args(megatron, config, "torch")
+        assert problems == [] if factor == 0.5 else "--rotary-percent 0.25 does not match" in problems[0]
