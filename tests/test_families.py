@@ -30,6 +30,12 @@ GLM4_CASES = {
     "glm4-bf16-gqa-2p": ("tiny:glm4?dtype=bfloat16&num_hidden_layers=3&num_attention_heads=8&hidden_size=96"
                          "&max_shard_size=100KB&seed=5", 2),
 }
+MOE_CASES = {
+    # 5 experts (an odd count, more than top-2), expert FFN (24) unlike the dense one, two ranks
+    "qwen3_moe-bf16-2p": ("tiny:qwen3_moe?dtype=bfloat16&num_hidden_layers=3&num_experts=5&moe_intermediate_size=24"
+                          "&seed=4", 2),
+}
+CASES = {**GLM4_CASES, **MOE_CASES}
 
 
 def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -100,12 +106,20 @@ def test_tiny_glm4_is_glm4_shaped_and_generates_from_its_chat_template(glm4_dir)
     assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
 
 
-def test_the_engine_serves_glm4_through_transformers_forward(glm4_dir):
+@pytest.fixture(scope="module")
+def new_family_dirs(glm4_dir, tmp_path_factory) -> dict[str, Path]:
+    """The families without a native engine forward, each as a default tiny model."""
+    moe = build_tiny_model(tmp_path_factory.mktemp("moe") / "hf", TinyModelSpec(family="qwen3_moe", seed=7))
+    return {"glm4": glm4_dir, "qwen3_moe": moe}
+
+
+@pytest.mark.parametrize("family", ["glm4", "qwen3_moe"])
+def test_the_engine_serves_the_family_through_transformers_forward(new_family_dirs, family):
     from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
     from slimeflow.stages.rl.engine.sampling import SamplingParams
     from slimeflow.stages.rl.engine.weights import load_model
 
-    loaded = load_model(str(glm4_dir), device="cpu")
+    loaded = load_model(str(new_family_dirs[family]), device="cpu")
     params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, sampling_seed=5)
     prompts = [[72, 101, 108, 108, 111], [50, 43, 50, 61]]
     batcher = Batcher(loaded, max_batch_size=4)
@@ -125,7 +139,9 @@ def test_the_engine_serves_glm4_through_transformers_forward(glm4_dir):
         torch.testing.assert_close(torch.tensor(result.output_logprobs), expected, atol=1e-4, rtol=0)
 
 
-def test_the_torch_backend_trains_glm4(glm4_dir):
+@pytest.mark.parametrize(("family", "trained"), [("glm4", ("post_self_attn_layernorm", "gate_up_proj")),
+                                                 ("qwen3_moe", ("mlp.gate.weight", "mlp.experts"))])
+def test_the_torch_backend_trains_the_family(new_family_dirs, family, trained):
     from slimeflow.stages.rl.backend.torch_backend import TorchBackend
     from slimeflow.stages.rl.config import TrainConfig
     from slimeflow.stages.rl.train_step import train_on_rollout
@@ -133,7 +149,7 @@ def test_the_torch_backend_trains_glm4(glm4_dir):
 
     config = TrainConfig(batch={"rollout_batch_size": 2, "n_samples_per_prompt": 2, "num_rollout": 1},
                          optimizer={"lr": 1e-2})
-    backend = TorchBackend(glm4_dir, config.optimizer, config.algorithm, config.batch, seed=3, device="cpu")
+    backend = TorchBackend(new_family_dirs[family], config.optimizer, config.algorithm, config.batch, seed=3, device="cpu")
     g = torch.Generator().manual_seed(0)
     lengths = [(7, 3), (9, 4), (5, 2), (8, 4)]
     batch = TrainBatch(tokens=[torch.randint(3, 250, (n,), generator=g) for n, _ in lengths],
@@ -143,7 +159,7 @@ def test_the_torch_backend_trains_glm4(glm4_dir):
     before = {n: p.detach().clone() for n, p in backend.model.named_parameters()}
     train_on_rollout(backend, batch, config)
     changed = {n for n, p in backend.model.named_parameters() if not torch.equal(p, before[n])}
-    assert any("post_self_attn_layernorm" in n for n in changed) and any("gate_up_proj" in n for n in changed)
+    assert all(any(part in n for n in changed) for part in trained), sorted(changed)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -152,9 +168,9 @@ def test_the_torch_backend_trains_glm4(glm4_dir):
 
 
 @pytest.fixture(scope="module")
-def glm4_converted(tmp_path_factory) -> dict[str, dict]:
+def converted(tmp_path_factory) -> dict[str, dict]:
     out = {}
-    for case, (uri, processes) in GLM4_CASES.items():
+    for case, (uri, processes) in CASES.items():
         tmp = tmp_path_factory.mktemp(case)
         ctx = StageContext(Storage(), tmp / "work", str(tmp / "work"))
         hf = build_tiny_model(tmp / "hf", TinyModelSpec.from_uri(uri))
@@ -166,9 +182,9 @@ def glm4_converted(tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", GLM4_CASES)
-def test_glm4_round_trip_is_bit_exact(glm4_converted, case):
-    item = glm4_converted[case]
+@pytest.mark.parametrize("case", CASES)
+def test_round_trip_is_bit_exact(converted, case):
+    item = converted[case]
     original, back = hf_tensors(item["hf"]), hf_tensors(item["back"])
     assert sorted(back) == sorted(original)
     for name, tensor in original.items():
@@ -176,8 +192,8 @@ def test_glm4_round_trip_is_bit_exact(glm4_converted, case):
 
 
 @pytest.mark.slow
-def test_glm4_checkpoint_uses_slimes_names_and_args(glm4_converted):
-    item = glm4_converted["glm4-bf16-gqa-2p"]
+def test_glm4_checkpoint_uses_slimes_names_and_args(converted):
+    item = converted["glm4-bf16-gqa-2p"]
     args = read_common(item["release"])["args"]
     assert (args.post_self_attn_layernorm, args.post_mlp_layernorm, args.rotary_interleaved) == (True, True, True)
     assert args.rotary_percent == 0.5 and args.add_qkv_bias and not args.qk_layernorm
@@ -192,6 +208,48 @@ def test_glm4_checkpoint_uses_slimes_names_and_args(glm4_converted):
                            hf[f"model.layers.{layer}.mlp.gate_up_proj.weight"])
         assert torch.equal(stacked["decoder.layers.post_mlp_layernorm.weight"][layer],
                            hf[f"model.layers.{layer}.post_mlp_layernorm.weight"])
+
+
+@pytest.mark.slow
+def test_qwen3_moe_checkpoint_stores_experts_stacked_as_megatron_does(converted):
+    item = converted["qwen3_moe-bf16-2p"]
+    args = read_common(item["release"])["args"]
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (5, 2, 24)
+    assert args.moe_router_pre_softmax is False  # norm_topk_prob: softmax over the top-k's logits
+    metadata = tensor_metadata(item["release"])
+    assert metadata["decoder.layers.mlp.experts.experts.linear_fc1.weight"][0] == (3, 5, 48, 64)
+    assert metadata["decoder.layers.mlp.experts.experts.linear_fc2.weight"][0] == (3, 5, 64, 24)
+    assert metadata["decoder.layers.mlp.router.weight"][0] == (3, 5, 64)
+    assert "decoder.layers.pre_mlp_layernorm.weight" in metadata  # TE's MoE layer: a norm of its own
+    assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" not in metadata
+    stacked, _ = load_torch_dist(item["release"], ["decoder.layers.mlp.experts.experts.linear_fc1.weight"])
+    hf = hf_tensors(item["hf"])
+    fc1 = stacked["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    for layer, expert in ((0, 0), (2, 4), (1, 3)):
+        prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+        assert torch.equal(fc1[layer, expert], torch.cat([hf[prefix + "gate_proj.weight"],
+                                                          hf[prefix + "up_proj.weight"]]))
+
+
+def test_moe_models_with_dense_layers_are_refused_before_any_write(tmp_path):
+    from slimeflow.stages.base import StageInputError
+
+    hf = build_tiny_model(tmp_path / "hf", TinyModelSpec(family="qwen3_moe", num_hidden_layers=2))
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "mlp_only_layers": [1]}))
+    ctx = StageContext(Storage(), tmp_path / "work", str(tmp_path / "work"))
+    with pytest.raises(StageInputError, match=r"layers \[1\] have a dense MLP"):
+        run(ConvertConfig(hf_checkpoint=str(hf), save=str(tmp_path / "ckpt")), ctx)
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize(("uri", "message"), [
+    ("tiny:qwen3?num_experts=4", "qwen3 has no experts, so num_experts cannot be set; families with experts: qwen3_moe"),
+    ("tiny:qwen3_moe?num_experts=2&num_experts_per_tok=3", "num_experts_per_tok (3) must not exceed num_experts (2)"),
+])
+def test_expert_settings_are_checked(uri, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        TinyModelSpec.from_uri(uri)
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +267,7 @@ def megatron_world(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", GLM4_CASES)
-def test_glm4_gpt_model_with_sandwich_norms_loads_the_checkpoint_and_matches_hf(glm4_converted, megatron_world, case):
+def test_glm4_gpt_model_with_sandwich_norms_loads_the_checkpoint_and_matches_hf(converted, megatron_world, case):
     """fp32 logits within 1e-5 of HF's (the bf16 case computes in fp32 from the same rounded weights)."""
     from megatron.core import dist_checkpointing
     from transformers import AutoModelForCausalLM
@@ -217,7 +275,7 @@ def test_glm4_gpt_model_with_sandwich_norms_loads_the_checkpoint_and_matches_hf(
     from slimeflow._compat import megatron_on_cpu
     from slimeflow.families.megatron import gpt_model_from_args
 
-    item = glm4_converted[case]
+    item = converted[case]
     model = gpt_model_from_args(read_common(item["release"])["args"]).eval()
     declared = {k for k in model.state_dict() if not k.endswith("_extra_state")}
     assert {"decoder.layers.0.post_self_attn_layernorm.weight", "decoder.layers.0.post_mlp_layernorm.weight"} <= declared

@@ -12,6 +12,10 @@ joined by a fusion (the converter's mapping applies them):
     copy     one HF tensor, unchanged
     qkv      q, k, v projections interleaved by KV group: per group its query heads, one K head, one V head
     gate_up  gate and up projections concatenated on dim 0 (Megatron's fc1 for SwiGLU)
+
+A rule `per_expert` names each expert's HF tensors with `{e}` in them; the fusion is applied to each expert's and
+the results are stacked on a new dim 0 (experts), as Megatron stores them (`mlp.experts.experts.linear_fc1.weight`
+is [experts, 2 x moe_ffn, hidden] per layer, whether written by SequentialMLP or grouped GEMM).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Rule:
     megatron: str
     hf: tuple[str, ...]
     fusion: Fusion = "copy"
+    per_expert: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,12 @@ class FamilySpec:
     """Config fields the tiny factory pins so that the switches above hold where the config class has them."""
     native_forward: bool = False
     """The engine's native forward (stages/rl/engine/native.py) computes this family; else transformers' does."""
+    tiny_defaults: Mapping[str, Any] = field(default_factory=dict)
+    """Values of the tiny factory's family-specific spec fields (e.g. the experts of a mixture of experts)."""
+
+    @property
+    def has_experts(self) -> bool:
+        return any(rule.per_expert for rule in self.layer_rules)
 
 
 GLOBAL_RULES: tuple[Rule, ...] = (
@@ -98,6 +109,16 @@ _GLM4_RULES: tuple[Rule, ...] = (
     Rule("post_mlp_layernorm.weight", ("post_mlp_layernorm.weight",)),
 )
 
+_MOE_RULES: tuple[Rule, ...] = (
+    _INPUT_NORM, _QKV, _PROJ, *_QK_NORM,
+    # Before experts the norm is a layer of its own (Transformer Engine's MoE spec: TENorm), not fused into fc1.
+    Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",)),
+    Rule("mlp.router.weight", ("mlp.gate.weight",)),
+    Rule("mlp.experts.experts.linear_fc1.weight",
+         ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), "gate_up", per_expert=True),
+    Rule("mlp.experts.experts.linear_fc2.weight", ("mlp.experts.{e}.down_proj.weight",), per_expert=True),
+)
+
 LLAMA = FamilySpec(
     "llama", "llama", ("LlamaForCausalLM",), _DENSE_RULES, LLAMA3_TOKENIZER,
     config_overrides={"attention_bias": False, "mlp_bias": False}, native_forward=True,
@@ -116,7 +137,14 @@ GLM4 = FamilySpec(
     attention_bias=True, sandwich_norms=True, rotary_interleaved=True, config_overrides={"attention_bias": True},
 )
 
-FAMILIES: Mapping[str, FamilySpec] = {spec.name: spec for spec in (LLAMA, QWEN2, QWEN3, GLM4)}
+QWEN3_MOE = FamilySpec(
+    "qwen3_moe", "qwen3_moe", ("Qwen3MoeForCausalLM",), _MOE_RULES, QWEN_TOKENIZER,
+    qk_norm=True, config_overrides={"attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                                    "norm_topk_prob": True},
+    tiny_defaults={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+)
+
+FAMILIES: Mapping[str, FamilySpec] = {spec.name: spec for spec in (LLAMA, QWEN2, QWEN3, GLM4, QWEN3_MOE)}
 BY_ARCHITECTURE: Mapping[str, FamilySpec] = {arch: f for f in FAMILIES.values() for arch in f.architectures}
 BY_MODEL_TYPE: Mapping[str, FamilySpec] = {f.model_type: f for f in FAMILIES.values()}
 

@@ -76,6 +76,9 @@ SPEC_PARAMS: dict[str, SpecParam] = {
     "rope_theta": _FLOAT,
     "rms_norm_eps": _FLOAT,
     "max_shard_size": SpecParam(str, "a size such as 100KB, 5MB or 1GiB"),
+    "num_experts": _POSITIVE_INT,
+    "num_experts_per_tok": _POSITIVE_INT,
+    "moe_intermediate_size": _POSITIVE_INT,
 }
 """The query keys of a `tiny:<family>?key=value&...` URI: every spec field but `family`."""
 
@@ -102,6 +105,10 @@ class TinyModelSpec:
     rms_norm_eps: float = 1e-6
     max_shard_size: str | None = None
     """Passed to `save_pretrained` (e.g. "100KB") to force several safetensors shards and an index."""
+    num_experts: int | None = None
+    """Mixture-of-experts families only (as the next two); None: the family's tiny default."""
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -109,6 +116,12 @@ class TinyModelSpec:
     @property
     def info(self) -> FamilySpec:
         return FAMILIES[self.family]
+
+    @property
+    def family_fields(self) -> dict[str, Any]:
+        """The family-specific config fields (experts): the spec's values where given, else the family's defaults."""
+        return {name: default if getattr(self, name) is None else getattr(self, name)
+                for name, default in self.info.tiny_defaults.items()}
 
     @property
     def resolved_head_dim(self) -> int:
@@ -184,6 +197,7 @@ def _validate(spec: TinyModelSpec) -> None:
     if spec.head_dim is not None:
         _require_positive_int("head_dim", spec.head_dim)
     _validate_attention(spec)
+    _validate_experts(spec)
     for name in ("rope_theta", "rms_norm_eps"):
         _require_positive_number(name, getattr(spec, name))
     if not isinstance(spec.tie_word_embeddings, bool):
@@ -194,6 +208,23 @@ def _validate(spec: TinyModelSpec) -> None:
         raise ValueError(
             f"max_shard_size must be a size such as 100KB, 5MB or 1GiB, got {spec.max_shard_size!r}"
         )
+
+
+def _validate_experts(spec: TinyModelSpec) -> None:
+    given = [name for name in _EXPERT_FIELDS if getattr(spec, name) is not None]
+    if given and not spec.info.has_experts:
+        raise ValueError(f"{spec.family} has no experts, so {', '.join(given)} cannot be set; families with "
+                         "experts: " + ", ".join(name for name, info in FAMILIES.items() if info.has_experts))
+    for name in given:
+        _require_positive_int(name, getattr(spec, name))
+    if spec.info.has_experts:
+        fields_ = spec.family_fields
+        if fields_["num_experts_per_tok"] > fields_["num_experts"]:
+            raise ValueError(f"num_experts_per_tok ({fields_['num_experts_per_tok']}) must not exceed num_experts "
+                             f"({fields_['num_experts']})")
+
+
+_EXPERT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 def _validate_attention(spec: TinyModelSpec) -> None:
@@ -352,6 +383,7 @@ def _model_config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         **head_dim,
+        **spec.family_fields,
         **info.config_overrides,
     )
 
