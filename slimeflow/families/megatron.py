@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -56,12 +57,30 @@ def layer_spec(args: argparse.Namespace):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
+    experts = getattr(args, "num_experts", None)
+    spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=args.qk_layernorm,
+                                    normalization=args.normalization)
+    if experts:
+        # Transformer Engine's MoE layer keeps its pre-MLP norm as `pre_mlp_layernorm` (no fused fc1 to hold it).
+        keys = {k: v for k, v in spec.submodules.sharded_state_dict_keys_map.items() if k != "pre_mlp_layernorm."}
+        spec = ModuleSpec(module=spec.module, submodules=replace(spec.submodules, sharded_state_dict_keys_map=keys))
     post_attn, post_mlp = getattr(args, "post_self_attn_layernorm", False), getattr(args, "post_mlp_layernorm", False)
     if post_attn != post_mlp:
         raise ValueError(f"post_self_attn_layernorm={post_attn} with post_mlp_layernorm={post_mlp}: only both "
                          "(GLM4's sandwich norms) or neither are built; set both flags or neither")
     return ModuleSpec(module=sandwich_norm_layer(), submodules=spec.submodules) if post_attn else spec
+
+
+def _moe_config(args: argparse.Namespace) -> dict[str, Any]:
+    """TransformerConfig's MoE fields from the args (none for a dense model); experts run one after another
+    (SequentialMLP) and tokens are gathered, not sent all-to-all, which needs CUDA streams."""
+    if not getattr(args, "num_experts", None):
+        return {}
+    return {"num_moe_experts": args.num_experts, "moe_ffn_hidden_size": args.moe_ffn_hidden_size,
+            "moe_router_topk": args.moe_router_topk, "moe_router_pre_softmax": args.moe_router_pre_softmax,
+            "moe_router_score_function": getattr(args, "moe_router_score_function", "softmax"),
+            "moe_grouped_gemm": False, "moe_token_dispatcher_type": "allgather",
+            "moe_router_load_balancing_type": "none"}
 
 
 def gpt_model_from_args(args: argparse.Namespace, dtype: torch.dtype = torch.float32):
@@ -77,7 +96,7 @@ def gpt_model_from_args(args: argparse.Namespace, dtype: torch.dtype = torch.flo
         add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
         rotary_interleaved=getattr(args, "rotary_interleaved", False), hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, params_dtype=dtype)
+        gradient_accumulation_fusion=False, params_dtype=dtype, **_moe_config(args))
     return GPTModel(config, layer_spec(args), vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
                     rotary_percent=getattr(args, "rotary_percent", 1.0), rotary_base=int(args.rotary_base),
