@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron_helpers import declared_shapes, load_and_compare_logits
 from safetensors.torch import load_file
 
 from slimeflow.families import FAMILIES, family_for
@@ -253,19 +254,6 @@ def test_expert_settings_are_checked(uri, message):
         TinyModelSpec.from_uri(uri)
 
 
-@pytest.fixture(scope="module")
-def megatron_world(tmp_path_factory):
-    """A one-rank gloo process group with megatron-core's model-parallel state (TP=PP=1), for this module."""
-    from megatron.core import parallel_state
-
-    store = tmp_path_factory.mktemp("world") / "rendezvous"
-    torch.distributed.init_process_group("gloo", init_method=store.as_uri(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_gpt_model_of_our_layer_spec_declares_and_loads_the_checkpoint_and_matches_hf(converted, megatron_world,
@@ -273,40 +261,12 @@ def test_gpt_model_of_our_layer_spec_declares_and_loads_the_checkpoint_and_match
     """GLM4 with our sandwich-norm layer, Qwen3-MoE with megatron-core's experts: the checkpoint holds exactly the
     tensors GPTModel declares, and its fp32 logits are within 1e-5 of HF's (bf16 cases compute in fp32 from the
     same rounded weights)."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-    from transformers import AutoModelForCausalLM
-
-    from slimeflow._compat import megatron_on_cpu
     from slimeflow.families.megatron import gpt_model_from_args
 
     item = converted[case]
     model = gpt_model_from_args(read_common(item["release"])["args"]).eval()
-    declared = model.sharded_state_dict()
-    apply_factories(declared)
-    wanted = {t.key: tuple(t.global_shape) for t in _leaves(declared) if isinstance(t, ShardedTensor)}
-    assert {key: shape for key, (shape, _) in tensor_metadata(item["release"]).items()} == wanted
-    loaded = dist_checkpointing.load(model.sharded_state_dict(), str(item["release"]))
-    model.load_state_dict(loaded, strict=False)
-    hf_model = AutoModelForCausalLM.from_pretrained(item["hf"], dtype=torch.float32).eval()
-    vocab = hf_model.config.vocab_size
-    ids = torch.randint(0, vocab, (2, 11), generator=torch.Generator().manual_seed(0))
-    mask = torch.triu(torch.ones(11, 11, dtype=torch.bool), diagonal=1)[None, None]
-    with torch.no_grad(), megatron_on_cpu():
-        megatron_logits = model(ids, torch.arange(11)[None].expand(2, -1), mask)[..., :vocab]
-        hf_logits = hf_model(ids).logits
-    assert (megatron_logits - hf_logits).abs().max().item() <= 1e-5
-
-
-def _leaves(tree):
-    if isinstance(tree, dict):
-        for value in tree.values():
-            yield from _leaves(value)
-    elif isinstance(tree, list):
-        for value in tree:
-            yield from _leaves(value)
-    else:
-        yield tree
+    assert {key: shape for key, (shape, _) in tensor_metadata(item["release"]).items()} == declared_shapes(model)
+    assert load_and_compare_logits(model, item["release"], item["hf"]) <= 1e-5
 
 
 @pytest.mark.parametrize("factor", [0.5, 0.25])
