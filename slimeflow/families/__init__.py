@@ -63,6 +63,8 @@ class FamilySpec:
     """The config has a `head_dim` field, so head_dim may differ from hidden_size / num_attention_heads."""
     config_overrides: Mapping[str, Any] = field(default_factory=dict)
     """Config fields the tiny factory pins so that the switches above hold where the config class has them."""
+    rope_overrides: Mapping[str, Any] = field(default_factory=dict)
+    """The same inside the config's `rope_parameters` (GLM4 rotates half of each head: partial_rotary_factor)."""
     native_forward: bool = False
     """The engine's native forward (stages/rl/engine/native.py) computes this family; else transformers' does."""
     tiny_defaults: Mapping[str, Any] = field(default_factory=dict)
@@ -135,6 +137,7 @@ QWEN3 = FamilySpec(
 GLM4 = FamilySpec(
     "glm4", "glm4", ("Glm4ForCausalLM",), _GLM4_RULES, GLM4_TOKENIZER,
     attention_bias=True, sandwich_norms=True, rotary_interleaved=True, config_overrides={"attention_bias": True},
+    rope_overrides={"partial_rotary_factor": 0.5},
 )
 
 QWEN3_MOE = FamilySpec(

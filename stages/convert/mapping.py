@@ -206,8 +206,7 @@ def _moe_args(shape: ModelShape) -> dict[str, Any]:
     if not shape.num_experts:
         return {}
     return {"moe_ffn_hidden_size": shape.moe_ffn_hidden_size, "moe_router_topk": shape.moe_router_topk,
-            "moe_router_pre_softmax": shape.moe_router_pre_softmax, "moe_router_score_function": "softmax",
-            "moe_grouped_gemm": True}
+            "moe_router_pre_softmax": shape.moe_router_pre_softmax, "moe_router_score_function": "softmax"}
 
 
 # ---------------------------------------------------------------------------------------------------------------

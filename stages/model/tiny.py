@@ -248,8 +248,12 @@ def _validate_attention(spec: TinyModelSpec) -> None:
             f"({spec.hidden_size // heads}), got {spec.head_dim}; families with a free head_dim: "
             + ", ".join(name for name, info in FAMILIES.items() if info.configurable_head_dim)
         )
-    if spec.resolved_head_dim % 2:
+    factor = spec.info.rope_overrides.get("partial_rotary_factor", 1.0)
+    if factor == 1.0 and spec.resolved_head_dim % 2:
         raise ValueError(f"head_dim must be even for rotary embeddings, got {spec.resolved_head_dim}")
+    if (spec.resolved_head_dim * factor) % 2:
+        raise ValueError(f"{spec.family} rotates head_dim x {factor:g} dimensions, which must be even for rotary "
+                         f"embeddings: head_dim must be a multiple of {2 / factor:g}, got {spec.resolved_head_dim}")
 
 
 def _is_int(value: Any) -> bool:
@@ -377,7 +381,7 @@ def _model_config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast):
         max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=spec.rms_norm_eps,
         # transformers 5 keeps RoPE settings in one dict; there is no `rope_theta` field any more.
-        rope_parameters={"rope_type": "default", "rope_theta": float(spec.rope_theta)},
+        rope_parameters={"rope_type": "default", "rope_theta": float(spec.rope_theta), **spec.info.rope_overrides},
         tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
