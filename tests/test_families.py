@@ -142,9 +142,9 @@ def test_the_engine_serves_the_family_through_transformers_forward(new_family_di
         torch.testing.assert_close(torch.tensor(result.output_logprobs), expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize(("family", "trained"), [("glm4", ("post_self_attn_layernorm", "gate_up_proj")),
-                                                 ("qwen3_moe", ("mlp.gate.weight", "mlp.experts"))])
-def test_the_torch_backend_trains_the_family(new_family_dirs, family, trained):
+def _trained_backend(hf_dir: Path):
+    """A torch backend on `hf_dir` after one optimizer step (lr 1e-2) on a rollout of 2 groups of 2; and the
+    parameters it started from."""
     from slimeflow.stages.rl.backend.torch_backend import TorchBackend
     from slimeflow.stages.rl.config import TrainConfig
     from slimeflow.stages.rl.train_step import train_on_rollout
@@ -152,7 +152,7 @@ def test_the_torch_backend_trains_the_family(new_family_dirs, family, trained):
 
     config = TrainConfig(batch={"rollout_batch_size": 2, "n_samples_per_prompt": 2, "num_rollout": 1},
                          optimizer={"lr": 1e-2})
-    backend = TorchBackend(new_family_dirs[family], config.optimizer, config.algorithm, config.batch, seed=3, device="cpu")
+    backend = TorchBackend(hf_dir, config.optimizer, config.algorithm, config.batch, seed=3, device="cpu")
     g = torch.Generator().manual_seed(0)
     lengths = [(7, 3), (9, 4), (5, 2), (8, 4)]
     batch = TrainBatch(tokens=[torch.randint(3, 250, (n,), generator=g) for n, _ in lengths],
@@ -161,8 +161,29 @@ def test_the_torch_backend_trains_the_family(new_family_dirs, family, trained):
                        rollout_log_probs=[-torch.rand(r, generator=g) for _, r in lengths])
     before = {n: p.detach().clone() for n, p in backend.model.named_parameters()}
     train_on_rollout(backend, batch, config)
+    return backend, before
+
+
+@pytest.mark.parametrize(("family", "trained"), [("glm4", ("post_self_attn_layernorm", "gate_up_proj")),
+                                                 ("qwen3_moe", ("mlp.gate.weight", "mlp.experts"))])
+def test_the_torch_backend_trains_the_family(new_family_dirs, family, trained):
+    backend, before = _trained_backend(new_family_dirs[family])
     changed = {n for n, p in backend.model.named_parameters() if not torch.equal(p, before[n])}
     assert all(any(part in n for n in changed) for part in trained), sorted(changed)
+
+
+def test_the_torch_backend_checkpoints_glm4_exactly(glm4_dir, tmp_path):
+    """Saved as torch_dist through GLM4's name map and read back bit for bit. (Qwen3-MoE is not here: transformers
+    keeps its experts fused in memory, mlp.experts.gate_up_proj [E, 2F, H], which the backend's checkpointing does
+    not map onto the per-expert names of HF checkpoints yet.)"""
+    from slimeflow.stages.rl.backend.checkpoint import read_weights, save_checkpoint
+
+    backend, _ = _trained_backend(glm4_dir)
+    ref = save_checkpoint(backend, tmp_path / "save", 1, {"rollout_id": 1})
+    saved = read_weights(ref.uri, glm4_dir)
+    params = dict(backend.model.named_parameters())
+    assert sorted(saved) == sorted(params)
+    assert all(torch.equal(saved[name], param) for name, param in params.items())
 
 
 # ----------------------------------------------------------------------------------------------------------------
