@@ -32,8 +32,12 @@ class Shim:
     owner: Callable[[], Any]
     """Returns the module or class holding the attribute (imported lazily: megatron is heavy)."""
     attribute: str
-    replacement: Callable[..., Any]
+    replacement: Any
     why: str
+
+
+_ABSENT = object()
+"""What a shimmed attribute was when its module never defined it (it is deleted again on exit)."""
 
 
 def _torch_cuda() -> Any:
@@ -46,6 +50,12 @@ def _megatron_random() -> Any:
     from megatron.core.tensor_parallel import random
 
     return random
+
+
+def _moe_utils() -> Any:
+    from megatron.core.transformer.moe import moe_utils
+
+    return moe_utils
 
 
 def _no_sync() -> None:
@@ -80,6 +90,9 @@ SHIMS: tuple[Shim, ...] = (
              "state; with no CUDA generator the CPU generator stands in."),
     Shim(_megatron_random, "_set_cuda_rng_state", _set_cpu_rng_state,
          why="CudaRNGStatesTracker.fork restores the CUDA generator's state on exit; see _get_cuda_rng_state."),
+    Shim(_moe_utils, "te_general_gemm", None,
+         why="megatron-core 0.16.1's MoE router (RouterGatingLinearFunction) tests `te_general_gemm is not None`, a "
+             "name only imported with Transformer Engine: without it, NameError. None selects its torch.mm path."),
 )
 
 
@@ -102,7 +115,7 @@ def megatron_on_cpu(seed: int = 1234) -> Iterator[None]:
     import torch
     from megatron.core import tensor_parallel
 
-    saved = [(shim, getattr(shim.owner(), shim.attribute)) for shim in SHIMS]
+    saved = [(shim, getattr(shim.owner(), shim.attribute, _ABSENT)) for shim in SHIMS]
     tracker = tensor_parallel.get_cuda_rng_tracker()
     saved_states = tracker.get_states()
     try:
@@ -114,7 +127,10 @@ def megatron_on_cpu(seed: int = 1234) -> Iterator[None]:
         yield
     finally:
         for shim, original in saved:
-            setattr(shim.owner(), shim.attribute, original)
+            if original is _ABSENT:
+                delattr(shim.owner(), shim.attribute)
+            else:
+                setattr(shim.owner(), shim.attribute, original)
         tracker.set_states(saved_states)
 
 

@@ -89,3 +89,17 @@ def mlflow_uri(tmp_path):
 @pytest.fixture(scope="session")
 def session_tmp() -> Path:
     return _SESSION_TMP
+
+
+@pytest.fixture(scope="module")
+def megatron_world(tmp_path_factory):
+    """A one-rank gloo process group with megatron-core's model-parallel state (TP=PP=1), for one module."""
+    import torch
+    from megatron.core import parallel_state
+
+    store = tmp_path_factory.mktemp("world") / "rendezvous"
+    torch.distributed.init_process_group("gloo", init_method=store.as_uri(), rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shims onl
 
 def test_every_shim_says_why_and_is_tested_here():
     names = {shim.attribute for shim in _compat.SHIMS}
-    assert names == {"synchronize", "current_device", "_get_cuda_rng_state", "_set_cuda_rng_state"}
+    assert names == {"synchronize", "current_device", "_get_cuda_rng_state", "_set_cuda_rng_state", "te_general_gemm"}
     assert all(len(shim.why) > 40 for shim in _compat.SHIMS)
 
 
@@ -70,6 +70,17 @@ def test_rng_tracker_fork_needs_the_set_state_shim_to_restore_the_generator():
             assert not fork_restores_the_generator()
         finally:
             random._set_cuda_rng_state = shimmed
+
+
+def test_moe_router_needs_the_te_general_gemm_shim():
+    from megatron.core.transformer.moe import moe_utils
+
+    inp, weight = torch.randn(3, 8), torch.randn(4, 8)
+    with pytest.raises(NameError, match="te_general_gemm"):
+        moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+    with _compat.megatron_on_cpu():
+        torch.testing.assert_close(moe_utils.router_gating_linear(inp, weight, None, torch.float32), inp @ weight.T)
+    assert not hasattr(moe_utils, "te_general_gemm")  # deleted again: megatron-core never defined it
 
 
 def test_shims_are_undone_on_exit():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron_helpers import declared_shapes, load_and_compare_logits
 from safetensors.torch import load_file, save_file
 
 from slimeflow.io.storage import Storage
@@ -112,80 +113,18 @@ def test_megatron_layout_release_tracker_stacked_tensors_and_args(converted, cas
 # --------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def megatron_world(tmp_path_factory):
-    """A one-rank gloo process group with megatron-core's model-parallel state (TP=PP=1), for this module."""
-    from megatron.core import parallel_state
-
-    store = tmp_path_factory.mktemp("world") / "rendezvous"
-    torch.distributed.init_process_group("gloo", init_method=store.as_uri(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    yield
-    parallel_state.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
-
-
-def gpt_model_from_args(args):
-    """A megatron-core GPTModel (local layer spec, CPU, fp32) of the shape in a checkpoint's args."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
-
-    config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
-        gated_linear_unit=args.swiglu, activation_func=torch.nn.functional.silu, add_bias_linear=args.add_bias_linear,
-        add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, params_dtype=torch.float32)
-    spec = get_gpt_layer_local_spec(qk_layernorm=args.qk_layernorm, normalization=args.normalization)
-    return GPTModel(config, spec, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-                    position_embedding_type="rope", rotary_base=int(args.rotary_base),
-                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_gpt_model_loads_the_checkpoint_and_its_logits_equal_hf(converted, megatron_world, case):
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-    from transformers import AutoModelForCausalLM
-
-    from slimeflow._compat import megatron_on_cpu
+    from slimeflow.families.megatron import gpt_model_from_args
 
     item = converted[case]
     release = item["root"] / "release"
-    args = read_common(release)["args"]
-    model = gpt_model_from_args(args).eval()
+    model = gpt_model_from_args(read_common(release)["args"]).eval()
     # .metadata holds exactly what GPTModel declares: same keys, same global shapes.
-    declared = model.sharded_state_dict()
-    apply_factories(declared)
-    wanted = {t.key: tuple(t.global_shape) for t in _leaves(declared) if isinstance(t, ShardedTensor)}
     stored = {key: shape for key, (shape, _) in tensor_metadata(release).items()}
-    assert stored == wanted
-
-    loaded = dist_checkpointing.load(model.sharded_state_dict(), str(release))
-    model.load_state_dict(loaded, strict=False)
-    hf_model = AutoModelForCausalLM.from_pretrained(item["hf"], dtype=torch.float32).eval()
-    vocab = hf_model.config.vocab_size
-    ids = torch.randint(0, vocab, (2, 11), generator=torch.Generator().manual_seed(0))
-    mask = torch.triu(torch.ones(11, 11, dtype=torch.bool), diagonal=1)[None, None]
-    with torch.no_grad(), megatron_on_cpu():
-        megatron_logits = model(ids, torch.arange(11)[None].expand(2, -1), mask)[..., :vocab]
-        hf_logits = hf_model(ids).logits
-    assert (megatron_logits - hf_logits).abs().max().item() <= 1e-4
-
-
-def _leaves(tree):
-    if isinstance(tree, dict):
-        for value in tree.values():
-            yield from _leaves(value)
-    elif isinstance(tree, list):
-        for value in tree:
-            yield from _leaves(value)
-    else:
-        yield tree
+    assert stored == declared_shapes(model)
+    assert load_and_compare_logits(model, release, item["hf"]) <= 1e-4
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+_MOE = ("mixture-of-experts Megatron flags are read only by the Megatron backend, not in this version; the torch "
+        "backend and the converter take a Qwen3-MoE model's experts from its HF config")
+
 NOT_YET_SUPPORTED: dict[str, str] = {
     "--async-buffer-size": "asynchronous training (slime's train_async.py) is not supported yet",
     "--update-weights-interval": "asynchronous training (slime's train_async.py) is not supported yet",
@@ -9,8 +12,8 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--offload-train": "use --offload (colocated mode)",
     "--offload-rollout": "use --offload (colocated mode)",
     "--use-critic": "PPO with a trained critic is not supported yet",
-    "--multi-latent-attention": "MLA models (DeepSeek) are not supported yet: dense Llama/Qwen2/Qwen3 only",
-    "--num-experts": "mixture-of-experts models are not supported yet: dense Llama/Qwen2/Qwen3 only",
+    "--multi-latent-attention": "MLA models (DeepSeek) are not supported yet: Llama, Qwen2, Qwen3, GLM4 and Qwen3-MoE only",
+    "--num-experts": _MOE,
     "--use-distributed-optimizer": "the Megatron backend is not available yet",
     "--custom-config-path": "custom YAML args for plug-ins are not supported yet",
     "--eval-function-path": "a custom eval function is not supported yet",
@@ -25,8 +28,10 @@ NOT_YET_SUPPORTED: dict[str, str] = {
 
 _MEGATRON = ("a Megatron-LM flag, read only by the Megatron training backend (--train-backend megatron), which is "
              "not in this version; the torch backend needs no such setting")
-_MLA = "multi-latent attention (DeepSeek-V3, Kimi-K2, Moonlight) is not supported yet: dense Llama/Qwen2/Qwen3 only"
+_MLA = "multi-latent attention (DeepSeek-V3, Kimi-K2, Moonlight) is not supported yet: Llama, Qwen2, Qwen3, GLM4 and Qwen3-MoE only"
 _MTP = "multi-token prediction layers are not supported yet"
+_SANDWICH = ("GLM4's sandwich norms come from its HF config (model_type glm4), which the torch backend and the "
+             "converter read; this Megatron-LM flag is read only by the Megatron backend, not in this version")
 
 # Megatron-LM flags that slime's scripts/run-*.sh and scripts/models/*.sh pass (THUDM/slime 624b824a8).
 NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (
@@ -42,8 +47,8 @@ NOT_YET_SUPPORTED.update({flag: _MLA for flag in (
 )})
 NOT_YET_SUPPORTED.update({flag: _MTP for flag in ("--mtp-num-layers", "--mtp-loss-scaling-factor", "--enable-mtp-training")})
 NOT_YET_SUPPORTED.update({
-    "--post-self-attn-layernorm": "GLM4's sandwich norms are not supported yet: dense Llama/Qwen2/Qwen3 only",
-    "--post-mlp-layernorm": "GLM4's sandwich norms are not supported yet: dense Llama/Qwen2/Qwen3 only",
+    "--post-self-attn-layernorm": _SANDWICH,
+    "--post-mlp-layernorm": _SANDWICH,
     "--update-weight-buffer-size": "bucketed weight sync is not supported yet: weights go to the engines whole",
     "--prefill-num-servers": "prefill/decode disaggregation is not supported yet",
     "--no-offload-train": "offload is not supported yet",
@@ -52,7 +57,7 @@ NOT_YET_SUPPORTED.update({
 })
 
 NOT_YET_SUPPORTED_PREFIXES: dict[str, str] = {
-    "--moe-": "mixture-of-experts models are not supported yet: dense Llama/Qwen2/Qwen3 only",
+    "--moe-": _MOE,
     "--critic-": "PPO with a trained critic is not supported yet",
     "--wandb-": "slimeflow tracks with MLflow: set --mlflow-tracking-uri",
     "--fsdp-": "the FSDP backend is not supported: use --train-backend torch or megatron",

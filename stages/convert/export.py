@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
+from slimeflow.families import FamilySpec, family_for, supported_architectures
 from slimeflow.io import checkpoints
 from slimeflow.io.storage import local_path
 from slimeflow.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.convert.config import ConvertConfig
-from slimeflow.stages.convert.families import Family, family_for, supported_architectures
 from slimeflow.stages.convert.integrity import verify_checkpoint
 from slimeflow.stages.convert.mapping import ModelShape, global_rules, megatron_to_hf
 from slimeflow.stages.convert.staging import claimed_dir, remove_abandoned
@@ -55,7 +55,7 @@ def run_to_hf(config: ConvertConfig, ctx: StageContext) -> Manifest:
     )
 
 
-def origin_family(origin: Path) -> tuple[dict, Family]:
+def origin_family(origin: Path) -> tuple[dict, FamilySpec]:
     """The origin HF config and its family; StageInputError when it is missing or unsupported."""
     config_file = origin / "config.json"
     if not config_file.is_file():

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from slimeflow.stages.convert.families import FAMILIES, GLOBAL_RULES, VOCAB_PADDED, Family, Rule
+from slimeflow.families import FAMILIES, GLOBAL_RULES, VOCAB_PADDED, FamilySpec, Rule
 
 HF_LAYER = "model.layers.{}."
 MEGATRON_LAYER = "decoder.layers.{}."
@@ -39,13 +39,23 @@ class ModelShape:
     rotary_base: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    rotary_percent: float = 1.0
+    """Fraction of each head's dimensions that RoPE rotates (HF: partial_rotary_factor)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
+    moe_ffn_hidden_size: int = 0
+    moe_router_topk: int = 0
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k (HF: norm_topk_prob false); else over the top-k's logits."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers of an MoE model whose MLP is dense (HF: mlp_only_layers, decoder_sparse_step)."""
 
     @property
-    def info(self) -> Family:
+    def info(self) -> FamilySpec:
         return FAMILIES[self.family]
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any], family: Family, make_vocab_size_divisible_by: int = 128,
+    def from_hf_config(cls, config: Mapping[str, Any], family: FamilySpec, make_vocab_size_divisible_by: int = 128,
                        tensor_model_parallel_size: int = 1) -> ModelShape:
         """The shape of an HF `config.json` (a dict); KeyError names a missing field."""
         heads = config["num_attention_heads"]
@@ -67,10 +77,12 @@ class ModelShape:
             rotary_base=rotary_base,
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            rotary_percent=rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)),
+            **(_moe_fields(config) if family.has_experts else {}),
         )
 
     @classmethod
-    def from_megatron_args(cls, args: argparse.Namespace, family: Family, vocab_size: int,
+    def from_megatron_args(cls, args: argparse.Namespace, family: FamilySpec, vocab_size: int,
                            source: str = "common.pt") -> ModelShape:
         """The shape in a checkpoint's Megatron `args` (ours, slime's or Megatron-LM's); `vocab_size` is the true
         (unpadded) vocabulary. ValueError names `source` and every attribute that is missing."""
@@ -88,6 +100,11 @@ class ModelShape:
             norm_epsilon=read("norm_epsilon", "layernorm_epsilon"), rotary_base=read("rotary_base"),
             max_position_embeddings=read("max_position_embeddings"),
             tie_word_embeddings=not read("untie_embeddings_and_output_weights", default=False),
+            rotary_percent=read("rotary_percent", default=1.0),
+            num_experts=read("num_experts", default=None) or 0,
+            moe_ffn_hidden_size=read("moe_ffn_hidden_size", default=None) or 0,
+            moe_router_topk=read("moe_router_topk", default=None) or 0,
+            moe_router_pre_softmax=bool(read("moe_router_pre_softmax", default=False)),
         )
         if read.missing:
             raise ValueError(f"{source}: the checkpoint's Megatron args lack {', '.join(read.missing)}; it was not "
@@ -102,7 +119,33 @@ class ModelShape:
                          f"num_key_value_heads ({self.num_query_groups}): query heads cannot be grouped by KV head")
         if self.padded_vocab_size < self.vocab_size:
             found.append(f"padded vocabulary {self.padded_vocab_size} is smaller than vocab_size {self.vocab_size}")
+        if self.info.has_experts:
+            found += self._moe_problems()
         return found
+
+    def _moe_problems(self) -> list[str]:
+        found = []
+        if not 0 < self.moe_router_topk <= self.num_experts:
+            found.append(f"num_experts_per_tok ({self.moe_router_topk}) must be between 1 and num_experts "
+                         f"({self.num_experts})")
+        if self.dense_layers:
+            found.append(f"layers {list(self.dense_layers)} have a dense MLP (mlp_only_layers / decoder_sparse_step):"
+                         " MoE models with dense layers are not supported yet, only every layer an MoE layer")
+        return found
+
+
+def _moe_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The MoE part of a shape from an HF config (Qwen3-MoE's field names; transformers 5 may say
+    num_local_experts)."""
+    layers, step = config["num_hidden_layers"], config.get("decoder_sparse_step", 1) or 1
+    only = set(config.get("mlp_only_layers") or ())
+    return {
+        "num_experts": config.get("num_experts") or config.get("num_local_experts") or 0,
+        "moe_ffn_hidden_size": config["moe_intermediate_size"],
+        "moe_router_topk": config.get("num_experts_per_tok") or 0,
+        "moe_router_pre_softmax": not config.get("norm_topk_prob", False),
+        "dense_layers": tuple(i for i in range(layers) if i in only or (i + 1) % step),
+    }
 
 
 _REQUIRED = object()
@@ -146,14 +189,24 @@ def megatron_args(shape: ModelShape, dtype: torch.dtype, make_vocab_size_divisib
         # norm_epsilon under both spellings: Megatron-LM's newer (layernorm_epsilon) and older, which slime reads.
         normalization="RMSNorm", norm_epsilon=shape.norm_epsilon, layernorm_epsilon=shape.norm_epsilon,
         swiglu=True, add_bias_linear=False,
-        add_qkv_bias=info.add_qkv_bias, qk_layernorm=info.qk_layernorm, position_embedding_type="rope",
-        rotary_base=shape.rotary_base, max_position_embeddings=shape.max_position_embeddings,
+        add_qkv_bias=info.attention_bias, qk_layernorm=info.qk_norm, position_embedding_type="rope",
+        rotary_base=shape.rotary_base, rotary_percent=shape.rotary_percent,
+        rotary_interleaved=info.rotary_interleaved, max_position_embeddings=shape.max_position_embeddings,
+        # GLM4's sandwich norms, under the flag names of slime's patched Megatron-LM.
+        post_self_attn_layernorm=info.sandwich_norms, post_mlp_layernorm=info.sandwich_norms,
         untie_embeddings_and_output_weights=not shape.tie_word_embeddings,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype, ckpt_format="torch_dist",
         # Read by slime's converters for every model (None/False: no multi-latent attention, no experts).
-        multi_latent_attention=False, q_lora_rank=None, kv_lora_rank=None, num_experts=None,
-        model_family=shape.family,
+        multi_latent_attention=False, q_lora_rank=None, kv_lora_rank=None, num_experts=shape.num_experts or None,
+        **_moe_args(shape), model_family=shape.family,
     )
+
+
+def _moe_args(shape: ModelShape) -> dict[str, Any]:
+    if not shape.num_experts:
+        return {}
+    return {"moe_ffn_hidden_size": shape.moe_ffn_hidden_size, "moe_router_topk": shape.moe_router_topk,
+            "moe_router_pre_softmax": shape.moe_router_pre_softmax, "moe_router_score_function": "softmax"}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -178,6 +231,13 @@ _HF_SHAPES: dict[str, Callable[[ModelShape], tuple[int, ...]]] = {
     "mlp.gate_proj.weight": lambda s: (s.ffn_hidden_size, s.hidden_size),
     "mlp.up_proj.weight": lambda s: (s.ffn_hidden_size, s.hidden_size),
     "mlp.down_proj.weight": lambda s: (s.hidden_size, s.ffn_hidden_size),
+    "mlp.gate_up_proj.weight": lambda s: (2 * s.ffn_hidden_size, s.hidden_size),
+    "post_self_attn_layernorm.weight": lambda s: (s.hidden_size,),
+    "post_mlp_layernorm.weight": lambda s: (s.hidden_size,),
+    "mlp.gate.weight": lambda s: (s.num_experts, s.hidden_size),
+    "mlp.experts.{e}.gate_proj.weight": lambda s: (s.moe_ffn_hidden_size, s.hidden_size),
+    "mlp.experts.{e}.up_proj.weight": lambda s: (s.moe_ffn_hidden_size, s.hidden_size),
+    "mlp.experts.{e}.down_proj.weight": lambda s: (s.hidden_size, s.moe_ffn_hidden_size),
 }
 """HF tensor shapes by name (per-layer names without their `model.layers.<i>.` prefix)."""
 
@@ -191,8 +251,17 @@ def expected_hf_tensors(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     expected = {name: _HF_SHAPES[name](shape) for rule in global_rules(shape) for name in rule.hf}
     for layer in range(shape.num_layers):
         for rule in shape.info.layer_rules:
-            expected.update({HF_LAYER.format(layer) + name: _HF_SHAPES[name](shape) for name in rule.hf})
+            for names in _hf_names(rule, shape):
+                expected.update({HF_LAYER.format(layer) + name: _HF_SHAPES[template](shape)
+                                 for template, name in zip(rule.hf, names, strict=True)})
     return expected
+
+
+def _hf_names(rule: Rule, shape: ModelShape) -> list[tuple[str, ...]]:
+    """A rule's HF names: once, or for a per-expert rule once per expert (in expert order)."""
+    if not rule.per_expert:
+        return [rule.hf]
+    return [tuple(name.format(e=expert) for name in rule.hf) for expert in range(shape.num_experts)]
 
 
 def _placed(shape: ModelShape, layers: Iterable[int] | None, globals_: Iterable[str] | None,
@@ -231,7 +300,8 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape, layers: It
     """
     out = {}
     for name, rule, prefix in _placed(shape, layers, globals_, rules):
-        tensor = _fuse(rule, [hf[prefix + part] for part in rule.hf], shape)
+        fused = [_fuse(rule, [hf[prefix + part] for part in names], shape) for names in _hf_names(rule, shape)]
+        tensor = torch.stack(fused) if rule.per_expert else fused[0]
         out[name] = _pad_vocab(tensor, shape.padded_vocab_size) if rule.megatron in VOCAB_PADDED else tensor
     return out
 
@@ -246,8 +316,10 @@ def megatron_to_hf(megatron: Mapping[str, torch.Tensor], shape: ModelShape, laye
         tensor = megatron[name]
         if rule.megatron in VOCAB_PADDED:
             tensor = tensor[: shape.vocab_size]
-        for part, value in zip(rule.hf, _split(rule, tensor, shape), strict=True):
-            out[prefix + part] = value.contiguous()
+        pieces = tensor.unbind(0) if rule.per_expert else (tensor,)
+        for names, piece in zip(_hf_names(rule, shape), pieces, strict=True):
+            for part, value in zip(names, _split(rule, piece, shape), strict=True):
+                out[prefix + part] = value.contiguous()
     return out
 
 

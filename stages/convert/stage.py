@@ -1,6 +1,6 @@
 """The convert stage: HF safetensors <-> Megatron torch_dist, exact, in either direction.
 
-hf-to-torch-dist validates the HF directory against its family's table (stages/convert/families.py) before
+hf-to-torch-dist validates the HF directory against its family's spec (slimeflow/families/) before
 anything is written, converts with N cooperating worker processes (worker.py), each writing its share of the
 layers, into a staging directory that becomes `<save>/release/` only when complete; the tracker is set last.
 torch-dist-to-hf reads a checkpoint (a root, release/ or iter_XXXXXXX/), strips the vocabulary padding and
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slimeflow.families import FamilySpec, family_for, supported_architectures
 from slimeflow.io import checkpoints
 from slimeflow.io.checkpoints import RELEASE, CheckpointError
 from slimeflow.io.storage import Storage, inside, is_local, join, local_path
@@ -24,7 +25,6 @@ from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.convert.diskspace import no_space_left, ran_out_of_space
 from slimeflow.stages.convert.export import replace_dir, run_to_hf
-from slimeflow.stages.convert.families import Family, family_for, supported_architectures
 from slimeflow.stages.convert.integrity import CHECKSUMS, write_checksums
 from slimeflow.stages.convert.launch import Launcher, launch
 from slimeflow.stages.convert.mapping import ModelShape, expected_hf_tensors, global_rules
@@ -41,7 +41,7 @@ class HFSource:
     """A validated HF checkpoint: where it is, its family and shape, and where each tensor lives."""
 
     path: Path
-    family: Family
+    family: FamilySpec
     shape: ModelShape
     weight_map: dict[str, str]
     sizes: dict[str, int]
@@ -107,8 +107,8 @@ def read_hf_source(path: Path, make_vocab_size_divisible_by: int = 128,
     if family is None:
         raise StageInputError(where, [f"unsupported architecture {hf_config.get('architectures')} "
                                       f"(model_type {hf_config.get('model_type')!r})"],
-                              f"Supported: {', '.join(supported_architectures())}. A new family is a table in "
-                              "stages/convert/families.py plus a round-trip test.")
+                              f"Supported: {', '.join(supported_architectures())}. A new family is a spec in "
+                              "slimeflow/families/ plus its round-trip test.")
     try:
         shape = ModelShape.from_hf_config(hf_config, family, make_vocab_size_divisible_by, tensor_model_parallel_size)
     except KeyError as err:

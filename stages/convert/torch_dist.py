@@ -31,6 +31,8 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LINEARS_WITH_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
                              "mlp.linear_fc2")
 """Linear layers whose (empty) `_extra_state` megatron-core checkpoints next to their weight."""
+_EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+"""The same for each expert (dim 0 of the per-layer tensor): sharded over (layer, expert)."""
 _REPLICA = (0, 0, 0)  # (pipeline, tensor, data) replica: every tensor here has exactly one writer
 
 
@@ -49,10 +51,14 @@ def sharded_state_dict(tensors: Mapping[str, torch.Tensor], num_layers: int) -> 
         out[name] = ShardedTensor.from_rank_offsets(key, tensor, (0, layer, num_layers), replica_id=_REPLICA,
                                                     prepend_axis_num=1)
         module = inner.rsplit(".", 1)[0]
+        extra = f"decoder.layers.{module}._extra_state"
         if module in _LINEARS_WITH_EXTRA_STATE and inner.endswith(".weight"):
-            extra = f"decoder.layers.{module}._extra_state"
             out[f"decoder.layers.{layer}.{module}._extra_state"] = ShardedObject(
                 extra, None, (num_layers,), (layer,), replica_id=_REPLICA)
+        if module in _EXPERT_LINEARS and inner.endswith(".weight"):
+            experts = tensor.shape[0]
+            out.update({f"decoder.layers.{layer}.{module}.{expert}._extra_state": ShardedObject(
+                extra, None, (num_layers, experts), (layer, expert), replica_id=_REPLICA) for expert in range(experts)})
     return out
 
 

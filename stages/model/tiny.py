@@ -1,4 +1,4 @@
-"""Tiny, deterministic HF causal-LM checkpoints (Llama 3, Qwen2, Qwen3 style) built offline from a seed.
+"""Tiny, deterministic HF causal-LM checkpoints of every family in `slimeflow.families`, built offline from a seed.
 
 Tests of later stages (the HF <-> Megatron converter, preprocessing, RL) and the CPU demo need real HF
 directories with the odd shapes of real models: GQA, tied or untied embeddings, vocabularies that are not a
@@ -6,7 +6,7 @@ multiple of 128, bf16/fp16/fp32 weights. `build_tiny_model` writes one in about 
 written as a URI, ``tiny:qwen3?seed=3&hidden_size=96``, so a pipeline config can name one as its checkpoint.
 
 The tokenizer is byte-level BPE without merges: ids 0..255 are the UTF-8 bytes, so any text round-trips
-(Qwen's NFC-normalized first, as the real ones), followed by each family's special tokens.
+(Qwen's NFC-normalized first, as the real ones), followed by each family's special tokens (its spec's tokenizer).
 
 torch, tokenizers and transformers are imported inside the builders, so parsing a spec stays cheap.
 """
@@ -17,15 +17,18 @@ import math
 import re
 import shutil
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from slimeflow.families import FAMILIES, FamilySpec
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-Family = Literal["llama", "qwen2", "qwen3"]
+Family = str
+"""A key of `slimeflow.families.FAMILIES` (checked when a spec is made)."""
 DType = Literal["float32", "bfloat16", "float16"]
 
 URI_PREFIX = "tiny:"
@@ -33,143 +36,6 @@ NUM_BYTE_TOKENS = 256
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # Constant-initialised tensors (norm weights, biases) get noise of this scale; see `_perturb_constant_params`.
 _PERTURB_STD = 0.02
-
-# --------------------------------------------------------------------------------------------------------------
-# Per-family knowledge
-# --------------------------------------------------------------------------------------------------------------
-
-# Every tag starts with `{{-` or `{%-`, so the layout whitespace below is not rendered.
-CHATML_TEMPLATE = r"""
-{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
-    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
-    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
-    {%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
-    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments ' }}
-    {{- 'within <tool_call></tool_call> XML tags.<|im_end|>\n' }}
-{%- elif messages and messages[0].role == 'system' %}
-    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if not (loop.first and message.role == 'system') %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
-"""
-"""ChatML as Qwen2/Qwen3 write it; a `tools` list is rendered into the system turn."""
-
-LLAMA3_TEMPLATE = r"""
-{{- bos_token }}
-{%- if tools %}
-    {{- '<|start_header_id|>system<|end_header_id|>\n\n' }}
-    {%- if messages and messages[0].role == 'system' %}{{- messages[0].content | trim + '\n\n' }}{%- endif %}
-    {{- 'You have access to the following functions:\n' }}
-    {%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
-    {{- '<|eot_id|>' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if not (tools and loop.first and message.role == 'system') %}
-        {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' }}
-        {{- message.content | trim + '<|eot_id|>' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}
-"""
-"""Llama 3 header style; the template writes BOS itself, as Meta's does."""
-
-
-@dataclass(frozen=True)
-class TokenizerInfo:
-    """A family's special tokens and chat format; the byte-level vocabulary is the same for all."""
-
-    special_tokens: tuple[str, ...]
-    """Appended after the 256 byte tokens, in this id order (ids 256, 257, ...)."""
-    bos_token: str | None
-    eos_token: str
-    """Ends an assistant turn; the config's `eos_token_id`."""
-    pad_token: str
-    stop_tokens: tuple[str, ...]
-    """Every token that ends generation (generation_config's `eos_token_id`), eos first."""
-    add_bos_token: bool
-    """Every encoded text starts with BOS (Llama 3's does, Qwen's does not)."""
-    nfc_normalize: bool
-    """Text is NFC-normalized first, as Qwen's is (transformers 5 rebuilds any qwen2 tokenizer that way on
-    loading, whatever tokenizer.json says)."""
-    chat_template: str
-
-
-@dataclass(frozen=True)
-class FamilyInfo:
-    """What distinguishes one model family: architecture switches, then its tokenizer."""
-
-    model_type: str
-    """transformers' `model_type`, i.e. which config and model classes are used."""
-    attention_bias: bool
-    """q/k/v projections carry a bias (Qwen2)."""
-    qk_norm: bool
-    """Per-head RMSNorm on queries and keys (Qwen3)."""
-    configurable_head_dim: bool
-    """The config has a `head_dim` field, so head_dim may differ from hidden_size / num_attention_heads."""
-    config_overrides: Mapping[str, Any]
-    """Fixed config fields that pin the switches above where the config class has them."""
-    tokenizer: TokenizerInfo
-
-
-QWEN_TOKENIZER = TokenizerInfo(
-    special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-    bos_token=None,
-    eos_token="<|im_end|>",
-    pad_token="<|endoftext|>",
-    stop_tokens=("<|im_end|>", "<|endoftext|>"),
-    add_bos_token=False,
-    nfc_normalize=True,
-    chat_template=CHATML_TEMPLATE,
-)
-LLAMA3_TOKENIZER = TokenizerInfo(
-    special_tokens=(
-        "<|begin_of_text|>",
-        "<|end_of_text|>",
-        "<|start_header_id|>",
-        "<|end_header_id|>",
-        "<|eot_id|>",
-    ),
-    bos_token="<|begin_of_text|>",
-    eos_token="<|eot_id|>",
-    pad_token="<|end_of_text|>",
-    stop_tokens=("<|eot_id|>", "<|end_of_text|>"),
-    add_bos_token=True,
-    nfc_normalize=False,
-    chat_template=LLAMA3_TEMPLATE,
-)
-
-FAMILIES: dict[str, FamilyInfo] = {
-    "llama": FamilyInfo(
-        model_type="llama",
-        attention_bias=False,
-        qk_norm=False,
-        configurable_head_dim=True,
-        config_overrides={"attention_bias": False, "mlp_bias": False},
-        tokenizer=LLAMA3_TOKENIZER,
-    ),
-    "qwen2": FamilyInfo(
-        model_type="qwen2",
-        attention_bias=True,  # hard-wired in transformers' Qwen2 attention; its config has no such field
-        qk_norm=False,
-        configurable_head_dim=False,
-        config_overrides={},
-        tokenizer=QWEN_TOKENIZER,
-    ),
-    "qwen3": FamilyInfo(
-        model_type="qwen3",
-        attention_bias=False,
-        qk_norm=True,
-        configurable_head_dim=True,
-        config_overrides={"attention_bias": False},
-        tokenizer=QWEN_TOKENIZER,
-    ),
-}
 
 # --------------------------------------------------------------------------------------------------------------
 # The spec and its URI form
@@ -210,6 +76,9 @@ SPEC_PARAMS: dict[str, SpecParam] = {
     "rope_theta": _FLOAT,
     "rms_norm_eps": _FLOAT,
     "max_shard_size": SpecParam(str, "a size such as 100KB, 5MB or 1GiB"),
+    "num_experts": _POSITIVE_INT,
+    "num_experts_per_tok": _POSITIVE_INT,
+    "moe_intermediate_size": _POSITIVE_INT,
 }
 """The query keys of a `tiny:<family>?key=value&...` URI: every spec field but `family`."""
 
@@ -236,13 +105,23 @@ class TinyModelSpec:
     rms_norm_eps: float = 1e-6
     max_shard_size: str | None = None
     """Passed to `save_pretrained` (e.g. "100KB") to force several safetensors shards and an index."""
+    num_experts: int | None = None
+    """Mixture-of-experts families only (as the next two); None: the family's tiny default."""
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
 
     def __post_init__(self) -> None:
         _validate(self)
 
     @property
-    def info(self) -> FamilyInfo:
+    def info(self) -> FamilySpec:
         return FAMILIES[self.family]
+
+    @property
+    def family_fields(self) -> dict[str, Any]:
+        """The family-specific config fields (experts): the spec's values where given, else the family's defaults."""
+        return {name: default if getattr(self, name) is None else getattr(self, name)
+                for name, default in self.info.tiny_defaults.items()}
 
     @property
     def resolved_head_dim(self) -> int:
@@ -318,6 +197,7 @@ def _validate(spec: TinyModelSpec) -> None:
     if spec.head_dim is not None:
         _require_positive_int("head_dim", spec.head_dim)
     _validate_attention(spec)
+    _validate_experts(spec)
     for name in ("rope_theta", "rms_norm_eps"):
         _require_positive_number(name, getattr(spec, name))
     if not isinstance(spec.tie_word_embeddings, bool):
@@ -328,6 +208,23 @@ def _validate(spec: TinyModelSpec) -> None:
         raise ValueError(
             f"max_shard_size must be a size such as 100KB, 5MB or 1GiB, got {spec.max_shard_size!r}"
         )
+
+
+def _validate_experts(spec: TinyModelSpec) -> None:
+    given = [name for name in _EXPERT_FIELDS if getattr(spec, name) is not None]
+    if given and not spec.info.has_experts:
+        raise ValueError(f"{spec.family} has no experts, so {', '.join(given)} cannot be set; families with "
+                         "experts: " + ", ".join(name for name, info in FAMILIES.items() if info.has_experts))
+    for name in given:
+        _require_positive_int(name, getattr(spec, name))
+    if spec.info.has_experts:
+        fields_ = spec.family_fields
+        if fields_["num_experts_per_tok"] > fields_["num_experts"]:
+            raise ValueError(f"num_experts_per_tok ({fields_['num_experts_per_tok']}) must not exceed num_experts "
+                             f"({fields_['num_experts']})")
+
+
+_EXPERT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 def _validate_attention(spec: TinyModelSpec) -> None:
@@ -351,8 +248,12 @@ def _validate_attention(spec: TinyModelSpec) -> None:
             f"({spec.hidden_size // heads}), got {spec.head_dim}; families with a free head_dim: "
             + ", ".join(name for name, info in FAMILIES.items() if info.configurable_head_dim)
         )
-    if spec.resolved_head_dim % 2:
+    factor = spec.info.rope_overrides.get("partial_rotary_factor", 1.0)
+    if factor == 1.0 and spec.resolved_head_dim % 2:
         raise ValueError(f"head_dim must be even for rotary embeddings, got {spec.resolved_head_dim}")
+    if (spec.resolved_head_dim * factor) % 2:
+        raise ValueError(f"{spec.family} rotates head_dim x {factor:g} dimensions, which must be even for rotary "
+                         f"embeddings: head_dim must be a multiple of {2 / factor:g}, got {spec.resolved_head_dim}")
 
 
 def _is_int(value: Any) -> bool:
@@ -480,12 +381,13 @@ def _model_config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast):
         max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=spec.rms_norm_eps,
         # transformers 5 keeps RoPE settings in one dict; there is no `rope_theta` field any more.
-        rope_parameters={"rope_type": "default", "rope_theta": float(spec.rope_theta)},
+        rope_parameters={"rope_type": "default", "rope_theta": float(spec.rope_theta), **spec.info.rope_overrides},
         tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         **head_dim,
+        **spec.family_fields,
         **info.config_overrides,
     )
 

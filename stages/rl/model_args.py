@@ -26,6 +26,11 @@ def _rope_theta(hf: Mapping[str, Any]) -> Any:
     return hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta"))
 
 
+def _rotary_percent(hf: Mapping[str, Any]) -> Any:
+    # transformers 5 keeps partial_rotary_factor in `rope_parameters`; older configs (GLM-Z1's) at the top level.
+    return hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
+
+
 def _head_dim(hf: Mapping[str, Any]) -> Any:
     heads = hf.get("num_attention_heads")
     return hf.get("head_dim") or (hf["hidden_size"] // heads if heads and "hidden_size" in hf else None)
@@ -51,7 +56,7 @@ SHAPE: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
                                             lambda hf: not hf.get("tie_word_embeddings", False)),
     "swiglu": ("hidden_act", lambda hf: hf.get("hidden_act") == "silu"),
     "group_query_attention": ("num_key_value_heads", lambda hf: _query_groups(hf) != hf.get("num_attention_heads")),
-    "rotary_percent": ("partial_rotary_factor", lambda hf: hf.get("partial_rotary_factor", 1.0)),
+    "rotary_percent": ("partial_rotary_factor", _rotary_percent),
     "attention_dropout": ("attention_dropout", lambda hf: hf.get("attention_dropout", 0.0)),
     "hidden_dropout": ("hidden_dropout", lambda hf: hf.get("hidden_dropout", 0.0)),
     "normalization": ("rms_norm_eps", lambda hf: "RMSNorm" if "rms_norm_eps" in hf else "LayerNorm"),

@@ -24,26 +24,12 @@ import torch
 import torch.nn.functional as F
 from transformers import Cache, PreTrainedModel
 
+from slimeflow.families import BY_MODEL_TYPE, FAMILIES
 from slimeflow.stages.rl.engine.decode_kernel import DecodeAttention, load_decode_attention
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class FamilyLayout:
-    """What a family's decoder layer computes beyond Llama's: per-head RMSNorm on queries and keys (Qwen3).
-
-    Biases (Qwen2's q/k/v, Llama's optional attention_bias/mlp_bias) are read from the modules themselves.
-    """
-
-    qk_norm: bool
-
-
-FAMILIES: dict[str, FamilyLayout] = {
-    "llama": FamilyLayout(qk_norm=False),
-    "qwen2": FamilyLayout(qk_norm=False),
-    "qwen3": FamilyLayout(qk_norm=True),
-}
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 """Rope types whose inverse frequencies do not depend on the sequence length, so one table serves every step."""
 
@@ -77,8 +63,10 @@ class HFForward:
 def unsupported_reason(model: PreTrainedModel) -> str | None:
     """Why `NativeForward` cannot run `model` exactly as transformers does, or None when it can."""
     config = model.config
-    if config.model_type not in FAMILIES:
-        return f"model_type {config.model_type!r} is not one of {sorted(FAMILIES)}"
+    family = BY_MODEL_TYPE.get(config.model_type)
+    if family is None or not family.native_forward:
+        native = sorted(f.model_type for f in FAMILIES.values() if f.native_forward)
+        return f"model_type {config.model_type!r} is not one of {native} (the families with a native forward)"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act {config.hidden_act!r} is not silu"
     if getattr(config, "use_sliding_window", False) or any(
@@ -179,7 +167,7 @@ class NativeForward:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.eps = config.rms_norm_eps
-        self.qk_norm = FAMILIES[config.model_type].qk_norm
+        self.qk_norm = BY_MODEL_TYPE[config.model_type].qk_norm
         self.max_positions = config.max_position_embeddings
         self.rotary = _rotary_table(model, min(self.max_positions, ROTARY_ROWS), self.head_dim)
         self.linear = _cpu_linear(model)

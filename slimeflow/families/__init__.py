@@ -1,0 +1,164 @@
+"""Model families as data: one spec per family, read by the tiny factory, the converter and the engine.
+
+A spec says which HF architecture it is, the switches that shape its decoder layer (the same facts the factory
+writes into a config, the converter writes into Megatron's args and the engine checks before its native forward),
+its name map with fusions, and its tokenizer. Adding a family is adding a spec here plus its tests (a tiny model,
+a bit-exact round trip, megatron-core's logits against HF's).
+
+A rule of the name map names one Megatron tensor (its name inside `decoder.layers.<i>.`, as checkpoints written
+with Transformer Engine layer specs spell it) and the HF tensors (inside `model.layers.<i>.`) it is made of,
+joined by a fusion (the converter's mapping applies them):
+
+    copy     one HF tensor, unchanged
+    qkv      q, k, v projections interleaved by KV group: per group its query heads, one K head, one V head
+    gate_up  gate and up projections concatenated on dim 0 (Megatron's fc1 for SwiGLU)
+
+A rule `per_expert` names each expert's HF tensors with `{e}` in them; the fusion is applied to each expert's and
+the results are stacked on a new dim 0 (experts), as Megatron stores them (`mlp.experts.experts.linear_fc1.weight`
+is [experts, 2 x moe_ffn, hidden] per layer, whether written by SequentialMLP or grouped GEMM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from slimeflow.families.chat import GLM4_TOKENIZER, LLAMA3_TOKENIZER, QWEN_TOKENIZER, TokenizerInfo
+
+Fusion = Literal["copy", "qkv", "gate_up"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Megatron per-layer tensor `megatron` is `fusion` of the HF per-layer tensors `hf` (in that order)."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    fusion: Fusion = "copy"
+    per_expert: bool = False
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One model family. `name` is its key everywhere: `tiny:<name>`, the converter's family, manifests."""
+
+    name: str
+    model_type: str
+    """transformers' `model_type`: which config and model classes are used."""
+    architectures: tuple[str, ...]
+    """HF `architectures` entries the converter recognises as this family."""
+    layer_rules: tuple[Rule, ...]
+    tokenizer: TokenizerInfo
+    attention_bias: bool = False
+    """q/k/v projections carry a bias (Megatron: add_qkv_bias)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on queries and keys (Megatron: qk_layernorm)."""
+    sandwich_norms: bool = False
+    """RMSNorm on the attention and MLP outputs before each residual add (GLM4; Megatron, as slime patches it:
+    post_self_attn_layernorm, post_mlp_layernorm)."""
+    rotary_interleaved: bool = False
+    """RoPE rotates adjacent pairs (x0, x1), (x2, x3), ... instead of the two halves (GLM4)."""
+    configurable_head_dim: bool = True
+    """The config has a `head_dim` field, so head_dim may differ from hidden_size / num_attention_heads."""
+    config_overrides: Mapping[str, Any] = field(default_factory=dict)
+    """Config fields the tiny factory pins so that the switches above hold where the config class has them."""
+    rope_overrides: Mapping[str, Any] = field(default_factory=dict)
+    """The same inside the config's `rope_parameters` (GLM4 rotates half of each head: partial_rotary_factor)."""
+    native_forward: bool = False
+    """The engine's native forward (stages/rl/engine/native.py) computes this family; else transformers' does."""
+    tiny_defaults: Mapping[str, Any] = field(default_factory=dict)
+    """Values of the tiny factory's family-specific spec fields (e.g. the experts of a mixture of experts)."""
+
+    @property
+    def has_experts(self) -> bool:
+        return any(rule.per_expert for rule in self.layer_rules)
+
+
+GLOBAL_RULES: tuple[Rule, ...] = (
+    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",)),
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
+    Rule("output_layer.weight", ("lm_head.weight",)),
+)
+"""Tensors outside the layers, the same in every family; `output_layer` is absent when embeddings are tied."""
+
+VOCAB_PADDED = frozenset({"embedding.word_embeddings.weight", "output_layer.weight"})
+"""Megatron tensors whose dim 0 is the (padded) vocabulary."""
+
+_INPUT_NORM = Rule("self_attention.linear_qkv.layer_norm_weight", ("input_layernorm.weight",))
+_QKV = Rule("self_attention.linear_qkv.weight",
+            ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv")
+_QKV_BIAS = Rule("self_attention.linear_qkv.bias",
+                 ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv")
+_QK_NORM = (
+    Rule("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",)),
+    Rule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",)),
+)
+_PROJ = Rule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",))
+_MLP_NORM = Rule("mlp.linear_fc1.layer_norm_weight", ("post_attention_layernorm.weight",))
+_FC2 = Rule("mlp.linear_fc2.weight", ("mlp.down_proj.weight",))
+_DENSE_RULES: tuple[Rule, ...] = (
+    _INPUT_NORM, _QKV, _PROJ, _MLP_NORM,
+    Rule("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), "gate_up"),
+    _FC2,
+)
+_GLM4_RULES: tuple[Rule, ...] = (
+    _INPUT_NORM, _QKV, _QKV_BIAS, _PROJ,
+    Rule("post_self_attn_layernorm.weight", ("post_self_attn_layernorm.weight",)),
+    _MLP_NORM,
+    Rule("mlp.linear_fc1.weight", ("mlp.gate_up_proj.weight",)),  # HF already stores [gate; up]
+    _FC2,
+    Rule("post_mlp_layernorm.weight", ("post_mlp_layernorm.weight",)),
+)
+
+_MOE_RULES: tuple[Rule, ...] = (
+    _INPUT_NORM, _QKV, _PROJ, *_QK_NORM,
+    # Before experts the norm is a layer of its own (Transformer Engine's MoE spec: TENorm), not fused into fc1.
+    Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",)),
+    Rule("mlp.router.weight", ("mlp.gate.weight",)),
+    Rule("mlp.experts.experts.linear_fc1.weight",
+         ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), "gate_up", per_expert=True),
+    Rule("mlp.experts.experts.linear_fc2.weight", ("mlp.experts.{e}.down_proj.weight",), per_expert=True),
+)
+
+LLAMA = FamilySpec(
+    "llama", "llama", ("LlamaForCausalLM",), _DENSE_RULES, LLAMA3_TOKENIZER,
+    config_overrides={"attention_bias": False, "mlp_bias": False}, native_forward=True,
+)
+QWEN2 = FamilySpec(
+    "qwen2", "qwen2", ("Qwen2ForCausalLM",), (*_DENSE_RULES, _QKV_BIAS), QWEN_TOKENIZER,
+    attention_bias=True,  # hard-wired in transformers' Qwen2 attention; its config has no such field
+    configurable_head_dim=False, native_forward=True,
+)
+QWEN3 = FamilySpec(
+    "qwen3", "qwen3", ("Qwen3ForCausalLM",), (*_DENSE_RULES, *_QK_NORM), QWEN_TOKENIZER,
+    qk_norm=True, config_overrides={"attention_bias": False}, native_forward=True,
+)
+GLM4 = FamilySpec(
+    "glm4", "glm4", ("Glm4ForCausalLM",), _GLM4_RULES, GLM4_TOKENIZER,
+    attention_bias=True, sandwich_norms=True, rotary_interleaved=True, config_overrides={"attention_bias": True},
+    rope_overrides={"partial_rotary_factor": 0.5},
+)
+
+QWEN3_MOE = FamilySpec(
+    "qwen3_moe", "qwen3_moe", ("Qwen3MoeForCausalLM",), _MOE_RULES, QWEN_TOKENIZER,
+    qk_norm=True, config_overrides={"attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                                    "norm_topk_prob": True},
+    tiny_defaults={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+)
+
+FAMILIES: Mapping[str, FamilySpec] = {spec.name: spec for spec in (LLAMA, QWEN2, QWEN3, GLM4, QWEN3_MOE)}
+BY_ARCHITECTURE: Mapping[str, FamilySpec] = {arch: f for f in FAMILIES.values() for arch in f.architectures}
+BY_MODEL_TYPE: Mapping[str, FamilySpec] = {f.model_type: f for f in FAMILIES.values()}
+
+
+def family_for(architectures: list[str] | None) -> FamilySpec | None:
+    """The family of an HF config's `architectures` list, or None when no spec covers it."""
+    for arch in architectures or ():
+        if arch in BY_ARCHITECTURE:
+            return BY_ARCHITECTURE[arch]
+    return None
+
+
+def supported_architectures() -> list[str]:
+    return sorted(BY_ARCHITECTURE)

@@ -1,0 +1,307 @@
+"""The family specs (slimeflow.families) and GLM4, the seeds' running example, through factory, converter and engine.
+
+GLM4 differs from Llama in every place a converter can go wrong: an HF-fused gate_up_proj, a QKV bias, sandwich
+norms (`post_self_attn_layernorm`, `post_mlp_layernorm`, named as slime's patched Megatron names them), and
+interleaved RoPE on half of each head. Two tiny models are converted HF -> torch_dist -> HF once per module; the
+checkpoint is loaded by megatron-core's GPTModel built from its args, whose logits must equal transformers'.
+Qwen3-MoE (router, experts stacked as Megatron stores them) goes through the same checks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from megatron_helpers import declared_shapes, load_and_compare_logits
+from safetensors.torch import load_file
+
+from slimeflow.families import FAMILIES, family_for
+from slimeflow.io.storage import Storage
+from slimeflow.stages.base import StageContext
+from slimeflow.stages.convert.config import ConvertConfig
+from slimeflow.stages.convert.mapping import ModelShape, expected_hf_tensors
+from slimeflow.stages.convert.stage import run
+from slimeflow.stages.convert.torch_dist import load_torch_dist, read_common, tensor_metadata
+from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+
+GLM4_CASES = {
+    # unequal head counts, head_dim not hidden/heads (rotary on 12 of 24 dims), odd vocabulary (263)
+    "glm4-fp32-mqa-headdim-1p": ("tiny:glm4?head_dim=24&num_key_value_heads=1&seed=3", 1),
+    "glm4-bf16-gqa-2p": ("tiny:glm4?dtype=bfloat16&num_hidden_layers=3&num_attention_heads=8&hidden_size=96"
+                         "&max_shard_size=100KB&seed=5", 2),
+}
+MOE_CASES = {
+    # 5 experts (an odd count, more than top-2), expert FFN (24) unlike the dense one, two ranks
+    "qwen3_moe-bf16-2p": ("tiny:qwen3_moe?dtype=bfloat16&num_hidden_layers=3&num_experts=5&moe_intermediate_size=24"
+                          "&seed=4", 2),
+}
+CASES = {**GLM4_CASES, **MOE_CASES}
+
+
+def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    return {name: t for file in sorted(directory.glob("*.safetensors")) for name, t in load_file(file).items()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Every family: the factory's model is exactly what the converter's name map expects; the engine's choice
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_familys_tiny_model_has_exactly_the_tensors_its_spec_maps(tmp_path, family):
+    spec = FAMILIES[family]
+    hf = build_tiny_model(tmp_path / "hf", TinyModelSpec(family=family, seed=1))
+    config = json.loads((hf / "config.json").read_text())
+    assert config["model_type"] == spec.model_type and family_for(config["architectures"]) is spec
+    shape = ModelShape.from_hf_config(config, spec)
+    tensors = hf_tensors(hf)
+    assert {name: tuple(t.shape) for name, t in tensors.items()} == expected_hf_tensors(shape)
+    assert any(name.endswith("q_proj.bias") for name in tensors) == spec.attention_bias
+    assert any(name.endswith("q_norm.weight") for name in tensors) == spec.qk_norm
+    assert any(name.endswith("post_mlp_layernorm.weight") for name in tensors) == spec.sandwich_norms
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_engine_runs_its_native_forward_exactly_for_the_families_whose_spec_says_so(tmp_path, family, caplog):
+    from transformers import AutoModelForCausalLM
+
+    from slimeflow.stages.rl.engine.native import NativeForward, select_forward
+
+    hf = build_tiny_model(tmp_path / "hf", TinyModelSpec(family=family, num_hidden_layers=1))
+    forward = select_forward(AutoModelForCausalLM.from_pretrained(hf))
+    assert isinstance(forward, NativeForward) == FAMILIES[family].native_forward
+    if not FAMILIES[family].native_forward:
+        assert f"model_type {family!r} is not one of ['llama', 'qwen2', 'qwen3']" in caplog.text
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GLM4: the tiny model
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def glm4_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("glm4") / "hf", TinyModelSpec(family="glm4", seed=7))
+
+
+def test_tiny_glm4_is_glm4_shaped_and_generates_from_its_chat_template(glm4_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(glm4_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(glm4_dir, local_files_only=True)
+    assert type(model).__name__ == "Glm4ForCausalLM"
+    assert model.config.rope_parameters["partial_rotary_factor"] == 0.5 and model.config.attention_bias
+    assert len(tokenizer) == model.config.vocab_size == 263  # 256 bytes + 7 GLM special tokens
+    assert model.model.layers[0].mlp.gate_up_proj.weight.shape == (2 * 128, 64)
+    messages = [{"role": "system", "content": "You add."}, {"role": "user", "content": "2+3?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt == "[gMASK]<sop><|system|>\nYou add.<|user|>\n2+3?<|assistant|>\n"
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    assert inputs["input_ids"][0, :2].tolist() == tokenizer.convert_tokens_to_ids(["[gMASK]", "<sop>"])
+    out = model.generate(**inputs, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert out.shape == (1, inputs["input_ids"].shape[1] + 5)
+    stops = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|user|>", "<|observation|>"])
+    assert model.generation_config.eos_token_id == stops
+    text = "naïve 世界 🎉"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+
+
+@pytest.fixture(scope="module")
+def new_family_dirs(glm4_dir, tmp_path_factory) -> dict[str, Path]:
+    """The families without a native engine forward, each as a default tiny model."""
+    moe = build_tiny_model(tmp_path_factory.mktemp("moe") / "hf", TinyModelSpec(family="qwen3_moe", seed=7))
+    return {"glm4": glm4_dir, "qwen3_moe": moe}
+
+
+@pytest.mark.parametrize("family", ["glm4", "qwen3_moe"])
+def test_the_engine_serves_the_family_through_transformers_forward(new_family_dirs, family):
+    from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
+    from slimeflow.stages.rl.engine.sampling import SamplingParams
+    from slimeflow.stages.rl.engine.weights import load_model
+
+    loaded = load_model(str(new_family_dirs[family]), device="cpu")
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, sampling_seed=5)
+    prompts = [[72, 101, 108, 108, 111], [50, 43, 50, 61]]
+    batcher = Batcher(loaded, max_batch_size=4)
+    batcher.start()
+    try:
+        futures = [batcher.submit(GenerateRequest(rid=str(i), input_ids=p, params=params))
+                   for i, p in enumerate(prompts)]
+        results = [f.result(timeout=60) for f in futures]
+    finally:
+        batcher.stop()
+    for prompt, result in zip(prompts, results, strict=True):
+        assert len(result.output_ids) == 8
+        with torch.inference_mode():
+            logp = loaded.model(torch.tensor([prompt + result.output_ids])).logits[0].log_softmax(-1)
+        rows = torch.arange(len(prompt) - 1, len(prompt) - 1 + 8)
+        expected = logp[rows, torch.tensor(result.output_ids)]
+        torch.testing.assert_close(torch.tensor(result.output_logprobs), expected, atol=1e-4, rtol=0)
+
+
+def _trained_backend(hf_dir: Path):
+    """A torch backend on `hf_dir` after one optimizer step (lr 1e-2) on a rollout of 2 groups of 2; and the
+    parameters it started from."""
+    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+    from slimeflow.stages.rl.config import TrainConfig
+    from slimeflow.stages.rl.train_step import train_on_rollout
+    from slimeflow.stages.rl.types import TrainBatch
+
+    config = TrainConfig(batch={"rollout_batch_size": 2, "n_samples_per_prompt": 2, "num_rollout": 1},
+                         optimizer={"lr": 1e-2})
+    backend = TorchBackend(hf_dir, config.optimizer, config.algorithm, config.batch, seed=3, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    lengths = [(7, 3), (9, 4), (5, 2), (8, 4)]
+    batch = TrainBatch(tokens=[torch.randint(3, 250, (n,), generator=g) for n, _ in lengths],
+                       response_lengths=[r for _, r in lengths], loss_masks=[torch.ones(r) for _, r in lengths],
+                       rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]),
+                       rollout_log_probs=[-torch.rand(r, generator=g) for _, r in lengths])
+    before = {n: p.detach().clone() for n, p in backend.model.named_parameters()}
+    train_on_rollout(backend, batch, config)
+    return backend, before
+
+
+@pytest.mark.parametrize(("family", "trained"), [("glm4", ("post_self_attn_layernorm", "gate_up_proj")),
+                                                 ("qwen3_moe", ("mlp.gate.weight", "mlp.experts"))])
+def test_the_torch_backend_trains_the_family(new_family_dirs, family, trained):
+    backend, before = _trained_backend(new_family_dirs[family])
+    changed = {n for n, p in backend.model.named_parameters() if not torch.equal(p, before[n])}
+    assert all(any(part in n for n in changed) for part in trained), sorted(changed)
+
+
+def test_the_torch_backend_checkpoints_glm4_exactly(glm4_dir, tmp_path):
+    """Saved as torch_dist through GLM4's name map and read back bit for bit. (Qwen3-MoE is not here: transformers
+    keeps its experts fused in memory, mlp.experts.gate_up_proj [E, 2F, H], which the backend's checkpointing does
+    not map onto the per-expert names of HF checkpoints yet.)"""
+    from slimeflow.stages.rl.backend.checkpoint import read_weights, save_checkpoint
+
+    backend, _ = _trained_backend(glm4_dir)
+    ref = save_checkpoint(backend, tmp_path / "save", 1, {"rollout_id": 1})
+    saved = read_weights(ref.uri, glm4_dir)
+    params = dict(backend.model.named_parameters())
+    assert sorted(saved) == sorted(params)
+    assert all(torch.equal(saved[name], param) for name, param in params.items())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GLM4: HF -> torch_dist -> HF, names as slime's, megatron-core's logits
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, dict]:
+    out = {}
+    for case, (uri, processes) in CASES.items():
+        tmp = tmp_path_factory.mktemp(case)
+        ctx = StageContext(Storage(), tmp / "work", str(tmp / "work"))
+        hf = build_tiny_model(tmp / "hf", TinyModelSpec.from_uri(uri))
+        run(ConvertConfig(hf_checkpoint=str(hf), save=str(tmp / "ckpt"), processes=processes), ctx)
+        run(ConvertConfig(direction="torch-dist-to-hf", input_dir=str(tmp / "ckpt"), output_dir=str(tmp / "back"),
+                          origin_hf_dir=str(hf)), ctx)
+        out[case] = {"hf": hf, "release": tmp / "ckpt" / "release", "back": tmp / "back"}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_round_trip_is_bit_exact(converted, case):
+    item = converted[case]
+    original, back = hf_tensors(item["hf"]), hf_tensors(item["back"])
+    assert sorted(back) == sorted(original)
+    for name, tensor in original.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
+
+
+@pytest.mark.slow
+def test_glm4_checkpoint_uses_slimes_names_and_args(converted):
+    item = converted["glm4-bf16-gqa-2p"]
+    args = read_common(item["release"])["args"]
+    assert (args.post_self_attn_layernorm, args.post_mlp_layernorm, args.rotary_interleaved) == (True, True, True)
+    assert args.rotary_percent == 0.5 and args.add_qkv_bias and not args.qk_layernorm
+    keys = set(tensor_metadata(item["release"]))
+    assert {"decoder.layers.post_self_attn_layernorm.weight", "decoder.layers.post_mlp_layernorm.weight",
+            "decoder.layers.self_attention.linear_qkv.bias"} <= keys
+    stacked, _ = load_torch_dist(item["release"], ["decoder.layers.mlp.linear_fc1.weight",
+                                                   "decoder.layers.post_mlp_layernorm.weight"])
+    hf = hf_tensors(item["hf"])
+    for layer in range(3):  # fc1 is HF's gate_up_proj as it is: [gate; up] on dim 0
+        assert torch.equal(stacked["decoder.layers.mlp.linear_fc1.weight"][layer],
+                           hf[f"model.layers.{layer}.mlp.gate_up_proj.weight"])
+        assert torch.equal(stacked["decoder.layers.post_mlp_layernorm.weight"][layer],
+                           hf[f"model.layers.{layer}.post_mlp_layernorm.weight"])
+
+
+@pytest.mark.slow
+def test_qwen3_moe_checkpoint_stores_experts_stacked_as_megatron_does(converted):
+    item = converted["qwen3_moe-bf16-2p"]
+    args = read_common(item["release"])["args"]
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (5, 2, 24)
+    assert args.moe_router_pre_softmax is False  # norm_topk_prob: softmax over the top-k's logits
+    metadata = tensor_metadata(item["release"])
+    assert metadata["decoder.layers.mlp.experts.experts.linear_fc1.weight"][0] == (3, 5, 48, 64)
+    assert metadata["decoder.layers.mlp.experts.experts.linear_fc2.weight"][0] == (3, 5, 64, 24)
+    assert metadata["decoder.layers.mlp.router.weight"][0] == (3, 5, 64)
+    assert "decoder.layers.pre_mlp_layernorm.weight" in metadata  # TE's MoE layer: a norm of its own
+    assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" not in metadata
+    stacked, _ = load_torch_dist(item["release"], ["decoder.layers.mlp.experts.experts.linear_fc1.weight"])
+    hf = hf_tensors(item["hf"])
+    fc1 = stacked["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    for layer, expert in ((0, 0), (2, 4), (1, 3)):
+        prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+        assert torch.equal(fc1[layer, expert], torch.cat([hf[prefix + "gate_proj.weight"],
+                                                          hf[prefix + "up_proj.weight"]]))
+
+
+def test_moe_models_with_dense_layers_are_refused_before_any_write(tmp_path):
+    from slimeflow.stages.base import StageInputError
+
+    hf = build_tiny_model(tmp_path / "hf", TinyModelSpec(family="qwen3_moe", num_hidden_layers=2))
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "mlp_only_layers": [1]}))
+    ctx = StageContext(Storage(), tmp_path / "work", str(tmp_path / "work"))
+    with pytest.raises(StageInputError, match=r"layers \[1\] have a dense MLP"):
+        run(ConvertConfig(hf_checkpoint=str(hf), save=str(tmp_path / "ckpt")), ctx)
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize(("uri", "message"), [
+    ("tiny:qwen3?num_experts=4", "qwen3 has no experts, so num_experts cannot be set; families with experts: qwen3_moe"),
+    ("tiny:qwen3_moe?num_experts=2&num_experts_per_tok=3", "num_experts_per_tok (3) must not exceed num_experts (2)"),
+    ("tiny:glm4?head_dim=18", "glm4 rotates head_dim x 0.5 dimensions, which must be even for rotary embeddings: head_dim must be a multiple of 4, got 18"),
+])
+def test_family_specific_settings_are_checked(uri, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TinyModelSpec.from_uri(uri)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_gpt_model_of_our_layer_spec_declares_and_loads_the_checkpoint_and_matches_hf(converted, megatron_world,
+                                                                                      case):
+    """GLM4 with our sandwich-norm layer, Qwen3-MoE with megatron-core's experts: the checkpoint holds exactly the
+    tensors GPTModel declares, and its fp32 logits are within 1e-5 of HF's (bf16 cases compute in fp32 from the
+    same rounded weights)."""
+    from slimeflow.families.megatron import gpt_model_from_args
+
+    item = converted[case]
+    model = gpt_model_from_args(read_common(item["release"])["args"]).eval()
+    assert {key: shape for key, (shape, _) in tensor_metadata(item["release"]).items()} == declared_shapes(model)
+    assert load_and_compare_logits(model, item["release"], item["hf"]) <= 1e-5
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.25])
+def test_rotary_percent_is_checked_against_partial_rotary_factor_wherever_the_config_keeps_it(glm4_dir, factor):
+    """transformers 5 writes it into rope_parameters (the tiny model's config); GLM-Z1's config.json at the top."""
+    from slimeflow.config.pipeline import load_stage_config
+    from slimeflow.stages.rl.model_args import check_model_args
+
+    megatron = load_stage_config("train", None, ["--rollout-batch-size", "8", "--num-rollout", "1",
+                                                 "--rotary-percent", str(factor)]).megatron
+    nested = json.loads((glm4_dir / "config.json").read_text())
+    top_level = {**nested, "partial_rotary_factor": 0.5, "rope_parameters": {"rope_theta": 10000.0}}
+    for config in (nested, top_level):
+        problems = check_model_args(megatron, config, "torch")
+        assert problems == [] if factor == 0.5 else "--rotary-percent 0.25 does not match" in problems[0]
