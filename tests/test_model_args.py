@@ -124,3 +124,27 @@ def test_a_config_that_went_through_json_checks_only_what_was_given():
     assert check_model_args(config.megatron, QWEN3_4B, "torch") == []
     config = TrainConfig.model_validate_json(train_config("--num-layers", "28").model_dump_json())
     assert len(check_model_args(config.megatron, QWEN3_4B, "torch")) == 1
+
+
+def test_flags_that_nothing_reads_are_refused_not_accepted():
+    """--offload, --save-hf and --eval-config did nothing: refused by name; so are SGLang server arguments, which
+    no server slimeflow starts would get."""
+    from slimeflow.config.flags import ConfigError
+
+    for flags, reason in ((["--offload"], "is not supported yet"), (["--save-hf", "/x"], "slimeflow export"),
+                          (["--eval-config", "e.yaml"], "use the --eval-")):
+        with pytest.raises(ConfigError, match=reason):
+            train_config(*flags)
+    config = train_config("--sglang-mem-fraction-static", "0.7", "--sglang-worker-urls", "http://a:1", "http://b:2")
+    assert config.sglang.unread() == [
+        "--sglang-mem-fraction-static: SGLang servers are not launched by slimeflow in this version, so no server "
+        "would get it; start your SGLang servers with it and pass their URLs with --sglang-worker-urls (the "
+        "embedded engine takes no SGLang server arguments)"]
+
+
+def test_several_worker_urls_on_the_command_line_are_several_servers():
+    from slimeflow.stages.rl.engines import EngineSet
+
+    config = train_config("--sglang-worker-urls", "http://a:1", "http://b:2", "--sglang-weights-dir", "/w")
+    launch = EngineSet.launch("hf", config.sglang.args, 1)
+    assert launch.external.worker_urls == ["http://a:1", "http://b:2"]  # (ready() would check their /health)

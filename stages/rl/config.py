@@ -6,7 +6,7 @@ so a slime flag list maps onto it flag for flag (slimeflow.config.flags). Functi
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -253,8 +253,6 @@ class CheckpointConfig(ConfigModel):
     """Checkpoint root the actor saves to."""
     save_interval: OptionalPositiveInt = None
     """Save every this many rollouts."""
-    save_hf: str | None = None
-    """Also write HF weights here at each save."""
     start_rollout_id: int | None = Field(None, ge=0)
     """Override the rollout id to start from (default: from the loaded checkpoint)."""
 
@@ -278,8 +276,6 @@ class EvalConfig(ConfigModel):
     """Eval top-k (default: rollout_top_k)."""
     skip_eval_before_train: bool = False
     """Do not evaluate before the first rollout."""
-    eval_config: str | None = None
-    """YAML file with per-dataset eval settings."""
 
 
 class PlacementConfig(ConfigModel):
@@ -297,8 +293,6 @@ class PlacementConfig(ConfigModel):
     """Devices per engine (SGLang tp_size)."""
     colocate: bool = False
     """Share devices between training and rollout."""
-    offload: bool = False
-    """Offload training state while rollout runs (colocated mode)."""
     engine_in_process: bool = True
     """One embedded engine is served from a thread of the RolloutManager's process (no process of its own, which
     saves its interpreter's imports: 2-3 CPU seconds of start-up); false gives it its own process, for a rollout
@@ -391,10 +385,21 @@ class MegatronConfig(ConfigModel):
 
 
 class SglangConfig(ConfigModel):
-    """Every `--sglang-X value` flag, passed through to SGLang as `--X value` (e.g. --sglang-mem-fraction-static)."""
+    """Every `--sglang-X value` flag, keyed by X. slimeflow reads those in READ (its external servers, their router
+    and key); SGLang's own server arguments (--sglang-mem-fraction-static, ...) would go to the servers slimeflow
+    launches, which it does not in this version, so the train stage refuses them by name (`unread`)."""
+
+    READ: ClassVar[frozenset[str]] = frozenset({"worker_urls", "weights_dir", "api_key", "router_ip", "router_port"})
 
     args: dict[str, Any] = Field(default_factory=dict)
-    """Pass-through SGLang server arguments, keyed by name without the sglang_ prefix."""
+    """SGLang arguments, keyed by name without the sglang_ prefix."""
+
+    def unread(self) -> list[str]:
+        """The flags given that nothing reads, with the reason, one line each."""
+        return [f"--sglang-{key.replace('_', '-')}: SGLang servers are not launched by slimeflow in this version, so "
+                "no server would get it; start your SGLang servers with it and pass their URLs with "
+                "--sglang-worker-urls (the embedded engine takes no SGLang server arguments)"
+                for key in sorted(set(self.args) - self.READ)]
 
 
 class DebugConfig(ConfigModel):

@@ -100,7 +100,8 @@ class EngineSet:
         from a thread of this process instead (launch.launch_engine_thread)."""
         external = sglang_args.get("worker_urls")
         if external:
-            urls = [external] if isinstance(external, str) else [str(u) for u in external]
+            # The command line gives one string (several URLs joined by spaces), YAML a string or a list.
+            urls = external.split() if isinstance(external, str) else [str(u) for u in external]
             weights_dir = sglang_args.get("weights_dir")
             if not weights_dir:
                 raise ValueError("--sglang-worker-urls needs --sglang-weights-dir DIR: a directory every SGLang "

@@ -71,6 +71,7 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
     if hf_config.is_file():
         problems += check_model_args(config.megatron, json.loads(hf_config.read_text()), config.placement.train_backend)
     problems += data_problems(config, ctx)
+    problems += config.sglang.unread()
     if config.placement.train_backend != "torch":
         problems.append(f"--train-backend {config.placement.train_backend} is not available in this version; use "
                         "--train-backend torch (its checkpoints are Megatron's torch_dist all the same)")
