@@ -148,3 +148,12 @@ def test_several_worker_urls_on_the_command_line_are_several_servers():
     config = train_config("--sglang-worker-urls", "http://a:1", "http://b:2", "--sglang-weights-dir", "/w")
     launch = EngineSet.launch("hf", config.sglang.args, 1)
     assert launch.external.worker_urls == ["http://a:1", "http://b:2"]  # (ready() would check their /health)
+
+
+def test_ppo_without_a_critic_is_refused_before_anything_starts(tmp_path: Path):
+    """It was accepted and failed at the first step ("needs the critic's values")."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_4B))
+    config = train_config("--hf-checkpoint", str(tmp_path), "--prompt-data", str(tmp_path / "prompts"),
+                          "--advantage-estimator", "ppo")
+    with pytest.raises(StageInputError, match=r"--advantage-estimator ppo needs a critic's values"):
+        rollout_setup(config, StageContext(Storage(), tmp_path / "work", str(tmp_path / "work")))

@@ -72,6 +72,9 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
         problems += check_model_args(config.megatron, json.loads(hf_config.read_text()), config.placement.train_backend)
     problems += data_problems(config, ctx)
     problems += config.sglang.unread()
+    if config.algorithm.advantage_estimator == "ppo":  # the library computes GAE from values no run produces yet
+        problems.append("--advantage-estimator ppo needs a critic's values (slime's --use-critic), which this version "
+                        "does not train; use grpo, gspo, cispo, reinforce_plus_plus or reinforce_plus_plus_baseline")
     if config.placement.train_backend != "torch":
         problems.append(f"--train-backend {config.placement.train_backend} is not available in this version; use "
                         "--train-backend torch (its checkpoints are Megatron's torch_dist all the same)")
