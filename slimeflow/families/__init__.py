@@ -162,3 +162,25 @@ def family_for(architectures: list[str] | None) -> FamilySpec | None:
 
 def supported_architectures() -> list[str]:
     return sorted(BY_ARCHITECTURE)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fields of an HF config.json that need more than a lookup (the converter's ModelShape and the train stage's
+# MODEL_ARGS check read them the same way)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def rope_setting(config: Mapping[str, Any], name: str, default: Any = None) -> Any:
+    """A RoPE setting (rope_theta, partial_rotary_factor): transformers 5 keeps them in `rope_parameters`, older
+    configs at the top level."""
+    return (config.get("rope_parameters") or {}).get(name, config.get(name, default))
+
+
+def query_groups(config: Mapping[str, Any]) -> int:
+    """KV heads: num_key_value_heads, else one per query head. KeyError names a missing field."""
+    return config.get("num_key_value_heads") or config["num_attention_heads"]
+
+
+def head_dim(config: Mapping[str, Any]) -> int:
+    """head_dim, else hidden_size / num_attention_heads. KeyError names a missing field."""
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]

@@ -16,7 +16,16 @@ from typing import Any
 
 import torch
 
-from slimeflow.families import FAMILIES, GLOBAL_RULES, VOCAB_PADDED, FamilySpec, Rule
+from slimeflow.families import (
+    FAMILIES,
+    GLOBAL_RULES,
+    VOCAB_PADDED,
+    FamilySpec,
+    Rule,
+    head_dim,
+    query_groups,
+    rope_setting,
+)
 
 HF_LAYER = "model.layers.{}."
 MEGATRON_LAYER = "decoder.layers.{}."
@@ -58,26 +67,22 @@ class ModelShape:
     def from_hf_config(cls, config: Mapping[str, Any], family: FamilySpec, make_vocab_size_divisible_by: int = 128,
                        tensor_model_parallel_size: int = 1) -> ModelShape:
         """The shape of an HF `config.json` (a dict); KeyError names a missing field."""
-        heads = config["num_attention_heads"]
-        rope = config.get("rope_parameters") or {}
-        # transformers 5 keeps RoPE settings in `rope_parameters`; older configs have a top-level rope_theta.
-        rotary_base = rope.get("rope_theta", config.get("rope_theta", 10000.0))
         return cls(
             family=family.name,
             num_layers=config["num_hidden_layers"],
             hidden_size=config["hidden_size"],
             ffn_hidden_size=config["intermediate_size"],
-            num_attention_heads=heads,
-            num_query_groups=config.get("num_key_value_heads") or heads,
-            kv_channels=config.get("head_dim") or config["hidden_size"] // heads,
+            num_attention_heads=config["num_attention_heads"],
+            num_query_groups=query_groups(config),
+            kv_channels=head_dim(config),
             vocab_size=config["vocab_size"],
             padded_vocab_size=padded_vocab_size(config["vocab_size"], make_vocab_size_divisible_by,
                                                 tensor_model_parallel_size),
             norm_epsilon=config.get("rms_norm_eps", 1e-6),
-            rotary_base=rotary_base,
+            rotary_base=rope_setting(config, "rope_theta", 10000.0),
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            rotary_percent=rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)),
+            rotary_percent=rope_setting(config, "partial_rotary_factor", 1.0),
             **(_moe_fields(config) if family.has_experts else {}),
         )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from slimeflow.families import head_dim, query_groups, rope_setting
 from slimeflow.stages.rl.config import MegatronConfig
 
 MEGATRON_ONLY = (
@@ -22,41 +23,23 @@ MEGATRON_ONLY = (
 )
 
 
-def _rope_theta(hf: Mapping[str, Any]) -> Any:
-    return hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta"))
-
-
-def _rotary_percent(hf: Mapping[str, Any]) -> Any:
-    # transformers 5 keeps partial_rotary_factor in `rope_parameters`; older configs (GLM-Z1's) at the top level.
-    return hf.get("partial_rotary_factor", (hf.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
-
-
-def _head_dim(hf: Mapping[str, Any]) -> Any:
-    heads = hf.get("num_attention_heads")
-    return hf.get("head_dim") or (hf["hidden_size"] // heads if heads and "hidden_size" in hf else None)
-
-
-def _query_groups(hf: Mapping[str, Any]) -> Any:
-    return hf.get("num_key_value_heads", hf.get("num_attention_heads"))
-
-
 # flag field -> (config.json field as named in messages, how to read it from the HF config)
 SHAPE: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
     "num_layers": ("num_hidden_layers", lambda hf: hf.get("num_hidden_layers")),
     "hidden_size": ("hidden_size", lambda hf: hf.get("hidden_size")),
     "ffn_hidden_size": ("intermediate_size", lambda hf: hf.get("intermediate_size")),
     "num_attention_heads": ("num_attention_heads", lambda hf: hf.get("num_attention_heads")),
-    "num_query_groups": ("num_key_value_heads", _query_groups),
-    "kv_channels": ("head_dim", _head_dim),
+    "num_query_groups": ("num_key_value_heads", query_groups),
+    "kv_channels": ("head_dim", head_dim),
     "norm_epsilon": ("rms_norm_eps", lambda hf: hf.get("rms_norm_eps")),
-    "rotary_base": ("rope_theta", _rope_theta),
+    "rotary_base": ("rope_theta", lambda hf: rope_setting(hf, "rope_theta")),
     "vocab_size": ("vocab_size", lambda hf: hf.get("vocab_size")),
     "max_position_embeddings": ("max_position_embeddings", lambda hf: hf.get("max_position_embeddings")),
     "untie_embeddings_and_output_weights": ("tie_word_embeddings",
                                             lambda hf: not hf.get("tie_word_embeddings", False)),
     "swiglu": ("hidden_act", lambda hf: hf.get("hidden_act") == "silu"),
-    "group_query_attention": ("num_key_value_heads", lambda hf: _query_groups(hf) != hf.get("num_attention_heads")),
-    "rotary_percent": ("partial_rotary_factor", _rotary_percent),
+    "group_query_attention": ("num_key_value_heads", lambda hf: query_groups(hf) != hf["num_attention_heads"]),
+    "rotary_percent": ("partial_rotary_factor", lambda hf: rope_setting(hf, "partial_rotary_factor", 1.0)),
     "attention_dropout": ("attention_dropout", lambda hf: hf.get("attention_dropout", 0.0)),
     "hidden_dropout": ("hidden_dropout", lambda hf: hf.get("hidden_dropout", 0.0)),
     "normalization": ("rms_norm_eps", lambda hf: "RMSNorm" if "rms_norm_eps" in hf else "LayerNorm"),
@@ -91,7 +74,10 @@ def check_model_args(megatron: MegatronConfig, hf_config: Mapping[str, Any], bac
         value = getattr(megatron, field)
         if value is None or value == getattr(defaults, field):
             continue
-        actual = read(hf_config)
+        try:
+            actual = read(hf_config)
+        except KeyError:  # the config lacks a field the value derives from
+            actual = None
         if not _equal(value, actual):
             problems.append(f"{_flag(field)} {value} does not match the HF config ({hf_field}: "
                             f"{hf_config.get(hf_field, 'absent')} means {actual}); correct the flag or drop it")
