@@ -59,17 +59,17 @@ def with_defaults(config: TrainConfig, ctx: StageContext) -> TrainConfig:
 
 def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
     problems = []
+    hf_config = Path(config.checkpoint.hf_checkpoint or "", "config.json")
     if config.checkpoint.hf_checkpoint is None:
         problems.append("--hf-checkpoint is not set (the HF model: tokenizer, config and starting weights)")
-    elif not Path(config.checkpoint.hf_checkpoint, "config.json").is_file():
+    elif not hf_config.is_file():
         problems.append(f"--hf-checkpoint {config.checkpoint.hf_checkpoint} has no config.json")
+    else:
+        problems += check_model_args(config.megatron, json.loads(hf_config.read_text()), config.placement.train_backend)
     if config.debug.debug_train_only:
         problems += replay_problems(config)
     elif config.data.prompt_data is None:
         problems.append("--prompt-data is not set (a raw dataset, or the preprocess stage's train parquet)")
-    hf_config = Path(config.checkpoint.hf_checkpoint or "", "config.json")
-    if hf_config.is_file():
-        problems += check_model_args(config.megatron, json.loads(hf_config.read_text()), config.placement.train_backend)
     problems += data_problems(config, ctx)
     problems += config.sglang.unread()
     if config.algorithm.advantage_estimator == "ppo":  # the library computes GAE from values no run produces yet
