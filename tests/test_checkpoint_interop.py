@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from slimeflow.families import FAMILIES
 from slimeflow.io.storage import Storage
 from slimeflow.stages.base import StageContext
 from slimeflow.stages.convert.config import ConvertConfig
-from slimeflow.stages.convert.families import FAMILIES
 from slimeflow.stages.convert.mapping import ModelShape
 from slimeflow.stages.convert.stage import run
 from slimeflow.stages.convert.torch_dist import read_common

@@ -133,7 +133,7 @@ def test_gpt_model_loads_the_checkpoint_and_its_logits_equal_hf(converted, megat
 
 
 def _shape(uri: str):
-    from slimeflow.stages.convert.families import FAMILIES
+    from slimeflow.families import FAMILIES
     from slimeflow.stages.convert.mapping import ModelShape
 
     spec = TinyModelSpec.from_uri(uri)
