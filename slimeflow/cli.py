@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import yaml
 
@@ -25,6 +26,7 @@ from slimeflow.config.pipeline import (
     load_stage_config,
     read_yaml,
 )
+from slimeflow.config.slime_flags import deferring_refusals
 
 EXIT_CONFIG = 2
 CONVERT_DIRECTIONS = ("hf-to-torch-dist", "torch-dist-to-hf")
@@ -53,14 +55,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "-h" in rest or "--help" in rest:
         _help_parser(command, only_stage).print_help()
         return 0
+    printing = "--print-config" in rest
     try:
-        config, section = _load(command, rest, only_stage)
+        with deferring_refusals() if printing else nullcontext({}) as refused:
+            config, section = _load(command, rest, only_stage)
     except (ConfigError, OSError) as err:
         print(f"slimeflow {command}: {err}", file=sys.stderr)
         return EXIT_CONFIG
-    if "--print-config" in rest:
+    if printing:
         dumped = config.model_dump(mode="json", exclude_none=True)
         print(yaml.safe_dump({section: dumped} if section else dumped, sort_keys=False), end="")
+        if refused:
+            lines = [f"  {flag}: {reason}" for flag, reason in refused.items()]
+            print(f"slimeflow {command}: the config above leaves out {len(refused)} slime flag(s) that slimeflow "
+                  "does not support yet; a run with them is refused before any work:", *lines, sep="\n",
+                  file=sys.stderr)
         return 0
     return _execute(config)
 

@@ -117,3 +117,40 @@ def test_an_export_removes_the_staging_a_killed_export_left_beside_its_output(re
     write_hf(directory, tmp_path / "back", hf)
     assert not left.exists() and foreign.is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".back.tmp-keepme", "back"]
+
+
+def model_args_for(hf: Path) -> list[str]:
+    """slime's MODEL_ARGS for this model, as scripts/models/qwen3-*.sh spell them."""
+    import json
+
+    config = json.loads((hf / "config.json").read_text())
+    return ["--swiglu", "--num-layers", str(config["num_hidden_layers"]), "--hidden-size", str(config["hidden_size"]),
+            "--ffn-hidden-size", str(config["intermediate_size"]), "--num-attention-heads",
+            str(config["num_attention_heads"]), "--group-query-attention", "--num-query-groups",
+            str(config["num_key_value_heads"]), "--use-rotary-position-embeddings", "--disable-bias-linear",
+            "--normalization", "RMSNorm", "--norm-epsilon", str(config["rms_norm_eps"]), "--rotary-base",
+            str(config["rope_theta"] if "rope_theta" in config else config["rope_parameters"]["rope_theta"]),
+            "--vocab-size", str(config["vocab_size"]), "--kv-channels", str(config["head_dim"]), "--qk-layernorm",
+            *([] if config.get("tie_word_embeddings") else ["--untie-embeddings-and-output-weights"])]
+
+
+def test_the_converter_takes_slimes_model_args_and_checks_them_against_the_model(release, tmp_path):
+    from slimeflow.config.pipeline import load_stage_config
+    from slimeflow.stages.base import StageInputError
+
+    hf, _ = release
+    args = model_args_for(hf)
+    config = load_stage_config("convert", None, ["--hf-checkpoint", str(hf), "--save", str(tmp_path / "ok"), *args])
+    manifest = run(config, context(tmp_path))
+    assert (tmp_path / "ok" / "release").is_dir() and manifest.counts["tensors"] > 0
+
+    wrong = [*args[:2], "99", *args[3:], "--seq-length", "100000", "--pipeline-model-parallel-size", "2"]
+    assert wrong[2] == "99" and args[1] == "--num-layers"
+    config = load_stage_config("convert", None, ["--hf-checkpoint", str(hf), "--save", str(tmp_path / "bad"), *wrong])
+    with pytest.raises(StageInputError) as err:
+        run(config, context(tmp_path))
+    text = str(err.value)
+    assert "--num-layers 99 does not match the HF config (num_hidden_layers:" in text
+    assert "--seq-length 100000 is longer than the HF config's max_position_embeddings" in text
+    assert "--pipeline-model-parallel-size 2: the converter writes one torch_dist checkpoint" in text
+    assert not (tmp_path / "bad").exists()  # refused before any work

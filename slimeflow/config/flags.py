@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from slimeflow.config.slime_flags import explain_unknown
+from slimeflow.config.slime_flags import deferred, explain_unknown
 
 Kind = Literal["bool", "list", "pairs", "scalar"]
 SGLANG_PREFIX = "--sglang-"
@@ -227,7 +227,7 @@ def _extras(extras: list[str], index: FlagIndex, overrides: dict[str, Any]) -> l
         elif token.startswith(SGLANG_PREFIX) and index.passthrough:
             key = token.removeprefix(SGLANG_PREFIX).replace("-", "_")
             set_path(overrides, (*index.passthrough, key), " ".join(values) if values else True)
-        else:
+        elif not deferred(token.split("=", 1)[0]):
             problems.append(explain_unknown(token.split("=", 1)[0], known))
     return problems
 
@@ -286,7 +286,7 @@ def _nest(data, model, prefix, index, out, problems, where) -> None:
             set_path(out, (*prefix, key), value)
         elif ("--" + key.replace("_", "-")) in index.by_flag:
             set_path(out, index.by_flag["--" + key.replace("_", "-")].path, value)
-        else:
+        elif not deferred("--" + key.replace("_", "-")):
             location = ".".join((*prefix, str(raw_key)))
             problems.append(f"{where}: {location}: " + explain_unknown("--" + key.replace("_", "-"), list(index.by_flag))
                             .split(": ", 1)[1])

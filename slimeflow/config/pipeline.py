@@ -19,13 +19,13 @@ from slimeflow import stages
 from slimeflow.config.base import ConfigModel
 from slimeflow.config.flags import ConfigError, FlagIndex, merge, nest_keys, parse_flags, validate
 from slimeflow.config.infra import InfraConfig
-from slimeflow.config.slime_flags import explain_unknown
+from slimeflow.config.slime_flags import deferred, explain_unknown
 from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.evaluate.config import EvaluateConfig
 from slimeflow.stages.export.config import ExportConfig
 from slimeflow.stages.model.config import ModelConfig
 from slimeflow.stages.preprocess.config import PreprocessConfig
-from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.stages.rl.config import MegatronConfig, TrainConfig
 
 STAGE_CONFIGS: dict[str, type[ConfigModel]] = {
     "model": ModelConfig,
@@ -39,7 +39,7 @@ STAGE_CONFIGS: dict[str, type[ConfigModel]] = {
 SHARED = frozenset({
     "input_key", "label_key", "metadata_key", "tool_key", "apply_chat_template", "rollout_max_prompt_len",
     "eval_prompt_data", "n_samples_per_eval_prompt", "eval_max_response_len", "eval_temperature", "eval_top_p",
-    "eval_top_k", "rm_type", "make_vocab_size_divisible_by", "tensor_model_parallel_size",
+    "eval_top_k", "rm_type", *MegatronConfig.model_fields,  # slime's MODEL_ARGS: convert and train read them alike
 })
 """Flags that mean the same in every stage that defines them."""
 
@@ -268,7 +268,7 @@ def _targets(flag: str, tree: Mapping[str, Any], only_stage: str | None) -> list
             return [(only_stage, flag)]
         if flag in TOP_INDEX.by_flag:
             return [("", flag)]
-        return explain_unknown(flag, [*own.by_flag, *TOP_INDEX.by_flag])
+        return [] if deferred(flag) else explain_unknown(flag, [*own.by_flag, *TOP_INDEX.by_flag])
     if flag in TOP_INDEX.by_flag:
         return [("", flag)]
     if flag in PIPELINE_OWNED:
@@ -280,7 +280,7 @@ def _targets(flag: str, tree: Mapping[str, Any], only_stage: str | None) -> list
         return [(owners[0], flag)]
     if not owners:
         known = sorted({f for index in STAGE_INDEX.values() for f in index.by_flag} | set(TOP_INDEX.by_flag))
-        return explain_unknown(flag, known)
+        return [] if deferred(flag) else explain_unknown(flag, known)
     if flag.removeprefix("--").replace("-", "_") in SHARED:
         present = [name for name in owners if tree.get(name) is not None]
         if not present:

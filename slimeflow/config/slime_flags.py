@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 _MOE = ("mixture-of-experts Megatron flags are read only by the Megatron backend, not in this version; the torch "
         "backend and the converter take a Qwen3-MoE model's experts from its HF config")
 
@@ -74,17 +78,164 @@ RENAMED: dict[str, str] = {
 }
 
 
+def refusal_reason(flag: str) -> str | None:
+    """Why slimeflow refuses a flag slime defines (None for a flag it does not know at all, or takes)."""
+    if flag in NOT_YET_SUPPORTED:
+        return NOT_YET_SUPPORTED[flag]
+    return next((reason for prefix, reason in NOT_YET_SUPPORTED_PREFIXES.items() if flag.startswith(prefix)), None)
+
+
+_DEFERRED: ContextVar[dict[str, str] | None] = ContextVar("deferred_refusals", default=None)
+
+
+@contextmanager
+def deferring_refusals() -> Iterator[dict[str, str]]:
+    """Inside, a slime flag that slimeflow refuses by name is collected (flag -> reason) instead of failing the parse.
+
+    `--print-config` uses it, so a slime script translates whole and shows what a run would refuse; a run parses
+    without it and refuses them before any work. Unknown flags (typos) fail the parse either way.
+    """
+    collected: dict[str, str] = {}
+    token = _DEFERRED.set(collected)
+    try:
+        yield collected
+    finally:
+        _DEFERRED.reset(token)
+
+
+def deferred(flag: str) -> bool:
+    """True when `flag` is refused by name and refusals are being collected (see deferring_refusals)."""
+    collected, reason = _DEFERRED.get(), refusal_reason(flag)
+    if collected is None or reason is None:
+        return False
+    collected[flag] = reason
+    return True
+
+
 def explain_unknown(flag: str, known: list[str]) -> str:
     """One line saying why `flag` is not taken and what to do instead."""
     import difflib
 
     if flag in RENAMED:
         return f"{flag}: use {RENAMED[flag]} (the current slime spelling)"
-    if flag in NOT_YET_SUPPORTED:
-        return f"{flag}: not supported yet ({NOT_YET_SUPPORTED[flag]}); remove it"
-    for prefix, reason in NOT_YET_SUPPORTED_PREFIXES.items():
-        if flag.startswith(prefix):
-            return f"{flag}: not supported yet ({reason}); remove it"
+    reason = refusal_reason(flag)
+    if reason is not None:
+        return f"{flag}: not supported yet ({reason}); remove it"
     close = difflib.get_close_matches(flag, known, n=3, cutoff=0.75)
     hint = f"; did you mean {' or '.join(close)}?" if close else "; see --help for the flags this command takes"
     return f"{flag}: unknown flag{hint}"
+
+# The rest of what slime defines (slime/utils/arguments.py) and its scripts pass (THUDM/slime 624b824a8), each with
+# why it is not taken; tests/data/slime_flags/ holds the lists, and tests/test_slime_flag_surface.py checks that
+# none of them is unknown.
+_TRACKING = "slimeflow tracks with MLflow: set --mlflow-tracking-uri"
+_NEW_ATTENTION = ("gated / linear attention (Qwen3-Next, Qwen3.5) is not supported yet: Llama, Qwen2, Qwen3, GLM4 "
+                  "and Qwen3-MoE only")
+_CI = "slime's CI assertions are not supported: slimeflow's test suite checks these properties itself"
+_PROFILE = "memory and step profiling is not supported yet"
+_WEIGHT_SYNC = "weight sync goes over the engines' HTTP update endpoints; other transports are not supported yet"
+_HEALTH = "engine health checks and restarts are not supported yet"
+_EVAL_KEYS = ("per-eval-set data keys and lengths are not supported yet: the eval sets use --input-key, --label-key "
+              "and the --eval-* sampling flags")
+_HOOK = "this plug-in hook is not supported yet"
+_MEGATRON_HOOK = "a hook into Megatron's model and train step, read only by the Megatron backend, not in this version"
+_OPD = "on-policy distillation (a teacher engine's log-probs) is not supported yet"
+NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (
+    "--enable-experimental", "--data-pad-size-multiplier", "--no-check-for-nan-in-loss-and-grad",
+    "--decoder-first-pipeline-num-layers", "--distributed-timeout-minutes", "--megatron-config-path",
+    "--megatron-deepgemm-forward-layers", "--megatron-deepgemm-forward-modules",
+    "--megatron-deepgemm-moe-forward-layers", "--megatron-deepgemm-moe-forward-modules", "--padded-vocab-size",
+    "--recompute-loss-function", "--async-save", "--balance-by-flops", "--use-stateless-adam",
+)})
+NOT_YET_SUPPORTED.update({flag: _NEW_ATTENTION for flag in (
+    "--use-gated-attention", "--apply-layernorm-1p", "--attention-output-gate", "--qwen-gdn-backend")})
+NOT_YET_SUPPORTED.update({flag: _CI for flag in (
+    "--ci-test", "--ci-disable-kl-checker", "--ci-train-rollout-logprob-abs-diff-threshold", "--ci-save-grad-norm",
+    "--ci-load-grad-norm")})
+NOT_YET_SUPPORTED.update({flag: _PROFILE for flag in (
+    "--memory-recorder", "--memory-snapshot-dir", "--memory-snapshot-num-steps", "--profile-target",
+    "--record-memory-history")})
+NOT_YET_SUPPORTED.update({flag: _WEIGHT_SYNC for flag in (
+    "--update-weight-mode", "--update-weight-transport", "--update-weight-delta-checksum",
+    "--update-weight-delta-encoding", "--update-weight-disk-dir", "--update-weight-disk-keep-files",
+    "--update-weight-local-checkpoint-dir", "--check-weight-update-equal")})
+NOT_YET_SUPPORTED.update({flag: _HEALTH for flag in (
+    "--rollout-health-check-interval", "--rollout-health-check-timeout", "--rollout-health-check-first-wait")})
+NOT_YET_SUPPORTED.update({flag: _EVAL_KEYS for flag in (
+    "--eval-input-key", "--eval-label-key", "--eval-tool-key", "--eval-max-prompt-len", "--eval-min-new-tokens",
+    "--eval-max-context-len")})
+NOT_YET_SUPPORTED.update({flag: _HOOK for flag in (
+    "--custom-convert-samples-to-train-data-path", "--custom-eval-rollout-log-function-path",
+    "--custom-pg-loss-reducer-function-path", "--custom-reward-post-process-path",
+    "--custom-rollout-log-function-path", "--custom-tis-function-path", "--custom-update-weight-post-write-path",
+    "--data-source-path", "--rollout-all-samples-process-path", "--rollout-data-postprocess-path",
+    "--rollout-sample-filter-path", "--rollout-sample-hook-path")})
+NOT_YET_SUPPORTED.update({flag: _MEGATRON_HOOK for flag in (
+    "--custom-megatron-before-log-prob-hook-path", "--custom-megatron-before-train-step-hook-path",
+    "--custom-megatron-init-path", "--custom-model-provider-path")})
+NOT_YET_SUPPORTED.update({flag: _OPD for flag in (
+    "--use-opd", "--opd-type", "--opd-kl-coef", "--opd-teacher-load", "--opd-teacher-ckpt-step")})
+NOT_YET_SUPPORTED.update({flag: _TRACKING for flag in (
+    "--tb-project-name", "--tb-experiment-name", "--disable-wandb-random-suffix")})
+NOT_YET_SUPPORTED.update({
+    "--use-rope-scaling": ("Megatron-LM's Llama 3.1 rope scaling flag; the torch backend and the converter read "
+                           "rope scaling from the HF config (rope_scaling / rope_parameters)"),
+    "--freeze-indexer": "GLM-5's sparse-attention indexer is not supported yet",
+    "--multimodal-keys": "multimodal (vision-language) data is not supported yet",
+    "--use-routing-replay": "MoE routing replay is read only by the Megatron backend, not in this version",
+    "--use-rollout-routing-replay": "MoE routing replay is read only by the Megatron backend, not in this version",
+    "--model-name": ("slimeflow picks the HF name map from the HF config's model_type (slimeflow.families), so no "
+                     "model name is needed"),
+    "--log-probs-chunk-size": "chunked log-prob computation is not supported yet: bound memory with "
+                              "--max-tokens-per-gpu",
+    "--log-probs-max-tokens-per-gpu": "a separate token budget for log-probs is not supported yet: "
+                                      "--max-tokens-per-gpu applies to both",
+    "--disable-compute-advantages-and-returns": "SFT and losses without advantages are not supported yet: "
+                                                "advantages are always computed",
+    "--disable-rewards-normalization": "turning off the estimator's reward normalization is not supported yet",
+    "--use-unbiased-kl": "the unbiased (importance-weighted) KL estimate is not supported yet",
+    "--ref-update-interval": "updating the reference model from the actor is not supported yet",
+    "--ref-ckpt-step": "picking the reference checkpoint's step is not supported yet: --ref-load reads its latest",
+    "--use-opsm": "off-policy sequence masking is not supported yet",
+    "--opsm-delta": "off-policy sequence masking is not supported yet",
+    "--use-rollout-entropy": "entropy from the rollout log-prob pass is not supported yet",
+    "--only-train-params-name-list": "training a subset of the parameters is not supported yet",
+    "--freeze-params-name-list": "freezing parameters is not supported yet",
+    "--reset-optimizer-states": "resetting the optimizer after each rollout is not supported yet",
+    "--no-save-optim": "checkpoints always carry the optimizer state (a resumed run needs it)",
+    "--keep-old-actor": "keeping a copy of the pre-update actor is not supported yet",
+    "--release-train": "releasing the trainers during rollout is not supported yet",
+    "--train-env-vars": "set the trainers' environment in the Ray runtime env or the worker's environment",
+    "--distributed-backend": "slimeflow picks the process-group backend itself (NCCL on GPUs, gloo on CPU)",
+    "--num-gpus-per-node": "placement from --num-gpus-per-node is not supported yet: use --actor-num-gpus-per-node "
+                           "and --rollout-num-gpus",
+    "--rollout-external-engine-addrs": "use --sglang-worker-urls (a list of SGLang server URLs) for servers "
+                                       "started elsewhere",
+    "--rollout-max-context-len": "a context cap for the engines is not supported yet: set "
+                                 "--rollout-max-prompt-len and --rollout-max-response-len",
+    "--rollout-skip-special-tokens": "skipping special tokens in decoded responses is not supported yet",
+    "--apply-chat-template-kwargs": "extra chat-template arguments are not supported yet",
+    "--rollout-buffer-url": "an external rollout buffer service is not supported",
+    "--fetch-trajectory-retry-times": "an external rollout buffer service is not supported",
+    "--min-batch-collection-ratio": "an external rollout buffer service is not supported",
+    "--rollout-task-type": "an external rollout buffer service is not supported",
+    "--loss-mask-type": "chat-template loss masks for SFT are not supported yet",
+    "--disable-rollout-global-dataset": "rollouts always read --prompt-data; a custom data source is not supported "
+                                        "yet",
+    "--rollout-data-transport": "rollout data goes to the trainers through Ray's object store",
+    "--http-proxy": "set the HTTP proxy in the environment (HTTP_PROXY / NO_PROXY)",
+    "--use-distributed-post": "requests go to the engines through one client; distributed posting is not "
+                              "supported yet",
+    "--load-forge-rollout-data": "use --load-debug-rollout-data to replay saved rollouts",
+    "--log-multi-turn": "multi-turn rollout logging is not supported yet",
+    "--log-passrate": "pass@n logging is not supported yet",
+    "--log-correct-samples": "pass@n logging is not supported yet",
+    "--log-reward-category": "reward-category logging is not supported yet",
+    "--tis-clip-low": "a lower clip for truncated importance sampling is not supported yet: --tis-clip caps the "
+                      "ratio from above",
+    "--use-rollout-logprobs": "training on the engines' log-probs instead of the trainer's is not supported yet",
+    "--get-mismatch-metrics": "train/rollout log-prob mismatch metrics beyond train_rollout_logprob_abs_diff are not "
+                              "supported yet",
+    "--num-critic-only-steps": "PPO with a trained critic is not supported yet",
+    "--value-clip": "PPO with a trained critic is not supported yet",
+})

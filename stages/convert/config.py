@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
-from slimeflow.config.base import ConfigModel, OptionalPositiveInt, PositiveInt
+from slimeflow.config.base import ConfigModel, PositiveInt
+from slimeflow.stages.rl.config import MegatronConfig
 
 
 class ConvertConfig(ConfigModel):
@@ -24,12 +25,10 @@ class ConvertConfig(ConfigModel):
     """Directory the HF safetensors are written to (torch-dist-to-hf)."""
     origin_hf_dir: str | None = None
     """HF directory whose config and tokenizer are copied next to the converted weights (torch-dist-to-hf)."""
-    vocab_size: OptionalPositiveInt = None
-    """True vocabulary size, to strip Megatron's padding (default: from origin_hf_dir's config)."""
-    make_vocab_size_divisible_by: PositiveInt = 128
-    """Pad the vocabulary to a multiple of this times tensor_model_parallel_size."""
-    tensor_model_parallel_size: PositiveInt = 1
-    """Tensor parallel size the padding is computed for."""
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    """slime's MODEL_ARGS (scripts/models/*.sh), checked against the HF config before any work; --vocab-size is the
+    true vocabulary that torch-dist-to-hf strips Megatron's padding to (default: origin_hf_dir's config), and
+    --make-vocab-size-divisible-by x --tensor-model-parallel-size the padding hf-to-torch-dist writes."""
     overwrite: bool = False
     """Replace a checkpoint that already exists at the target."""
     processes: PositiveInt = 1

@@ -24,9 +24,18 @@ from slimeflow.stages.convert.mapping import ModelShape, global_rules, megatron_
 from slimeflow.stages.convert.staging import claimed_dir, remove_abandoned
 from slimeflow.stages.convert.torch_dist import load_torch_dist, read_common, tensor_metadata, unstack_layers
 from slimeflow.stages.model.stage import INDEX_FILE, fingerprint
+from slimeflow.stages.rl.model_args import check_model_args
 
 MAX_SHARD_BYTES = 4 * 1024**3
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def check_model_flags(config: ConvertConfig, hf_config: Path, flag: str) -> None:
+    """slime's MODEL_ARGS, when given, must describe the HF model being converted (refused before any work)."""
+    problems = check_model_args(config.megatron, json.loads(hf_config.read_text(encoding="utf-8")), "convert")
+    if problems:
+        raise StageInputError(f"{flag} {hf_config.parent}", problems,
+                              "Fix or drop the Megatron model flags (MODEL_ARGS) that disagree with the model.")
 
 
 def run_to_hf(config: ConvertConfig, ctx: StageContext) -> Manifest:
@@ -38,11 +47,12 @@ def run_to_hf(config: ConvertConfig, ctx: StageContext) -> Manifest:
         raise StageInputError(f"--input-dir {config.input_dir}", [str(err)],
                               "Point it at a checkpoint root, release/ or an iter_XXXXXXX/ directory.") from None
     origin = local_path(config.origin_hf_dir)
+    check_model_flags(config, origin / "config.json", "--origin-hf-dir")
     output = local_path(config.output_dir)
     if output.exists() and any(output.iterdir()) and not config.overwrite:
         raise StageInputError(f"--output-dir {output}", ["exists and is not empty"],
                               "Choose another --output-dir, or pass --overwrite to replace it.")
-    weights = write_hf(local_path(ref.uri), output, origin, config.vocab_size)
+    weights = write_hf(local_path(ref.uri), output, origin, config.megatron.vocab_size)
     records = fingerprint(output, ctx.storage)
     return Manifest(
         stage="convert",

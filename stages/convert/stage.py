@@ -24,7 +24,7 @@ from slimeflow.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.convert.diskspace import no_space_left, ran_out_of_space
-from slimeflow.stages.convert.export import replace_dir, run_to_hf
+from slimeflow.stages.convert.export import check_model_flags, replace_dir, run_to_hf
 from slimeflow.stages.convert.integrity import CHECKSUMS, write_checksums
 from slimeflow.stages.convert.launch import Launcher, launch
 from slimeflow.stages.convert.mapping import ModelShape, expected_hf_tensors, global_rules
@@ -67,14 +67,15 @@ def _to_torch_dist(config: ConvertConfig, ctx: StageContext) -> Manifest:
         raise StageInputError("convert hf-to-torch-dist", ["no HF checkpoint given"],
                               "Pass --hf-checkpoint DIR (in a pipeline, the model stage's output is used).")
     source = read_hf_source(materialise(ModelConfig(hf_checkpoint=config.hf_checkpoint), ctx),
-                            config.make_vocab_size_divisible_by, config.tensor_model_parallel_size)
+                            config.megatron.make_vocab_size_divisible_by, config.megatron.tensor_model_parallel_size)
+    check_model_flags(config, source.path / "config.json", "--hf-checkpoint")
     save = config.save or str(ctx.workdir / "torch_dist")
     check_target_root(ctx.storage, save, config.overwrite)
     local_root = local_path(save) if is_local(save) else ctx.workdir / "convert-staging"
     started = time.perf_counter()
     with claimed_dir(local_root, staging_prefix(RELEASE)) as staged:  # claimed until published
-        ranks = write_torch_dist(source, staged, config.processes, config.make_vocab_size_divisible_by,
-                                 config.tensor_model_parallel_size, launcher=config.launcher,
+        ranks = write_torch_dist(source, staged, config.processes, config.megatron.make_vocab_size_divisible_by,
+                                 config.megatron.tensor_model_parallel_size, launcher=config.launcher,
                                  ray_address=ctx.ray_address)
         # Hashed once, before the commit: the release's own checksums (verified where it is loaded, e.g. as
         # --ref-load) and the manifest's records.

@@ -433,7 +433,9 @@ class DebugConfig(ConfigModel):
         elif self.debug_train_only and self.load_debug_rollout_data is None:
             problems.append("--debug-train-only needs --load-debug-rollout-data PATH (the rollouts to train on, "
                             "written by a run with --save-debug-rollout-data PATH); give it, or drop "
-                            "--debug-train-only")
+                            "--debug-train-only (slime's SFT scripts use it without saved rollouts, to train on "
+                            "--prompt-data's conversations through slime's sft_rollout, which slimeflow does not "
+                            "support yet)")
         if problems:
             raise ValueError("; ".join(problems))
         if self.load_debug_rollout_data is not None:

@@ -44,9 +44,8 @@ SHAPE: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
     "hidden_dropout": ("hidden_dropout", lambda hf: hf.get("hidden_dropout", 0.0)),
     "normalization": ("rms_norm_eps", lambda hf: "RMSNorm" if "rms_norm_eps" in hf else "LayerNorm"),
 }
-"""Everything else slime's MODEL_ARGS set (--qk-layernorm, --add-qkv-bias, --disable-bias-linear, the rope
-flags' spellings, --seq-length, --make-vocab-size-divisible-by) is a property of the family the HF config names,
-which the converter already checks tensor by tensor."""
+"""--qk-layernorm and --add-qkv-bias are properties of the family the HF config names, which the converter checks
+tensor by tensor; --make-vocab-size-divisible-by sets the padding. The rest is checked in `_consistency`."""
 
 
 def _flag(field: str) -> str:
@@ -63,6 +62,13 @@ def check_model_args(megatron: MegatronConfig, hf_config: Mapping[str, Any], bac
     """Problems with the Megatron flags for a run on `backend` with this HF config.json; empty when all is well."""
     problems = []
     defaults = MegatronConfig()
+    if backend == "convert":  # torch_dist is resharded by whoever loads it; only TP shapes the vocabulary padding
+        for field in MEGATRON_ONLY:
+            value = getattr(megatron, field)
+            if field != "tensor_model_parallel_size" and value != getattr(defaults, field):
+                problems.append(f"{_flag(field)} {value}: the converter writes one torch_dist checkpoint that any "
+                                "parallel layout loads (Megatron reshards it), so it takes no parallel or recompute "
+                                "setting but --tensor-model-parallel-size (the vocabulary padding): remove it")
     if backend == "torch":
         for field in MEGATRON_ONLY:
             value = getattr(megatron, field)
@@ -81,4 +87,21 @@ def check_model_args(megatron: MegatronConfig, hf_config: Mapping[str, Any], bac
         if not _equal(value, actual):
             problems.append(f"{_flag(field)} {value} does not match the HF config ({hf_field}: "
                             f"{hf_config.get(hf_field, 'absent')} means {actual}); correct the flag or drop it")
+    return problems + _consistency(megatron, hf_config)
+
+
+def _consistency(megatron: MegatronConfig, hf_config: Mapping[str, Any]) -> list[str]:
+    """The MODEL_ARGS that describe a property rather than copy a config.json field."""
+    problems = []
+    # Megatron-LM: --use-rotary-position-embeddings (the older spelling) makes the type rope whatever else is given.
+    if megatron.position_embedding_type != "rope" and not megatron.use_rotary_position_embeddings:
+        problems.append(f"--position-embedding-type {megatron.position_embedding_type}: every supported family uses "
+                        "rotary embeddings (rope); correct the flag or drop it")
+    limit = hf_config.get("max_position_embeddings")
+    if megatron.seq_length is not None and limit is not None and megatron.seq_length > limit:
+        problems.append(f"--seq-length {megatron.seq_length} is longer than the HF config's max_position_embeddings "
+                        f"({limit}); lower it or drop it")
+    mlp_bias = bool(hf_config.get("mlp_bias", False))
+    if megatron.disable_bias_linear and mlp_bias:
+        problems.append("--disable-bias-linear: the HF config has mlp_bias true (its MLP has biases); drop the flag")
     return problems
