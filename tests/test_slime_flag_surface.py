@@ -15,7 +15,12 @@ from slimeflow import cli
 from slimeflow.config.base import ConfigModel
 from slimeflow.config.flags import leaves
 from slimeflow.config.pipeline import STAGE_CONFIGS, STAGE_INDEX, TOP_INDEX, RunSettings
-from slimeflow.config.slime_flags import NOT_YET_SUPPORTED, NOT_YET_SUPPORTED_PREFIXES, RENAMED, refusal_reason
+from slimeflow.config.slime_flags import (
+    NOT_YET_SUPPORTED,
+    NOT_YET_SUPPORTED_PREFIXES,
+    RENAMED,
+    refusal_reason,
+)
 
 DATA = Path(__file__).parent / "data"
 SCRIPTS = DATA / "slime_scripts"

@@ -113,8 +113,15 @@ def train_config(tmp_path: Path, **overrides):
 def test_the_demo_task_is_learned(tmp_path):
     from slimeflow.stages.rl.stage import run
 
-    config, ctx = train_config(tmp_path)
+    # With TensorBoard as a second sink (slime's --use-tensorboard): the stage opens it, feeds it and closes it.
+    config, ctx = train_config(tmp_path, **{"use-tensorboard": True, "tb-project-name": "demo",
+                                            "tb-experiment-name": "e2e"})
     manifest = run(config, ctx)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "train" / "tensorboard_log" / "demo" / "e2e"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("rollout/reward_mean")] == list(range(config.batch.num_rollout))
     before = manifest.facts["eval_first"]["eval/increment/avg_at_1"]
     after = manifest.facts["eval_last"]["eval/increment/avg_at_1"]
     # Greedy accuracy on the 20 held-out sums: a random model answers ~0-10% right.

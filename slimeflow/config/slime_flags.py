@@ -29,8 +29,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--save-debug-train-data": "saving the trainer's per-rank data is not supported yet: "
                                "--save-debug-rollout-data saves what the trainer receives",
     "--dump-details": "use --save-debug-rollout-data DIR/rollout_data/{rollout_id}.pt (the rollout half of it)",
-    "--tensorboard-dir": "slimeflow tracks with MLflow: set --mlflow-tracking-uri",
-    "--use-wandb": "slimeflow tracks with MLflow: set --mlflow-tracking-uri",
 }
 
 _MEGATRON = ("a Megatron-LM flag, read only by the Megatron training backend (--train-backend megatron), which is "
@@ -60,13 +58,11 @@ NOT_YET_SUPPORTED.update({
     "--prefill-num-servers": "prefill/decode disaggregation is not supported yet",
     "--no-offload-train": "offload is not supported yet",
     "--no-offload-rollout": "offload is not supported yet",
-    "--use-tensorboard": "slimeflow tracks with MLflow: set --mlflow-tracking-uri",
 })
 
 NOT_YET_SUPPORTED_PREFIXES: dict[str, str] = {
     "--moe-": _MOE,
     "--critic-": "PPO with a trained critic is not supported yet",
-    "--wandb-": "slimeflow tracks with MLflow: set --mlflow-tracking-uri",
     "--fsdp-": "the FSDP backend is not supported: use --train-backend torch or megatron",
 }
 
@@ -128,7 +124,6 @@ def explain_unknown(flag: str, known: list[str]) -> str:
 # The rest of what slime defines (slime/utils/arguments.py) and its scripts pass (THUDM/slime 624b824a8), each with
 # why it is not taken; tests/data/slime_flags/ holds the lists, and tests/test_slime_flag_surface.py checks that
 # none of them is unknown.
-_TRACKING = "slimeflow tracks with MLflow: set --mlflow-tracking-uri"
 _NEW_ATTENTION = ("gated / linear attention (Qwen3-Next, Qwen3.5) is not supported yet: Llama, Qwen2, Qwen3, GLM4 "
                   "and Qwen3-MoE only")
 _CI = "slime's CI assertions are not supported: slimeflow's test suite checks these properties itself"
@@ -175,8 +170,11 @@ NOT_YET_SUPPORTED.update({flag: _MEGATRON_HOOK for flag in (
     "--custom-megatron-init-path", "--custom-model-provider-path")})
 NOT_YET_SUPPORTED.update({flag: _OPD for flag in (
     "--use-opd", "--opd-type", "--opd-kl-coef", "--opd-teacher-load", "--opd-teacher-ckpt-step")})
-NOT_YET_SUPPORTED.update({flag: _TRACKING for flag in (
-    "--tb-project-name", "--tb-experiment-name", "--disable-wandb-random-suffix")})
+NOT_YET_SUPPORTED.update({
+    "--tensorboard-dir": "Megatron-LM's TensorBoard flag: use --use-tensorboard with --tb-project-name (slime's)",
+    "--wandb-always-use-train-step": ("metrics are logged once per rollout, at rollout/step (evaluations at "
+                                     "eval/step); per-train-step logging is not supported yet"),
+})
 NOT_YET_SUPPORTED.update({
     "--use-rope-scaling": ("Megatron-LM's Llama 3.1 rope scaling flag; the torch backend and the converter read "
                            "rope scaling from the HF config (rope_scaling / rope_parameters)"),

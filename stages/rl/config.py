@@ -455,6 +455,43 @@ def _path_template_problems(flag: str, path: str) -> list[str]:
     return []
 
 
+class LoggingConfig(ConfigModel):
+    """Metric sinks beside MLflow, as slime has them: Weights & Biases and TensorBoard, the same metric names."""
+
+    use_wandb: bool = False
+    """Also log every rollout's and evaluation's metrics to Weights & Biases (needs `pip install slimeflow[tracking]`)."""
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    """W&B mode (default: the WANDB_MODE environment variable, else online); offline needs no network."""
+    wandb_dir: str | None = None
+    """Directory for W&B's files (default: <workdir>/train/wandb)."""
+    wandb_key: str | None = None
+    """W&B API key to log in with (online mode)."""
+    wandb_host: str | None = None
+    """W&B server to log in to (online mode)."""
+    wandb_team: str | None = None
+    """W&B entity (team)."""
+    wandb_project: str | None = None
+    """W&B project."""
+    wandb_group: str | None = None
+    """W&B group; the run is named after it."""
+    disable_wandb_random_suffix: bool = False
+    """Name the run exactly --wandb-group (by default, as slime, a random 8-character suffix is added)."""
+    wandb_run_id: str | None = None
+    """Resume this W&B run id instead of starting a new run."""
+    use_tensorboard: bool = False
+    """Also write the metrics as TensorBoard scalars (needs `pip install slimeflow[tracking]`)."""
+    tb_project_name: str | None = None
+    """TensorBoard logs go to $TENSORBOARD_DIR, else <workdir>/train/tensorboard_log/<project>/<experiment>."""
+    tb_experiment_name: str | None = None
+    """TensorBoard experiment (default: the start time, YYYYmmdd_HHMMSS, as slime)."""
+
+    @model_validator(mode="after")
+    def _named(self) -> LoggingConfig:
+        if self.use_wandb and self.wandb_mode != "disabled" and not (self.wandb_project and self.wandb_group):
+            raise ValueError("--use-wandb needs --wandb-project and --wandb-group (the run is named after the group)")
+        return self
+
+
 class TrainConfig(ConfigModel):
     """The train stage: slime's train.py flags, grouped."""
 
@@ -472,6 +509,7 @@ class TrainConfig(ConfigModel):
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     sglang: SglangConfig = Field(default_factory=SglangConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
 
     @model_validator(mode="after")
     def _cross_group(self) -> TrainConfig:

@@ -29,6 +29,7 @@ from slimeflow.stages.rl.placement import create_placement, init_ray, scratch_di
 from slimeflow.stages.rl.plots import plot_curves
 from slimeflow.stages.rl.plugins import PluginError, load_plugin
 from slimeflow.stages.rl.raw_data import PreparedSet, manifest_entries, prepare_data
+from slimeflow.stages.rl.sinks import close_sinks, fan_out, open_sinks
 
 
 def run(config: TrainConfig, ctx: StageContext) -> Manifest:
@@ -38,14 +39,18 @@ def run(config: TrainConfig, ctx: StageContext) -> Manifest:
     setup = rollout_setup(config, ctx)
     num_rollout = resolve_num_rollout(config, setup.prompt_data, ctx)
     total_steps = num_rollout * config.batch.num_steps_per_rollout
-    history = RolloutLog(ctx.workdir / "train" / "rollouts.jsonl", ctx.log_metrics)
-    run_token = claim_root(config.checkpoint.save)  # from now on, an earlier run on this root commits nothing
-    init_ray(ctx.ray_address)
-    placement = create_placement(config, setup, total_steps, scratch_dir(ctx.workdir), run_token)
+    sinks = open_sinks(config.logging, ctx.workdir, config.model_dump(mode="json"))  # W&B, TensorBoard
     try:
-        result = loop.train(placement, num_rollout, history)
+        history = RolloutLog(ctx.workdir / "train" / "rollouts.jsonl", fan_out(ctx.log_metrics, sinks))
+        run_token = claim_root(config.checkpoint.save)  # from now on, an earlier run on this root commits nothing
+        init_ray(ctx.ray_address)
+        placement = create_placement(config, setup, total_steps, scratch_dir(ctx.workdir), run_token)
+        try:
+            result = loop.train(placement, num_rollout, history)
+        finally:
+            placement.shutdown()
     finally:
-        placement.shutdown()
+        close_sinks(sinks)
     return manifest(config, ctx, result, history, prepared)
 
 
