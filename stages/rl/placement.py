@@ -128,8 +128,8 @@ def init_ray(address: str | None) -> None:
         return
     if address:
         ray.init(address=address, log_to_driver=True)
-    else:
-        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True,
+    else:  # "local": a new cluster even when another one runs on this machine (Ray would join the latest one)
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True,
                  configure_logging=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
 
 
