@@ -138,8 +138,8 @@ class RewardConfig(ConfigModel):
     """How responses are scored."""
 
     rm_type: str | None = None
-    """Built-in reward: math, deepscaler, dapo, f1, gpqa, prefix_match (a `boxed_` prefix is accepted);
-    metadata['rm_type'] overrides."""
+    """Built-in reward: math, deepscaler, dapo, f1, gpqa, random (as slime's rm_hub), prefix_match (ours); a `boxed_`
+    prefix is accepted; metadata['rm_type'] overrides. ifbench is refused (see rule_rewards.IFBENCH_REFUSED)."""
     custom_rm_path: PluginPath = None
     """async reward(args, sample) -> float, or a group function with group_rm."""
     rm_url: str | None = None
@@ -151,6 +151,14 @@ class RewardConfig(ConfigModel):
     'reward', else its 'score')."""
     eval_reward_key: str | None = None
     """--reward-key for evaluation (default: --reward-key)."""
+
+    @model_validator(mode="after")
+    def _refuse_ifbench(self) -> RewardConfig:
+        if self.rm_type and self.rm_type.strip().removeprefix("boxed_") == "ifbench":
+            from slimeflow.stages.rl.rule_rewards import IFBENCH_REFUSED
+
+            raise ValueError(f"--rm-type {self.rm_type}: {IFBENCH_REFUSED}")
+        return self
 
 
 class AlgorithmConfig(ConfigModel):
