@@ -107,3 +107,22 @@ def test_ifbench_is_refused_by_name_with_the_reason():
         RewardConfig(rm_type="boxed_ifbench")
     (per_sample,) = _scored(RewardConfig(rm_type="f1"), _sample("x", "x", rm_type="ifbench"))
     assert per_sample.status is Status.FAILED and "allenai/IFBench" in per_sample.failure_reason
+
+
+def test_a_reward_the_generate_function_set_is_kept_unless_group_rm():
+    preset, fresh = _sample("Paris", "London"), _sample("Paris", "London")
+    preset.reward = 0.7
+    _scored(RewardConfig(rm_type="f1"), preset, fresh)
+    assert (preset.reward, fresh.reward) == (0.7, 0.0)
+    keyed = _sample("x", "y")
+    keyed.reward = {"score": 0.25, "acc": False}
+    (keyed,) = _scored(RewardConfig(rm_type="f1", reward_key="score"), keyed)
+    assert keyed.reward == 0.25
+    group_preset = _sample("x", "y")
+    group_preset.reward = 0.7
+    (group_preset,) = _scored(RewardConfig(custom_rm_path=f"{__name__}:half_each", group_rm=True), group_preset)
+    assert group_preset.reward == 0.5  # a group reward function rewards the whole group, as slime
+
+
+async def half_each(args, samples):
+    return [0.5] * len(samples)

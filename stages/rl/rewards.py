@@ -101,7 +101,10 @@ class RewardScorer:
             self.judge.close()
 
     async def score_group(self, group: Sequence[Sample]) -> None:
-        """Reward every sample of one group (a group function with --group-rm, else sample by sample)."""
+        """Reward every sample of one group (a group function with --group-rm, else sample by sample). Without
+        --group-rm a reward the generate function already set is kept (as slime), read with --reward-key."""
+        if not self.config.group_rm:
+            group = [s for s in group if not self._keep_preset(s)]
         if not self.config.group_rm and self.custom is None and self.remote is None:
             for sample in group:  # built-ins are plain functions: no task per sample (~4 us each)
                 self._score_builtin(sample)
@@ -120,6 +123,16 @@ class RewardScorer:
             return
         for sample, value in zip(group, values, strict=True):
             sample.reward = value
+
+    def _keep_preset(self, sample: Sample) -> bool:
+        """Whether `sample` already has its reward (set by a generate function); a dict one is read by key."""
+        if sample.reward is None:
+            return False
+        try:
+            sample.reward = reward_value(sample.reward, self.reward_key(sample))
+        except ValueError as exc:
+            sample.mark_failed(f"the reward the generate function set: {exc}")
+        return True
 
     async def score(self, sample: Sample) -> None:
         """Reward one sample."""
