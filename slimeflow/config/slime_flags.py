@@ -14,7 +14,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--offload-rollout": "releasing the engines' memory during training (colocated mode) is not supported yet",
     "--save-hf": "HF weights are not written at each save yet: export a checkpoint with `slimeflow export`",
     "--eval-config": "per-dataset eval settings from a YAML file are not supported yet: use the --eval-* flags",
-    "--use-critic": "PPO with a trained critic is not supported yet",
     "--multi-latent-attention": "MLA models (DeepSeek) are not supported yet: Llama, Qwen2, Qwen3, GLM4 and Qwen3-MoE only",
     "--num-experts": _MOE,
     "--use-distributed-optimizer": "the Megatron backend is not available yet",
@@ -48,6 +47,13 @@ NOT_YET_SUPPORTED.update({flag: _MLA for flag in (
     "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--mscale",
     "--mscale-all-dim", "--rotary-scaling-factor",
 )})
+_CRITIC = ("PPO with a critic is not built yet: slime trains a value model beside the actor for "
+           "--advantage-estimator ppo (value loss clipped by --value-clip, --num-critic-only-steps warm-up); the "
+           "trainer here has no value model, so use grpo, gspo, cispo or reinforce_plus_plus(_baseline)")
+_OPD = ("on-policy distillation is not built yet: slime takes a teacher's log-probs (an SGLang teacher engine, or a "
+        "Megatron teacher model) and adds -opd_kl_coef x (log pi - log pi_teacher) to the advantages")
+NOT_YET_SUPPORTED.update({flag: _CRITIC for flag in ("--use-critic", "--value-clip", "--num-critic-only-steps")})
+NOT_YET_SUPPORTED["--use-opd"] = _OPD
 NOT_YET_SUPPORTED.update({flag: _MTP for flag in ("--mtp-num-layers", "--mtp-loss-scaling-factor", "--enable-mtp-training")})
 NOT_YET_SUPPORTED.update({
     "--post-self-attn-layernorm": _SANDWICH,
@@ -61,7 +67,8 @@ NOT_YET_SUPPORTED.update({
 
 NOT_YET_SUPPORTED_PREFIXES: dict[str, str] = {
     "--moe-": _MOE,
-    "--critic-": "PPO with a trained critic is not supported yet",
+    "--critic-": _CRITIC,
+    "--opd-": _OPD,
     "--wandb-": "slimeflow tracks with MLflow: set --mlflow-tracking-uri",
     "--fsdp-": "the FSDP backend is not supported: use --train-backend torch or megatron",
 }

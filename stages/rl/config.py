@@ -192,6 +192,14 @@ class AlgorithmConfig(ConfigModel):
     """Truncated importance sampling between the rollout engine's and the trainer's probabilities."""
     tis_clip: float = Field(2.0, gt=0)
     """Upper clip of the TIS weight."""
+    tis_clip_low: float = Field(0.0, ge=0)
+    """Lower clip of the TIS weight (slime's default 0: no lower clip)."""
+    use_rollout_logprobs: bool = False
+    """The rollout engine's log-probs are the old policy's (PPO ratio, KL shaping); the trainer does not recompute
+    them (unless --get-mismatch-metrics)."""
+    get_mismatch_metrics: bool = False
+    """Report trainer/engine mismatch metrics (tis, tis_clipfrac, tis_abs, ois) without --use-tis; the loss is
+    only reweighted with --use-tis (slime refuses this flag without --custom-tis-function-path)."""
     disable_grpo_std_normalization: bool = False
     """Subtract the group mean only."""
     normalize_advantages: bool = False
@@ -212,6 +220,12 @@ class AlgorithmConfig(ConfigModel):
                 f"--kl-coef {self.kl_coef} and --kl-loss-coef {self.kl_loss_coef} are both non-zero; "
                 "slime allows only one: the KL goes into the reward (kl_coef) or into the loss (kl_loss_coef)"
             )
+        if self.use_rollout_logprobs and self.use_tis:
+            raise ValueError("--use-rollout-logprobs and --use-tis together: with the engine's log-probs as the old "
+                             "policy's there is nothing left to correct (slime refuses it too); give one")
+        if self.tis_clip_low > self.tis_clip:
+            raise ValueError(f"--tis-clip-low {self.tis_clip_low} is above --tis-clip {self.tis_clip}; "
+                             "the TIS weight is clipped to [tis_clip_low, tis_clip]")
         if self.loss_type == "custom_loss" and self.custom_loss_function_path is None:
             raise ValueError("--loss-type custom_loss needs --custom-loss-function-path module:function")
         if self.eps_clip_high is None:
