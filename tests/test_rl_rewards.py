@@ -6,11 +6,13 @@ import asyncio
 import json
 import math
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from slimeflow.stages.rl import answers
 from slimeflow.stages.rl.answers import MathJudge
 from slimeflow.stages.rl.config import RewardConfig
 from slimeflow.stages.rl.rewards import RemoteReward, RewardScorer
@@ -196,3 +198,16 @@ def test_built_in_rewards_take_number_labels_and_refuse_structured_ones_by_name(
     assert number.reward == 1.0
     assert structured.status is Status.FAILED and "label is a dict; score structured labels with --custom-rm-path" \
         in structured.failure_reason
+
+
+def _slow_grade(pred: str, gold: str) -> bool:
+    time.sleep(5)
+    return True
+
+
+def test_a_check_past_the_timeout_on_the_main_thread_counts_as_not_equal(monkeypatch):
+    """slime's grader ends in sympy.simplify, which can run away: SIGALRM ends the check after timeout_s."""
+    monkeypatch.setattr(answers, "grade", _slow_grade)
+    started = time.monotonic()
+    assert MathJudge(timeout_s=1).equal("1", "1") is False
+    assert time.monotonic() - started < 3

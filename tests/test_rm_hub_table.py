@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from slimeflow.config.flags import ConfigError
+from slimeflow.config.pipeline import load_stage_config
 from slimeflow.stages.rl.answers import MathJudge
 from slimeflow.stages.rl.config import RewardConfig
 from slimeflow.stages.rl.rewards import RewardScorer
@@ -105,6 +107,8 @@ def test_ifbench_is_refused_by_name_with_the_reason():
         RewardConfig(rm_type="ifbench")
     with pytest.raises(ValueError, match="ifbench"):
         RewardConfig(rm_type="boxed_ifbench")
+    with pytest.raises(ConfigError, match="--rm-type ifbench: rm_type 'ifbench' is not built in"):
+        load_stage_config("evaluate", None, ["--rm-type", "ifbench"])
     (per_sample,) = _scored(RewardConfig(rm_type="f1"), _sample("x", "x", rm_type="ifbench"))
     assert per_sample.status is Status.FAILED and "allenai/IFBench" in per_sample.failure_reason
 

@@ -153,11 +153,10 @@ class RewardConfig(ConfigModel):
     """--reward-key for evaluation (default: --reward-key)."""
 
     @model_validator(mode="after")
-    def _refuse_ifbench(self) -> RewardConfig:
-        if self.rm_type and self.rm_type.strip().removeprefix("boxed_") == "ifbench":
-            from slimeflow.stages.rl.rule_rewards import IFBENCH_REFUSED
+    def _refuse_unbuilt(self) -> RewardConfig:
+        from slimeflow.stages.rl.rule_rewards import refuse_unbuilt  # rule_rewards is heavier than a config
 
-            raise ValueError(f"--rm-type {self.rm_type}: {IFBENCH_REFUSED}")
+        refuse_unbuilt(self.rm_type)
         return self
 
 

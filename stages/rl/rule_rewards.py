@@ -27,6 +27,12 @@ IFBENCH_REFUSED = (
     "are) and need spaCy and NLTK data downloads. Score IFBench with --custom-rm-path and IFBench installed")
 
 
+def refuse_unbuilt(rm_type: str | None, flag: str = "--rm-type") -> None:
+    """Raise, naming `flag` and the reason, for an rm_type slime has that is not built here (ifbench)."""
+    if rm_type and rm_type.strip().removeprefix("boxed_") == "ifbench":
+        raise ValueError(f"{flag} {rm_type}: {IFBENCH_REFUSED}")
+
+
 def _label_text(label: Any, rm_type: str) -> str:
     """The label as text, as slime reads it (str() of a number); None and structured labels are refused."""
     if label is None:
@@ -213,8 +219,7 @@ def builtin_reward(rm_type: str, response: str, label: Any, metadata: dict[str, 
     rm_type = rm_type.strip()
     if rm_type.startswith("boxed_"):
         response, rm_type = boxed_answer(response) or "", rm_type[len("boxed_"):]
-    if rm_type == "ifbench":
-        raise ValueError(IFBENCH_REFUSED)
+    refuse_unbuilt(rm_type, "rm_type")
     if rm_type == RANDOM:
         if rng is None:
             raise ValueError("rm_type 'random' needs a seeded generator (RewardScorer passes one per sample)")
