@@ -2,7 +2,9 @@
 
 tests/data/rm_hub/*.jsonl holds, per rm_type, cases with the reward slime gives; tests/test_rm_hub_table.py asserts
 every row. Where slime fails on an input (a non-integer dapo label, a missing label) we raise a ValueError that
-says why, and the scorer marks that sample failed with it. Our own addition is prefix_match.
+says why, and the scorer marks that sample failed with it. Two deliberate differences: f1 reads a numeric label as
+its text (slime fails on it), and math refuses a structured (dict, list) label by name where slime compares its
+str() and scores 0. Our own addition is prefix_match.
 """
 
 from __future__ import annotations
