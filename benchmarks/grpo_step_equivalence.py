@@ -177,7 +177,7 @@ def diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> str:
 def rollout(tokenizer, rows: list[dict], prompts, responses, log_probs) -> list:
     """The batch as slimeflow's rollout hands it over: scored Samples in group order (text decoded as its engine
     does, skip_special_tokens off; rewards by its prefix_match)."""
-    from slimeflow.stages.rl.rewards import prefix_match_reward
+    from slimeflow.stages.rl.rule_rewards import prefix_match_reward
     from slimeflow.stages.rl.types import Sample, Status
 
     samples = []

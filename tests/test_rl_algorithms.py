@@ -73,12 +73,6 @@ def test_gspo_sequence_ratio_and_fully_masked_sample():
     close(kl[1], [0.0, 0.0])  # fully masked: 0 / max(0, 1)
 
 
-def test_tis_weights_truncate_at_tis_clip():
-    weights, ratio = alg.compute_tis_weights(t(-1.0, -1.0), t(-1.5, -3.0), tis_clip=2.0)
-    close(ratio, [math.exp(0.5), math.exp(2.0)])
-    close(weights, [math.exp(0.5), 2.0])
-
-
 def test_group_reward_normalisation():
     rewards = t(1, 0, 0, 1, 1, 1, 1, 1)
     std = math.sqrt(1 / 3)  # unbiased std of (1, 0, 0, 1)

@@ -58,7 +58,7 @@ def test_tis_weights_and_metrics():
     approx(out.loss, ((-1.28 - 0.5 * 2) / 2 + (2 + 1.6 + 4) / 3) / 2)
     approx(out.metrics["tis"], (2 + 1) / 2)
     approx(out.metrics["tis_clipfrac"], (0.5 + 0) / 2)
-    with pytest.raises(ValueError, match="rollout_log_probs"):
+    with pytest.raises(ValueError, match="--use-tis / --get-mismatch-metrics need the rollout engine's log-probs"):
         run(AlgorithmConfig(use_tis=True), hand_batch())
 
 

@@ -1,4 +1,4 @@
-"""Rewards: real answer formats per rm_type, custom and group rewards, the remote server, failures, threads."""
+"""Rewards: rm_type precedence, custom and group rewards, the remote server, failures, threads."""
 
 from __future__ import annotations
 
@@ -6,13 +6,17 @@ import asyncio
 import json
 import math
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
-from slimeflow.stages.rl.answers import MathJudge, last_boxed
+from slimeflow.stages.rl import answers
+from slimeflow.stages.rl.answers import MathJudge
 from slimeflow.stages.rl.config import RewardConfig
-from slimeflow.stages.rl.rewards import RemoteReward, RewardScorer, builtin_reward
+from slimeflow.stages.rl.rewards import RemoteReward, RewardScorer
+from slimeflow.stages.rl.rule_rewards import builtin_reward
 from slimeflow.stages.rl.types import Sample, Status
 
 
@@ -20,54 +24,6 @@ from slimeflow.stages.rl.types import Sample, Status
 def judge():
     with MathJudge() as judge:
         yield judge
-
-
-ANSWER_TABLE = [
-    # rm_type, response, label, metadata, expected
-    ("math", r"So the probability is \boxed{\frac{1}{2}}.", "0.5", {}, 1.0),
-    ("math", r"\boxed{0.5}", r"\frac{1}{2}", {}, 1.0),
-    ("math", r"\boxed{\dfrac{3}{4}}", "0.75", {}, 1.0),
-    ("math", r"The answer is \boxed{42}.", "42", {}, 1.0),
-    ("math", r"\boxed{41}", "42", {}, 0.0),
-    ("math", "The answer is 42", "42", {}, 0.0),  # math needs a boxed answer
-    ("math", r"\boxed{2\sqrt{2}}", r"\sqrt{8}", {}, 1.0),
-    ("math", r"\boxed{x^2+2x}", "2x + x^2", {}, 1.0),
-    ("math", r"\boxed{1,000}", "1000", {}, 1.0),
-    ("math", r"\boxed{7}", r"\boxed{7}", {}, 1.0),
-    ("math", r"\boxed{(1,2)}", "(1, 2)", {}, 1.0),
-    ("math", r"first \boxed{3}, finally \boxed{5}", "5", {}, 1.0),
-    ("deepscaler", r"<think>maybe \boxed{3}</think> so \boxed{5}", "5", {}, 1.0),
-    ("deepscaler", r"<think>I never stop thinking \boxed{5}", "5", {}, 0.0),
-    ("dapo", "Let me compute.\nAnswer: 12", "12", {}, 1.0),
-    ("dapo", r"Answer: \frac{1}{2}", "0.5", {}, 1.0),
-    ("dapo", "Answer: 13", "12", {}, -1.0),
-    ("dapo", "I give up", "12", {}, -1.0),
-    ("f1", "Paris", "Paris", {}, 1.0),
-    ("f1", "the city of Paris", "Paris", {}, 0.5),  # 'the' dropped: precision 1/3, recall 1
-    ("f1", "<think>hmm</think>Barack Obama", "Obama", {}, 2 / 3),
-    ("f1", "London", "Paris", {}, 0.0),
-    ("gpqa", "The answer is (B)", "B", {}, 1.0),
-    ("gpqa", "Answer: C", "(C)", {}, 1.0),
-    ("gpqa", r"Therefore \boxed{D}", "D", {}, 1.0),
-    ("gpqa", "(A) looks tempting, but the answer is (B)", "A", {}, 0.0),
-    ("gpqa", "Answer: C", "blue", {"choices": ["red", "green", "blue", "yellow"]}, 1.0),
-    ("boxed_f1", r"It is \boxed{Paris}", "Paris", {}, 1.0),
-    ("boxed_f1", "It is Paris", "Paris", {}, 0.0),
-    ("boxed_math", r"\boxed{\frac{2}{4}}", "0.5", {}, 1.0),
-    ("boxed_gpqa", r"(A) or \boxed{C}", "C", {}, 1.0),
-]
-
-
-@pytest.mark.parametrize("rm_type, response, label, metadata, expected", ANSWER_TABLE)
-def test_answer_formats(judge, rm_type, response, label, metadata, expected):
-    assert builtin_reward(rm_type, response, label, metadata, judge) == pytest.approx(expected)
-
-
-def test_last_boxed_matches_nested_braces():
-    assert last_boxed(r"\boxed{\frac{1}{\sqrt{2}}} tail") == r"\frac{1}{\sqrt{2}}"
-    assert last_boxed(r"\boxed 5 and more") == "5"
-    assert last_boxed(r"\boxed{unclosed") is None
-    assert last_boxed("nothing here") is None
 
 
 def sample(response: str, label: str | None = "0.5", **metadata) -> Sample:
@@ -89,7 +45,7 @@ def test_unknown_or_missing_rm_type_fails_the_sample_with_the_reason(judge):
     unknown, missing = score(RewardScorer(RewardConfig(), judge=judge), sample("x", rm_type="nope"), sample("x"))
     assert unknown.status is Status.FAILED and "built-ins are math, deepscaler, dapo, f1, gpqa" in unknown.failure_reason
     assert missing.status is Status.FAILED and "no reward is configured" in missing.failure_reason
-    (no_label,) = score(RewardScorer(RewardConfig(rm_type="math"), judge=judge), sample(r"\boxed{1}", label=None))
+    (no_label,) = score(RewardScorer(RewardConfig(rm_type="f1"), judge=judge), sample("1", label=None))
     assert "has none (set --label-key)" in no_label.failure_reason
 
 
@@ -179,26 +135,22 @@ def test_unreachable_reward_server_fails_the_sample_with_url_and_attempts(judge)
 
 
 def test_math_rewards_work_off_the_main_thread(judge):
-    """math-verify's signal timeouts fail outside the main thread; the judge's worker process gives the same answers."""
-    from math_verify import parse
-    rows = [row for row in ANSWER_TABLE if row[0] in ("math", "dapo")]
+    """SIGALRM cannot be set outside the main thread; the judge's worker process gives the same answers there."""
+    rows = [json.loads(line) for name in ("math", "deepscaler")
+            for line in (Path(__file__).parent / "data" / "rm_hub" / f"{name}.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if not isinstance(row["slime"], dict)]
     results: list[float] = []
-    plain_math_verify: list[str] = []
 
     def worker():
-        try:
-            parse("$1$")
-        except ValueError as exc:
-            plain_math_verify.append(str(exc))
         async def main():
-            return await asyncio.gather(*(asyncio.to_thread(builtin_reward, *row[:4], judge) for row in rows))
+            return await asyncio.gather(*(asyncio.to_thread(
+                builtin_reward, row["rm_type"], row["response"], row["label"], row["metadata"], judge) for row in rows))
         results.extend(asyncio.run(main()))
 
     thread = threading.Thread(target=worker)
     thread.start()
     thread.join(timeout=120)
-    assert plain_math_verify and "threaded environment" in plain_math_verify[0]
-    assert results == [row[4] for row in rows]
+    assert results == [row["slime"] for row in rows]
     assert judge.worker_timeouts == 0
 
 
@@ -246,3 +198,16 @@ def test_built_in_rewards_take_number_labels_and_refuse_structured_ones_by_name(
     assert number.reward == 1.0
     assert structured.status is Status.FAILED and "label is a dict; score structured labels with --custom-rm-path" \
         in structured.failure_reason
+
+
+def _slow_grade(pred: str, gold: str) -> bool:
+    time.sleep(5)
+    return True
+
+
+def test_a_check_past_the_timeout_on_the_main_thread_counts_as_not_equal(monkeypatch):
+    """slime's grader ends in sympy.simplify, which can run away: SIGALRM ends the check after timeout_s."""
+    monkeypatch.setattr(answers, "grade", _slow_grade)
+    started = time.monotonic()
+    assert MathJudge(timeout_s=1).equal("1", "1") is False
+    assert time.monotonic() - started < 3

@@ -18,7 +18,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--offload-rollout": "releasing the engines' memory during training (colocated mode) is not supported yet",
     "--save-hf": "HF weights are not written at each save yet: export a checkpoint with `slimeflow export`",
     "--eval-config": "per-dataset eval settings from a YAML file are not supported yet: use the --eval-* flags",
-    "--use-critic": "PPO with a trained critic is not supported yet",
     "--multi-latent-attention": "MLA models (DeepSeek) are not supported yet: Llama, Qwen2, Qwen3, GLM4 and Qwen3-MoE only",
     "--num-experts": _MOE,
     "--use-distributed-optimizer": "the Megatron backend is not available yet",
@@ -50,6 +49,13 @@ NOT_YET_SUPPORTED.update({flag: _MLA for flag in (
     "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--mscale",
     "--mscale-all-dim", "--rotary-scaling-factor",
 )})
+_CRITIC = ("PPO with a critic is not built yet: slime trains a value model beside the actor for "
+           "--advantage-estimator ppo (value loss clipped by --value-clip, --num-critic-only-steps warm-up); the "
+           "trainer here has no value model, so use grpo, gspo, cispo or reinforce_plus_plus(_baseline)")
+_OPD = ("on-policy distillation is not built yet: slime takes a teacher's log-probs (an SGLang teacher engine, or a "
+        "Megatron teacher model) and adds -opd_kl_coef x (log pi - log pi_teacher) to the advantages")
+NOT_YET_SUPPORTED.update({flag: _CRITIC for flag in ("--use-critic", "--value-clip", "--num-critic-only-steps")})
+NOT_YET_SUPPORTED["--use-opd"] = _OPD
 NOT_YET_SUPPORTED.update({flag: _MTP for flag in ("--mtp-num-layers", "--mtp-loss-scaling-factor", "--enable-mtp-training")})
 NOT_YET_SUPPORTED.update({
     "--post-self-attn-layernorm": _SANDWICH,
@@ -62,7 +68,8 @@ NOT_YET_SUPPORTED.update({
 
 NOT_YET_SUPPORTED_PREFIXES: dict[str, str] = {
     "--moe-": _MOE,
-    "--critic-": "PPO with a trained critic is not supported yet",
+    "--critic-": _CRITIC,
+    "--opd-": _OPD,
     "--fsdp-": "the FSDP backend is not supported: use --train-backend torch or megatron",
 }
 
@@ -134,7 +141,6 @@ _EVAL_KEYS = ("per-eval-set data keys and lengths are not supported yet: the eva
               "and the --eval-* sampling flags")
 _HOOK = "this plug-in hook is not supported yet"
 _MEGATRON_HOOK = "a hook into Megatron's model and train step, read only by the Megatron backend, not in this version"
-_OPD = "on-policy distillation (a teacher engine's log-probs) is not supported yet"
 NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (
     "--enable-experimental", "--data-pad-size-multiplier", "--no-check-for-nan-in-loss-and-grad",
     "--decoder-first-pipeline-num-layers", "--distributed-timeout-minutes", "--megatron-config-path",
@@ -168,8 +174,6 @@ NOT_YET_SUPPORTED.update({flag: _HOOK for flag in (
 NOT_YET_SUPPORTED.update({flag: _MEGATRON_HOOK for flag in (
     "--custom-megatron-before-log-prob-hook-path", "--custom-megatron-before-train-step-hook-path",
     "--custom-megatron-init-path", "--custom-model-provider-path")})
-NOT_YET_SUPPORTED.update({flag: _OPD for flag in (
-    "--use-opd", "--opd-type", "--opd-kl-coef", "--opd-teacher-load", "--opd-teacher-ckpt-step")})
 NOT_YET_SUPPORTED.update({
     "--tensorboard-dir": "Megatron-LM's TensorBoard flag: use --use-tensorboard with --tb-project-name (slime's)",
     "--wandb-always-use-train-step": ("metrics are logged once per rollout, at rollout/step (evaluations at "
@@ -229,11 +233,4 @@ NOT_YET_SUPPORTED.update({
     "--log-passrate": "pass@n logging is not supported yet",
     "--log-correct-samples": "pass@n logging is not supported yet",
     "--log-reward-category": "reward-category logging is not supported yet",
-    "--tis-clip-low": "a lower clip for truncated importance sampling is not supported yet: --tis-clip caps the "
-                      "ratio from above",
-    "--use-rollout-logprobs": "training on the engines' log-probs instead of the trainer's is not supported yet",
-    "--get-mismatch-metrics": "train/rollout log-prob mismatch metrics beyond train_rollout_logprob_abs_diff are not "
-                              "supported yet",
-    "--num-critic-only-steps": "PPO with a trained critic is not supported yet",
-    "--value-clip": "PPO with a trained critic is not supported yet",
 })

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from slimeflow.config.base import ConfigModel, OptionalPositiveInt, PositiveInt
 
@@ -44,3 +44,11 @@ class EvaluateConfig(ConfigModel):
     """Raw eval sets: the column holding tool schemas."""
     rollout_seed: int = 42
     """Seed of the sampling (each response's seed derives from it)."""
+
+    @field_validator("rm_type")
+    @classmethod
+    def _refuse_unbuilt(cls, rm_type: str | None) -> str | None:
+        from slimeflow.stages.rl.rule_rewards import refuse_unbuilt  # imported when an rm_type is given only
+
+        refuse_unbuilt(rm_type)
+        return rm_type

@@ -55,7 +55,7 @@ async def _evaluate(config: EvaluateConfig, model_dir: str, client: EngineClient
     })
     params = sampling_params(train.rollout, temperature=config.eval_temperature, top_p=config.eval_top_p,
                              top_k=config.eval_top_k)
-    scorer = RewardScorer(train.reward)
+    scorer = RewardScorer(train.reward, seed=config.rollout_seed)
     try:
         ctx = RolloutContext(train, AutoTokenizer.from_pretrained(model_dir), client, scorer)
         return await evaluate_sets(ctx, sets, EvalSettings(config.n_samples_per_eval_prompt, params))

@@ -72,14 +72,14 @@ class RolloutManager:
                              if config.rollout.buffer_filter_path else pop_first)
             self.data = BufferedDataSource(source, buffer_filter)
             self.eval_sets = {name: _prompts(uri) for name, uri in setup.eval_prompt_data.items()}
-            self.scorer = RewardScorer(config.reward)
+            self.scorer = RewardScorer(config.reward, seed=config.data.rollout_seed)
         except BaseException:
             launching.cancel()
             raise
         try:
             self.engines = launching.ready()
         except BaseException:
-            self.scorer.close()  # its math-verify worker, if it started one
+            self.scorer.close()  # its grading worker, if it started one
             raise
         freeze_startup_heap()
 

@@ -84,16 +84,6 @@ def gspo_kl_flat(log_probs: torch.Tensor, old_log_probs: torch.Tensor, loss_mask
     return sample_means(old_log_probs - log_probs, loss_mask, index, num_samples)[index]
 
 
-def compute_tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
-                        tis_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Truncated importance sampling: (min(pi_train_old / pi_rollout, tis_clip), the unclipped ratio), per token.
-
-    Both inputs are log-probs of the same tokens: the trainer's (old policy) and the rollout engine's.
-    """
-    ratio = torch.exp(old_log_probs.detach() - rollout_log_probs.detach())
-    return ratio.clamp(max=tis_clip), ratio
-
-
 def compute_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log p(tokens[t]) under logits[t] ([T, V] and [T]); at least fp32."""
     return torch.log_softmax(_upcast(logits), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

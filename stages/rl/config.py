@@ -138,8 +138,8 @@ class RewardConfig(ConfigModel):
     """How responses are scored."""
 
     rm_type: str | None = None
-    """Built-in reward: math, deepscaler, dapo, f1, gpqa, prefix_match (a `boxed_` prefix is accepted);
-    metadata['rm_type'] overrides."""
+    """Built-in reward: math, deepscaler, dapo, f1, gpqa, random (as slime's rm_hub), prefix_match (ours); a `boxed_`
+    prefix is accepted; metadata['rm_type'] overrides. ifbench is refused (see rule_rewards.IFBENCH_REFUSED)."""
     custom_rm_path: PluginPath = None
     """async reward(args, sample) -> float, or a group function with group_rm."""
     rm_url: str | None = None
@@ -151,6 +151,13 @@ class RewardConfig(ConfigModel):
     'reward', else its 'score')."""
     eval_reward_key: str | None = None
     """--reward-key for evaluation (default: --reward-key)."""
+
+    @model_validator(mode="after")
+    def _refuse_unbuilt(self) -> RewardConfig:
+        from slimeflow.stages.rl.rule_rewards import refuse_unbuilt  # rule_rewards is heavier than a config
+
+        refuse_unbuilt(self.rm_type)
+        return self
 
 
 class AlgorithmConfig(ConfigModel):
@@ -184,6 +191,14 @@ class AlgorithmConfig(ConfigModel):
     """Truncated importance sampling between the rollout engine's and the trainer's probabilities."""
     tis_clip: float = Field(2.0, gt=0)
     """Upper clip of the TIS weight."""
+    tis_clip_low: float = Field(0.0, ge=0)
+    """Lower clip of the TIS weight (slime's default 0: no lower clip)."""
+    use_rollout_logprobs: bool = False
+    """The rollout engine's log-probs are the old policy's (PPO ratio, KL shaping); the trainer does not recompute
+    them (unless --get-mismatch-metrics)."""
+    get_mismatch_metrics: bool = False
+    """Report trainer/engine mismatch metrics (tis, tis_clipfrac, tis_abs, ois) without --use-tis; the loss is
+    only reweighted with --use-tis (slime refuses this flag without --custom-tis-function-path)."""
     disable_grpo_std_normalization: bool = False
     """Subtract the group mean only."""
     normalize_advantages: bool = False
@@ -204,6 +219,12 @@ class AlgorithmConfig(ConfigModel):
                 f"--kl-coef {self.kl_coef} and --kl-loss-coef {self.kl_loss_coef} are both non-zero; "
                 "slime allows only one: the KL goes into the reward (kl_coef) or into the loss (kl_loss_coef)"
             )
+        if self.use_rollout_logprobs and self.use_tis:
+            raise ValueError("--use-rollout-logprobs and --use-tis together: with the engine's log-probs as the old "
+                             "policy's there is nothing left to correct (slime refuses it too); give one")
+        if self.tis_clip_low > self.tis_clip:
+            raise ValueError(f"--tis-clip-low {self.tis_clip_low} is above --tis-clip {self.tis_clip}; "
+                             "the TIS weight is clipped to [tis_clip_low, tis_clip]")
         if self.loss_type == "custom_loss" and self.custom_loss_function_path is None:
             raise ValueError("--loss-type custom_loss needs --custom-loss-function-path module:function")
         if self.eps_clip_high is None:

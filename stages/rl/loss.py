@@ -25,7 +25,9 @@ class LossInputs:
     """One micro-batch, a list entry per sample over its response tokens.
 
     log_probs carry the gradient (current policy); old_log_probs are the trainer's under the policy that generated
-    the batch; rollout_log_probs the rollout engine's (TIS); entropy per token (for entropy_coef and the metric).
+    the batch; rollout_log_probs the rollout engine's (TIS, mismatch metrics, and the old policy's with
+    --use-rollout-logprobs); entropy per token (for entropy_coef and the metric); total_lengths (prompt + response)
+    per sample, for a TIS function that slices by them as slime's may.
     """
 
     log_probs: list[torch.Tensor]
@@ -35,6 +37,7 @@ class LossInputs:
     ref_log_probs: list[torch.Tensor] | None = None
     rollout_log_probs: list[torch.Tensor] | None = None
     entropy: list[torch.Tensor] | None = None
+    total_lengths: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,25 @@ class LossOutput:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+TisFunction = Callable[..., tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]]
+"""slime's TIS contract: fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
+response_lengths) -> (pg_loss reweighted, loss masks (possibly with tokens rejected), metrics). pg_loss and the
+metrics are flat over the micro-batch's tokens; the log-probs and masks are lists, one tensor per sample."""
+
+
+def vanilla_tis(args: AlgorithmConfig, *, pg_loss: torch.Tensor, train_log_probs: Sequence[torch.Tensor],
+                rollout_log_probs: Sequence[torch.Tensor], loss_masks: list[torch.Tensor],
+                **_: object) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]:
+    """slime's vanilla TIS: pg_loss x clamp(pi_train_old / pi_rollout, tis_clip_low, tis_clip) per token.
+
+    Metrics per token: tis (the unclipped ratio), tis_clipfrac (1 where the clamp changed it, either side) and
+    tis_abs (|ratio - 1|, the mismatch). The masks come back unchanged (no token is rejected)."""
+    ratio = torch.exp(torch.cat(list(train_log_probs)).detach() - torch.cat(list(rollout_log_probs)).detach())
+    weights = ratio.clamp(min=args.tis_clip_low, max=args.tis_clip)
+    metrics = {"tis": ratio, "tis_clipfrac": (weights != ratio).float(), "tis_abs": (ratio - 1).abs()}
+    return pg_loss * weights, loss_masks, metrics
+
+
 CustomLoss = Callable[[AlgorithmConfig, LossInputs, Reduce], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(config, inputs, reduce) -> (loss, metrics); use `reduce` for every aggregate so packing does not change it."""
 
@@ -109,11 +131,11 @@ def load_custom_loss(config: AlgorithmConfig) -> CustomLoss | None:
 
 
 def compute_loss(config: AlgorithmConfig, inputs: LossInputs, normalizer: LossNormalizer,
-                 custom: CustomLoss | None = None) -> LossOutput:
-    """The loss of --loss-type for one micro-batch."""
+                 custom: CustomLoss | None = None, tis_function: TisFunction | None = None) -> LossOutput:
+    """The loss of --loss-type for one micro-batch (`tis_function`: a custom TIS function, else vanilla_tis)."""
     reduce = normalizer.reducer(inputs.loss_masks, config.calculate_per_token_loss)
     if config.loss_type == "policy_loss":
-        return policy_loss(config, inputs, reduce)
+        return policy_loss(config, inputs, reduce, tis_function)
     if config.loss_type == "sft_loss":
         return sft_loss(inputs, reduce)
     if custom is None:
@@ -122,18 +144,27 @@ def compute_loss(config: AlgorithmConfig, inputs: LossInputs, normalizer: LossNo
     return LossOutput(loss=loss, metrics={k: torch.as_tensor(v).detach() for k, v in metrics.items()})
 
 
-def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce) -> LossOutput:
+def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce,
+                tis_function: TisFunction | None = None) -> LossOutput:
     """pg_loss - entropy_coef * entropy + kl_loss_coef * kl_loss (slime's policy_loss_function).
 
-    Metrics: pg_loss, pg_clipfrac, ppo_kl, entropy (when given), kl_loss (with use_kl_loss), tis and
-    tis_clipfrac (with use_tis), and, when the rollout engine's log-probs are given, train_rollout_logprob_abs_diff
-    (|trainer's old log-prob - engine's| per token, as slime logs it: near 0 when the engines serve the weights the
-    trainer had, so a weight-sync or numerics problem shows here), each aggregated like the loss.
+    The old policy's log-probs are the trainer's, or the engine's with --use-rollout-logprobs. With --use-tis, or
+    --get-mismatch-metrics and a custom TIS function (slime's only way to that flag), the per-token policy loss is
+    reweighted by the TIS function and summed with the masks it returns over the original normaliser.
+    Metrics: pg_loss, pg_clipfrac, ppo_kl, entropy (when given), kl_loss (with use_kl_loss); with --use-tis or
+    --get-mismatch-metrics the TIS function's (tis, tis_clipfrac, tis_abs) and ois (pi / pi_old); and, when the
+    rollout engine's log-probs are given, train_rollout_logprob_abs_diff (|trainer's log-prob - engine's| per token:
+    the old policy's, or the current one's with --use-rollout-logprobs, as slime logs it: near 0 when the engines
+    serve the trainer's weights, so a weight-sync or numerics problem shows here); each aggregated like the loss
+    over the original masks.
     """
     lengths = [lp.numel() for lp in inputs.log_probs]
-    agg = reduce.flat if isinstance(reduce, TokenWeights) else lambda flat: reduce(torch.split(flat, lengths))
+    agg = _flat_reduce(reduce, lengths)
     log_probs = torch.cat(inputs.log_probs)
-    old_log_probs = torch.cat(inputs.old_log_probs)
+    rollout = None if inputs.rollout_log_probs is None else torch.cat(inputs.rollout_log_probs)
+    if config.use_rollout_logprobs and rollout is None:
+        raise ValueError("--use-rollout-logprobs needs the rollout engine's log-probs of every sample")
+    old_log_probs = rollout if config.use_rollout_logprobs else torch.cat(inputs.old_log_probs)
     if config.advantage_estimator == "gspo":
         index = alg.sample_index(lengths, log_probs.device)
         ppo_kl = alg.gspo_kl_flat(log_probs, old_log_probs, torch.cat(inputs.loss_masks), index, len(lengths))
@@ -148,17 +179,23 @@ def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce) -> 
                                                    config.eps_clip_c)
 
     metrics: dict[str, torch.Tensor] = {}
-    if config.use_tis:
+    pg_agg = agg
+    if config.use_tis or config.get_mismatch_metrics:
         if inputs.rollout_log_probs is None:
-            raise ValueError("--use-tis needs the rollout engine's log-probs of every sample (rollout_log_probs)")
-        weights, ratio = alg.compute_tis_weights(old_log_probs, torch.cat(inputs.rollout_log_probs), config.tis_clip)
-        losses = losses * weights
-        metrics["tis"] = agg(ratio)
-        metrics["tis_clipfrac"] = agg((ratio > config.tis_clip).float())
-    if inputs.rollout_log_probs is not None:
-        drift = (old_log_probs - torch.cat(inputs.rollout_log_probs)).abs()
-        metrics["train_rollout_logprob_abs_diff"] = agg(drift.detach())
-    pg_loss = agg(losses)
+            raise ValueError("--use-tis / --get-mismatch-metrics need the rollout engine's log-probs of every sample")
+        weighted, masks, tis_metrics = (tis_function or vanilla_tis)(
+            config, pg_loss=losses, train_log_probs=inputs.old_log_probs, rollout_log_probs=inputs.rollout_log_probs,
+            loss_masks=inputs.loss_masks, total_lengths=inputs.total_lengths, response_lengths=lengths)
+        if config.use_tis or tis_function is not None:
+            losses = weighted
+            if masks is not inputs.loss_masks:
+                pg_agg = _remasked(reduce, inputs.loss_masks, masks)
+        metrics["ois"] = agg(torch.exp(-ppo_kl).detach())
+        metrics.update({key: agg(torch.as_tensor(value).detach()) for key, value in tis_metrics.items()})
+    if rollout is not None:
+        compared = log_probs if config.use_rollout_logprobs else old_log_probs
+        metrics["train_rollout_logprob_abs_diff"] = agg((compared.detach() - rollout).abs())
+    pg_loss = pg_agg(losses)
     loss = pg_loss
     metrics.update(pg_loss=pg_loss, pg_clipfrac=agg(clipfrac), ppo_kl=agg(ppo_kl.detach()))
     if inputs.entropy is not None:
@@ -174,6 +211,22 @@ def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce) -> 
         loss = loss + config.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss
     return LossOutput(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
+
+
+def _flat_reduce(reduce: Reduce, lengths: list[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`reduce` over the micro-batch's tokens concatenated."""
+    return reduce.flat if isinstance(reduce, TokenWeights) else lambda flat: reduce(torch.split(flat, lengths))
+
+
+def _remasked(reduce: Reduce, original: Sequence[torch.Tensor],
+              modified: Sequence[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The aggregate with a TIS function's masks in the numerator and the original masks' normaliser (slime: rejected
+    tokens are zeroed; each sample's or the batch's token count stays the original's)."""
+    if not isinstance(reduce, TokenWeights):
+        raise TypeError("a TIS function that changes the loss masks needs the token-weight reducer of compute_loss")
+    before, after = torch.cat(list(original)).float(), torch.cat(list(modified)).float().to(reduce.weights.device)
+    scale = torch.where(before != 0, after / before.where(before != 0, torch.ones_like(before)), 0.0)
+    return TokenWeights(reduce.weights * scale).flat
 
 
 def sft_loss(inputs: LossInputs, reduce: Reduce) -> LossOutput:

@@ -1,156 +1,30 @@
 """Rewards: built-in rm_types, a custom function, or a remote reward server; a reward that raises fails the sample.
 
 Precedence, as slime: --custom-rm-path, else the rm_type of the sample (metadata["rm_type"], else --rm-type);
-rm_type "remote_rm" (or no rm_type with --rm-url set) asks the reward server. A `boxed_` prefix scores the content
-of the response's last \\boxed{} with the rm_type after the prefix. A custom function or a server may answer a
-dict: --reward-key (--eval-reward-key for eval samples) names the entry that is the reward.
+rm_type "remote_rm" (or no rm_type with --rm-url set) asks the reward server; the built-in rm_types (and their
+`boxed_` prefix) are rule_rewards'. A custom function, a server or rm_type dapo may answer a dict: --reward-key
+(--eval-reward-key for eval samples) names the entry that is the reward.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import math
-import re
-import string
-from collections import Counter
-from collections.abc import Callable, Sequence
+import random
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 
-from slimeflow.stages.rl.answers import MathJudge, after_thinking, last_boxed
+from slimeflow.stages.rl.answers import MathJudge
 from slimeflow.stages.rl.config import RewardConfig
 from slimeflow.stages.rl.plugins import load_plugin
+from slimeflow.stages.rl.rule_rewards import builtin_reward
 from slimeflow.stages.rl.types import Sample
 
 EVAL_SET = "eval_set"
 """metadata key naming an eval sample's set (evaluation sets it): such a sample's reward is --eval-reward-key's."""
-
-BuiltinReward = Callable[[str, str | None, dict[str, Any], MathJudge], float]
-"""(response, label, metadata, judge) -> reward."""
-
-
-def _need_label(label: Any, rm_type: str) -> str:
-    """The label as text (a number from a JSON-label set as its JSON text); a structured label is refused."""
-    if label is None:
-        raise ValueError(f"rm_type {rm_type!r} compares against a label, and this sample has none (set --label-key)")
-    if isinstance(label, int | float) and not isinstance(label, bool):
-        return json.dumps(label)
-    if not isinstance(label, str):
-        raise ValueError(f"rm_type {rm_type!r} compares against a text label, and this sample's label is a "
-                         f"{type(label).__name__}; score structured labels with --custom-rm-path")
-    return label
-
-
-def math_reward(response: str, label: str | None, metadata: dict[str, Any], judge: MathJudge) -> float:
-    """1.0 when the last \\boxed{} answer equals the label (math-verify), else 0.0 (also when nothing is boxed)."""
-    gold = _need_label(label, "math")
-    answer = last_boxed(response)
-    return float(answer is not None and judge.equal(answer, last_boxed(gold) or gold))
-
-
-def deepscaler_reward(response: str, label: str | None, metadata: dict[str, Any], judge: MathJudge) -> float:
-    """DeepScaleR: 0.0 unless the response closes its reasoning (</think>); then the math reward of the rest."""
-    solution = after_thinking(response)
-    return 0.0 if solution is None else math_reward(solution, label, metadata, judge)
-
-
-_DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
-
-
-def dapo_reward(response: str, label: str | None, metadata: dict[str, Any], judge: MathJudge) -> float:
-    """DAPO: the last `Answer: ...` in the final 300 characters; 1.0 when it equals the label, else -1.0."""
-    gold = _need_label(label, "dapo")
-    found = _DAPO_ANSWER.findall(response[-300:])
-    if not found:
-        return -1.0
-    answer = found[-1].strip().rstrip(".")
-    return 1.0 if judge.equal(last_boxed(answer) or answer, gold) else -1.0
-
-
-_PUNCTUATION = frozenset(string.punctuation)
-
-
-def _f1_tokens(text: str) -> list[str]:
-    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
-    return re.sub(r"\b(a|an|the)\b", " ", text).split()
-
-
-def f1_reward(response: str, label: str | None, metadata: dict[str, Any], judge: MathJudge) -> float:
-    """SQuAD token F1 between the answer (boxed, else the text after the reasoning, else all) and the label."""
-    gold = _f1_tokens(_need_label(label, "f1"))
-    answer = last_boxed(response) or after_thinking(response) or response
-    pred = _f1_tokens(answer)
-    common = sum((Counter(pred) & Counter(gold)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(pred), common / len(gold)
-    return 2 * precision * recall / (precision + recall)
-
-
-_CHOICE_PATTERNS = (
-    r"\\boxed\{\s*\(?([A-Z])\)?\s*\}",
-    r"(?i:answer)\s*(?:is|:)?\s*:?\s*\(?([A-Z])\)?(?![A-Za-z])",
-    r"\(([A-Z])\)",
-)
-
-
-def choice_letter(text: str, letters: str) -> str | None:
-    """The multiple-choice letter a response commits to (boxed, `answer is (B)`, `Answer: B`, `(B)`), else None."""
-    for pattern in _CHOICE_PATTERNS:
-        found = [m for m in re.findall(pattern, text) if m in letters]
-        if found:
-            return found[-1]
-    return None
-
-
-def gpqa_reward(response: str, label: str | None, metadata: dict[str, Any], judge: MathJudge) -> float:
-    """GPQA-style multiple choice: 1.0 when the chosen letter is the label's.
-
-    The label is a letter (`B` or `(B)`), or the text of the right option when metadata["choices"] lists them.
-    """
-    gold = _need_label(label, "gpqa").strip()
-    choices = metadata.get("choices") or []
-    letters = string.ascii_uppercase[:max(len(choices), 4)]
-    if gold in choices:
-        gold = letters[choices.index(gold)]
-    gold = gold.strip("()")
-    if gold not in letters:
-        raise ValueError(f"gpqa label {label!r} is neither a choice letter ({letters}) nor one of metadata['choices']")
-    return float(choice_letter(after_thinking(response) or response, letters) == gold)
-
-
-def prefix_match_reward(response: str, label: str | None, metadata: dict[str, Any], judge: MathJudge) -> float:
-    """1.0 when the response, leading whitespace removed, starts with the label (short exact answers), else 0.0."""
-    gold = _need_label(label, "prefix_match").strip()
-    if not gold:
-        raise ValueError("rm_type 'prefix_match' needs a non-empty label")
-    return float(response.lstrip().startswith(gold))
-
-
-BUILTIN_REWARDS: dict[str, BuiltinReward] = {
-    "math": math_reward,
-    "deepscaler": deepscaler_reward,
-    "dapo": dapo_reward,
-    "f1": f1_reward,
-    "gpqa": gpqa_reward,
-    "prefix_match": prefix_match_reward,
-}
-
-
-def builtin_reward(rm_type: str, response: str, label: str | None, metadata: dict[str, Any],
-                   judge: MathJudge) -> float:
-    """The reward of built-in `rm_type` (with an optional `boxed_` prefix)."""
-    if rm_type.startswith("boxed_"):
-        # Only the last boxed answer is scored; it stays boxed so that boxed-answer rm_types still find it.
-        boxed = last_boxed(response)
-        response, rm_type = ("" if boxed is None else f"\\boxed{{{boxed}}}"), rm_type[len("boxed_"):]
-    if rm_type not in BUILTIN_REWARDS:
-        raise ValueError(f"unknown rm_type {rm_type!r}; built-ins are {', '.join(BUILTIN_REWARDS)} "
-                         "(optionally with a boxed_ prefix), or remote_rm with --rm-url")
-    return BUILTIN_REWARDS[rm_type](response, label, metadata, judge)
 
 
 class RemoteRewardError(RuntimeError):
@@ -207,11 +81,13 @@ def reward_value(value: Any, reward_key: str | None) -> float:
 class RewardScorer:
     """Scores samples in place: sets `reward`, or marks the sample failed with the reason when scoring raised.
 
-    A judge passed in stays the caller's to close; one made here is closed by `close()`.
+    A judge passed in stays the caller's to close; one made here is closed by `close()`. `seed` seeds rm_type
+    random (callers pass --rollout-seed, which seeds slime's rollout-process generator).
     """
 
-    def __init__(self, config: RewardConfig, judge: MathJudge | None = None, remote: RemoteReward | None = None):
-        self.config = config
+    def __init__(self, config: RewardConfig, judge: MathJudge | None = None, remote: RemoteReward | None = None,
+                 seed: int = 0):
+        self.config, self.seed = config, seed
         self._owns_judge = judge is None
         self.judge = judge or MathJudge()
         self.custom = load_plugin(config.custom_rm_path, "custom-rm-path") if config.custom_rm_path else None
@@ -220,12 +96,15 @@ class RewardScorer:
         self.remote = remote or (RemoteReward(config.rm_url) if config.rm_url else None)
 
     def close(self) -> None:
-        """Stop the math-verify worker process of a judge this scorer made."""
+        """Stop the grading worker process of a judge this scorer made."""
         if self._owns_judge:
             self.judge.close()
 
     async def score_group(self, group: Sequence[Sample]) -> None:
-        """Reward every sample of one group (a group function with --group-rm, else sample by sample)."""
+        """Reward every sample of one group (a group function with --group-rm, else sample by sample). Without
+        --group-rm a reward the generate function already set is kept (as slime), read with --reward-key."""
+        if not self.config.group_rm:
+            group = [s for s in group if not self._keep_preset(s)]
         if not self.config.group_rm and self.custom is None and self.remote is None:
             for sample in group:  # built-ins are plain functions: no task per sample (~4 us each)
                 self._score_builtin(sample)
@@ -245,6 +124,16 @@ class RewardScorer:
         for sample, value in zip(group, values, strict=True):
             sample.reward = value
 
+    def _keep_preset(self, sample: Sample) -> bool:
+        """Whether `sample` already has its reward (set by a generate function); a dict one is read by key."""
+        if sample.reward is None:
+            return False
+        try:
+            sample.reward = reward_value(sample.reward, self.reward_key(sample))
+        except ValueError as exc:
+            sample.mark_failed(f"the reward the generate function set: {exc}")
+        return True
+
     async def score(self, sample: Sample) -> None:
         """Reward one sample."""
         if self.custom is None and self.remote is None:
@@ -258,7 +147,7 @@ class RewardScorer:
             elif source == "remote_rm":
                 value = await self.remote(sample, self.reward_key(sample))
             else:
-                value = builtin_reward(source, sample.response, sample.label, sample.metadata, self.judge)
+                value = self._builtin(source, sample)
             sample.reward = reward_value(value, self.reward_key(sample))
         except Exception as exc:
             sample.mark_failed(f"{source} raised {type(exc).__name__}: {exc}")
@@ -268,10 +157,17 @@ class RewardScorer:
         source = "reward"
         try:
             source = self._source(sample)
-            sample.reward = _finite(builtin_reward(source, sample.response, sample.label, sample.metadata,
-                                                   self.judge))
+            sample.reward = reward_value(self._builtin(source, sample), self.reward_key(sample))
         except Exception as exc:
             sample.mark_failed(f"{source} raised {type(exc).__name__}: {exc}")
+
+    def _builtin(self, rm_type: str, sample: Sample) -> Any:
+        return builtin_reward(rm_type, sample.response, sample.label, sample.metadata, self.judge, self._rng(sample))
+
+    def _rng(self, sample: Sample) -> random.Random:
+        """rm_type random's generator for `sample`: seeded by (seed, sample), so a rerun draws the same rewards
+        whatever order the samples are scored in (slime draws from its rollout process's global generator)."""
+        return random.Random(f"{self.seed}:{sample.metadata.get(EVAL_SET, '')}:{sample.group_index}:{sample.index}")
 
     def reward_key(self, sample: Sample) -> str | None:
         """--reward-key, or for an eval sample --eval-reward-key (default --reward-key), as slime."""
@@ -297,6 +193,7 @@ async def _maybe_await(value: Any) -> Any:
 
 
 def _finite(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    # A bool is a number, as in slime (dapo's 'acc' as --eval-reward-key): True is 1.0.
+    if not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"the reward must be a finite number, got {value!r}")
     return float(value)

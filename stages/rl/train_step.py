@@ -51,7 +51,7 @@ def train_on_rollout(backend: TorchBackend, batch: TrainBatch, config: TrainConf
 
     Runs len(batch) / global_batch_size optimizer steps. Returns metrics averaged over the steps, each the
     global batch's value (summed over micro-batches and ranks): pg_loss, pg_clipfrac, ppo_kl, entropy, kl_loss
-    (--use-kl-loss), tis and tis_clipfrac (--use-tis), grad_norm, lr (of each step), and train_tokens_per_s
+    (--use-kl-loss), tis, tis_clipfrac, tis_abs and ois (--use-tis, --get-mismatch-metrics), grad_norm, lr (of each step), and train_tokens_per_s
     (prompt + response tokens of the rollout over the wall time of the steps, all ranks together).
     """
     plan = plan_steps(batch, config.batch.global_batch_size, rank, world_size, config.batch.balance_data)
@@ -73,7 +73,13 @@ def prepare(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, own: 
     """Old (and reference) log-probs of this rank's samples, gathered from all ranks, then the advantages of the
     whole rollout (--advantage-estimator, or the custom function the backend loaded)."""
     mine = batch.select(own)
-    if single_step and _advantages_need_no_log_probs(config, backend):
+    algo = config.algorithm
+    if algo.use_rollout_logprobs and batch.rollout_log_probs is None:
+        raise ValueError("--use-rollout-logprobs needs the rollout engine's log-probs of every sample; this rollout "
+                         "has none (a custom generate function must set rollout_log_probs)")
+    if algo.use_rollout_logprobs and not algo.get_mismatch_metrics:
+        old = None  # the engine's log-probs are the old policy's (as slime, no recompute); TIS metrics are off
+    elif single_step and _advantages_need_no_log_probs(config, backend):
         # On-policy with one optimizer step: the old log-probs are the training forward's own values (detached),
         # so the extra forward pass over the rollout is skipped.
         old = None
@@ -82,8 +88,9 @@ def prepare(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, own: 
     ref = None
     if backend.needs_reference:
         ref = _gather(own, backend.compute_log_probs(mine, reference=True).log_probs, len(batch), world_size)
-    inputs = AdvantageInputs(rewards=batch.rewards, loss_masks=batch.loss_masks, log_probs=old, ref_log_probs=ref)
-    advantages = compute_advantages(config.algorithm, inputs, config.batch.n_samples_per_prompt,
+    policy = batch.rollout_log_probs if algo.use_rollout_logprobs else old
+    inputs = AdvantageInputs(rewards=batch.rewards, loss_masks=batch.loss_masks, log_probs=policy, ref_log_probs=ref)
+    advantages = compute_advantages(algo, inputs, config.batch.n_samples_per_prompt,
                                     backend.custom_advantage)
     return Prepared(old_log_probs=old, advantages=advantages.advantages, ref_log_probs=ref)
 
@@ -131,7 +138,7 @@ def accumulate_gradients(backend: TorchBackend, batch: TrainBatch, indices: list
                             advantages=pick(prepared.advantages), loss_masks=pick(batch.loss_masks),
                             ref_log_probs=pick(prepared.ref_log_probs) if algo.use_kl_loss else None,
                             rollout_log_probs=pick(batch.rollout_log_probs),
-                            entropy=entropy)
+                            entropy=entropy, total_lengths=[lengths[i] for i in rows])
         result = compute_loss(algo, inputs, normalizer, backend.custom_loss)
         result.loss.backward()
         for key, value in result.metrics.items():
