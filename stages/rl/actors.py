@@ -25,6 +25,7 @@ from slimeflow.stages.rl.plugins import load_plugin
 from slimeflow.stages.rl.remote import ActorFailure
 
 if TYPE_CHECKING:
+    from slimeflow.stages.rl.placement_group import EnginePlacement
     from slimeflow.stages.rl.rollout import RolloutContext
     from slimeflow.stages.rl.types import PackedBatch
 
@@ -44,6 +45,8 @@ class RolloutSetup:
     engine_threads: int | None = None
     concurrency: int = 512
     """Samples in flight at once (slime's --sglang-server-concurrency default)."""
+    engines_on: EnginePlacement | None = None
+    """On a GPU cluster: the placement-group bundles the engines run on, as Ray actors (else started here)."""
 
 
 class RolloutManager:
@@ -56,7 +59,9 @@ class RolloutManager:
         self.setup = setup
         # The engines import and load (seconds) while this actor sets up the rest, transformers' import included.
         launching = EngineSet.launch(setup.hf_checkpoint, config.sglang.args, setup.num_engines, setup.engine_threads,
-                                     in_process=config.placement.engine_in_process)
+                                     in_process=config.placement.engine_in_process, placed=setup.engines_on,
+                                     router_args=config.sglang.router,
+                                     external_addrs=config.placement.rollout_external_engine_addrs)
         try:
             from transformers import AutoTokenizer
 
