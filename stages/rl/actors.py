@@ -125,6 +125,13 @@ class RolloutManager:
         """Where the trainer pushes its weights (every engine; see TrainActor.connect_engines)."""
         return self.engines.weight_targets()
 
+    def engine_locations(self) -> dict[str, Any]:
+        """Where the engines started as Ray actors run ("engines": EngineActor.where each: node, GPU ids, command;
+        none when they were started in this process or elsewhere) and the command of the router started here."""
+        actors = [p.actor for p in self.engines.processes if hasattr(p, "actor")]
+        routers = [p.command for p in self.engines.processes if getattr(p, "kind", "") == "router"]
+        return {"engines": ray.get([a.where.remote() for a in actors]), "router": routers[0] if routers else None}
+
     def state_dict(self) -> dict[str, Any]:
         """The data position and the buffer (saved with every checkpoint)."""
         return self.data.state_dict()

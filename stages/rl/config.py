@@ -414,9 +414,9 @@ class SglangConfig(ConfigModel):
                     for key in sorted(self.server_args()) if key in SET_BY_SLIMEFLOW]
         if not launches_sglang:
             problems += [f"--sglang-{key.replace('_', '-')}: an SGLang server argument, but no SGLang server is "
-                         "launched here (SGLang is not installed, so the engines are the embedded engine, which "
-                         "takes none); install SGLang on a GPU cluster, or start your SGLang servers with it and "
-                         "pass --rollout-external-engine-addrs"
+                         "launched here (the engines are servers started elsewhere, or the embedded engine, which "
+                         "takes none, where SGLang is not installed); install SGLang on a GPU cluster, or start "
+                         "your SGLang servers with it and pass --rollout-external-engine-addrs"
                          for key in sorted(self.server_args()) if key not in SET_BY_SLIMEFLOW]
         return problems
 

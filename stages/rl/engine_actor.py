@@ -120,18 +120,19 @@ class PlacedEngine:
 def start_engine_actors(specs: list[EngineSpec], bundles: list[int], placement_group: Any) -> list[PlacedEngine]:
     """One EngineActor per spec on its bundle of `placement_group`; their servers start at once (wait_ready on
     each handle waits for them)."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     from slimeflow.stages.rl.remote import hosted
 
     remote = ray.remote(hosted(EngineActor))
-    engines = []
-    for spec, bundle in zip(specs, bundles, strict=True):
-        strategy = PlacementGroupSchedulingStrategy(placement_group=placement_group,
-                                                    placement_group_bundle_index=bundle,
-                                                    placement_group_capture_child_tasks=True)
-        actor = remote.options(num_cpus=0, num_gpus=ENGINE_GPU_SHARE, scheduling_strategy=strategy,
-                               runtime_env={"env_vars": ENGINE_ACTOR_ENV}).remote(spec)
-        engines.append(PlacedEngine(actor, spec.rank))
-    return engines
+    return [PlacedEngine(remote.options(**engine_actor_options(placement_group, bundle)).remote(spec), spec.rank)
+            for spec, bundle in zip(specs, bundles, strict=True)]
+
+
+def engine_actor_options(placement_group: Any, bundle: int) -> dict[str, Any]:
+    """Ray options that pin an engine actor to `bundle` (its server's child processes stay in the group)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    strategy = PlacementGroupSchedulingStrategy(placement_group=placement_group, placement_group_bundle_index=bundle,
+                                                placement_group_capture_child_tasks=True)
+    return {"num_cpus": 0, "num_gpus": ENGINE_GPU_SHARE, "scheduling_strategy": strategy,
+            "runtime_env": {"env_vars": ENGINE_ACTOR_ENV}}
 

@@ -18,8 +18,8 @@ TRAINER_GPU_SHARE = 0.4
 
 
 @ray.remote(num_cpus=0, num_gpus=1)
-def _bundle_location() -> tuple[str, int]:
-    return ray.util.get_node_ip_address(), int(ray.get_gpu_ids()[0])
+def _bundle_location() -> tuple[str, int, str]:
+    return ray.util.get_node_ip_address(), int(ray.get_gpu_ids()[0]), ray.get_runtime_context().get_node_id()
 
 
 @dataclass
@@ -93,7 +93,7 @@ def create_placement_group(plan: PlacementPlan, timeout_s: float = PLACEMENT_GRO
                                "--actor-num-gpus-per-node / --rollout-num-gpus, or add nodes")
         found = ray.get([_bundle_location.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=group, placement_group_bundle_index=index)).remote() for index in range(plan.num_bundles)])
-        slots = bind_slots([BundleLocation(index, node, gpu) for index, (node, gpu) in enumerate(found)])
+        slots = bind_slots([BundleLocation(index, ip, gpu, node) for index, (ip, gpu, node) in enumerate(found)])
         problems = engine_problems(plan, slots)
         if problems:
             raise RuntimeError("the placement group cannot hold the engines: " + "; ".join(problems))

@@ -69,17 +69,20 @@ def plan_placement(placement: PlacementConfig, *, debug_rollout_only: bool = Fal
 
 @dataclass(frozen=True)
 class BundleLocation:
-    """Where Ray put one bundle: its index in the placement group, its node's IP and the GPU id it holds there."""
+    """Where Ray put one bundle: its index in the placement group, its node (IP and Ray node id: raylets on one
+    host share an IP) and the GPU id it holds there."""
 
     bundle_index: int
     node_ip: str
     gpu_id: int
+    node_id: str = ""
 
 
 def bind_slots(locations: Sequence[BundleLocation]) -> list[BundleLocation]:
     """The bundles in slot order: by node IP (numerically; a host name is resolved, else compared by its
-    characters), then GPU id, as slime's sort_key, so that consecutive slots are consecutive GPUs of one node."""
-    return sorted(locations, key=lambda loc: (_node_key(loc.node_ip), loc.gpu_id))
+    characters), then GPU id, as slime's sort_key, so that consecutive slots are consecutive GPUs of one node (the
+    node id separates raylets that share an IP)."""
+    return sorted(locations, key=lambda loc: (_node_key(loc.node_ip), loc.node_id, loc.gpu_id))
 
 
 def _node_key(node: str) -> tuple[int, ...]:
@@ -104,10 +107,10 @@ def engine_problems(plan: PlacementPlan, slots: Sequence[BundleLocation]) -> lis
     problems = []
     for engine in plan.engines:
         placed = [slots[s] for s in engine.slots]
-        nodes = {loc.node_ip for loc in placed}
+        nodes = {(loc.node_ip, loc.node_id) for loc in placed}
         gpus = [loc.gpu_id for loc in placed]
         if len(nodes) > 1 or gpus != list(range(gpus[0], gpus[0] + len(gpus))):
-            problems.append(f"engine {engine.rank} got GPUs {gpus} on nodes {sorted(nodes)}; an engine needs "
+            problems.append(f"engine {engine.rank} got GPUs {gpus} on {len(nodes)} node(s); an engine needs "
                             f"{engine.num_gpus} consecutive GPUs of one node: make --rollout-num-gpus-per-engine "
                             "divide the GPUs each node gives the rollout")
     return problems
