@@ -71,7 +71,8 @@ class EngineActor:
 
     def where(self) -> dict[str, Any]:
         """Where this engine runs: node address, the GPU ids Ray gave the actor, its command and process id."""
-        return {"node_ip": self.host, "gpu_ids": [int(g) for g in ray.get_gpu_ids()], "rank": self.spec.rank,
+        return {"node_ip": self.host, "node_id": ray.get_runtime_context().get_node_id(),
+                "gpu_ids": [int(g) for g in ray.get_gpu_ids()], "rank": self.spec.rank,
                 "base_gpu_id": self.spec.base_gpu_id, "command": self.process.command,
                 "pid": self.process.process.pid, "url": self.process.url}
 
