@@ -125,6 +125,23 @@ def test_more_gpus_than_the_cluster_has_is_a_clear_error(cluster):
     assert all_gpus_free()  # the group was removed
 
 
+def test_an_engine_that_dies_at_start_reaches_the_caller_with_its_log(cluster, tmp_path):
+    from slimeflow.stages.rl.actors import LoopError
+    from slimeflow.stages.rl.engine_actor import EngineSpec, start_engine_actors
+
+    group = placed("--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1")
+    try:
+        [engine] = start_engine_actors([EngineSpec("embedded", str(tmp_path / "no-model"), 0, 1, 0, 0)],
+                                       [group.slots[1].bundle_index], group.group)
+        with pytest.raises(LoopError, match=r"starting rollout engine 0 failed: RuntimeError: engine exited with code "
+                                            r"\d+ before answering (.|\n)*log tail") as err:
+            engine.wait_ready("/health", 120)
+        assert "no-model" in str(err.value)  # the server's own complaint, from its log
+        engine.stop()
+    finally:
+        group.remove()
+
+
 def test_a_rollout_through_engine_actors_pinned_to_their_bundles(cluster, tmp_path):
     """The train stage's placement on logical GPUs: one TrainActor on slot 0, two embedded engines started by
     EngineActors on slots 1 and 2, sglang-router in front with a --router-* flag; weights pushed, a rollout

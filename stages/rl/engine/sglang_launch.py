@@ -42,7 +42,8 @@ SET_BY_SLIMEFLOW: dict[str, str] = {
     "skip_server_warmup": f"{_FROM}: always on, as slime",
     "enable_memory_saver": "set by --offload-rollout in slime, which is not supported yet",
     "enable_return_routed_experts": "rollout routing replay is not supported yet",
-    "config": "slime does not take it; give the server arguments as --sglang-* flags",
+    "config": "slime's --sglang-config (server groups from a YAML file) is not supported yet; give the server "
+              "arguments as --sglang-* flags",
 }
 """SGLang server arguments that are refused as --sglang-X flags, with the reason (slime does not define them)."""
 
