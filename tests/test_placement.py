@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from slimeflow.config.pipeline import load_stage_config
-from slimeflow.stages.rl.engine.sglang_launch import router_options, sglang_server_command, to_flags
+from slimeflow.stages.rl.engine.sglang_launch import (
+    router_options,
+    server_arg_problems,
+    sglang_server_command,
+    to_flags,
+)
 from slimeflow.stages.rl.placement_plan import (
     BundleLocation,
     EngineSlots,
@@ -18,6 +23,8 @@ from slimeflow.stages.rl.placement_plan import (
 )
 
 BASE = ["--rollout-batch-size", "8", "--num-rollout", "1"]
+SGLANG_ARGS = {"mem_fraction_static", "max_running_requests", "tp_size", "port"}
+"""Some of an SGLang server's argument names, as installed_server_args() reads them where SGLang is installed."""
 
 
 def config(*flags: str):
@@ -135,7 +142,7 @@ def test_the_router_takes_every_option_we_pass_it():
 def test_flags_no_server_would_get_are_refused_by_name():
     c = config("--rollout-num-gpus", "2", "--sglang-mem-fraction-static", "0.7", "--sglang-tp-size", "2",
                "--router-policy", "random", "--router-polcy", "random", "--router-api-key", "k")
-    embedded = flag_problems(c, sglang_available=False)
+    embedded = flag_problems(c, sglang_server_args=None)
     assert embedded == [
         "--sglang-tp-size: not taken (set by slimeflow from --rollout-num-gpus-per-engine (divided by "
         "--sglang-pp-size)); remove it",
@@ -146,8 +153,8 @@ def test_flags_no_server_would_get_are_refused_by_name():
         "--router-api-key: not supported (the router takes the engines' key: the run's own, or --sglang-api-key for "
         "external servers); remove it",
         "--router-polcy: sglang-router has no --polcy option; did you mean --router-policy?"]
-    assert flag_problems(c, sglang_available=True) == [embedded[0], *embedded[2:]]  # passed to SGLang when there
-    one_engine = flag_problems(config("--router-policy", "random"), sglang_available=True)
+    assert flag_problems(c, SGLANG_ARGS) == [embedded[0], *embedded[2:]]  # passed to SGLang when there
+    one_engine = flag_problems(config("--router-policy", "random"), sglang_server_args=SGLANG_ARGS)
     assert one_engine == ["--router-policy: no sglang-router of slimeflow's would get it (with one engine no router "
                           "is started); remove it"]
 
@@ -156,18 +163,18 @@ def test_external_engines_and_their_router():
     c = config("--rollout-external-engine-addrs", "10.0.0.1:30000", "http://10.0.0.2:30000",
                "--sglang-mem-fraction-static", "0.7", "--router-policy", "random")
     assert c.placement.rollout_external_engine_addrs == ["10.0.0.1:30000", "http://10.0.0.2:30000"]
-    problems = flag_problems(c, sglang_available=True)
+    problems = flag_problems(c, SGLANG_ARGS)
     assert problems[0].startswith("--sglang-mem-fraction-static: an SGLang server argument, but no SGLang server is "
                                   "launched here")
     assert problems[1].startswith("external SGLang servers need --sglang-weights-dir DIR") and len(problems) == 2
     both = config("--rollout-external-engine-addrs", "a:1", "--sglang-worker-urls", "http://a:1",
                   "--sglang-weights-dir", "/w")
-    assert flag_problems(both, False)[0].startswith("--rollout-external-engine-addrs and --sglang-worker-urls both")
+    assert flag_problems(both, None)[0].startswith("--rollout-external-engine-addrs and --sglang-worker-urls both")
     theirs = config("--rollout-external-engine-addrs", "a:1", "b:2", "--sglang-weights-dir", "/w",
                     "--sglang-router-ip", "r", "--sglang-router-port", "1", "--router-policy", "random")
-    assert flag_problems(theirs, False) == ["--router-policy: no sglang-router of slimeflow's would get it (the "
+    assert flag_problems(theirs, None) == ["--router-policy: no sglang-router of slimeflow's would get it (the "
                                             "router is yours (--sglang-router-ip)); remove it"]
-    launched = flag_problems(config("--sglang-router-ip", "r", "--sglang-router-port", "1"), False)
+    launched = flag_problems(config("--sglang-router-ip", "r", "--sglang-router-port", "1"), None)
     assert launched[0].startswith("--sglang-router-ip/--sglang-router-port name a router of yours, but the engines "
                                   "are launched here")
 
@@ -181,3 +188,10 @@ def test_external_engines_and_their_router():
     with pytest.raises(ValueError, match="external engine address 'nohost': write it as host:port"):
         EngineSet.launch("hf", ok.sglang.args, 1, external_addrs=["nohost"])
 
+
+
+def test_sglang_flags_are_checked_against_the_installed_servers_arguments():
+    assert server_arg_problems({"mem_fraction_static": "0.7", "max_running_request": "8", "tp_size": "2"},
+                               SGLANG_ARGS) == [
+        "--sglang-max-running-request: the installed SGLang's server has no --max-running-request argument; did you "
+        "mean --sglang-max-running-requests?"]  # tp_size is refused on its own (set by slimeflow)

@@ -84,6 +84,8 @@ def create_placement_group(plan: PlacementPlan, timeout_s: float = PLACEMENT_GRO
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    # GPU only: slime's bundles hold a CPU each too, which a node with fewer cores than GPUs (or a CPU machine's
+    # logical GPUs) cannot give; our actors ask for no CPU.
     group = placement_group([{"GPU": 1} for _ in range(plan.num_bundles)], strategy="PACK")
     try:
         if not ray.wait([group.ready()], timeout=timeout_s)[0]:

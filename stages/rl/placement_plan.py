@@ -116,15 +116,18 @@ def engine_problems(plan: PlacementPlan, slots: Sequence[BundleLocation]) -> lis
     return problems
 
 
-def flag_problems(config: TrainConfig, sglang_available: bool) -> list[str]:
+def flag_problems(config: TrainConfig, sglang_server_args: set[str] | None) -> list[str]:
     """What the placement, engine and router flags ask for that this run cannot do, one line each (checked when
-    the train stage starts, before Ray): `sglang_available` says whether the engines launched here are SGLang
-    servers (else the embedded engine)."""
-    from slimeflow.stages.rl.engine.sglang_launch import router_flag_problems
+    the train stage starts, before Ray). `sglang_server_args`: the installed SGLang server's argument names
+    (sglang_launch.installed_server_args); None where SGLang is not installed and the engines are embedded."""
+    from slimeflow.stages.rl.engine.sglang_launch import router_flag_problems, server_arg_problems
 
     placement, sglang = config.placement, config.sglang
     external = placement.rollout_external_engine_addrs or sglang.args.get("worker_urls")
-    problems = sglang.unread(launches_sglang=sglang_available and not external)
+    launches_sglang = sglang_server_args is not None and not external and not config.debug.debug_train_only
+    problems = sglang.unread(launches_sglang)
+    if launches_sglang:
+        problems += server_arg_problems(sglang.server_args(), sglang_server_args)
     if placement.rollout_external_engine_addrs and sglang.args.get("worker_urls"):
         problems.append("--rollout-external-engine-addrs and --sglang-worker-urls both name external servers; give "
                         "one (slime spells it --rollout-external-engine-addrs)")

@@ -24,7 +24,7 @@ from slimeflow.stages.rl import loop
 from slimeflow.stages.rl.actors import RolloutSetup
 from slimeflow.stages.rl.backend.ownership import claim_root
 from slimeflow.stages.rl.config import TrainConfig
-from slimeflow.stages.rl.engine_actor import sglang_installed
+from slimeflow.stages.rl.engine.sglang_launch import installed_server_args
 from slimeflow.stages.rl.model_args import check_model_args
 from slimeflow.stages.rl.placement import create_placement, init_ray, scratch_dir
 from slimeflow.stages.rl.placement_plan import flag_problems
@@ -73,7 +73,8 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
     elif config.data.prompt_data is None:
         problems.append("--prompt-data is not set (a raw dataset, or the preprocess stage's train parquet)")
     problems += data_problems(config, ctx)
-    problems += flag_problems(config, sglang_installed())
+    # SGLang's server arguments are read only when some are given: importing SGLang takes seconds (and torch)
+    problems += flag_problems(config, installed_server_args() if config.sglang.server_args() else None)
     if config.algorithm.advantage_estimator == "ppo":  # the library computes GAE from values no run produces yet
         problems.append("--advantage-estimator ppo needs a critic's values (slime's --use-critic), which this version "
                         "does not train; use grpo, gspo, cispo, reinforce_plus_plus or reinforce_plus_plus_baseline")

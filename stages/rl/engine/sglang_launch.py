@@ -132,3 +132,30 @@ def router_flag_problems(router_args: Mapping[str, Any]) -> list[str]:
             hint = f"; did you mean {' or '.join('--router-' + c.replace('_', '-') for c in close)}?" if close else ""
             problems.append(f"{flag}: sglang-router has no --{name.replace('_', '-')} option{hint}")
     return problems
+
+
+def installed_server_args() -> set[str] | None:
+    """The argument names of the installed SGLang's server (its ServerArgs fields); None where SGLang is not
+    installed (the engines are then the embedded engine)."""
+    import dataclasses
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        return None
+    from sglang.srt.server_args import ServerArgs
+
+    return {f.name for f in dataclasses.fields(ServerArgs)}
+
+
+def server_arg_problems(server_args: Mapping[str, Any], known: set[str]) -> list[str]:
+    """Each --sglang-X flag that is not an argument of the SGLang server (`known`: installed_server_args()), with the
+    closest ones (slime drops such flags with a warning)."""
+    import difflib
+
+    problems = []
+    for name in sorted(set(server_args) - known - set(SET_BY_SLIMEFLOW)):
+        close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.75)
+        hint = f"; did you mean {' or '.join('--sglang-' + c.replace('_', '-') for c in close)}?" if close else ""
+        problems.append(f"--sglang-{name.replace('_', '-')}: the installed SGLang's server has no "
+                        f"--{name.replace('_', '-')} argument{hint}")
+    return problems
