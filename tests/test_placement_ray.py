@@ -59,8 +59,8 @@ def landed(group: PlacedGroup) -> tuple[list[tuple[str, list[int]]], list[tuple[
     engines = []
     for bundle in placement.bundles:
         options = engine_actor_options(placement.placement_group, bundle)
-        assert options["runtime_env"]["env_vars"] == ENGINE_ACTOR_ENV  # SGLang sees all GPUs, picks by base id
-        engines.append(where.options(**options).remote())
+        assert options.pop("runtime_env")["env_vars"] == ENGINE_ACTOR_ENV  # SGLang sees all GPUs, picks by base id
+        engines.append(where.options(**options).remote())  # (without the env: Ray's idle workers serve it)
     return ray.get(trainers), ray.get(engines)
 
 
