@@ -278,6 +278,40 @@ def test_router_spreads_requests_over_both_engines(engine, engine_b):
     assert sum(served) == 8 and min(served) >= 1, served
 
 
+def test_several_external_servers_get_a_router_of_ours_with_the_router_flags(engine, engine_b, model_dir, weights_dir):
+    """--rollout-external-engine-addrs host:port ...: as slime, sglang-router in front of them, started with the
+    --router-* flags over slime's defaults; it is stopped with the engine set."""
+    from slimeflow.stages.rl.engines import EngineSet
+
+    def received() -> list[int]:
+        return [httpx.get(e.url + "/get_model_info", headers=AUTH).json()["requests_received"]
+                for e in (engine, engine_b)]
+
+    before = received()
+    engines = EngineSet.launch(str(model_dir), {"weights_dir": str(weights_dir), "api_key": KEY}, 1,
+                               external_addrs=[engine.url.removeprefix("http://"), engine_b.url],
+                               router_args={"queue_size": "50"}).ready()
+    try:
+        [router] = engines.processes
+        assert engines.routed and engines.rollout_url == router.url and engines.worker_urls == [engine.url, engine_b.url]
+        assert router.command[router.command.index("--queue-size") + 1] == "50"
+        assert "--disable-circuit-breaker" in router.command and "14400" in router.command  # slime's defaults
+
+        async def rollouts():
+            client = engines.client()
+            try:
+                return await asyncio.gather(*(client.generate(PROMPTS[i % 3], {"max_new_tokens": 2}) for i in range(6)))
+            finally:
+                await engines.aclose()
+
+        assert all(r["meta_info"]["completion_tokens"] >= 1 for r in run(rollouts()))
+    finally:
+        engines.stop()
+    assert router.process.poll() is not None
+    served = [a - b for a, b in zip(received(), before, strict=True)]
+    assert sum(served) == 6 and min(served) >= 1, served
+
+
 def test_unreachable_engine_fails_fast_naming_the_url():
     url = f"http://127.0.0.1:{free_port()}"
     client = EngineClient(url, timeout_s=5, retries=2, backoff_s=0.05)

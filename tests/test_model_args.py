@@ -136,10 +136,11 @@ def test_flags_that_nothing_reads_are_refused_not_accepted():
         with pytest.raises(ConfigError, match=reason):
             train_config(*flags)
     config = train_config("--sglang-mem-fraction-static", "0.7", "--sglang-worker-urls", "http://a:1", "http://b:2")
-    assert config.sglang.unread() == [
-        "--sglang-mem-fraction-static: SGLang servers are not launched by slimeflow in this version, so no server "
-        "would get it; start your SGLang servers with it and pass their URLs with --sglang-worker-urls (the "
-        "embedded engine takes no SGLang server arguments)"]
+    assert config.sglang.unread(launches_sglang=False) == [
+        "--sglang-mem-fraction-static: an SGLang server argument, but no SGLang server is launched here (the engines "
+        "are servers started elsewhere, or the embedded engine, which takes none, where SGLang is not installed); "
+        "install SGLang on a GPU cluster, or start your SGLang servers with it and pass "
+        "--rollout-external-engine-addrs"]
 
 
 def test_several_worker_urls_on_the_command_line_are_several_servers():

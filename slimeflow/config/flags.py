@@ -2,7 +2,7 @@
 
 Every leaf field of a config tree is a flag: `TrainConfig.batch.rollout_batch_size` is `--rollout-batch-size`.
 Leaf names are unique within a tree, so a slime flag list maps onto it flag for flag. `--sglang-X` flags are
-passed through to SGLang. A flag that the tree does not take is reported by name with the reason
+passed through to SGLang, `--router-X` flags to sglang-router. A flag that the tree does not take is reported by name with the reason
 (slime_flags.explain_unknown), never dropped.
 """
 
@@ -21,6 +21,7 @@ from slimeflow.config.slime_flags import deferred, explain_unknown
 
 Kind = Literal["bool", "list", "pairs", "scalar"]
 SGLANG_PREFIX = "--sglang-"
+ROUTER_PREFIX = "--router-"
 
 
 class ConfigError(ValueError):
@@ -103,6 +104,7 @@ class FlagIndex:
             self.by_flag[leaf.flag] = leaf
         self.by_path = {leaf.path: leaf for leaf in self.by_flag.values()}
         self.passthrough = _passthrough_path(model)
+        self.router_passthrough = ("sglang", "router") if self.passthrough else None
 
     def flag_for(self, loc: Sequence[Any]) -> str | None:
         """The flag of a pydantic error location, or None for a model-level error."""
@@ -129,8 +131,8 @@ def add_flags(parser: argparse.ArgumentParser, index: FlagIndex, dest_prefix: st
     """Add every flag of `index` (but those in `skip`) to `parser`, one argument group per config group."""
     groups: dict[tuple[str, ...], argparse._ArgumentGroup] = {}
     for leaf in index.by_flag.values():
-        if leaf.flag in skip:
-            continue
+        if leaf.flag in skip or leaf.path in (index.passthrough, index.router_passthrough):
+            continue  # the pass-through dicts are filled by --sglang-X / --router-X, not flags of their own
         key = leaf.path[:-1]
         if key not in groups:
             groups[key] = parser.add_argument_group(".".join(key) or index.model.__name__)
@@ -147,7 +149,8 @@ def add_flags(parser: argparse.ArgumentParser, index: FlagIndex, dest_prefix: st
             kwargs["metavar"] = _metavar(leaf)
         groups[key].add_argument(leaf.flag, **kwargs)
     if index.passthrough:
-        parser.add_argument_group("sglang pass-through", "--sglang-X VALUE is passed to SGLang as --X VALUE")
+        parser.add_argument_group("sglang pass-through", "--sglang-X VALUE is passed to the SGLang servers slimeflow "
+                                  "launches as --X VALUE, --router-X VALUE to its sglang-router as --X VALUE")
 
 
 def _metavar(leaf: Leaf) -> str:
@@ -224,9 +227,11 @@ def _extras(extras: list[str], index: FlagIndex, overrides: dict[str, Any]) -> l
         i += 1
         if not token.startswith("--"):
             problems.append(f"{token!r}: a value with no flag before it; flags are spelled --name value")
-        elif token.startswith(SGLANG_PREFIX) and index.passthrough:
-            key = token.removeprefix(SGLANG_PREFIX).replace("-", "_")
-            set_path(overrides, (*index.passthrough, key), " ".join(values) if values else True)
+        elif token.startswith((SGLANG_PREFIX, ROUTER_PREFIX)) and index.passthrough:
+            sglang = token.startswith(SGLANG_PREFIX)
+            key = token.removeprefix(SGLANG_PREFIX if sglang else ROUTER_PREFIX).replace("-", "_")
+            value = (values[0] if len(values) == 1 else values) if values else True  # several values: a list
+            set_path(overrides, (*(index.passthrough if sglang else index.router_passthrough), key), value)
         elif not deferred(token.split("=", 1)[0]):
             problems.append(explain_unknown(token.split("=", 1)[0], known))
     return problems
@@ -277,9 +282,14 @@ def _nest(data, model, prefix, index, out, problems, where) -> None:
         info = model.model_fields.get(key)
         group = _group_model(info.annotation) if info else None
         if index.passthrough and (*prefix, key) == index.passthrough[:-1] and isinstance(value, Mapping):
-            # `sglang: {mem_fraction_static: 0.8}` and `sglang: {args: {...}}` both mean pass-through args.
-            args = value.get("args", value) if set(value) <= {"args"} else value
+            # `sglang: {mem_fraction_static: 0.8}` and `sglang: {args: {...}, router: {...}}` both mean pass-through.
+            nested = set(value) <= {"args", "router"}
+            args = value.get("args", {}) if nested else value
             set_path(out, index.passthrough, {str(k).replace("-", "_"): v for k, v in args.items()})
+            for name, setting in (value.get("router") or {}).items() if nested else ():
+                set_path(out, (*index.router_passthrough, str(name).replace("-", "_")), setting)
+        elif index.router_passthrough and not prefix and key.startswith("router_") and info is None:
+            set_path(out, (*index.router_passthrough, key.removeprefix("router_")), value)  # flat `router-policy: x`
         elif group is not None and isinstance(value, Mapping):
             _nest(value, group, (*prefix, key), index, out, problems, where)
         elif info is not None:

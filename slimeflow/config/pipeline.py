@@ -264,7 +264,7 @@ def _targets(flag: str, tree: Mapping[str, Any], only_stage: str | None) -> list
         return [(stage, "--" + bare)]
     if only_stage is not None:  # a stage subcommand: the stage's own flag wins (preprocess --output)
         own = STAGE_INDEX[only_stage]
-        if flag in own.by_flag or (flag.startswith("--sglang-") and own.passthrough):
+        if flag in own.by_flag or (flag.startswith(("--sglang-", "--router-")) and own.passthrough):
             return [(only_stage, flag)]
         if flag in TOP_INDEX.by_flag:
             return [("", flag)]
@@ -273,7 +273,7 @@ def _targets(flag: str, tree: Mapping[str, Any], only_stage: str | None) -> list
         return [("", flag)]
     if flag in PIPELINE_OWNED:
         return [(PIPELINE_OWNED[flag], flag)]
-    if flag.startswith("--sglang-"):
+    if flag.startswith(("--sglang-", "--router-")):
         return [("train", flag)]
     owners = [name for name, index in STAGE_INDEX.items() if flag in index.by_flag]
     if len(owners) == 1:

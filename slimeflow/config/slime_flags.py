@@ -209,10 +209,6 @@ NOT_YET_SUPPORTED.update({
     "--release-train": "releasing the trainers during rollout is not supported yet",
     "--train-env-vars": "set the trainers' environment in the Ray runtime env or the worker's environment",
     "--distributed-backend": "slimeflow picks the process-group backend itself (NCCL on GPUs, gloo on CPU)",
-    "--num-gpus-per-node": "placement from --num-gpus-per-node is not supported yet: use --actor-num-gpus-per-node "
-                           "and --rollout-num-gpus",
-    "--rollout-external-engine-addrs": "use --sglang-worker-urls (a list of SGLang server URLs) for servers "
-                                       "started elsewhere",
     "--rollout-max-context-len": "a context cap for the engines is not supported yet: set "
                                  "--rollout-max-prompt-len and --rollout-max-response-len",
     "--rollout-skip-special-tokens": "skipping special tokens in decoded responses is not supported yet",

@@ -25,6 +25,7 @@ from slimeflow.stages.rl.plugins import load_plugin
 from slimeflow.stages.rl.remote import ActorFailure
 
 if TYPE_CHECKING:
+    from slimeflow.stages.rl.placement_group import EnginePlacement
     from slimeflow.stages.rl.rollout import RolloutContext
     from slimeflow.stages.rl.types import PackedBatch
 
@@ -44,6 +45,8 @@ class RolloutSetup:
     engine_threads: int | None = None
     concurrency: int = 512
     """Samples in flight at once (slime's --sglang-server-concurrency default)."""
+    engines_on: EnginePlacement | None = None
+    """On a GPU cluster: the placement-group bundles the engines run on, as Ray actors (else started here)."""
 
 
 class RolloutManager:
@@ -56,7 +59,9 @@ class RolloutManager:
         self.setup = setup
         # The engines import and load (seconds) while this actor sets up the rest, transformers' import included.
         launching = EngineSet.launch(setup.hf_checkpoint, config.sglang.args, setup.num_engines, setup.engine_threads,
-                                     in_process=config.placement.engine_in_process)
+                                     in_process=config.placement.engine_in_process, placed=setup.engines_on,
+                                     router_args=config.sglang.router,
+                                     external_addrs=config.placement.rollout_external_engine_addrs)
         try:
             from transformers import AutoTokenizer
 
@@ -119,6 +124,13 @@ class RolloutManager:
     def weight_targets(self) -> WeightTargets:
         """Where the trainer pushes its weights (every engine; see TrainActor.connect_engines)."""
         return self.engines.weight_targets()
+
+    def engine_locations(self) -> dict[str, Any]:
+        """Where the engines started as Ray actors run ("engines": EngineActor.where each: node, GPU ids, command;
+        none when they were started in this process or elsewhere) and the command of the router started here."""
+        actors = [p.actor for p in self.engines.processes if hasattr(p, "actor")]
+        routers = [p.command for p in self.engines.processes if getattr(p, "kind", "") == "router"]
+        return {"engines": ray.get([a.where.remote() for a in actors]), "router": routers[0] if routers else None}
 
     def state_dict(self) -> dict[str, Any]:
         """The data position and the buffer (saved with every checkpoint)."""

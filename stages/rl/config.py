@@ -314,6 +314,10 @@ class PlacementConfig(ConfigModel):
     """Devices per engine (SGLang tp_size)."""
     colocate: bool = False
     """Share devices between training and rollout."""
+    num_gpus_per_node: PositiveInt = 8
+    """GPUs of each node (logical GPUs on a CPU cluster): an engine's GPUs are on one node."""
+    rollout_external_engine_addrs: list[str] | None = None
+    """SGLang servers started elsewhere (host:port or http://host:port), used instead of launching engines."""
     engine_in_process: bool = True
     """One embedded engine is served from a thread of the RolloutManager's process (no process of its own, which
     saves its interpreter's imports: 2-3 CPU seconds of start-up); false gives it its own process, for a rollout
@@ -406,21 +410,36 @@ class MegatronConfig(ConfigModel):
 
 
 class SglangConfig(ConfigModel):
-    """Every `--sglang-X value` flag, keyed by X. slimeflow reads those in READ (its external servers, their router
-    and key); SGLang's own server arguments (--sglang-mem-fraction-static, ...) would go to the servers slimeflow
-    launches, which it does not in this version, so the train stage refuses them by name (`unread`)."""
+    """Every `--sglang-X value` flag, keyed by X, and every `--router-X value` flag, keyed by X. slimeflow reads
+    those in READ itself; the other `--sglang-*` flags are SGLang server arguments, passed to the SGLang servers
+    slimeflow launches (engine/sglang_launch.py), and `--router-*` flags go to the sglang-router it starts."""
 
-    READ: ClassVar[frozenset[str]] = frozenset({"worker_urls", "weights_dir", "api_key", "router_ip", "router_port"})
+    READ: ClassVar[frozenset[str]] = frozenset({"worker_urls", "weights_dir", "api_key", "router_ip", "router_port",
+                                                "router_request_timeout_secs", "server_concurrency"})
 
     args: dict[str, Any] = Field(default_factory=dict)
     """SGLang arguments, keyed by name without the sglang_ prefix."""
+    router: dict[str, Any] = Field(default_factory=dict)
+    """sglang-router arguments, keyed by name without the router_ prefix."""
 
-    def unread(self) -> list[str]:
-        """The flags given that nothing reads, with the reason, one line each."""
-        return [f"--sglang-{key.replace('_', '-')}: SGLang servers are not launched by slimeflow in this version, so "
-                "no server would get it; start your SGLang servers with it and pass their URLs with "
-                "--sglang-worker-urls (the embedded engine takes no SGLang server arguments)"
-                for key in sorted(set(self.args) - self.READ)]
+    def server_args(self) -> dict[str, Any]:
+        """The SGLang server arguments given (what slimeflow passes to the SGLang servers it launches)."""
+        return {key: value for key, value in self.args.items() if key not in self.READ}
+
+    def unread(self, launches_sglang: bool) -> list[str]:
+        """The --sglang-* flags given that no server would get, with the reason, one line each: all server
+        arguments when the engines are not SGLang servers launched here, else those slimeflow sets itself."""
+        from slimeflow.stages.rl.engine.sglang_launch import SET_BY_SLIMEFLOW
+
+        problems = [f"--sglang-{key.replace('_', '-')}: not taken ({SET_BY_SLIMEFLOW[key]}); remove it"
+                    for key in sorted(self.server_args()) if key in SET_BY_SLIMEFLOW]
+        if not launches_sglang:
+            problems += [f"--sglang-{key.replace('_', '-')}: an SGLang server argument, but no SGLang server is "
+                         "launched here (the engines are servers started elsewhere, or the embedded engine, which "
+                         "takes none, where SGLang is not installed); install SGLang on a GPU cluster, or start "
+                         "your SGLang servers with it and pass --rollout-external-engine-addrs"
+                         for key in sorted(self.server_args()) if key not in SET_BY_SLIMEFLOW]
+        return problems
 
 
 class DebugConfig(ConfigModel):

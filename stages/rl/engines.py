@@ -19,9 +19,12 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError
+
+if TYPE_CHECKING:
+    from slimeflow.stages.rl.placement_group import EnginePlacement
 
 
 @dataclass(frozen=True)
@@ -93,25 +96,39 @@ class EngineSet:
 
     @classmethod
     def launch(cls, hf_checkpoint: str, sglang_args: Mapping[str, Any], num_engines: int,
-               threads: int | None = None, in_process: bool = False) -> EngineLaunch:
+               threads: int | None = None, in_process: bool = False, *, placed: EnginePlacement | None = None,
+               router_args: Mapping[str, Any] | None = None, external_addrs: list[str] | None = None) -> EngineLaunch:
         """`start` in two halves: this one checks the flags and starts every embedded engine's process without
         waiting; the returned launch's `ready()` waits for them (and starts the router). The caller's own set-up
         can run in between, while the engines import and load. `in_process`: a single embedded engine serves
-        from a thread of this process instead (launch.launch_engine_thread)."""
-        external = sglang_args.get("worker_urls")
+        from a thread of this process instead (launch.launch_engine_thread). `placed`: the engines are Ray actors
+        on placement-group bundles instead (placement_group.EnginePlacement), as many as it has bundles.
+        `router_args`: the --router-* flags of the sglang-router started in front of two or more engines.
+        `external_addrs`: --rollout-external-engine-addrs, servers started elsewhere (as --sglang-worker-urls)."""
+        from slimeflow.stages.rl.engine.sglang_launch import router_options
+
+        router = router_options(router_args or {}, sglang_args.get("router_request_timeout_secs"))
+        external = external_addrs or sglang_args.get("worker_urls")
         if external:
-            # The command line gives one string (several URLs joined by spaces), YAML a string or a list.
-            urls = external.split() if isinstance(external, str) else [str(u) for u in external]
+            # The command line gives one string or a list, YAML a string or a list.
+            urls = [_engine_url(u) for u in (external.split() if isinstance(external, str) else external)]
             weights_dir = sglang_args.get("weights_dir")
             if not weights_dir:
                 raise ValueError("--sglang-worker-urls needs --sglang-weights-dir DIR: a directory every SGLang "
                                  "server can read, where the trainer writes the weights it pushes")
             key = sglang_args.get("api_key")
-            return EngineLaunch(hf_checkpoint, external=cls(urls, _router_url(sglang_args) or urls[0], hf_checkpoint,
-                                                            str(weights_dir), api_key=str(key) if key else None))
+            given_router = _router_url(sglang_args)
+            external_set = cls(urls, given_router or urls[0], hf_checkpoint, str(weights_dir),
+                               api_key=str(key) if key else None)
+            # As slime: a router of ours in front of several servers, unless one is given.
+            return EngineLaunch(hf_checkpoint, external=external_set, router=router if not given_router else None)
         from slimeflow.stages.rl.engine.launch import launch_engine, launch_engine_thread, new_api_key
 
-        launching = EngineLaunch(hf_checkpoint, api_key=new_api_key())
+        key = sglang_args.get("api_key")
+        launching = EngineLaunch(hf_checkpoint, api_key=str(key) if key else new_api_key(), router=router)
+        if placed is not None:
+            launching.processes = placed.start(hf_checkpoint, launching.api_key, threads)
+            return launching
         options: dict[str, Any] = {"api_key": launching.api_key, **({"num_threads": threads} if threads else {})}
         start = launch_engine_thread if in_process and num_engines == 1 else launch_engine
         try:
@@ -158,9 +175,11 @@ class EngineLaunch:
     """Engines on their way up (EngineSet.launch): the embedded engines' `processes`, starting, or the `external`
     servers' EngineSet. `ready()` waits for them, `cancel()` stops what was started."""
 
-    def __init__(self, hf_checkpoint: str, external: EngineSet | None = None, api_key: str | None = None):
-        """`api_key`: the one the embedded engines are launched with (an external EngineSet holds its own)."""
-        self.hf_checkpoint, self.external, self.api_key = hf_checkpoint, external, api_key
+    def __init__(self, hf_checkpoint: str, external: EngineSet | None = None, api_key: str | None = None,
+                 router: Mapping[str, Any] | None = None):
+        """`api_key`: the one the embedded engines are launched with (an external EngineSet holds its own);
+        `router`: the options of the sglang-router started in front of two or more engines (None: none started)."""
+        self.hf_checkpoint, self.external, self.api_key, self.router = hf_checkpoint, external, api_key, router
         self.processes: list[Any] = []
 
     def ready(self) -> EngineSet:
@@ -170,13 +189,17 @@ class EngineLaunch:
 
         if self.external is not None:
             asyncio.run(self.external.check_health())
+            if self.router is not None and len(self.external.worker_urls) > 1:
+                router = start_router(self.external.worker_urls, api_key=self.external.api_key, options=self.router)
+                self.external.processes.append(router)
+                self.external.rollout_url = router.url
             return self.external
         try:
             for process in self.processes:
                 process.wait_ready("/health", ENGINE_READY_TIMEOUT_S)
             urls = [p.url for p in self.processes]
             if len(urls) > 1:
-                self.processes.append(start_router(urls, api_key=self.api_key))
+                self.processes.append(start_router(urls, api_key=self.api_key, options=self.router))
         except BaseException:
             self.cancel()
             raise
@@ -293,6 +316,17 @@ def _fail(parts: list[_Part], err: BaseException) -> None:
     for part in parts:
         if not part.answer.done():
             part.answer.set_exception(err)
+
+
+def _engine_url(address: str) -> str:
+    """host:port or http://host:port -> http://host:port (as slime reads --rollout-external-engine-addrs)."""
+    from urllib.parse import urlparse
+
+    url = (address if "://" in address else f"http://{address}").rstrip("/")
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.port is None:
+        raise ValueError(f"external engine address {address!r}: write it as host:port or http://host:port")
+    return url
 
 
 def _router_url(args: Mapping[str, Any]) -> str | None:

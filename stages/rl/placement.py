@@ -1,8 +1,10 @@
 """Placement on Ray: start (or join) Ray, create the RolloutManager and the TrainActor group, and wrap them so the
 loop calls plain methods. Colocated on one machine by default (the engines idle while the trainer works).
 
-On a CPU the actors ask Ray for no CPU (they alternate, and torch's threads are set explicitly, see `cpu_threads`);
-on GPUs each TrainActor asks for one GPU (`--actor-num-nodes x --actor-num-gpus-per-node` ranks).
+On a cluster with GPUs (logical ones too) placement is slime's: one placement group (placement_plan,
+placement_group), each TrainActor pinned to its bundle, and the engines Ray actors pinned to theirs, started by the
+RolloutManager. On a CPU the actors ask Ray for no CPU (they alternate, and torch's threads are set explicitly, see
+`cpu_threads`) and the RolloutManager starts the embedded engines itself.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import ray
 
 from slimeflow.stages.rl.actors import LoopError, RolloutSetup, TrainActor, call, rollout_manager_class
 from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.stages.rl.engine_actor import sglang_installed
+from slimeflow.stages.rl.placement_group import PlacedGroup, create_placement_group
+from slimeflow.stages.rl.placement_plan import plan_placement
 from slimeflow.stages.rl.remote import hosted
 
 if TYPE_CHECKING:
@@ -101,6 +106,8 @@ class Placement:
     config: TrainConfig
     rollout_manager: RolloutManagerHandle
     actor_group: ActorGroup | NoTrainer
+    group: PlacedGroup | None = None
+    """The placement group on a GPU cluster (None on a CPU)."""
 
     def shutdown(self) -> None:
         try:
@@ -109,6 +116,8 @@ class Placement:
             pass  # the actor is already gone; nothing left to stop
         for actor in [self.rollout_manager.actor, *self.actor_group.actors]:
             ray.kill(actor)
+        if self.group is not None:
+            self.group.remove()
 
 
 LOCAL_RAY_SYSTEM_CONFIG = {
@@ -140,14 +149,19 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
     --debug-rollout-only creates no TrainActor, --debug-train-only replays saved rollouts without an engine."""
     placement = config.placement
     world = placement.actor_num_nodes * placement.actor_num_gpus_per_node
-    gpus = 1 if _has_gpus() else 0
-    threads = None if gpus else cpu_threads(world)
-    if not gpus and setup.engine_threads is None:
-        setup = replace(setup, engine_threads=cpu_threads(1))
+    group = _placement_group(config) if _has_gpus() else None
+    threads = None if group else cpu_threads(world)
+    if setup.engine_threads is None:
+        setup = replace(setup, engine_threads=cpu_threads(max(1, setup.num_engines if group else 1)))
+    if group is not None:
+        setup = replace(setup, engines_on=group.engine_placement(
+            "sglang" if sglang_installed() else "embedded", config.seed, placement.num_gpus_per_node,
+            config.sglang.server_args()))
     init_method = (scratch / f"dist-{uuid.uuid4().hex[:8]}").resolve().as_uri() if world > 1 else ""
     manager = ray.remote(num_cpus=0)(hosted(rollout_manager_class(config))).remote(config, setup)
     ranks = 0 if config.debug.debug_rollout_only else world
-    actors = [ray.remote(num_cpus=0, num_gpus=gpus)(hosted(TrainActor)).remote(
+    pinned = group.trainer_options if group else (lambda rank: {"num_cpus": 0, "num_gpus": 0})
+    actors = [ray.remote(hosted(TrainActor)).options(**pinned(rank)).remote(
         config, setup.hf_checkpoint, rank, world, init_method, total_steps, threads, run_token)
         for rank in range(ranks)]
     try:
@@ -157,10 +171,20 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
     except LoopError:
         for actor in [manager, *actors]:
             ray.kill(actor)
+        if group is not None:
+            group.remove()
         raise
-    group = ActorGroup(actors, pushes_weights=targets is not None) if actors else NoTrainer(
+    trainers = ActorGroup(actors, pushes_weights=targets is not None) if actors else NoTrainer(
         config.checkpoint.start_rollout_id)
-    return Placement(config, RolloutManagerHandle(manager), group)
+    return Placement(config, RolloutManagerHandle(manager), trainers, group)
+
+
+def _placement_group(config: TrainConfig) -> PlacedGroup:
+    """slime's placement group for `config` (the flags were checked at stage start: placement_plan.flag_problems)."""
+    external = config.placement.rollout_external_engine_addrs or config.sglang.args.get("worker_urls")
+    plan = plan_placement(config.placement, debug_rollout_only=config.debug.debug_rollout_only,
+                          debug_train_only=config.debug.debug_train_only, external_engines=bool(external))
+    return create_placement_group(plan)
 
 
 def cpu_threads(processes: int, *, spare: int = 1) -> int:

@@ -24,8 +24,10 @@ from slimeflow.stages.rl import loop
 from slimeflow.stages.rl.actors import RolloutSetup
 from slimeflow.stages.rl.backend.ownership import claim_root
 from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.stages.rl.engine.sglang_launch import installed_server_args
 from slimeflow.stages.rl.model_args import check_model_args
 from slimeflow.stages.rl.placement import create_placement, init_ray, scratch_dir
+from slimeflow.stages.rl.placement_plan import flag_problems
 from slimeflow.stages.rl.plots import plot_curves
 from slimeflow.stages.rl.plugins import PluginError, load_plugin
 from slimeflow.stages.rl.raw_data import PreparedSet, manifest_entries, prepare_data
@@ -76,7 +78,8 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
     elif config.data.prompt_data is None:
         problems.append("--prompt-data is not set (a raw dataset, or the preprocess stage's train parquet)")
     problems += data_problems(config, ctx)
-    problems += config.sglang.unread()
+    # SGLang's server arguments are read only when some are given: importing SGLang takes seconds (and torch)
+    problems += flag_problems(config, installed_server_args() if config.sglang.server_args() else None)
     if config.algorithm.advantage_estimator == "ppo":  # the library computes GAE from values no run produces yet
         problems.append("--advantage-estimator ppo needs a critic's values (slime's --use-critic), which this version "
                         "does not train; use grpo, gspo, cispo, reinforce_plus_plus or reinforce_plus_plus_baseline")
@@ -89,10 +92,11 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
                               "(the data flags: a raw JSONL, JSON, CSV or parquet dataset, or the preprocess stage's "
                               "prompt parquet, a file or a set's directory).")
     check_plugins(config)
+    num_engines = max(1, (config.placement.rollout_num_gpus or 1) // config.placement.rollout_num_gpus_per_engine)
     return RolloutSetup(hf_checkpoint=config.checkpoint.hf_checkpoint, prompt_data=config.data.prompt_data,
-                        eval_prompt_data=dict(config.eval.eval_prompt_data),
-                        num_engines=max(1, (config.placement.rollout_num_gpus or 1)
-                                        // config.placement.rollout_num_gpus_per_engine))
+                        eval_prompt_data=dict(config.eval.eval_prompt_data), num_engines=num_engines,
+                        # as slime: --sglang-server-concurrency requests in flight per engine
+                        concurrency=int(config.sglang.args.get("server_concurrency", 512)) * num_engines)
 
 
 def replay_problems(config: TrainConfig) -> list[str]:

@@ -19,12 +19,14 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from slimeflow.stages.rl.engine.guard import API_KEY_ENV
+from slimeflow.stages.rl.engine.sglang_launch import to_flags
 
 if TYPE_CHECKING:
     from slimeflow.stages.rl.engine.server import EngineThread
@@ -183,17 +185,19 @@ def _engine_flags(model_path: str | Path, host: str, port: int, options: dict[st
 
 
 def start_router(worker_urls: list[str], *, port: int | None = None, host: str = "127.0.0.1",
-                 policy: str = "round_robin", timeout_s: float = 60.0, api_key: str | None = None) -> RouterProcess:
+                 policy: str = "round_robin", timeout_s: float = 60.0, api_key: str | None = None,
+                 options: Mapping[str, Any] | None = None) -> RouterProcess:
     """Start sglang-router over `worker_urls` and wait until it lists every worker as registered.
 
     With `api_key` (the workers' key) the router is started with `--api-key`: it then requires the same Bearer key
-    of its own callers (except /health) and sends it to the workers."""
+    of its own callers (except /health) and sends it to the workers. `options`: more of its options, by name
+    (sglang_launch.router_options: slime's defaults and the --router-* flags), over `policy`."""
     if not worker_urls:
         raise ValueError("start_router needs at least one worker URL")
     port = port or free_port(host)
     launcher = ["-c", _ROUTER_WITH_KEY] if api_key else ["-m", "sglang_router.launch_router"]
-    command = [sys.executable, *launcher, "--worker-urls", *worker_urls,
-               "--host", host, "--port", str(port), "--policy", policy, "--log-level", "warn"]
+    command = [sys.executable, *launcher, "--worker-urls", *worker_urls, "--host", host, "--port", str(port),
+               *to_flags({"policy": policy, "log_level": "warn", **(options or {})})]
     router = RouterProcess(command, f"http://{host}:{port}", api_key, key_env=_ROUTER_API_KEY_ENV)
     router.wait_ready("/workers", timeout_s, ready=lambda r: _router_has(r, worker_urls))
     return router

@@ -1,0 +1,197 @@
+"""Placement as slime does it (issue 20, item 1), without Ray: the plan from the placement flags, the bundle order,
+the SGLang server and sglang-router command lines, and the flags no server would get, refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from slimeflow.config.pipeline import load_stage_config
+from slimeflow.stages.rl.engine.sglang_launch import (
+    router_options,
+    server_arg_problems,
+    sglang_server_command,
+    to_flags,
+)
+from slimeflow.stages.rl.placement_plan import (
+    BundleLocation,
+    EngineSlots,
+    PlacementPlan,
+    bind_slots,
+    engine_problems,
+    flag_problems,
+    plan_placement,
+)
+
+BASE = ["--rollout-batch-size", "8", "--num-rollout", "1"]
+SGLANG_ARGS = {"mem_fraction_static", "max_running_requests", "tp_size", "port"}
+"""Some of an SGLang server's argument names, as installed_server_args() reads them where SGLang is installed."""
+
+
+def config(*flags: str):
+    return load_stage_config("train", None, [*BASE, *flags])
+
+
+def plan(*flags: str, **debug) -> PlacementPlan:
+    c = config(*flags)
+    return plan_placement(c.placement, **debug)
+
+
+def test_disaggregated_trainers_take_the_first_slots_and_engines_the_next():
+    got = plan("--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "8",
+               "--rollout-num-gpus-per-engine", "2")
+    assert got.num_bundles == 16 and got.trainer_slots == tuple(range(8)) and not got.colocate
+    assert got.engines == tuple(EngineSlots(rank, 8 + 2 * rank, 2) for rank in range(4))
+
+
+def test_colocated_engines_share_the_trainers_slots():
+    got = plan("--actor-num-gpus-per-node", "4", "--colocate", "--rollout-num-gpus-per-engine", "2")
+    assert got.num_bundles == 4 and got.trainer_slots == (0, 1, 2, 3) and got.colocate
+    assert [list(e.slots) for e in got.engines] == [[0, 1], [2, 3]]
+
+
+def test_debug_modes_and_external_engines_change_the_cast_as_in_slime():
+    rollout_only = plan("--actor-num-gpus-per-node", "4", "--rollout-num-gpus", "2", debug_rollout_only=True)
+    assert rollout_only.num_bundles == 2 and rollout_only.trainer_slots == ()
+    assert [e.first_slot for e in rollout_only.engines] == [0, 1]
+    train_only = plan("--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2", debug_train_only=True)
+    assert (train_only.num_bundles, train_only.trainer_slots, train_only.engines) == (2, (0, 1), ())
+    external = plan("--actor-num-gpus-per-node", "2", external_engines=True)
+    assert (external.num_bundles, external.engines) == (2, ())
+    # rollout-num-gpus unset: one engine of --rollout-num-gpus-per-engine GPUs after the trainers
+    assert plan("--rollout-num-gpus-per-engine", "2").engines == (EngineSlots(0, 1, 2),)
+
+
+def test_an_engine_wider_than_a_node_is_refused_with_the_flags():
+    with pytest.raises(ValueError, match="--rollout-num-gpus-per-engine 16 is larger than --num-gpus-per-node 8"):
+        plan("--rollout-num-gpus", "16", "--rollout-num-gpus-per-engine", "16")
+
+
+def test_bundles_are_ordered_by_node_ip_numerically_then_gpu():
+    found = [BundleLocation(0, "10.0.0.10", 1), BundleLocation(1, "10.0.0.9", 1), BundleLocation(2, "10.0.0.10", 0),
+             BundleLocation(3, "10.0.0.9", 0)]
+    assert [b.bundle_index for b in bind_slots(found)] == [3, 1, 2, 0]  # .9 before .10, as numbers
+    # raylets on one host share its IP: the node id keeps each node's GPUs together
+    same_ip = [BundleLocation(0, "127.0.0.1", 0, "b"), BundleLocation(1, "127.0.0.1", 0, "a"),
+               BundleLocation(2, "127.0.0.1", 1, "a"), BundleLocation(3, "127.0.0.1", 1, "b")]
+    assert [b.bundle_index for b in bind_slots(same_ip)] == [1, 2, 0, 3]
+
+
+def test_an_engine_split_across_nodes_or_gaps_is_named():
+    two_per_engine = plan_placement(config("--rollout-num-gpus", "2", "--rollout-num-gpus-per-engine", "2",
+                                           "--actor-num-gpus-per-node", "1").placement)
+    split = bind_slots([BundleLocation(0, "1.0.0.1", 0), BundleLocation(1, "1.0.0.1", 1),
+                        BundleLocation(2, "1.0.0.2", 0)])
+    assert engine_problems(two_per_engine, split) == [
+        "engine 0 got GPUs [1, 0] on 2 node(s); an engine needs 2 consecutive GPUs of one node: make "
+        "--rollout-num-gpus-per-engine divide the GPUs each node gives the rollout"]
+    whole = bind_slots([BundleLocation(i, "1.0.0.1", i) for i in range(3)])
+    assert engine_problems(two_per_engine, whole) == []
+
+
+def test_the_sglang_server_command_has_slimes_settings_and_every_passed_flag():
+    command = sglang_server_command("/py", "/models/qwen", host="10.0.0.2", port=15000, nccl_port=15001, num_gpus=4,
+                                    base_gpu_id=4, seed=1242, server_args={
+                                        "mem_fraction_static": "0.7", "pp_size": "2", "enable_metrics": True,
+                                        "cuda_graph_bs": ["1", "2", "4"], "disable_radix_cache": False})
+    assert command[:2] == ["/py", "-c"] and "runpy.run_module('sglang.launch_server'" in command[2]
+    assert "api-key" not in " ".join(command[3:])  # the key comes from the environment, never the command line
+    assert command[3:] == [
+        "--model-path", "/models/qwen", "--host", "10.0.0.2", "--port", "15000", "--nccl-port", "15001",
+        "--tp-size", "2", "--base-gpu-id", "4", "--gpu-id-step", "1", "--random-seed", "1242", "--trust-remote-code",
+        "--skip-server-warmup", "--mem-fraction-static", "0.7", "--pp-size", "2", "--enable-metrics",
+        "--cuda-graph-bs", "1", "2", "4"]
+    with pytest.raises(ValueError, match="not a multiple of --sglang-pp-size 3"):
+        sglang_server_command("/py", "/m", host="h", port=1, nccl_port=2, num_gpus=4, base_gpu_id=0, seed=0,
+                              server_args={"pp_size": "3"})
+    with pytest.raises(ValueError, match="slimeflow sets itself: tp_size"):
+        sglang_server_command("/py", "/m", host="h", port=1, nccl_port=2, num_gpus=1, base_gpu_id=0, seed=0,
+                              server_args={"tp_size": "2"})
+
+
+def test_router_flags_go_to_sglang_router_over_slimes_defaults():
+    c = config("--router-policy", "cache_aware", "--router-prometheus-duration-buckets", "0.1", "1",
+               "--router-dp-aware", "--sglang-router-request-timeout-secs", "600")
+    assert c.sglang.router == {"policy": "cache_aware", "prometheus_duration_buckets": ["0.1", "1"], "dp_aware": True}
+    options = router_options(c.sglang.router, c.sglang.args["router_request_timeout_secs"])
+    assert to_flags(options) == [
+        "--log-level", "warn", "--balance-abs-threshold", "10", "--balance-rel-threshold", "1.2",
+        "--disable-circuit-breaker", "--disable-health-check", "--policy", "cache_aware",
+        "--prometheus-duration-buckets", "0.1", "1", "--dp-aware", "--request-timeout-secs", "600"]
+    assert router_options({})["request_timeout_secs"] == 14400  # slime's default
+    # YAML: flat router-* keys, or nested under sglang
+    yaml = load_stage_config("train", {"rollout-batch-size": 8, "num-rollout": 1, "router-policy": "random",
+                                       "sglang": {"args": {"mem_fraction_static": 0.7}, "router": {"queue-size": 4}}})
+    assert yaml.sglang.router == {"policy": "random", "queue_size": 4}
+    assert yaml.sglang.args == {"mem_fraction_static": 0.7}
+
+
+def test_the_router_takes_every_option_we_pass_it():
+    """Our spelling (--router-X -> --X) against sglang-router's own parser: every option slimeflow sets parses."""
+    import argparse
+
+    from sglang_router.launch_router import RouterArgs
+
+    parser = argparse.ArgumentParser()
+    RouterArgs.add_cli_args(parser, use_router_prefix=False)
+    parsed = parser.parse_args(["--worker-urls", "http://a:1", *to_flags(router_options({"dp_aware": True}, 60))])
+    assert (parsed.policy, parsed.log_level, parsed.balance_abs_threshold, parsed.request_timeout_secs) == \
+        ("round_robin", "warn", 10, 60)
+    assert parsed.disable_circuit_breaker and parsed.disable_health_check and parsed.dp_aware
+
+
+def test_flags_no_server_would_get_are_refused_by_name():
+    c = config("--rollout-num-gpus", "2", "--sglang-mem-fraction-static", "0.7", "--sglang-tp-size", "2",
+               "--router-policy", "random", "--router-polcy", "random", "--router-api-key", "k")
+    embedded = flag_problems(c, sglang_server_args=None)
+    assert embedded == [
+        "--sglang-tp-size: not taken (set by slimeflow from --rollout-num-gpus-per-engine (divided by "
+        "--sglang-pp-size)); remove it",
+        "--sglang-mem-fraction-static: an SGLang server argument, but no SGLang server is launched here (the engines "
+        "are servers started elsewhere, or the embedded engine, which takes none, where SGLang is not installed); "
+        "install SGLang on a GPU cluster, or start your SGLang servers with it and pass "
+        "--rollout-external-engine-addrs",
+        "--router-api-key: not supported (the router takes the engines' key: the run's own, or --sglang-api-key for "
+        "external servers); remove it",
+        "--router-polcy: sglang-router has no --polcy option; did you mean --router-policy?"]
+    assert flag_problems(c, SGLANG_ARGS) == [embedded[0], *embedded[2:]]  # passed to SGLang when there
+    one_engine = flag_problems(config("--router-policy", "random"), sglang_server_args=SGLANG_ARGS)
+    assert one_engine == ["--router-policy: no sglang-router of slimeflow's would get it (with one engine no router "
+                          "is started); remove it"]
+
+
+def test_external_engines_and_their_router():
+    c = config("--rollout-external-engine-addrs", "10.0.0.1:30000", "http://10.0.0.2:30000",
+               "--sglang-mem-fraction-static", "0.7", "--router-policy", "random")
+    assert c.placement.rollout_external_engine_addrs == ["10.0.0.1:30000", "http://10.0.0.2:30000"]
+    problems = flag_problems(c, SGLANG_ARGS)
+    assert problems[0].startswith("--sglang-mem-fraction-static: an SGLang server argument, but no SGLang server is "
+                                  "launched here")
+    assert problems[1].startswith("external SGLang servers need --sglang-weights-dir DIR") and len(problems) == 2
+    both = config("--rollout-external-engine-addrs", "a:1", "--sglang-worker-urls", "http://a:1",
+                  "--sglang-weights-dir", "/w")
+    assert flag_problems(both, None)[0].startswith("--rollout-external-engine-addrs and --sglang-worker-urls both")
+    theirs = config("--rollout-external-engine-addrs", "a:1", "b:2", "--sglang-weights-dir", "/w",
+                    "--sglang-router-ip", "r", "--sglang-router-port", "1", "--router-policy", "random")
+    assert flag_problems(theirs, None) == ["--router-policy: no sglang-router of slimeflow's would get it (the "
+                                            "router is yours (--sglang-router-ip)); remove it"]
+    launched = flag_problems(config("--sglang-router-ip", "r", "--sglang-router-port", "1"), None)
+    assert launched[0].startswith("--sglang-router-ip/--sglang-router-port name a router of yours, but the engines "
+                                  "are launched here")
+
+    from slimeflow.stages.rl.engines import EngineSet
+
+    ok = config("--rollout-external-engine-addrs", "10.0.0.1:30000", "http://10.0.0.2:30000/",
+                "--sglang-weights-dir", "/w")
+    launch = EngineSet.launch("hf", ok.sglang.args, 1, external_addrs=ok.placement.rollout_external_engine_addrs)
+    assert launch.external.worker_urls == ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
+    assert launch.router["policy"] == "round_robin"  # a router of ours goes in front of the two (at ready())
+    with pytest.raises(ValueError, match="external engine address 'nohost': write it as host:port"):
+        EngineSet.launch("hf", ok.sglang.args, 1, external_addrs=["nohost"])
+
+
+
+def test_sglang_flags_are_checked_against_the_installed_servers_arguments():
+    assert server_arg_problems({"mem_fraction_static": "0.7", "max_running_request": "8", "tp_size": "2"},
+                               SGLANG_ARGS) == [
+        "--sglang-max-running-request: the installed SGLang's server has no --max-running-request argument; did you "
+        "mean --sglang-max-running-requests?"]  # tp_size is refused on its own (set by slimeflow)
