@@ -68,7 +68,11 @@ class RolloutManager:
             source = DataSource.from_prompt_data(setup.prompt_data,
                                                  n_samples_per_prompt=config.batch.n_samples_per_prompt,
                                                  shuffle=config.data.rollout_shuffle, seed=config.data.rollout_seed)
-            buffer_filter = (load_plugin(config.rollout.buffer_filter_path, "buffer-filter-path")
+            from slimeflow.stages.rl.slime_plugins import buffer_filter as slime_buffer_filter
+            from slimeflow.stages.rl.slime_plugins import slime_args
+
+            buffer_filter = (slime_buffer_filter(load_plugin(config.rollout.buffer_filter_path, "buffer-filter-path"),
+                                                 slime_args(config))
                              if config.rollout.buffer_filter_path else pop_first)
             self.data = BufferedDataSource(source, buffer_filter)
             self.eval_sets = {name: _prompts(uri) for name, uri in setup.eval_prompt_data.items()}
@@ -88,7 +92,7 @@ class RolloutManager:
 
         return RolloutContext(self.config, self.tokenizer, self.engines.client(), self.scorer,
                               concurrency=self.setup.concurrency, weight_version=version,
-                              batch_groups=not self.engines.routed)
+                              batch_groups=not self.engines.routed, router_url=self.engines.rollout_url)
 
     def generate(self, rollout_id: int) -> tuple[PackedBatch, dict[str, float], list[list[str]]]:
         """Rollout `rollout_id` with the weights of version `rollout_id`: (train batch, metrics, row ids per group)."""

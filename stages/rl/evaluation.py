@@ -68,6 +68,7 @@ async def evaluate_sets(ctx: RolloutContext, sets: Mapping[str, Sequence[Mapping
         for group in groups:
             for sample in group:
                 sample.metadata.setdefault(EVAL_SET, name)
-        done = await asyncio.gather(*(generate_group(ctx, g, settings.sampling_params) for g in groups))
+        done = await asyncio.gather(*(generate_group(ctx, g, settings.sampling_params, evaluation=True)
+                                       for g in groups))
         metrics.update(score_set(name, done))
     return metrics

@@ -16,6 +16,7 @@ import re
 import string
 from collections import Counter
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -23,7 +24,8 @@ import httpx
 from slimeflow.stages.rl.answers import MathJudge, after_thinking, last_boxed
 from slimeflow.stages.rl.config import RewardConfig
 from slimeflow.stages.rl.plugins import load_plugin
-from slimeflow.stages.rl.types import Sample
+from slimeflow.stages.rl.slime_plugins import from_slime, to_slime
+from slimeflow.stages.rl.types import Sample, Status
 
 EVAL_SET = "eval_set"
 """metadata key naming an eval sample's set (evaluation sets it): such a sample's reward is --eval-reward-key's."""
@@ -210,8 +212,11 @@ class RewardScorer:
     A judge passed in stays the caller's to close; one made here is closed by `close()`.
     """
 
-    def __init__(self, config: RewardConfig, judge: MathJudge | None = None, remote: RemoteReward | None = None):
+    def __init__(self, config: RewardConfig, judge: MathJudge | None = None, remote: RemoteReward | None = None,
+                 args: Any = None):
         self.config = config
+        self.args = args
+        """slime's `args` for --custom-rm-path (slime_plugins.slime_args; the rollout sets it when None)."""
         self._owns_judge = judge is None
         self.judge = judge or MathJudge()
         self.custom = load_plugin(config.custom_rm_path, "custom-rm-path") if config.custom_rm_path else None
@@ -225,7 +230,16 @@ class RewardScorer:
             self.judge.close()
 
     async def score_group(self, group: Sequence[Sample]) -> None:
-        """Reward every sample of one group (a group function with --group-rm, else sample by sample)."""
+        """Reward every sample of one group (a group function with --group-rm, else sample by sample). Without
+        --group-rm, a sample that already has a reward (its custom generate function set it) keeps it, as slime."""
+        if not self.config.group_rm:
+            given = [s for s in group if s.reward is not None]
+            for sample in given:
+                try:
+                    sample.reward = reward_value(sample.reward, self.reward_key(sample))
+                except Exception as exc:
+                    sample.mark_failed(f"the reward the generate function set: {type(exc).__name__}: {exc}")
+            group = [s for s in group if s.reward is None and s.status is not Status.FAILED]
         if not self.config.group_rm and self.custom is None and self.remote is None:
             for sample in group:  # built-ins are plain functions: no task per sample (~4 us each)
                 self._score_builtin(sample)
@@ -234,7 +248,7 @@ class RewardScorer:
             await asyncio.gather(*(self.score(sample) for sample in group))
             return
         try:
-            rewards = await _maybe_await(self.custom(self.config, list(group)))
+            rewards = await _maybe_await(self.custom(self._args(), [to_slime(s) for s in group]))
             if len(rewards) != len(group):
                 raise ValueError(f"returned {len(rewards)} rewards for a group of {len(group)}")
             values = [reward_value(r, self.reward_key(s)) for r, s in zip(rewards, group, strict=True)]
@@ -254,7 +268,7 @@ class RewardScorer:
         try:
             source = self._source(sample)
             if self.custom is not None:
-                value = await _maybe_await(self.custom(self.config, sample))
+                value = await _maybe_await(self.custom(self._args(), to_slime(sample)))
             elif source == "remote_rm":
                 value = await self.remote(sample, self.reward_key(sample))
             else:
@@ -262,6 +276,18 @@ class RewardScorer:
             sample.reward = reward_value(value, self.reward_key(sample))
         except Exception as exc:
             sample.mark_failed(f"{source} raised {type(exc).__name__}: {exc}")
+
+    def _args(self) -> Any:
+        """What a custom reward gets as `args`: the rollout's slime args, else the reward flags by their names."""
+        return self.args if self.args is not None else SimpleNamespace(**self.config.model_dump())
+
+    async def reward_of(self, view: Any) -> float:
+        """The reward of slime's Sample `view` (for slime's generate_and_rm); raises what scoring raised."""
+        sample = from_slime(view, view, "generate_and_rm")
+        await self.score(sample)
+        if sample.status is Status.FAILED:
+            raise ValueError(sample.failure_reason)
+        return sample.reward
 
     def _score_builtin(self, sample: Sample) -> None:
         """Reward one sample with a built-in rm_type (no custom function, no reward server)."""

@@ -26,6 +26,7 @@ from slimeflow.stages.rl.engine.client import EngineUnavailableError
 from slimeflow.stages.rl.filters import DynamicSampler, load_group_filter
 from slimeflow.stages.rl.plugins import load_plugin
 from slimeflow.stages.rl.rewards import RewardScorer
+from slimeflow.stages.rl.slime_plugins import call_generate, slime_args
 from slimeflow.stages.rl.types import Sample, Status
 
 GenerateFn = Callable[[Any, Sample, dict[str, Any]], Awaitable[Sample]]
@@ -72,11 +73,21 @@ class RolloutContext:
     generate_fn: GenerateFn | None = None
     batch_groups: bool = True
     """Send a group's samples as one batched /generate (SGLang's batch form) with the default generate."""
+    router_url: str | None = None
+    """The engine or router URL the rollout talks to (slime plug-ins' args.sglang_router_ip/port)."""
+    args: Any = None
+    """What plug-ins get as `args` (slime_plugins.slime_args; built from the rest when not given)."""
 
     def __post_init__(self) -> None:
         path = self.config.rollout.custom_generate_function_path
         if self.generate_fn is None and path is not None:
             self.generate_fn = load_plugin(path, "custom-generate-function-path")
+        if self.args is None:
+            self.args = slime_args(self.config, router_url=self.router_url, concurrency=self.concurrency,
+                                   client=self.client, tokenizer=self.tokenizer, _slimeflow_tokenizer=self.tokenizer,
+                                   _slimeflow_reward=self.scorer.reward_of)
+        if self.scorer.args is None:
+            self.scorer.args = self.args
         self._in_flight = 0
         self._freed = asyncio.Condition()
 
@@ -225,10 +236,11 @@ def check_version(ctx: RolloutContext, meta: dict[str, Any]) -> None:
                            f"{ctx.weight_version!r}: the engines were not all updated; check the weight sync")
 
 
-async def generate_group(ctx: RolloutContext, group: Group, params: dict[str, Any]) -> Group:
+async def generate_group(ctx: RolloutContext, group: Group, params: dict[str, Any],
+                         evaluation: bool = False) -> Group:
     """Generate every sample of a group, then reward the group. The default generate sends the group as one
-    batched request; a custom generate function runs per sample. Requests in flight stay within `concurrency`
-    samples."""
+    batched request; a custom generate function runs per sample (with slime's `evaluation=` when it takes it).
+    Requests in flight stay within `concurrency` samples."""
     if ctx.generate_fn is None and ctx.batch_groups:
         async with ctx.slots(len(group)):
             try:
@@ -239,19 +251,25 @@ async def generate_group(ctx: RolloutContext, group: Group, params: dict[str, An
                 for sample in group:
                     sample.mark_failed(f"generate raised {type(exc).__name__}: {exc}")
     else:
-        generate = ctx.generate_fn or default_generate
-
-        async def one(sample: Sample) -> Sample:
+        async def one(sample: Sample) -> list[Sample]:
             async with ctx.slots(1):
                 try:
-                    return await generate(ctx, sample, params)
+                    if ctx.generate_fn is None:
+                        return [await default_generate(ctx, sample, params)]
+                    samples = await call_generate(ctx.generate_fn, ctx.args, sample, params, evaluation)
+                    for produced in samples:  # the versions slime's Sample recorded from the engine's answers
+                        if produced.metadata.get("weight_version") is not None:
+                            check_version(ctx, {"weight_version": produced.metadata["weight_version"],
+                                                "finish_reason": {"type": produced.status.value}})
+                    return samples
                 except _FATAL:
                     raise
                 except Exception as exc:  # an engine error fails the sample with the reason; the rollout goes on
                     sample.mark_failed(f"generate raised {type(exc).__name__}: {exc}")
-                    return sample
+                    return [sample]
 
-        group = list(await asyncio.gather(*(one(s) for s in group)))
+        # A custom generate may return several samples (a trajectory's turns): they stay in the group, in order.
+        group = [s for produced in await asyncio.gather(*(one(s) for s in group)) for s in produced]
     if any(s.status is Status.ABORTED for s in group):
         return group  # not scored: it is discarded or continued next rollout
     scorable = [s for s in group if s.status is not Status.FAILED]
@@ -264,7 +282,7 @@ async def generate_rollout(ctx: RolloutContext, data: BufferedDataSource, rollou
     """One rollout: `rollout_batch_size` groups that pass the filter, over-sampling as needed."""
     config = ctx.config
     sampler = DynamicSampler(config.batch.rollout_batch_size, config.rollout.over_sampling_batch_size,
-                             load_group_filter(config.rollout.dynamic_sampling_filter_path))
+                             load_group_filter(config.rollout.dynamic_sampling_filter_path, ctx.args))
     params = sampling_params(config.rollout)
     started = time.perf_counter()
     pending: set[asyncio.Task] = set()

@@ -133,16 +133,21 @@ PLUGIN_FLAGS = {
 
 
 def check_plugins(config: TrainConfig) -> None:
-    """Every plug-in path loads, before Ray or an engine starts; all the wrong ones are named at once."""
+    """Every plug-in path loads and can be called the way the run will call it, before Ray or an engine starts;
+    all the wrong ones are named at once."""
+    from slimeflow.stages.rl.slime_plugins import call_problem
+
     problems = []
     for (group, field), flag in PLUGIN_FLAGS.items():
         path = getattr(getattr(config, group), field)
         if path is None:
             continue
         try:
-            load_plugin(path, flag)
+            problem = call_problem(flag, load_plugin(path, flag), group_rm=config.reward.group_rm)
         except PluginError as err:
-            problems.append(str(err))
+            problem = str(err)
+        if problem:
+            problems.append(problem if problem.startswith("--") else f"--{flag} {path!r}: {problem}")
     if config.rollout.rollout_function_path is not None:
         problems.append("--rollout-function-path: replacing the whole rollout function is not supported in this "
                         "version; use --custom-generate-function-path (per sample) instead")

@@ -1,0 +1,63 @@
+"""Reward, filter and buffer plug-ins with slime's signatures."""
+
+import torch
+from slime.rollout.filter_hub.base_types import DynamicFilterOutput
+from slime.utils.types import Sample
+
+EVALUATION_FLAGS: list[bool] = []
+
+
+async def parity_reward(args, sample: Sample, **kwargs) -> float:
+    """slime's per-sample custom reward: 1 for an odd last token."""
+    return float(sample.tokens[-1] % 2)
+
+
+async def dict_reward(args, sample: Sample, **kwargs) -> dict:
+    """A reward as a dict; --reward-key picks the entry."""
+    return {"acc": float(sample.response.endswith(sample.label)), "format": 0.5}
+
+
+async def group_length_reward(args, samples: list[Sample], **kwargs) -> list[float]:
+    """slime's batched form (--group-rm): one reward per sample of the group, by rank of response length."""
+    order = sorted(range(len(samples)), key=lambda i: (samples[i].response_length, i))
+    return [float(order.index(i)) for i in range(len(samples))]
+
+
+def drop_prompt_b(args, samples: list[Sample], **kwargs) -> DynamicFilterOutput:
+    """Drops every group of a prompt starting with 'b', with keep as a tensor, as slime's filters return it."""
+    keep = torch.tensor(not str(samples[0].prompt).startswith("b"))
+    return DynamicFilterOutput(keep=keep, reason=None if keep else "prompt_b")
+
+
+def drop_group_zero(args, samples: list[Sample], **kwargs) -> DynamicFilterOutput:
+    """Drops the group with group_index 0 (the e2e run's first prompt)."""
+    keep = samples[0].group_index != 0
+    return DynamicFilterOutput(keep=keep, reason=None if keep else "group_zero")
+
+
+def pop_last(args, rollout_id, buffer: list[list[Sample]], num_samples: int) -> list[list[Sample]]:
+    """slime's buffer-filter signature: the newest groups first, removed from the buffer."""
+    taken = buffer[-num_samples:][::-1]
+    del buffer[-num_samples:]
+    return taken
+
+
+async def record_evaluation(args, sample: Sample, sampling_params, evaluation=False) -> Sample:
+    """A custom generate that records the evaluation flag and answers without an engine."""
+    EVALUATION_FLAGS.append(evaluation)
+    sample.append_response_tokens(args, tokens=[ord("1")], log_probs=[-0.5],
+                                  meta_info={"finish_reason": {"type": "stop"}}, text="1")
+    return sample
+
+
+def not_async_generate(args, sample, sampling_params):
+    return sample
+
+
+def slime_megatron_loss(args, batch, logits, sum_of_sample_mean):
+    return logits.sum(), {}
+
+
+def three_arguments(args, rollout_id, buffer):
+    """Fits no hook's call (a buffer filter is called with 4 arguments, or slimeflow's with 2)."""
+    return buffer
