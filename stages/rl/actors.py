@@ -92,7 +92,8 @@ class RolloutManager:
 
         return RolloutContext(self.config, self.tokenizer, self.engines.client(), self.scorer,
                               concurrency=self.setup.concurrency, weight_version=version,
-                              batch_groups=not self.engines.routed, router_url=self.engines.rollout_url)
+                              batch_groups=not self.engines.routed, router_url=self.engines.rollout_url,
+                              api_key=self.engines.api_key)
 
     def generate(self, rollout_id: int) -> tuple[PackedBatch, dict[str, float], list[list[str]]]:
         """Rollout `rollout_id` with the weights of version `rollout_id`: (train batch, metrics, row ids per group)."""

@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from slimeflow.slime_compat.utils import http_utils
 from slimeflow.stages.rl.config import RolloutConfig, TrainConfig
 from slimeflow.stages.rl.data_source import START_ROLLOUT_ID, BufferedDataSource, Group
 from slimeflow.stages.rl.engine.client import EngineUnavailableError
@@ -75,6 +76,8 @@ class RolloutContext:
     """Send a group's samples as one batched /generate (SGLang's batch form) with the default generate."""
     router_url: str | None = None
     """The engine or router URL the rollout talks to (slime plug-ins' args.sglang_router_ip/port)."""
+    api_key: str | None = field(default=None, repr=False)
+    """The engines' API key (slime's `post` to router_url sends it)."""
     args: Any = None
     """What plug-ins get as `args` (slime_plugins.slime_args; built from the rest when not given)."""
 
@@ -86,6 +89,9 @@ class RolloutContext:
             self.args = slime_args(self.config, router_url=self.router_url, concurrency=self.concurrency,
                                    client=self.client, tokenizer=self.tokenizer, _slimeflow_tokenizer=self.tokenizer,
                                    _slimeflow_reward=self.scorer.reward_of)
+            if self.api_key:
+                self.args.sglang_api_key = self.api_key
+            http_utils.init_http_client(self.args)
         if self.scorer.args is None:
             self.scorer.args = self.args
         self._in_flight = 0

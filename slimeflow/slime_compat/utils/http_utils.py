@@ -3,6 +3,8 @@
 `post` retries any failure (connection refused, HTTP error status) up to `max_retries` times, one second apart, and
 then raises the last error, as slime's; an answer that is not JSON comes back as text. One httpx client per event
 loop (a client's connections belong to the loop that opened them); it never goes through a system proxy.
+`init_http_client(args)` (slime's name; slimeflow's rollout calls it) registers the API key of the engines
+slimeflow started for the router's address, so a plug-in's `post` to it is authorised without knowing the key.
 """
 
 from __future__ import annotations
@@ -17,6 +19,21 @@ import httpx
 logger = logging.getLogger(__name__)
 RETRY_DELAY_S = 1.0
 _clients: dict[asyncio.AbstractEventLoop, httpx.AsyncClient] = {}
+_auth: dict[str, dict[str, str]] = {}
+"""'http://host:port' -> the headers every request to it carries."""
+
+
+def init_http_client(args: Any) -> None:
+    """Authorise requests to args' router with its API key (`args.sglang_api_key`), when it has one."""
+    key = getattr(args, "sglang_api_key", None)
+    if key and getattr(args, "sglang_router_ip", None):
+        _auth[f"http://{args.sglang_router_ip}:{args.sglang_router_port}"] = {"Authorization": f"Bearer {key}"}
+
+
+def _headers(url: str, headers: dict[str, str] | None) -> dict[str, str] | None:
+    parts = httpx.URL(url)
+    auth = _auth.get(f"{parts.scheme}://{parts.host}:{parts.port}")
+    return {**auth, **(headers or {})} if auth else headers
 
 
 def _client() -> httpx.AsyncClient:
@@ -33,7 +50,7 @@ async def post(url: str, payload: Any, max_retries: int = 60, headers: dict[str,
     """POST `payload` as JSON to `url`; the decoded JSON answer (text if it is not JSON)."""
     for attempt in range(1, max_retries + 1):
         try:
-            response = await _client().post(url, json=payload or {}, headers=headers)
+            response = await _client().post(url, json=payload or {}, headers=_headers(url, headers))
             response.raise_for_status()
             try:
                 return json.loads(response.content)
@@ -51,6 +68,6 @@ async def post(url: str, payload: Any, max_retries: int = 60, headers: dict[str,
 
 async def get(url: str) -> Any:
     """GET `url`; the decoded JSON answer (no retries, as slime's)."""
-    response = await _client().get(url)
+    response = await _client().get(url, headers=_headers(url, None))
     response.raise_for_status()
     return response.json()
