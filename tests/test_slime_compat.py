@@ -280,3 +280,62 @@ def test_the_startup_check_calls_nothing_it_cannot_call():
     assert "is not an async function" in message
     assert "--buffer-filter-path 'slime_style_hooks:three_arguments': " in message and "takes 3 positional" in message
     assert "slime's Megatron loss form" in message
+
+
+def test_sample_hooks_run_in_order_before_the_reward_with_rollout_id_and_evaluation(make_ctx):
+    cfg = config(rollout={"rollout_sample_hook_path": ["slime_style_hooks:tag_sample",
+                                                        "slime_style_hooks:answer_label"]})
+    engine = ScriptedEngine({"a1": "0", "b2": "0"})  # wrong answers; the second hook answers the label
+    ctx = make_ctx(engine, cfg)
+    result = run(ctx, BufferedDataSource(DataSource(prompts("a1", "b2"), n_samples_per_prompt=2)), rollout_id=3)
+    assert all(s.metadata["hooked"] == [3, False] and s.reward == 1.0 for s in result.samples)
+    metrics = asyncio.run(evaluate_sets(ctx, {"set": prompts("x1")}, EvalSettings(1, {"max_new_tokens": 1})))
+    assert metrics["eval/set/avg_at_1"] == 1.0
+
+
+def test_rollout_sample_filter_zeroes_removed_samples_and_the_log_function_replaces_the_metrics(make_ctx):
+    import slime_style_hooks
+
+    slime_style_hooks.LOGGED.clear()
+    cfg = config(rollout={"rollout_sample_filter_path": "slime_style_hooks:remove_odd_samples",
+                          "custom_rollout_log_function_path": "slime_style_hooks:log_and_skip_default"})
+    ctx = make_ctx(ScriptedEngine({"a1": "1", "b2": "2"}), cfg)
+    result = run(ctx, BufferedDataSource(DataSource(prompts("a1", "b2"), n_samples_per_prompt=2)), rollout_id=5)
+    assert [s.loss_mask for s in result.samples] == [None, [0], None, [0]]
+    assert slime_style_hooks.LOGGED == [(5, 4, 1.0, True)] and result.metrics == {}
+
+
+# slime's `*-path` flags (slime/utils/arguments.py at THUDM/slime 624b824a8), the ones slimeflow calls with
+# slime's contract and the ones it refuses by name.
+CALLED = ["--custom-generate-function-path", "--custom-rm-path", "--dynamic-sampling-filter-path",
+          "--buffer-filter-path", "--rollout-sample-hook-path", "--rollout-sample-filter-path",
+          "--custom-rollout-log-function-path"]
+REFUSED = ["--custom-tis-function-path", "--custom-pg-loss-reducer-function-path", "--rollout-data-postprocess-path",
+           "--custom-megatron-init-path", "--custom-megatron-before-log-prob-hook-path",
+           "--custom-megatron-before-train-step-hook-path", "--custom-model-provider-path",
+           "--custom-update-weight-post-write-path", "--megatron-config-path", "--data-source-path",
+           "--custom-reward-post-process-path", "--custom-convert-samples-to-train-data-path",
+           "--rollout-all-samples-process-path", "--custom-eval-rollout-log-function-path", "--eval-function-path",
+           "--custom-config-path"]
+
+
+def test_every_slime_path_flag_is_taken_or_refused_by_name():
+    from slimeflow.config.flags import ConfigError
+    from slimeflow.config.pipeline import load_stage_config
+
+    base = ["--rollout-batch-size", "1", "--num-rollout", "1"]
+    for flag in CALLED:
+        config = load_stage_config("train", None, [*base, flag, "pkg.module:function"])
+        assert config.model_dump_json().count("pkg.module:function") == 1, flag
+    with pytest.raises(ConfigError) as err:
+        load_stage_config("train", None, [*base, *(v for flag in REFUSED for v in (flag, "pkg.module.function"))])
+    assert len(err.value.problems) == len(REFUSED)
+    assert all(f"{flag}: not supported yet (" in str(err.value) for flag in REFUSED)
+
+
+def test_slimes_megatron_advantage_form_is_refused_at_start_up():
+    from slimeflow.stages.base import StageInputError
+    from slimeflow.stages.rl.stage import check_plugins
+
+    with pytest.raises(StageInputError, match="slime's Megatron form advantage"):
+        check_plugins(config(algorithm={"custom_advantage_function_path": "slime_style_hooks:slime_megatron_advantage"}))

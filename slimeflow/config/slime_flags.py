@@ -59,6 +59,37 @@ NOT_YET_SUPPORTED.update({
     "--use-tensorboard": "slimeflow tracks with MLflow: set --mlflow-tracking-uri",
 })
 
+_MEGATRON_HOOK = ("a hook into slime's Megatron actor, called only by the Megatron training backend, which is not in "
+                  "this version")
+_LOSS_HOOK = ("called inside slime's Megatron policy loss on packed sequences; slimeflow's policy loss does not take "
+              "this hook yet")
+# slime's `*-path` plug-in flags that slimeflow does not call (yet). The ones it calls are config fields.
+NOT_YET_SUPPORTED.update({
+    "--custom-tis-function-path": f"a custom TIS function is {_LOSS_HOOK}; use --use-tis with --tis-clip",
+    "--custom-pg-loss-reducer-function-path": f"a custom pg-loss reducer is {_LOSS_HOOK}",
+    "--rollout-data-postprocess-path": _MEGATRON_HOOK,
+    "--custom-megatron-init-path": _MEGATRON_HOOK,
+    "--custom-megatron-before-log-prob-hook-path": _MEGATRON_HOOK,
+    "--custom-megatron-before-train-step-hook-path": _MEGATRON_HOOK,
+    "--custom-model-provider-path": _MEGATRON_HOOK,
+    "--custom-update-weight-post-write-path": ("a hook of slime's update-weights-from-disk path; slimeflow's weight "
+                                               "sync does not call it"),
+    "--megatron-config-path": "Megatron-LM YAML configs are read only by the Megatron backend, not in this version",
+    "--data-source-path": ("a custom data source class (slime's RolloutDataSource API: get_samples, add_samples, "
+                           "save, load) is not supported yet; slimeflow's data source reads --prompt-data and "
+                           "resumes from checkpoints (--buffer-filter-path chooses what the buffer hands out)"),
+    "--custom-reward-post-process-path": ("replacing slime's reward post-processing (args, samples) -> (raw_rewards, "
+                                          "rewards) is not supported yet: slimeflow normalises rewards in the "
+                                          "trainer's advantage estimator; use --custom-advantage-function-path"),
+    "--custom-convert-samples-to-train-data-path": ("slime's train-data dict is not what slimeflow's trainer takes (a "
+                                                    "typed TrainBatch); converting samples yourself is not supported "
+                                                    "yet: use --rollout-sample-filter-path or a sample hook"),
+    "--rollout-all-samples-process-path": ("it is called with slime's data-source object (process(args, all_samples, "
+                                           "data_source)), which slimeflow does not have; not supported yet"),
+    "--custom-eval-rollout-log-function-path": ("custom eval logging (slime's eval data dict) is not supported yet: "
+                                                "evaluation metrics are slimeflow's (avg@n, pass@k)"),
+})
+
 NOT_YET_SUPPORTED_PREFIXES: dict[str, str] = {
     "--moe-": _MOE,
     "--critic-": "PPO with a trained critic is not supported yet",

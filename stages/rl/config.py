@@ -132,6 +132,15 @@ class RolloutConfig(ConfigModel):
     """Mask the tokens of a partial sample that an older policy generated."""
     buffer_filter_path: PluginPath = None
     """How groups are taken from the buffer (default pop_first: FIFO)."""
+    rollout_sample_hook_path: list[str] | None = None
+    """hook(args, sample, *, rollout_id=None, evaluation=False) -> Sample | None, on each generated sample before
+    its reward, in the order given (slime's contract)."""
+    rollout_sample_filter_path: PluginPath = None
+    """filter(args, groups) -> None, setting `remove_sample` on samples that must not train (their loss mask
+    becomes 0; they still count in advantage normalisation), as slime."""
+    custom_rollout_log_function_path: PluginPath = None
+    """log(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool; True skips the default
+    rollout metrics (slime's contract)."""
 
 
 class RewardConfig(ConfigModel):

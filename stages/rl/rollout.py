@@ -27,7 +27,13 @@ from slimeflow.stages.rl.engine.client import EngineUnavailableError
 from slimeflow.stages.rl.filters import DynamicSampler, load_group_filter
 from slimeflow.stages.rl.plugins import load_plugin
 from slimeflow.stages.rl.rewards import RewardScorer
-from slimeflow.stages.rl.slime_plugins import call_generate, slime_args
+from slimeflow.stages.rl.slime_plugins import (
+    apply_sample_filter,
+    apply_sample_hooks,
+    call_generate,
+    call_rollout_log,
+    slime_args,
+)
 from slimeflow.stages.rl.types import Sample, Status
 
 GenerateFn = Callable[[Any, Sample, dict[str, Any]], Awaitable[Sample]]
@@ -80,6 +86,8 @@ class RolloutContext:
     """The engines' API key (slime's `post` to router_url sends it)."""
     args: Any = None
     """What plug-ins get as `args` (slime_plugins.slime_args; built from the rest when not given)."""
+    rollout_id: int | None = None
+    """The rollout being generated (set by generate_rollout; slime's sample hooks get it)."""
 
     def __post_init__(self) -> None:
         path = self.config.rollout.custom_generate_function_path
@@ -94,6 +102,8 @@ class RolloutContext:
             http_utils.init_http_client(self.args)
         if self.scorer.args is None:
             self.scorer.args = self.args
+        self.sample_hooks = [load_plugin(path, "rollout-sample-hook-path")
+                             for path in self.config.rollout.rollout_sample_hook_path or []]
         self._in_flight = 0
         self._freed = asyncio.Condition()
 
@@ -278,6 +288,13 @@ async def generate_group(ctx: RolloutContext, group: Group, params: dict[str, An
         group = [s for produced in await asyncio.gather(*(one(s) for s in group)) for s in produced]
     if any(s.status is Status.ABORTED for s in group):
         return group  # not scored: it is discarded or continued next rollout
+    if ctx.sample_hooks and all(s.status is not Status.FAILED for s in group):
+        try:
+            group = await apply_sample_hooks(ctx.sample_hooks, ctx.args, group, rollout_id=ctx.rollout_id,
+                                             evaluation=evaluation)
+        except Exception as exc:  # a hook that raises fails the group's samples with the reason
+            for sample in group:
+                sample.mark_failed(f"--rollout-sample-hook-path raised {type(exc).__name__}: {exc}")
     scorable = [s for s in group if s.status is not Status.FAILED]
     if len(scorable) == len(group):
         await ctx.scorer.score_group(group)
@@ -287,6 +304,7 @@ async def generate_group(ctx: RolloutContext, group: Group, params: dict[str, An
 async def generate_rollout(ctx: RolloutContext, data: BufferedDataSource, rollout_id: int) -> RolloutResult:
     """One rollout: `rollout_batch_size` groups that pass the filter, over-sampling as needed."""
     config = ctx.config
+    ctx.rollout_id = rollout_id
     sampler = DynamicSampler(config.batch.rollout_batch_size, config.rollout.over_sampling_batch_size,
                              load_group_filter(config.rollout.dynamic_sampling_filter_path, ctx.args))
     params = sampling_params(config.rollout)
@@ -317,7 +335,22 @@ async def generate_rollout(ctx: RolloutContext, data: BufferedDataSource, rollou
     kept.sort(key=lambda g: g[0].group_index)
     metrics = rollout_metrics(kept, sampler.stats(), time.perf_counter() - started)
     metrics.update({"rollout/aborted_groups": len(aborted), "rollout/surplus_groups": len(surplus)})
-    return RolloutResult(groups=kept, metrics=metrics)
+    return RolloutResult(groups=kept, metrics=slime_rollout_end(ctx, kept, metrics))
+
+
+def slime_rollout_end(ctx: RolloutContext, kept: list[Group], metrics: dict[str, float]) -> dict[str, float]:
+    """--rollout-sample-filter-path on the kept groups, then --custom-rollout-log-function-path; the metrics to
+    log (none when the log function says it logged them itself, as slime)."""
+    rollout = ctx.config.rollout
+    if rollout.rollout_sample_filter_path is not None:
+        function = load_plugin(rollout.rollout_sample_filter_path, "rollout-sample-filter-path")
+        metrics["rollout/removed_samples"] = float(apply_sample_filter(function, ctx.args, kept))
+    if rollout.custom_rollout_log_function_path is not None:
+        function = load_plugin(rollout.custom_rollout_log_function_path, "custom-rollout-log-function-path")
+        if call_rollout_log(function, ctx.rollout_id, ctx.args, [s for g in kept for s in g], metrics,
+                            metrics["rollout/seconds"]):
+            return {}
+    return metrics
 
 
 def check_failures(sampler: DynamicSampler, group: Group) -> None:

@@ -181,6 +181,10 @@ _CALLS: dict[str, tuple[tuple[int, ...], str]] = {
     "custom-rm-path": ((2,), "async def reward(args, sample, **kwargs) (with --group-rm: reward(args, samples))"),
     "custom-loss-function-path": ((3,), "loss(config, inputs, reduce) -> (loss, metrics) (docs/rl-api.md)"),
     "custom-advantage-function-path": ((2,), "advantage(config, inputs) -> list[Tensor] (docs/rl-api.md)"),
+    "rollout-sample-hook-path": ((2,), "hook(args, sample, *, rollout_id=None, evaluation=False) -> Sample | None"),
+    "rollout-sample-filter-path": ((2,), "filter(args, groups) -> None, setting sample.remove_sample"),
+    "custom-rollout-log-function-path": ((5,), "log(rollout_id, args, samples, rollout_extra_metrics, "
+                                               "rollout_time) -> bool"),
 }
 
 
@@ -197,6 +201,11 @@ def call_problem(flag: str, function: Callable[..., Any], *, group_rm: bool = Fa
         return ("this is slime's Megatron loss form loss(args, batch, logits, sum_of_sample_mean), which reads "
                 "Megatron's packed logits; slimeflow's custom loss is loss(config, inputs, reduce) -> (loss, "
                 "metrics) over per-sample log-probs (docs/rl-api.md): port the loss to it")
+    names = list(inspect.signature(function).parameters)
+    if flag == "custom-advantage-function-path" and names[1:2] == ["rollout_data"]:
+        return ("this looks like slime's Megatron form advantage(args, rollout_data) that fills "
+                "rollout_data['advantages'] and ['returns']; slimeflow's is advantage(config, inputs) -> "
+                "list[Tensor] (docs/rl-api.md): port it (slime's form is not supported yet)")
     if not any(accepts(function, n) for n in counts):
         required, most = positional_arity(function)
         takes = f"{required}" if most == required else f"{required} to {'any' if most is None else most}"
@@ -205,3 +214,47 @@ def call_problem(flag: str, function: Callable[..., Any], *, group_rm: bool = Fa
     if flag == "custom-generate-function-path" and not inspect.iscoroutinefunction(function):
         return f"{_name(function)} is not an async function; it is awaited as {contract}"
     return None
+
+
+async def apply_sample_hooks(hooks: Sequence[Callable[..., Any]], args: Any, samples: list[Sample], *,
+                             rollout_id: int | None, evaluation: bool) -> list[Sample]:
+    """--rollout-sample-hook-path, in order, on each generated sample before its reward, as slime:
+    `hook(args, sample, *, rollout_id=None, evaluation=False) -> Sample | None` (sync or async; None keeps the
+    sample it was given, changed in place)."""
+    out = []
+    for sample in samples:
+        view = to_slime(sample)
+        for hook in hooks:
+            kwargs = {k: v for k, v in {"rollout_id": rollout_id, "evaluation": evaluation}.items() if _takes(hook, k)}
+            result = hook(args, view, **kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+            if result is not None:
+                if not isinstance(result, SlimeSample):
+                    raise TypeError(f"--rollout-sample-hook-path {_name(hook)} returned {type(result).__name__}; "
+                                    "return the Sample or None")
+                view = result
+        out.append(from_slime(view, sample, "--rollout-sample-hook-path"))
+    return out
+
+
+def apply_sample_filter(function: Callable[..., Any], args: Any, groups: list[list[Sample]]) -> int:
+    """--rollout-sample-filter-path, as slime: `filter(args, groups)` on the rollout's kept groups, setting
+    `remove_sample` on the samples that must not train; their loss masks become all 0 (they still count in the
+    group's advantage normalisation, as in slime). Returns how many were removed."""
+    views = [[to_slime(s) for s in group] for group in groups]
+    function(args, views)
+    removed = 0
+    for group, view_group in zip(groups, views, strict=True):
+        for sample, view in zip(group, view_group, strict=True):
+            if view.remove_sample:
+                sample.loss_mask = [0] * sample.response_length
+                removed += 1
+    return removed
+
+
+def call_rollout_log(function: Callable[..., Any], rollout_id: int, args: Any, samples: Sequence[Sample],
+                     metrics: dict[str, float], seconds: float) -> bool:
+    """--custom-rollout-log-function-path, as slime: `log(rollout_id, args, samples, rollout_extra_metrics,
+    rollout_time) -> bool`; True skips the default rollout metrics."""
+    return bool(function(rollout_id, args, [to_slime(s) for s in samples], dict(metrics), seconds))

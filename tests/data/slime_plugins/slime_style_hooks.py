@@ -61,3 +61,34 @@ def slime_megatron_loss(args, batch, logits, sum_of_sample_mean):
 def three_arguments(args, rollout_id, buffer):
     """Fits no hook's call (a buffer filter is called with 4 arguments, or slimeflow's with 2)."""
     return buffer
+
+
+LOGGED: list[tuple] = []
+
+
+def tag_sample(args, sample: Sample, *, rollout_id=None, evaluation=False):
+    """A sample hook that changes the sample in place and returns None."""
+    sample.metadata["hooked"] = [rollout_id, evaluation]
+
+
+async def answer_label(args, sample: Sample, **kwargs) -> Sample:
+    """An async sample hook that returns the sample, its response replaced by the label (before the reward)."""
+    sample.response = str(sample.label)
+    return sample
+
+
+def remove_odd_samples(args, data: list[list[Sample]]) -> None:
+    """slime's rollout sample filter: marks samples that must not train."""
+    for group in data:
+        for sample in group:
+            sample.remove_sample = sample.index % 2 == 1
+
+
+def log_and_skip_default(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool:
+    """slime's custom rollout log: records what it got and skips the default logging."""
+    LOGGED.append((rollout_id, len(samples), rollout_extra_metrics["rollout/reward_mean"], rollout_time > 0))
+    return True
+
+
+def slime_megatron_advantage(args, rollout_data):
+    rollout_data["advantages"] = rollout_data["returns"] = rollout_data["rewards"]
