@@ -96,6 +96,7 @@ class RolloutContext:
         if self.args is None:
             self.args = slime_args(self.config, router_url=self.router_url, concurrency=self.concurrency,
                                    client=self.client, tokenizer=self.tokenizer, _slimeflow_tokenizer=self.tokenizer,
+                                   weight_version=self.weight_version,
                                    _slimeflow_reward=self.scorer.reward_of)
             if self.api_key:
                 self.args.sglang_api_key = self.api_key

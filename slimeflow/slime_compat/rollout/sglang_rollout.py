@@ -58,7 +58,11 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     state = GenerateState(args)
     if sample.status not in (Sample.Status.PENDING, Sample.Status.ABORTED):
         raise ValueError(f"generate: sample status is {sample.status}; it must be PENDING or ABORTED")
-    prompt_ids = sample.tokens or state.tokenizer.encode(sample.prompt, add_special_tokens=False)
+    prompt = sample.prompt
+    if isinstance(prompt, list):  # slimeflow keeps a messages list as it is (slime renders it when loading data)
+        prompt = state.tokenizer.apply_chat_template(prompt, tools=sample.metadata.get("tools"), tokenize=False,
+                                                     add_generation_prompt=True)
+    prompt_ids = sample.tokens or state.tokenizer.encode(prompt, add_special_tokens=False)
     sampling_params["max_new_tokens"] -= sample.response_length
     if sampling_params["max_new_tokens"] < 0:
         raise ValueError(f"max_new_tokens: {sampling_params['max_new_tokens']} should not be less than 0")
