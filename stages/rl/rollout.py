@@ -27,13 +27,7 @@ from slimeflow.stages.rl.engine.client import EngineUnavailableError
 from slimeflow.stages.rl.filters import DynamicSampler, load_group_filter
 from slimeflow.stages.rl.plugins import load_plugin
 from slimeflow.stages.rl.rewards import RewardScorer
-from slimeflow.stages.rl.slime_plugins import (
-    apply_sample_filter,
-    apply_sample_hooks,
-    call_generate,
-    call_rollout_log,
-    slime_args,
-)
+from slimeflow.stages.rl.slime_plugins import apply_sample_hooks, call_generate, finish_rollout, slime_args
 from slimeflow.stages.rl.types import Sample, Status
 
 GenerateFn = Callable[[Any, Sample, dict[str, Any]], Awaitable[Sample]]
@@ -336,22 +330,7 @@ async def generate_rollout(ctx: RolloutContext, data: BufferedDataSource, rollou
     kept.sort(key=lambda g: g[0].group_index)
     metrics = rollout_metrics(kept, sampler.stats(), time.perf_counter() - started)
     metrics.update({"rollout/aborted_groups": len(aborted), "rollout/surplus_groups": len(surplus)})
-    return RolloutResult(groups=kept, metrics=slime_rollout_end(ctx, kept, metrics))
-
-
-def slime_rollout_end(ctx: RolloutContext, kept: list[Group], metrics: dict[str, float]) -> dict[str, float]:
-    """--rollout-sample-filter-path on the kept groups, then --custom-rollout-log-function-path; the metrics to
-    log (none when the log function says it logged them itself, as slime)."""
-    rollout = ctx.config.rollout
-    if rollout.rollout_sample_filter_path is not None:
-        function = load_plugin(rollout.rollout_sample_filter_path, "rollout-sample-filter-path")
-        metrics["rollout/removed_samples"] = float(apply_sample_filter(function, ctx.args, kept))
-    if rollout.custom_rollout_log_function_path is not None:
-        function = load_plugin(rollout.custom_rollout_log_function_path, "custom-rollout-log-function-path")
-        if call_rollout_log(function, ctx.rollout_id, ctx.args, [s for g in kept for s in g], metrics,
-                            metrics["rollout/seconds"]):
-            return {}
-    return metrics
+    return RolloutResult(groups=kept, metrics=finish_rollout(ctx, kept, metrics))
 
 
 def check_failures(sampler: DynamicSampler, group: Group) -> None:

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from slimeflow.slime_compat.rollout.filter_hub.base_types import DynamicFilterOutput
 from slimeflow.slime_compat.utils.types import Sample as SlimeSample
 from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.stages.rl.plugins import load_plugin
 from slimeflow.stages.rl.types import Sample, Status
 
 SLIME_DEFAULTS: dict[str, Any] = {
@@ -258,3 +259,18 @@ def call_rollout_log(function: Callable[..., Any], rollout_id: int, args: Any, s
     """--custom-rollout-log-function-path, as slime: `log(rollout_id, args, samples, rollout_extra_metrics,
     rollout_time) -> bool`; True skips the default rollout metrics."""
     return bool(function(rollout_id, args, [to_slime(s) for s in samples], dict(metrics), seconds))
+
+
+def finish_rollout(ctx: Any, kept: list[list[Sample]], metrics: dict[str, float]) -> dict[str, float]:
+    """--rollout-sample-filter-path on the kept groups, then --custom-rollout-log-function-path; the metrics to
+    log (none when the log function says it logged them itself, as slime). `ctx` is the rollout's context."""
+    rollout = ctx.config.rollout
+    if rollout.rollout_sample_filter_path is not None:
+        function = load_plugin(rollout.rollout_sample_filter_path, "rollout-sample-filter-path")
+        metrics["rollout/removed_samples"] = float(apply_sample_filter(function, ctx.args, kept))
+    if rollout.custom_rollout_log_function_path is not None:
+        function = load_plugin(rollout.custom_rollout_log_function_path, "custom-rollout-log-function-path")
+        if call_rollout_log(function, ctx.rollout_id, ctx.args, [s for g in kept for s in g], metrics,
+                            metrics["rollout/seconds"]):
+            return {}
+    return metrics
