@@ -307,8 +307,8 @@ def test_rollout_sample_filter_zeroes_removed_samples_and_the_log_function_repla
 
 # slime's `*-path` flags (slime/utils/arguments.py at THUDM/slime 624b824a8), the ones slimeflow calls with
 # slime's contract and the ones it refuses by name.
-CALLED = ["--custom-generate-function-path", "--custom-rm-path", "--dynamic-sampling-filter-path",
-          "--buffer-filter-path", "--rollout-sample-hook-path", "--rollout-sample-filter-path",
+CALLED = ["--rollout-function-path", "--custom-generate-function-path", "--custom-rm-path",
+          "--dynamic-sampling-filter-path", "--buffer-filter-path", "--rollout-sample-hook-path", "--rollout-sample-filter-path",
           "--custom-rollout-log-function-path"]
 REFUSED = ["--custom-tis-function-path", "--custom-pg-loss-reducer-function-path", "--rollout-data-postprocess-path",
            "--custom-megatron-init-path", "--custom-megatron-before-log-prob-hook-path",
@@ -339,3 +339,26 @@ def test_slimes_megatron_advantage_form_is_refused_at_start_up():
 
     with pytest.raises(StageInputError, match="slime's Megatron form advantage"):
         check_plugins(config(algorithm={"custom_advantage_function_path": "slime_style_hooks:slime_megatron_advantage"}))
+
+
+def test_a_rollout_function_in_slimes_form_runs_with_slimes_data_source(make_ctx):
+    from slimeflow.slime_compat.rollout.sglang_rollout import GenerateState
+    from slimeflow.stages.rl.plugins import load_plugin
+    from slimeflow.stages.rl.slime_plugins import run_rollout_function
+    from slimeflow.stages.rl.stage import check_plugins
+
+    cfg = config(rollout={"rollout_function_path": "slime_style_rollout.generate_rollout",
+                          "custom_generate_function_path": "slime_style_hooks:record_evaluation"})
+    check_plugins(cfg)
+    data = BufferedDataSource(DataSource(prompts("a1", "b2", "c3", "d4"), n_samples_per_prompt=2))
+    GenerateState.clear_instances()
+    try:
+        ctx = make_ctx(ScriptedEngine({}), cfg)
+        result = run_rollout_function(load_plugin(cfg.rollout.rollout_function_path, "rollout-function-path"), ctx,
+                                      data, 4)
+    finally:
+        GenerateState.clear_instances()
+    assert [[s.prompt for s in g] for g in result.groups] == [["a1", "a1"], ["b2", "b2"]]
+    assert [s.reward for s in result.samples] == [1.0, 1.0, 0.0, 0.0] and result.samples[0].response == "1"
+    assert result.metrics["custom/groups"] == 2.0 and result.metrics["rollout/reward_mean"] == 0.5
+    assert [g[0].prompt for g in data.buffer] == ["c3"]  # put back by the function, continued next rollout

@@ -103,7 +103,13 @@ class RolloutManager:
 
         # With --debug-rollout-only no trainer pushes weights: every rollout comes from the start weights.
         ctx = self._context(None if self.config.debug.debug_rollout_only else str(rollout_id))
-        result = self.loop.run_until_complete(generate_rollout(ctx, self.data, rollout_id))
+        if self.config.rollout.rollout_function_path is None:
+            result = self.loop.run_until_complete(generate_rollout(ctx, self.data, rollout_id))
+        else:  # slime's contract: a synchronous function that runs its coroutines on slime's background loop
+            from slimeflow.stages.rl.slime_plugins import run_rollout_function
+
+            function = load_plugin(self.config.rollout.rollout_function_path, "rollout-function-path")
+            result = run_rollout_function(function, ctx, self.data, rollout_id)
         if self.config.debug.save_debug_rollout_data is not None:
             save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, result.samples,
                          self.config.batch.n_samples_per_prompt)

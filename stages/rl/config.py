@@ -121,7 +121,8 @@ class RolloutConfig(ConfigModel):
     custom_generate_function_path: PluginPath = None
     """async generate(args, sample, sampling_params) -> Sample, for multi-turn and agentic rollouts."""
     rollout_function_path: PluginPath = None
-    """Replace the whole rollout function."""
+    """Replace the whole rollout function: generate_rollout(args, rollout_id, data_source, evaluation=False) ->
+    RolloutFnTrainOutput | list[list[Sample]] (slime's contract; the dynamic-sampling flags are then its own)."""
     over_sampling_batch_size: OptionalPositiveInt = None
     """Prompts requested per over-sampling round (>= rollout_batch_size; defaults to it)."""
     dynamic_sampling_filter_path: PluginPath = None

@@ -175,6 +175,7 @@ def buffer_filter(function: Callable[..., Any], args: Any) -> Callable[[list[lis
 _CALLS: dict[str, tuple[tuple[int, ...], str]] = {
     # flag: (positional arguments it may be called with, the contracts as the user reads them)
     "custom-generate-function-path": ((3,), "async def generate(args, sample, sampling_params, evaluation=False)"),
+    "rollout-function-path": ((3,), "generate_rollout(args, rollout_id, data_source, evaluation=False)"),
     "dynamic-sampling-filter-path": ((2, 1), "filter(args, samples, **kwargs) -> DynamicFilterOutput (slime's), or "
                                              "filter(group) -> FilterOutcome | bool"),
     "buffer-filter-path": ((4, 2), "buffer_filter(args, rollout_id, buffer, num_samples) (slime's pop_first), or "
@@ -212,6 +213,8 @@ def call_problem(flag: str, function: Callable[..., Any], *, group_rm: bool = Fa
         takes = f"{required}" if most == required else f"{required} to {'any' if most is None else most}"
         return (f"{_name(function)} takes {takes} positional arguments, but it is called as {contract}; "
                 "fix its signature")
+    if flag == "rollout-function-path" and not _takes(function, "evaluation"):
+        return f"{_name(function)} takes no evaluation= keyword; it is called as {contract}"
     if flag == "custom-generate-function-path" and not inspect.iscoroutinefunction(function):
         return f"{_name(function)} is not an async function; it is awaited as {contract}"
     return None
@@ -274,3 +277,68 @@ def finish_rollout(ctx: Any, kept: list[list[Sample]], metrics: dict[str, float]
                             metrics["rollout/seconds"]):
             return {}
     return metrics
+
+
+class SlimeDataSource:
+    """slime's data-source API (get_samples, add_samples) over slimeflow's buffered data source, for a rollout
+    function: groups go out as slime Samples and come back as ours."""
+
+    def __init__(self, data: Any, rollout_id: int):
+        self.data, self.rollout_id = data, rollout_id
+        self._origin: dict[int, Sample] = {}
+
+    def get_samples(self, num_samples: int) -> list[list[SlimeSample]]:
+        """`num_samples` groups (the buffer's first, as slime's data source with buffer)."""
+        views = []
+        for group in self.data.get_groups(num_samples):
+            view = [to_slime(s) for s in group]
+            self._origin.update({id(v): s for v, s in zip(view, group, strict=True)})
+            views.append(view)
+        return views
+
+    def add_samples(self, samples: list[list[SlimeSample]]) -> None:
+        """Put groups back into the buffer (aborted ones, continued by a later rollout)."""
+        self.data.add_groups([[self.native(s, "data_source.add_samples") for s in group] for group in samples],
+                             self.rollout_id)
+
+    def native(self, view: Any, where: str) -> Sample:
+        return from_slime(view, self._origin.get(id(view), view), where)
+
+    def get_buffer_length(self) -> int:
+        return len(self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+def _leaves(value: Any) -> list[Any]:
+    return [leaf for item in value for leaf in _leaves(item)] if isinstance(value, list) else [value]
+
+
+def run_rollout_function(function: Callable[..., Any], ctx: Any, data: Any, rollout_id: int) -> Any:
+    """--rollout-function-path, as slime calls it: `generate_rollout(args, rollout_id, data_source,
+    evaluation=False)` -> RolloutFnTrainOutput or list[list[Sample]] (a group may nest lists of samples). Every
+    sample must carry its reward (a dict is reduced with --reward-key). Returns the rollout's RolloutResult."""
+    import time
+
+    from slimeflow.slime_compat.rollout.base_types import call_rollout_fn
+    from slimeflow.stages.rl.rewards import reward_value
+    from slimeflow.stages.rl.rollout import RolloutResult, rollout_metrics
+
+    ctx.rollout_id = rollout_id
+    source = SlimeDataSource(data, rollout_id)
+    where = f"--rollout-function-path {_name(function)}"
+    started = time.perf_counter()
+    output = call_rollout_fn(function, ctx.args, rollout_id, source, evaluation=False)
+    groups = []
+    for group in output.samples:
+        samples = [source.native(view, where) for view in _leaves(group)]
+        for sample in samples:
+            if sample.reward is None:
+                raise ValueError(f"{where} returned sample {sample.index} (group {sample.group_index}) without a "
+                                 "reward; a rollout function rewards its samples (slime's generate_and_rm does)")
+            sample.reward = reward_value(sample.reward, ctx.config.reward.reward_key)
+        groups.append(samples)
+    metrics = rollout_metrics(groups, {}, time.perf_counter() - started)
+    metrics.update({k: float(v) for k, v in (output.metrics or {}).items() if isinstance(v, int | float)})
+    return RolloutResult(groups=groups, metrics=metrics)

@@ -155,9 +155,6 @@ def check_plugins(config: TrainConfig) -> None:
         problems.extend(plugin_problems(flag, getattr(getattr(config, group), field), config.reward.group_rm))
     for path in config.rollout.rollout_sample_hook_path or []:
         problems.extend(plugin_problems("rollout-sample-hook-path", path, False))
-    if config.rollout.rollout_function_path is not None:
-        problems.append("--rollout-function-path: replacing the whole rollout function is not supported in this "
-                        "version; use --custom-generate-function-path (per sample) instead")
     if problems:
         raise StageInputError("the train stage's plug-ins", problems, "Fix the paths (package.module:function).")
 

@@ -15,7 +15,7 @@ from slimeflow.slime_compat.utils.http_utils import post
 from slimeflow.slime_compat.utils.misc import SingletonMeta, load_function
 from slimeflow.slime_compat.utils.types import Sample
 
-__all__ = ["GenerateState", "generate", "generate_and_rm", "get_model_url"]
+__all__ = ["GenerateState", "generate", "generate_and_rm", "generate_and_rm_group", "get_model_url"]
 
 
 def get_model_url(args: Any, model_name: str, endpoint: str = "/generate") -> str:
@@ -112,3 +112,16 @@ async def generate_and_rm(args: Any, sample: Sample, sampling_params: dict[str, 
         if s.reward is None:
             s.reward = await args._slimeflow_reward(s)
     return result
+
+
+async def generate_and_rm_group(args: Any, group: list[Sample], sampling_params: dict[str, Any],
+                                evaluation: bool = False) -> list[Sample]:
+    """`generate_and_rm` for every sample of a group, concurrently (each with its own copy of sampling_params)."""
+    if args.group_rm:
+        raise NotImplementedError("generate_and_rm_group with --group-rm is not supported by slimeflow's slime "
+                                  "compatibility layer yet; reward the group in your rollout function")
+    state = GenerateState(args)
+    if state.aborted:
+        return group
+    return list(await asyncio.gather(*(generate_and_rm(args, sample, dict(sampling_params), evaluation=evaluation)
+                                       for sample in group)))
