@@ -309,12 +309,12 @@ def test_rollout_sample_filter_zeroes_removed_samples_and_the_log_function_repla
 # slime's contract and the ones it refuses by name.
 CALLED = ["--rollout-function-path", "--custom-generate-function-path", "--custom-rm-path",
           "--dynamic-sampling-filter-path", "--buffer-filter-path", "--rollout-sample-hook-path", "--rollout-sample-filter-path",
-          "--custom-rollout-log-function-path"]
+          "--custom-rollout-log-function-path", "--custom-reward-post-process-path"]
 REFUSED = ["--custom-tis-function-path", "--custom-pg-loss-reducer-function-path", "--rollout-data-postprocess-path",
            "--custom-megatron-init-path", "--custom-megatron-before-log-prob-hook-path",
            "--custom-megatron-before-train-step-hook-path", "--custom-model-provider-path",
            "--custom-update-weight-post-write-path", "--megatron-config-path", "--data-source-path",
-           "--custom-reward-post-process-path", "--custom-convert-samples-to-train-data-path",
+           "--custom-convert-samples-to-train-data-path",
            "--rollout-all-samples-process-path", "--custom-eval-rollout-log-function-path", "--eval-function-path",
            "--custom-config-path"]
 
@@ -362,3 +362,19 @@ def test_a_rollout_function_in_slimes_form_runs_with_slimes_data_source(make_ctx
     assert [s.reward for s in result.samples] == [1.0, 1.0, 0.0, 0.0] and result.samples[0].response == "1"
     assert result.metrics["custom/groups"] == 2.0 and result.metrics["rollout/reward_mean"] == 0.5
     assert [g[0].prompt for g in data.buffer] == ["c3"]  # put back by the function, continued next rollout
+
+
+def test_reward_post_process_replaces_group_normalisation(make_ctx):
+    from slimeflow.stages.rl.advantages import AdvantageInputs, compute_advantages
+
+    cfg = config(algorithm={"custom_reward_post_process_path": "slime_style_hooks:scale_rewards"})
+    result = run(make_ctx(ScriptedEngine({"a1": "1", "b2": "0"}), cfg),
+                 BufferedDataSource(DataSource(prompts("a1", "b2"), n_samples_per_prompt=2)))
+    assert [s.reward for s in result.samples] == [9.0, 9.0, -1.0, -1.0]
+    assert [s.metadata["raw_reward"] for s in result.samples] == [1.0, 1.0, 0.0, 0.0]
+    assert result.metrics["rollout/reward_mean"] == 0.5  # the raw rewards
+    inputs = AdvantageInputs(rewards=torch.tensor([9.0, 9.0, -1.0, -1.0]), loss_masks=[torch.ones(2)] * 4)
+    advantages = compute_advantages(cfg.algorithm, inputs, 2).advantages
+    assert [a.tolist() for a in advantages] == [[9.0, 9.0], [9.0, 9.0], [-1.0, -1.0], [-1.0, -1.0]]
+    plain = compute_advantages(config().algorithm, inputs, 2).advantages  # zero-std groups: 0 without the hook
+    assert all(a.abs().max() == 0 for a in plain)

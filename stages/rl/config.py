@@ -206,6 +206,9 @@ class AlgorithmConfig(ConfigModel):
     """A custom loss (with loss_type custom_loss)."""
     custom_advantage_function_path: PluginPath = None
     """A custom advantage estimator."""
+    custom_reward_post_process_path: PluginPath = None
+    """post_process(args, samples) -> (raw_rewards, rewards), on the rollout's samples (slime's contract); the
+    estimators then take `rewards` as they are (no group normalisation, as in slime)."""
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:

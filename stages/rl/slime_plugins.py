@@ -185,6 +185,7 @@ _CALLS: dict[str, tuple[tuple[int, ...], str]] = {
     "custom-advantage-function-path": ((2,), "advantage(config, inputs) -> list[Tensor] (docs/rl-api.md)"),
     "rollout-sample-hook-path": ((2,), "hook(args, sample, *, rollout_id=None, evaluation=False) -> Sample | None"),
     "rollout-sample-filter-path": ((2,), "filter(args, groups) -> None, setting sample.remove_sample"),
+    "custom-reward-post-process-path": ((2,), "post_process(args, samples) -> (raw_rewards, rewards)"),
     "custom-rollout-log-function-path": ((5,), "log(rollout_id, args, samples, rollout_extra_metrics, "
                                                "rollout_time) -> bool"),
 }
@@ -264,10 +265,28 @@ def call_rollout_log(function: Callable[..., Any], rollout_id: int, args: Any, s
     return bool(function(rollout_id, args, [to_slime(s) for s in samples], dict(metrics), seconds))
 
 
+def post_process_rewards(function: Callable[..., Any], args: Any, groups: list[list[Sample]]) -> None:
+    """--custom-reward-post-process-path, as slime: `post_process(args, samples) -> (raw_rewards, rewards)` on the
+    rollout's samples in order; each sample's reward becomes its post-processed one (the raw one is kept in
+    metadata['raw_reward'])."""
+    samples = [s for group in groups for s in group]
+    where = f"--custom-reward-post-process-path {_name(function)}"
+    raw, rewards = function(args, [to_slime(s) for s in samples])
+    if len(raw) != len(samples) or len(rewards) != len(samples):
+        raise ValueError(f"{where} returned {len(raw)} raw rewards and {len(rewards)} rewards for {len(samples)} "
+                         "samples; return one of each per sample")
+    for sample, raw_reward, reward in zip(samples, raw, rewards, strict=True):
+        sample.metadata["raw_reward"] = float(raw_reward)
+        sample.reward = float(reward)
+
+
 def finish_rollout(ctx: Any, kept: list[list[Sample]], metrics: dict[str, float]) -> dict[str, float]:
-    """--rollout-sample-filter-path on the kept groups, then --custom-rollout-log-function-path; the metrics to
+    """--custom-reward-post-process-path, then --rollout-sample-filter-path on the kept groups, then --custom-rollout-log-function-path; the metrics to
     log (none when the log function says it logged them itself, as slime). `ctx` is the rollout's context."""
     rollout = ctx.config.rollout
+    post_process = ctx.config.algorithm.custom_reward_post_process_path
+    if post_process is not None:
+        post_process_rewards(load_plugin(post_process, "custom-reward-post-process-path"), ctx.args, kept)
     if rollout.rollout_sample_filter_path is not None:
         function = load_plugin(rollout.rollout_sample_filter_path, "rollout-sample-filter-path")
         metrics["rollout/removed_samples"] = float(apply_sample_filter(function, ctx.args, kept))
@@ -341,4 +360,7 @@ def run_rollout_function(function: Callable[..., Any], ctx: Any, data: Any, roll
         groups.append(samples)
     metrics = rollout_metrics(groups, {}, time.perf_counter() - started)
     metrics.update({k: float(v) for k, v in (output.metrics or {}).items() if isinstance(v, int | float)})
+    post_process = ctx.config.algorithm.custom_reward_post_process_path
+    if post_process is not None:  # as slime: applied to whatever the rollout function returned
+        post_process_rewards(load_plugin(post_process, "custom-reward-post-process-path"), ctx.args, groups)
     return RolloutResult(groups=groups, metrics=metrics)

@@ -131,6 +131,7 @@ PLUGIN_FLAGS = {
     ("algorithm", "custom_advantage_function_path"): "custom-advantage-function-path",
     ("rollout", "rollout_sample_filter_path"): "rollout-sample-filter-path",
     ("rollout", "custom_rollout_log_function_path"): "custom-rollout-log-function-path",
+    ("algorithm", "custom_reward_post_process_path"): "custom-reward-post-process-path",
 }
 
 

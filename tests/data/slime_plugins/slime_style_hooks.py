@@ -92,3 +92,9 @@ def log_and_skip_default(rollout_id, args, samples, rollout_extra_metrics, rollo
 
 def slime_megatron_advantage(args, rollout_data):
     rollout_data["advantages"] = rollout_data["returns"] = rollout_data["rewards"]
+
+
+def scale_rewards(args, samples: list[Sample]) -> tuple[list[float], list[float]]:
+    """slime's reward post-process: (raw rewards, the rewards to train on)."""
+    raw = [sample.get_reward_value(args) for sample in samples]
+    return raw, [10.0 * r - 1.0 for r in raw]
