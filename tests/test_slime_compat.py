@@ -309,13 +309,14 @@ def test_rollout_sample_filter_zeroes_removed_samples_and_the_log_function_repla
 # slime's contract and the ones it refuses by name.
 CALLED = ["--rollout-function-path", "--custom-generate-function-path", "--custom-rm-path",
           "--dynamic-sampling-filter-path", "--buffer-filter-path", "--rollout-sample-hook-path", "--rollout-sample-filter-path",
-          "--custom-rollout-log-function-path", "--custom-reward-post-process-path"]
+          "--custom-rollout-log-function-path", "--custom-reward-post-process-path",
+          "--rollout-all-samples-process-path"]
 REFUSED = ["--custom-tis-function-path", "--custom-pg-loss-reducer-function-path", "--rollout-data-postprocess-path",
            "--custom-megatron-init-path", "--custom-megatron-before-log-prob-hook-path",
            "--custom-megatron-before-train-step-hook-path", "--custom-model-provider-path",
            "--custom-update-weight-post-write-path", "--megatron-config-path", "--data-source-path",
            "--custom-convert-samples-to-train-data-path",
-           "--rollout-all-samples-process-path", "--custom-eval-rollout-log-function-path", "--eval-function-path",
+           "--custom-eval-rollout-log-function-path", "--eval-function-path",
            "--custom-config-path"]
 
 
@@ -378,3 +379,17 @@ def test_reward_post_process_replaces_group_normalisation(make_ctx):
     assert [a.tolist() for a in advantages] == [[9.0, 9.0], [9.0, 9.0], [-1.0, -1.0], [-1.0, -1.0]]
     plain = compute_advantages(config().algorithm, inputs, 2).advantages  # zero-std groups: 0 without the hook
     assert all(a.abs().max() == 0 for a in plain)
+
+
+def test_all_samples_process_sees_kept_and_filtered_groups(make_ctx):
+    import slime_style_hooks
+
+    slime_style_hooks.SEEN_ALL.clear()
+    cfg = config(rollout={"dynamic_sampling_filter_path": "slime_style_hooks:drop_prompt_b",
+                          "rollout_all_samples_process_path": "slime_style_hooks:see_all_samples",
+                          "over_sampling_batch_size": 3})
+    result = run(make_ctx(ScriptedEngine({"a1": "1", "b2": "2", "c3": "3"}), cfg),
+                 BufferedDataSource(DataSource(prompts("a1", "b2", "c3"))))
+    assert slime_style_hooks.SEEN_ALL == [(["a1", "b2", "c3"], 0)]
+    assert [g[0].prompt for g in result.groups] == ["a1", "c3"]
+    assert all(s.metadata["seen_by_process"] for s in result.samples)

@@ -139,6 +139,9 @@ class RolloutConfig(ConfigModel):
     rollout_sample_filter_path: PluginPath = None
     """filter(args, groups) -> None, setting `remove_sample` on samples that must not train (their loss mask
     becomes 0; they still count in advantage normalisation), as slime."""
+    rollout_all_samples_process_path: PluginPath = None
+    """process(args, all_samples, data_source) on every finished group of the rollout, kept or filtered out
+    (slime's contract; data_source is slime's API over the rollout's buffer)."""
     custom_rollout_log_function_path: PluginPath = None
     """log(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool; True skips the default
     rollout metrics (slime's contract)."""

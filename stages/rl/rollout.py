@@ -306,6 +306,7 @@ async def generate_rollout(ctx: RolloutContext, data: BufferedDataSource, rollou
     started = time.perf_counter()
     pending: set[asyncio.Task] = set()
     order: dict[asyncio.Task, int] = {}
+    offered: list[Group] = []  # kept or not (slime's --rollout-all-samples-process-path sees them all)
     while not sampler.done:
         for group in data.get_groups(sampler.groups_to_request()):
             task = asyncio.ensure_future(generate_group(ctx, group, params))
@@ -323,6 +324,7 @@ async def generate_rollout(ctx: RolloutContext, data: BufferedDataSource, rollou
                 data.add_groups([reset_group(group)], rollout_id)
                 continue
             sampler.offer(group)
+            offered.append(group)
     aborted = await abort_stragglers(ctx, pending)
     if config.rollout.partial_rollout:
         data.add_groups(aborted, rollout_id)
@@ -330,7 +332,7 @@ async def generate_rollout(ctx: RolloutContext, data: BufferedDataSource, rollou
     kept.sort(key=lambda g: g[0].group_index)
     metrics = rollout_metrics(kept, sampler.stats(), time.perf_counter() - started)
     metrics.update({"rollout/aborted_groups": len(aborted), "rollout/surplus_groups": len(surplus)})
-    return RolloutResult(groups=kept, metrics=finish_rollout(ctx, kept, metrics))
+    return RolloutResult(groups=kept, metrics=finish_rollout(ctx, kept, metrics, offered, data))
 
 
 def check_failures(sampler: DynamicSampler, group: Group) -> None:

@@ -186,6 +186,7 @@ _CALLS: dict[str, tuple[tuple[int, ...], str]] = {
     "rollout-sample-hook-path": ((2,), "hook(args, sample, *, rollout_id=None, evaluation=False) -> Sample | None"),
     "rollout-sample-filter-path": ((2,), "filter(args, groups) -> None, setting sample.remove_sample"),
     "custom-reward-post-process-path": ((2,), "post_process(args, samples) -> (raw_rewards, rewards)"),
+    "rollout-all-samples-process-path": ((3,), "process(args, all_samples, data_source)"),
     "custom-rollout-log-function-path": ((5,), "log(rollout_id, args, samples, rollout_extra_metrics, "
                                                "rollout_time) -> bool"),
 }
@@ -280,9 +281,26 @@ def post_process_rewards(function: Callable[..., Any], args: Any, groups: list[l
         sample.reward = float(reward)
 
 
-def finish_rollout(ctx: Any, kept: list[list[Sample]], metrics: dict[str, float]) -> dict[str, float]:
-    """--custom-reward-post-process-path, then --rollout-sample-filter-path on the kept groups, then --custom-rollout-log-function-path; the metrics to
-    log (none when the log function says it logged them itself, as slime). `ctx` is the rollout's context."""
+def process_all_samples(function: Callable[..., Any], args: Any, kept: list[list[Sample]],
+                        finished: list[list[Sample]], source: SlimeDataSource) -> None:
+    """--rollout-all-samples-process-path, as slime: `process(args, all_samples, data_source)` on every finished
+    group in prompt order, kept or filtered out; what it changes in the kept samples is carried back."""
+    ordered = sorted(finished, key=lambda group: group[0].group_index)
+    views = [[to_slime(s) for s in group] for group in ordered]
+    function(args, views, source)
+    back = {id(sample): view for group, view_group in zip(ordered, views, strict=True)
+            for sample, view in zip(group, view_group, strict=True)}
+    where = f"--rollout-all-samples-process-path {_name(function)}"
+    for group in kept:
+        group[:] = [from_slime(back[id(s)], s, where) if id(s) in back else s for s in group]
+
+
+def finish_rollout(ctx: Any, kept: list[list[Sample]], metrics: dict[str, float],
+                   finished: list[list[Sample]] | None = None, data: Any = None) -> dict[str, float]:
+    """On the kept groups: --custom-reward-post-process-path, --rollout-sample-filter-path, then
+    --rollout-all-samples-process-path on every finished group (`finished`, kept or filtered out) with `data`
+    as slime's data source, then --custom-rollout-log-function-path; the metrics to log (none when the log
+    function says it logged them itself, as slime). `ctx` is the rollout's context."""
     rollout = ctx.config.rollout
     post_process = ctx.config.algorithm.custom_reward_post_process_path
     if post_process is not None:
@@ -290,6 +308,9 @@ def finish_rollout(ctx: Any, kept: list[list[Sample]], metrics: dict[str, float]
     if rollout.rollout_sample_filter_path is not None:
         function = load_plugin(rollout.rollout_sample_filter_path, "rollout-sample-filter-path")
         metrics["rollout/removed_samples"] = float(apply_sample_filter(function, ctx.args, kept))
+    if rollout.rollout_all_samples_process_path is not None:
+        function = load_plugin(rollout.rollout_all_samples_process_path, "rollout-all-samples-process-path")
+        process_all_samples(function, ctx.args, kept, finished or kept, SlimeDataSource(data, ctx.rollout_id))
     if rollout.custom_rollout_log_function_path is not None:
         function = load_plugin(rollout.custom_rollout_log_function_path, "custom-rollout-log-function-path")
         if call_rollout_log(function, ctx.rollout_id, ctx.args, [s for g in kept for s in g], metrics,

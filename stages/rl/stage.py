@@ -132,6 +132,7 @@ PLUGIN_FLAGS = {
     ("rollout", "rollout_sample_filter_path"): "rollout-sample-filter-path",
     ("rollout", "custom_rollout_log_function_path"): "custom-rollout-log-function-path",
     ("algorithm", "custom_reward_post_process_path"): "custom-reward-post-process-path",
+    ("rollout", "rollout_all_samples_process_path"): "rollout-all-samples-process-path",
 }
 
 

@@ -98,3 +98,14 @@ def scale_rewards(args, samples: list[Sample]) -> tuple[list[float], list[float]
     """slime's reward post-process: (raw rewards, the rewards to train on)."""
     raw = [sample.get_reward_value(args) for sample in samples]
     return raw, [10.0 * r - 1.0 for r in raw]
+
+
+SEEN_ALL: list[tuple] = []
+
+
+def see_all_samples(args, all_samples: list[list[Sample]], data_source) -> None:
+    """slime's all-samples process: sees kept and filtered-out groups, and may change samples."""
+    SEEN_ALL.append(([group[0].prompt for group in all_samples], data_source.get_buffer_length()))
+    for group in all_samples:
+        for sample in group:
+            sample.metadata["seen_by_process"] = True
