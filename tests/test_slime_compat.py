@@ -310,13 +310,13 @@ def test_rollout_sample_filter_zeroes_removed_samples_and_the_log_function_repla
 CALLED = ["--rollout-function-path", "--custom-generate-function-path", "--custom-rm-path",
           "--dynamic-sampling-filter-path", "--buffer-filter-path", "--rollout-sample-hook-path", "--rollout-sample-filter-path",
           "--custom-rollout-log-function-path", "--custom-reward-post-process-path",
-          "--rollout-all-samples-process-path"]
+          "--rollout-all-samples-process-path", "--custom-eval-rollout-log-function-path"]
 REFUSED = ["--custom-tis-function-path", "--custom-pg-loss-reducer-function-path", "--rollout-data-postprocess-path",
            "--custom-megatron-init-path", "--custom-megatron-before-log-prob-hook-path",
            "--custom-megatron-before-train-step-hook-path", "--custom-model-provider-path",
            "--custom-update-weight-post-write-path", "--megatron-config-path", "--data-source-path",
            "--custom-convert-samples-to-train-data-path",
-           "--custom-eval-rollout-log-function-path", "--eval-function-path",
+           "--eval-function-path",
            "--custom-config-path"]
 
 
@@ -393,3 +393,17 @@ def test_all_samples_process_sees_kept_and_filtered_groups(make_ctx):
     assert slime_style_hooks.SEEN_ALL == [(["a1", "b2", "c3"], 0)]
     assert [g[0].prompt for g in result.groups] == ["a1", "c3"]
     assert all(s.metadata["seen_by_process"] for s in result.samples)
+
+
+def test_the_eval_log_function_gets_slimes_eval_data(make_ctx):
+    import slime_style_hooks
+
+    slime_style_hooks.EVAL_LOGGED.clear()
+    cfg = config(eval={"custom_eval_rollout_log_function_path": "slime_style_hooks:log_eval"})
+    ctx = make_ctx(ScriptedEngine({"x1": "1", "y2": "0"}), cfg)
+    ctx.rollout_id = 7
+    sets = {"set": prompts("x1", "y2")}
+    metrics = asyncio.run(evaluate_sets(ctx, sets, EvalSettings(2, {"max_new_tokens": 1})))
+    assert slime_style_hooks.EVAL_LOGGED == [(7, {"set": ([1.0, 1.0, 0.0, 0.0], [0, 0, 0, 0], 4)},
+                                              ["eval/set/avg_at_2"])]
+    assert metrics["eval/set/avg_at_2"] == 0.5  # False: the default metrics are kept

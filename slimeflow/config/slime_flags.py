@@ -81,8 +81,6 @@ NOT_YET_SUPPORTED.update({
     "--custom-convert-samples-to-train-data-path": ("slime's train-data dict is not what slimeflow's trainer takes (a "
                                                     "typed TrainBatch); converting samples yourself is not supported "
                                                     "yet: use --rollout-sample-filter-path or a sample hook"),
-    "--custom-eval-rollout-log-function-path": ("custom eval logging (slime's eval data dict) is not supported yet: "
-                                                "evaluation metrics are slimeflow's (avg@n, pass@k)"),
 })
 
 NOT_YET_SUPPORTED_PREFIXES: dict[str, str] = {

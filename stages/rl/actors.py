@@ -125,7 +125,9 @@ class RolloutManager:
         ev, ro = self.config.eval, self.config.rollout
         params = sampling_params(ro, ev.eval_max_response_len, ev.eval_temperature, ev.eval_top_p, ev.eval_top_k)
         settings = EvalSettings(ev.n_samples_per_eval_prompt, params)
-        return self.loop.run_until_complete(evaluate_sets(self._context(version), self.eval_sets, settings))
+        ctx = self._context(version)
+        ctx.rollout_id = int(version) if version is not None and version.isdigit() else None  # the loop's version
+        return self.loop.run_until_complete(evaluate_sets(ctx, self.eval_sets, settings))
 
     def weight_targets(self) -> WeightTargets:
         """Where the trainer pushes its weights (every engine; see TrainActor.connect_engines)."""

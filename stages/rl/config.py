@@ -292,6 +292,9 @@ class EvalConfig(ConfigModel):
     """Eval top-k (default: rollout_top_k)."""
     skip_eval_before_train: bool = False
     """Do not evaluate before the first rollout."""
+    custom_eval_rollout_log_function_path: PluginPath = None
+    """log(rollout_id, args, data, extra_metrics) -> bool, data = {set: {rewards, truncated, samples}}; True skips
+    the default eval metrics (slime's contract)."""
 
 
 class PlacementConfig(ConfigModel):

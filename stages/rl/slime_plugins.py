@@ -187,6 +187,7 @@ _CALLS: dict[str, tuple[tuple[int, ...], str]] = {
     "rollout-sample-filter-path": ((2,), "filter(args, groups) -> None, setting sample.remove_sample"),
     "custom-reward-post-process-path": ((2,), "post_process(args, samples) -> (raw_rewards, rewards)"),
     "rollout-all-samples-process-path": ((3,), "process(args, all_samples, data_source)"),
+    "custom-eval-rollout-log-function-path": ((4,), "log(rollout_id, args, data, extra_metrics) -> bool"),
     "custom-rollout-log-function-path": ((5,), "log(rollout_id, args, samples, rollout_extra_metrics, "
                                                "rollout_time) -> bool"),
 }
@@ -264,6 +265,20 @@ def call_rollout_log(function: Callable[..., Any], rollout_id: int, args: Any, s
     """--custom-rollout-log-function-path, as slime: `log(rollout_id, args, samples, rollout_extra_metrics,
     rollout_time) -> bool`; True skips the default rollout metrics."""
     return bool(function(rollout_id, args, [to_slime(s) for s in samples], dict(metrics), seconds))
+
+
+def call_eval_log(function: Callable[..., Any], rollout_id: int | None, args: Any,
+                  results: dict[str, list[list[Sample]]], metrics: dict[str, float]) -> bool:
+    """--custom-eval-rollout-log-function-path, as slime: `log(rollout_id, args, data, extra_metrics) -> bool` with
+    data = {set name: {"rewards", "truncated", "samples"}} (failed samples left out); True skips the default
+    eval metrics."""
+    data = {}
+    for name, groups in results.items():
+        good = [s for g in groups for s in g if s.status is not Status.FAILED and s.reward is not None]
+        data[name] = {"rewards": [float(s.reward) for s in good],
+                      "truncated": [int(s.status is Status.TRUNCATED) for s in good],
+                      "samples": [to_slime(s) for s in good]}
+    return bool(function(rollout_id, args, data, dict(metrics)))
 
 
 def post_process_rewards(function: Callable[..., Any], args: Any, groups: list[list[Sample]]) -> None:

@@ -109,3 +109,13 @@ def see_all_samples(args, all_samples: list[list[Sample]], data_source) -> None:
     for group in all_samples:
         for sample in group:
             sample.metadata["seen_by_process"] = True
+
+
+EVAL_LOGGED: list[tuple] = []
+
+
+def log_eval(rollout_id, args, data, extra_metrics) -> bool:
+    """slime's custom eval log: records the per-set data and keeps the default logging (returns False)."""
+    EVAL_LOGGED.append((rollout_id, {name: (d["rewards"], d["truncated"], len(d["samples"])) for name, d in data.items()},
+                        sorted(extra_metrics)[:1]))
+    return False
