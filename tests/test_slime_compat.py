@@ -310,12 +310,12 @@ def test_rollout_sample_filter_zeroes_removed_samples_and_the_log_function_repla
 CALLED = ["--rollout-function-path", "--custom-generate-function-path", "--custom-rm-path",
           "--dynamic-sampling-filter-path", "--buffer-filter-path", "--rollout-sample-hook-path", "--rollout-sample-filter-path",
           "--custom-rollout-log-function-path", "--custom-reward-post-process-path",
-          "--rollout-all-samples-process-path", "--custom-eval-rollout-log-function-path"]
+          "--rollout-all-samples-process-path", "--custom-eval-rollout-log-function-path",
+          "--custom-convert-samples-to-train-data-path"]
 REFUSED = ["--custom-tis-function-path", "--custom-pg-loss-reducer-function-path", "--rollout-data-postprocess-path",
            "--custom-megatron-init-path", "--custom-megatron-before-log-prob-hook-path",
            "--custom-megatron-before-train-step-hook-path", "--custom-model-provider-path",
            "--custom-update-weight-post-write-path", "--megatron-config-path", "--data-source-path",
-           "--custom-convert-samples-to-train-data-path",
            "--eval-function-path",
            "--custom-config-path"]
 
@@ -407,3 +407,21 @@ def test_the_eval_log_function_gets_slimes_eval_data(make_ctx):
     assert slime_style_hooks.EVAL_LOGGED == [(7, {"set": ([1.0, 1.0, 0.0, 0.0], [0, 0, 0, 0], 4)},
                                               ["eval/set/avg_at_2"])]
     assert metrics["eval/set/avg_at_2"] == 0.5  # False: the default metrics are kept
+
+
+def test_convert_samples_to_train_data_builds_the_train_batch(make_ctx):
+    from slimeflow.stages.rl.advantages import AdvantageInputs, compute_advantages
+    from slimeflow.stages.rl.slime_plugins import train_batch
+
+    cfg = config(algorithm={"custom_convert_samples_to_train_data_path": "slime_style_hooks:to_train_data"})
+    result = run(make_ctx(ScriptedEngine({"a1": "1", "b2": "0"}), cfg),
+                 BufferedDataSource(DataSource(prompts("a1", "b2"), n_samples_per_prompt=2)))
+    batch = train_batch(cfg, slime_args(cfg), result.samples)
+    assert batch.rewards.tolist() == [0.5, 0.5, -0.5, -0.5] and batch.response_lengths == [1, 1, 1, 1]
+    assert [t.tolist() for t in batch.tokens[:1]] == [[ord("a"), ord("1"), ord("1")]] and batch.group_indices == [0, 0, 1, 1]
+    inputs = AdvantageInputs(rewards=batch.rewards, loss_masks=batch.loss_masks)
+    assert [a.item() for a in compute_advantages(cfg.algorithm, inputs, 2).advantages] == [0.5, 0.5, -0.5, -0.5]
+    teacher = config(algorithm={"custom_convert_samples_to_train_data_path":
+                                "slime_style_hooks:to_train_data_with_teacher"})
+    with pytest.raises(ValueError, match=r"returned keys \['teacher_log_probs'\] that slimeflow's trainer does not"):
+        train_batch(teacher, slime_args(teacher), result.samples)

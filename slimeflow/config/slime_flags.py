@@ -78,9 +78,6 @@ NOT_YET_SUPPORTED.update({
     "--data-source-path": ("a custom data source class (slime's RolloutDataSource API: get_samples, add_samples, "
                            "save, load) is not supported yet; slimeflow's data source reads --prompt-data and "
                            "resumes from checkpoints (--buffer-filter-path chooses what the buffer hands out)"),
-    "--custom-convert-samples-to-train-data-path": ("slime's train-data dict is not what slimeflow's trainer takes (a "
-                                                    "typed TrainBatch); converting samples yourself is not supported "
-                                                    "yet: use --rollout-sample-filter-path or a sample hook"),
 })
 
 NOT_YET_SUPPORTED_PREFIXES: dict[str, str] = {

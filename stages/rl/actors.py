@@ -99,7 +99,8 @@ class RolloutManager:
         """Rollout `rollout_id` with the weights of version `rollout_id`: (train batch, metrics, row ids per group)."""
         from slimeflow.stages.rl.debug_data import row_ids, save_rollout
         from slimeflow.stages.rl.rollout import generate_rollout
-        from slimeflow.stages.rl.types import PackedBatch, TrainBatch
+        from slimeflow.stages.rl.slime_plugins import train_batch
+        from slimeflow.stages.rl.types import PackedBatch
 
         # With --debug-rollout-only no trainer pushes weights: every rollout comes from the start weights.
         ctx = self._context(None if self.config.debug.debug_rollout_only else str(rollout_id))
@@ -113,7 +114,8 @@ class RolloutManager:
         if self.config.debug.save_debug_rollout_data is not None:
             save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, result.samples,
                          self.config.batch.n_samples_per_prompt)
-        return PackedBatch.pack(TrainBatch.from_samples(result.samples)), result.metrics, row_ids(result.samples)
+        batch = train_batch(self.config, ctx.args, result.samples)
+        return PackedBatch.pack(batch), result.metrics, row_ids(result.samples)
 
     def evaluate(self, version: str | None) -> dict[str, float]:
         """Every eval set with the eval sampling settings (eval_* flags, else the rollout's)."""
@@ -159,13 +161,14 @@ class ReplayRolloutManager:
     def generate(self, rollout_id: int) -> tuple[PackedBatch, dict[str, float], list[list[str]]]:
         """The saved rollout `rollout_id`: (train batch, no rollout metrics (nothing was generated), row ids)."""
         from slimeflow.stages.rl.debug_data import load_rollout, row_ids, save_rollout
-        from slimeflow.stages.rl.types import PackedBatch, TrainBatch
+        from slimeflow.stages.rl.slime_plugins import slime_args, train_batch
+        from slimeflow.stages.rl.types import PackedBatch
 
         samples = load_rollout(self.template, rollout_id, self.config.batch.n_samples_per_prompt)
         if self.config.debug.save_debug_rollout_data is not None:
             save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, samples,
                          self.config.batch.n_samples_per_prompt)
-        return PackedBatch.pack(TrainBatch.from_samples(samples)), {}, row_ids(samples)
+        return PackedBatch.pack(train_batch(self.config, slime_args(self.config), samples)), {}, row_ids(samples)
 
     def evaluate(self, version: str | None) -> dict[str, float]:
         return {}  # no engine to evaluate with

@@ -70,8 +70,10 @@ def compute_advantages(config: AlgorithmConfig, inputs: AdvantageInputs, n_sampl
     always whitened over the batch's loss-masked tokens; the others when --normalize-advantages is set. Whitening raises when no token of the batch is loss-masked in.
     """
     estimator = config.advantage_estimator
-    # --custom-reward-post-process-path already turned the rewards into what the estimator takes (slime's contract)
-    post_processed = config.custom_reward_post_process_path is not None
+    # --custom-reward-post-process-path (or a custom conversion to train data) already turned the rewards into what
+    # the estimator takes (slime's contract)
+    post_processed = (config.custom_reward_post_process_path or config.custom_convert_samples_to_train_data_path) \
+        is not None
     returns = None
     if custom is not None:
         advantages = list(custom(config, inputs))

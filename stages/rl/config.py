@@ -209,6 +209,9 @@ class AlgorithmConfig(ConfigModel):
     """A custom loss (with loss_type custom_loss)."""
     custom_advantage_function_path: PluginPath = None
     """A custom advantage estimator."""
+    custom_convert_samples_to_train_data_path: PluginPath = None
+    """convert(args, samples) -> dict (tokens, response_lengths, rewards, loss_masks[, rollout_log_probs]), the
+    train data in slime's form; its rewards are taken as they are (slime's contract)."""
     custom_reward_post_process_path: PluginPath = None
     """post_process(args, samples) -> (raw_rewards, rewards), on the rollout's samples (slime's contract); the
     estimators then take `rewards` as they are (no group normalisation, as in slime)."""

@@ -188,6 +188,7 @@ _CALLS: dict[str, tuple[tuple[int, ...], str]] = {
     "custom-reward-post-process-path": ((2,), "post_process(args, samples) -> (raw_rewards, rewards)"),
     "rollout-all-samples-process-path": ((3,), "process(args, all_samples, data_source)"),
     "custom-eval-rollout-log-function-path": ((4,), "log(rollout_id, args, data, extra_metrics) -> bool"),
+    "custom-convert-samples-to-train-data-path": ((2,), "convert(args, samples) -> dict"),
     "custom-rollout-log-function-path": ((5,), "log(rollout_id, args, samples, rollout_extra_metrics, "
                                                "rollout_time) -> bool"),
 }
@@ -400,3 +401,39 @@ def run_rollout_function(function: Callable[..., Any], ctx: Any, data: Any, roll
     if post_process is not None:  # as slime: applied to whatever the rollout function returned
         post_process_rewards(load_plugin(post_process, "custom-reward-post-process-path"), ctx.args, groups)
     return RolloutResult(groups=groups, metrics=metrics)
+
+
+_TRAIN_DATA_USED = {"tokens", "response_lengths", "rewards", "loss_masks", "rollout_log_probs"}
+_TRAIN_DATA_INFO = {"raw_reward", "truncated", "sample_indices", "rollout_ids", "rollout_mask_sums", "total_lengths"}
+"""slime train-data keys that only report (slimeflow computes total_lengths and the loss's denominators itself)."""
+
+
+def train_batch(config: TrainConfig, args: Any, samples: list[Sample]) -> Any:
+    """The TrainBatch of a rollout's samples: --custom-convert-samples-to-train-data-path's dict when set (slime's
+    `convert(args, samples) -> dict`, whose `rewards` the estimators take as they are), else TrainBatch.from_samples.
+    A key that would change training in slime but that slimeflow's trainer does not read is an error."""
+    import torch
+
+    from slimeflow.stages.rl.types import TrainBatch
+
+    path = config.algorithm.custom_convert_samples_to_train_data_path
+    if path is None:
+        return TrainBatch.from_samples(samples)
+    function = load_plugin(path, "custom-convert-samples-to-train-data-path")
+    where = f"--custom-convert-samples-to-train-data-path {_name(function)}"
+    data = function(args, [to_slime(s) for s in samples])
+    unread = sorted(set(data) - _TRAIN_DATA_USED - _TRAIN_DATA_INFO)
+    missing = sorted({"tokens", "response_lengths", "rewards", "loss_masks"} - set(data))
+    if unread or missing:
+        raise ValueError(f"{where} returned keys {unread} that slimeflow's trainer does not read (remove them or "
+                         f"train with slime)" if unread else f"{where} returned no {missing}; it needs tokens, "
+                         "response_lengths, rewards and loss_masks (rollout_log_probs optional)")
+    logps = data.get("rollout_log_probs")
+    groups = [s.group_index for s in samples] if len(samples) == len(data["tokens"]) else []
+    return TrainBatch(tokens=[torch.as_tensor(t, dtype=torch.long) for t in data["tokens"]],
+                      response_lengths=[int(n) for n in data["response_lengths"]],
+                      loss_masks=[torch.as_tensor(m, dtype=torch.float32) for m in data["loss_masks"]],
+                      rewards=torch.as_tensor(data["rewards"], dtype=torch.float32),
+                      rollout_log_probs=None if logps is None else [torch.as_tensor(lp, dtype=torch.float32)
+                                                                    for lp in logps],
+                      group_indices=groups)

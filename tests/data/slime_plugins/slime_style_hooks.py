@@ -119,3 +119,19 @@ def log_eval(rollout_id, args, data, extra_metrics) -> bool:
     EVAL_LOGGED.append((rollout_id, {name: (d["rewards"], d["truncated"], len(d["samples"])) for name, d in data.items()},
                         sorted(extra_metrics)[:1]))
     return False
+
+
+def to_train_data(args, samples: list[Sample]) -> dict:
+    """slime's convert-samples-to-train-data: the train-data dict, rewards centred over the whole rollout."""
+    rewards = [sample.get_reward_value(args) for sample in samples]
+    mean = sum(rewards) / len(rewards)
+    return {"tokens": [sample.tokens for sample in samples],
+            "response_lengths": [sample.response_length for sample in samples],
+            "rewards": [r - mean for r in rewards], "raw_reward": rewards,
+            "truncated": [int(sample.status == Sample.Status.TRUNCATED) for sample in samples],
+            "loss_masks": [sample.loss_mask or [1] * sample.response_length for sample in samples],
+            "sample_indices": [sample.index for sample in samples]}
+
+
+def to_train_data_with_teacher(args, samples: list[Sample]) -> dict:
+    return {**to_train_data(args, samples), "teacher_log_probs": [[0.0]] * len(samples)}
