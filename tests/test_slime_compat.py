@@ -345,7 +345,7 @@ def test_slimes_megatron_advantage_form_is_refused_at_start_up():
 def test_a_rollout_function_in_slimes_form_runs_with_slimes_data_source(make_ctx):
     from slimeflow.slime_compat.rollout.sglang_rollout import GenerateState
     from slimeflow.stages.rl.plugins import load_plugin
-    from slimeflow.stages.rl.slime_plugins import run_rollout_function
+    from slimeflow.stages.rl.slime_rollout_hooks import run_rollout_function
     from slimeflow.stages.rl.stage import check_plugins
 
     cfg = config(rollout={"rollout_function_path": "slime_style_rollout.generate_rollout",
@@ -411,7 +411,7 @@ def test_the_eval_log_function_gets_slimes_eval_data(make_ctx):
 
 def test_convert_samples_to_train_data_builds_the_train_batch(make_ctx):
     from slimeflow.stages.rl.advantages import AdvantageInputs, compute_advantages
-    from slimeflow.stages.rl.slime_plugins import train_batch
+    from slimeflow.stages.rl.slime_rollout_hooks import train_batch
 
     cfg = config(algorithm={"custom_convert_samples_to_train_data_path": "slime_style_hooks:to_train_data"})
     result = run(make_ctx(ScriptedEngine({"a1": "1", "b2": "0"}), cfg),

@@ -99,7 +99,7 @@ class RolloutManager:
         """Rollout `rollout_id` with the weights of version `rollout_id`: (train batch, metrics, row ids per group)."""
         from slimeflow.stages.rl.debug_data import row_ids, save_rollout
         from slimeflow.stages.rl.rollout import generate_rollout
-        from slimeflow.stages.rl.slime_plugins import train_batch
+        from slimeflow.stages.rl.slime_rollout_hooks import train_batch
         from slimeflow.stages.rl.types import PackedBatch
 
         # With --debug-rollout-only no trainer pushes weights: every rollout comes from the start weights.
@@ -107,7 +107,7 @@ class RolloutManager:
         if self.config.rollout.rollout_function_path is None:
             result = self.loop.run_until_complete(generate_rollout(ctx, self.data, rollout_id))
         else:  # slime's contract: a synchronous function that runs its coroutines on slime's background loop
-            from slimeflow.stages.rl.slime_plugins import run_rollout_function
+            from slimeflow.stages.rl.slime_rollout_hooks import run_rollout_function
 
             function = load_plugin(self.config.rollout.rollout_function_path, "rollout-function-path")
             result = run_rollout_function(function, ctx, self.data, rollout_id)
@@ -161,7 +161,8 @@ class ReplayRolloutManager:
     def generate(self, rollout_id: int) -> tuple[PackedBatch, dict[str, float], list[list[str]]]:
         """The saved rollout `rollout_id`: (train batch, no rollout metrics (nothing was generated), row ids)."""
         from slimeflow.stages.rl.debug_data import load_rollout, row_ids, save_rollout
-        from slimeflow.stages.rl.slime_plugins import slime_args, train_batch
+        from slimeflow.stages.rl.slime_plugins import slime_args
+        from slimeflow.stages.rl.slime_rollout_hooks import train_batch
         from slimeflow.stages.rl.types import PackedBatch
 
         samples = load_rollout(self.template, rollout_id, self.config.batch.n_samples_per_prompt)

@@ -16,7 +16,7 @@ from slimeflow.stages.rl.data_source import DataSource
 from slimeflow.stages.rl.plugins import load_plugin
 from slimeflow.stages.rl.rewards import EVAL_SET
 from slimeflow.stages.rl.rollout import RolloutContext, generate_group
-from slimeflow.stages.rl.slime_plugins import call_eval_log
+from slimeflow.stages.rl.slime_rollout_hooks import call_eval_log
 from slimeflow.stages.rl.types import Sample, Status
 
 

@@ -27,7 +27,8 @@ from slimeflow.stages.rl.engine.client import EngineUnavailableError
 from slimeflow.stages.rl.filters import DynamicSampler, load_group_filter
 from slimeflow.stages.rl.plugins import load_plugin
 from slimeflow.stages.rl.rewards import RewardScorer
-from slimeflow.stages.rl.slime_plugins import apply_sample_hooks, call_generate, finish_rollout, slime_args
+from slimeflow.stages.rl.slime_plugins import call_generate, slime_args
+from slimeflow.stages.rl.slime_rollout_hooks import apply_sample_hooks, finish_rollout
 from slimeflow.stages.rl.types import Sample, Status
 
 GenerateFn = Callable[[Any, Sample, dict[str, Any]], Awaitable[Sample]]
