@@ -425,3 +425,12 @@ def test_convert_samples_to_train_data_builds_the_train_batch(make_ctx):
                                 "slime_style_hooks:to_train_data_with_teacher"})
     with pytest.raises(ValueError, match=r"returned keys \['teacher_log_probs'\] that slimeflow's trainer does not"):
         train_batch(teacher, slime_args(teacher), result.samples)
+
+
+def test_an_args_attribute_slimeflow_lacks_says_why():
+    args = slime_args(config())
+    with pytest.raises(AttributeError, match=r"args.use_critic: slimeflow does not take slime's --use-critic \(PPO"):
+        args.use_critic  # noqa: B018
+    with pytest.raises(AttributeError, match="args.no_such_thing: slimeflow has no --no-such-thing flag"):
+        args.no_such_thing  # noqa: B018
+    assert getattr(args, "no_such_thing", None) is None  # slime's getattr(args, name, default) fallbacks still work

@@ -39,8 +39,20 @@ SLIME_DEFAULTS: dict[str, Any] = {
 }
 
 
+class SlimeArgs(SimpleNamespace):
+    """slime's `args` namespace; an attribute slimeflow does not have says why (a slime flag it refuses, or none)."""
+
+    def __getattr__(self, name: str) -> Any:
+        from slimeflow.config.slime_flags import NOT_YET_SUPPORTED
+
+        flag = "--" + name.replace("_", "-")
+        why = (f"slimeflow does not take slime's {flag} ({NOT_YET_SUPPORTED[flag]})" if flag in NOT_YET_SUPPORTED
+               else f"slimeflow has no {flag} flag (slime's args.{name}, if slime has it, is not provided)")
+        raise AttributeError(f"args.{name}: {why}")
+
+
 def slime_args(config: TrainConfig, *, router_url: str | None = None, num_engines: int = 1,
-               concurrency: int = 64, **native: Any) -> SimpleNamespace:
+               concurrency: int = 64, **native: Any) -> SlimeArgs:
     """slime's `args` for a plug-in: every leaf of `config` by its slime name (they are slime's flag names),
     `sglang_router_ip`/`sglang_router_port` of `router_url`, `sglang_server_concurrency` (per engine), the
     `SLIME_DEFAULTS`, and `native` (client, tokenizer, ... for slimeflow-style plug-ins) as attributes."""
@@ -59,7 +71,7 @@ def slime_args(config: TrainConfig, *, router_url: str | None = None, num_engine
     values.update(rollout_num_engines=num_engines, sglang_server_concurrency=max(1, concurrency // num_engines),
                   grpo_std_normalization=not config.algorithm.disable_grpo_std_normalization,
                   config=config, **native)
-    return SimpleNamespace(**values)
+    return SlimeArgs(**values)
 
 
 def to_slime(sample: Sample) -> SlimeSample:
