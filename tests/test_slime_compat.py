@@ -311,12 +311,11 @@ CALLED = ["--rollout-function-path", "--custom-generate-function-path", "--custo
           "--dynamic-sampling-filter-path", "--buffer-filter-path", "--rollout-sample-hook-path", "--rollout-sample-filter-path",
           "--custom-rollout-log-function-path", "--custom-reward-post-process-path",
           "--rollout-all-samples-process-path", "--custom-eval-rollout-log-function-path",
-          "--custom-convert-samples-to-train-data-path"]
+          "--custom-convert-samples-to-train-data-path", "--eval-function-path"]
 REFUSED = ["--custom-tis-function-path", "--custom-pg-loss-reducer-function-path", "--rollout-data-postprocess-path",
            "--custom-megatron-init-path", "--custom-megatron-before-log-prob-hook-path",
            "--custom-megatron-before-train-step-hook-path", "--custom-model-provider-path",
            "--custom-update-weight-post-write-path", "--megatron-config-path", "--data-source-path",
-           "--eval-function-path",
            "--custom-config-path"]
 
 
@@ -434,3 +433,24 @@ def test_an_args_attribute_slimeflow_lacks_says_why():
     with pytest.raises(AttributeError, match="args.no_such_thing: slimeflow has no --no-such-thing flag"):
         args.no_such_thing  # noqa: B018
     assert getattr(args, "no_such_thing", None) is None  # slime's getattr(args, name, default) fallbacks still work
+
+
+def test_an_eval_function_in_slimes_form_gives_slimes_eval_metrics(make_ctx):
+    import slime_style_hooks
+
+    from slimeflow.stages.rl.plugins import load_plugin
+    from slimeflow.stages.rl.slime_rollout_hooks import run_eval_function
+    from slimeflow.stages.rl.stage import check_plugins
+
+    slime_style_hooks.EVAL_LOGGED.clear()
+    cfg = config(eval={"eval_function_path": "slime_style_rollout.eval_rollout",
+                       "eval_prompt_data": {"aime": "/data/aime.jsonl"},
+                       "custom_eval_rollout_log_function_path": "slime_style_hooks:log_eval"})
+    check_plugins(cfg)
+    ctx = make_ctx(ScriptedEngine({}), cfg)
+    assert ctx.args.eval_prompt_data == ["aime", "/data/aime.jsonl"]
+    metrics = run_eval_function(load_plugin(cfg.eval.eval_function_path, "eval-function-path"), ctx,
+                                BufferedDataSource(DataSource(prompts("a1"))), 6)
+    assert metrics == {"eval/aime": 0.5, "eval/aime/truncated_rate": 0.25, "custom/eval_rollout_id": 6.0}
+    assert slime_style_hooks.EVAL_LOGGED == [(6, {"aime": ([1.0, 0.0, 0.0, 1.0], [0, 0, 0, 1], 0)},
+                                              ["custom/eval_rollout_id"])]

@@ -19,7 +19,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--num-experts": _MOE,
     "--use-distributed-optimizer": "the Megatron backend is not available yet",
     "--custom-config-path": "custom YAML args for plug-ins are not supported yet",
-    "--eval-function-path": "a custom eval function is not supported yet",
     "--load-debug-rollout-data-subsample": "subsampling replayed rollouts is not supported yet: "
                                            "--load-debug-rollout-data replays whole rollouts",
     "--save-debug-train-data": "saving the trainer's per-rank data is not supported yet: "

@@ -122,6 +122,12 @@ class RolloutManager:
         from slimeflow.stages.rl.evaluation import EvalSettings, evaluate_sets
         from slimeflow.stages.rl.rollout import sampling_params
 
+        if self.config.eval.eval_function_path is not None:
+            from slimeflow.stages.rl.slime_rollout_hooks import run_eval_function
+
+            function = load_plugin(self.config.eval.eval_function_path, "eval-function-path")
+            rollout_id = int(version) if version is not None and version.isdigit() else None
+            return run_eval_function(function, self._context(version), self.data, rollout_id)
         if not self.eval_sets:
             return {}
         ev, ro = self.config.eval, self.config.rollout

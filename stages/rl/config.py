@@ -295,6 +295,9 @@ class EvalConfig(ConfigModel):
     """Eval top-k (default: rollout_top_k)."""
     skip_eval_before_train: bool = False
     """Do not evaluate before the first rollout."""
+    eval_function_path: PluginPath = None
+    """eval_generate_rollout(args, rollout_id, data_source, evaluation=True) -> RolloutFnEvalOutput, replacing the
+    evaluation of --eval-prompt-data (slime's contract; args.eval_prompt_data is slime's [name, path, ...] list)."""
     custom_eval_rollout_log_function_path: PluginPath = None
     """log(rollout_id, args, data, extra_metrics) -> bool, data = {set: {rewards, truncated, samples}}; True skips
     the default eval metrics (slime's contract)."""

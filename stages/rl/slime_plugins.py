@@ -64,6 +64,8 @@ def slime_args(config: TrainConfig, *, router_url: str | None = None, num_engine
         else:
             values[group] = node
     values.update({f"sglang_{key}": value for key, value in config.sglang.args.items()})
+    # slime's --eval-prompt-data is one list: name, path, name, path, ...
+    values["eval_prompt_data"] = [item for pair in config.eval.eval_prompt_data.items() for item in pair] or None
     values.pop("args", None)
     if router_url is not None:
         parts = urlsplit(router_url)
@@ -189,6 +191,7 @@ _CALLS: dict[str, tuple[tuple[int, ...], str]] = {
     # flag: (positional arguments it may be called with, the contracts as the user reads them)
     "custom-generate-function-path": ((3,), "async def generate(args, sample, sampling_params, evaluation=False)"),
     "rollout-function-path": ((3,), "generate_rollout(args, rollout_id, data_source, evaluation=False)"),
+    "eval-function-path": ((3,), "eval_generate_rollout(args, rollout_id, data_source, evaluation=True)"),
     "dynamic-sampling-filter-path": ((2, 1), "filter(args, samples, **kwargs) -> DynamicFilterOutput (slime's), or "
                                              "filter(group) -> FilterOutcome | bool"),
     "buffer-filter-path": ((4, 2), "buffer_filter(args, rollout_id, buffer, num_samples) (slime's pop_first), or "
@@ -230,7 +233,7 @@ def call_problem(flag: str, function: Callable[..., Any], *, group_rm: bool = Fa
         takes = f"{required}" if most == required else f"{required} to {'any' if most is None else most}"
         return (f"{plugin_name(function)} takes {takes} positional arguments, but it is called as {contract}; "
                 "fix its signature")
-    if flag == "rollout-function-path" and not takes_keyword(function, "evaluation"):
+    if flag in ("rollout-function-path", "eval-function-path") and not takes_keyword(function, "evaluation"):
         return f"{plugin_name(function)} takes no evaluation= keyword; it is called as {contract}"
     if flag == "custom-generate-function-path" and not inspect.iscoroutinefunction(function):
         return f"{plugin_name(function)} is not an async function; it is awaited as {contract}"

@@ -228,3 +228,29 @@ def train_batch(config: TrainConfig, args: Any, samples: list[Sample]) -> Any:
                       rollout_log_probs=None if logps is None else [torch.as_tensor(lp, dtype=torch.float32)
                                                                     for lp in logps],
                       group_indices=groups)
+
+
+def run_eval_function(function: Callable[..., Any], ctx: Any, data: Any, rollout_id: int | None) -> dict[str, float]:
+    """--eval-function-path, as slime calls it: `eval_generate_rollout(args, rollout_id, data_source,
+    evaluation=True)` -> RolloutFnEvalOutput or its data dict {set name: {"rewards", "truncated"?, "samples"?}}.
+    Metrics as slime logs them: eval/<set> (mean reward), eval/<set>/truncated_rate, and the function's own;
+    --custom-eval-rollout-log-function-path sees the data first (True: none of these)."""
+    from slimeflow.slime_compat.rollout.base_types import call_rollout_fn
+
+    ctx.rollout_id = rollout_id
+    where = f"--eval-function-path {plugin_name(function)}"
+    output = call_rollout_fn(function, ctx.args, rollout_id, SlimeDataSource(data, rollout_id), evaluation=True)
+    metrics = {k: float(v) for k, v in (output.metrics or {}).items() if isinstance(v, int | float)}
+    for name, result in output.data.items():
+        rewards = result.get("rewards") if isinstance(result, dict) else None
+        if not rewards:
+            raise ValueError(f"{where} returned no rewards for eval set {name!r}; give data[{name!r}]['rewards']")
+        metrics[f"eval/{name}"] = sum(float(r) for r in rewards) / len(rewards)
+        if result.get("truncated"):
+            metrics[f"eval/{name}/truncated_rate"] = sum(result["truncated"]) / len(result["truncated"])
+    path = ctx.config.eval.custom_eval_rollout_log_function_path
+    if path is not None:
+        log = load_plugin(path, "custom-eval-rollout-log-function-path")
+        if log(rollout_id, ctx.args, output.data, dict(metrics)):
+            return {}
+    return metrics

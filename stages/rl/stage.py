@@ -134,6 +134,7 @@ PLUGIN_FLAGS = {
     ("algorithm", "custom_reward_post_process_path"): "custom-reward-post-process-path",
     ("rollout", "rollout_all_samples_process_path"): "rollout-all-samples-process-path",
     ("eval", "custom_eval_rollout_log_function_path"): "custom-eval-rollout-log-function-path",
+    ("eval", "eval_function_path"): "eval-function-path",
     ("algorithm", "custom_convert_samples_to_train_data_path"): "custom-convert-samples-to-train-data-path",
 }
 

@@ -116,7 +116,7 @@ EVAL_LOGGED: list[tuple] = []
 
 def log_eval(rollout_id, args, data, extra_metrics) -> bool:
     """slime's custom eval log: records the per-set data and keeps the default logging (returns False)."""
-    EVAL_LOGGED.append((rollout_id, {name: (d["rewards"], d["truncated"], len(d["samples"])) for name, d in data.items()},
+    EVAL_LOGGED.append((rollout_id, {name: (d["rewards"], d["truncated"], len(d.get("samples", []))) for name, d in data.items()},
                         sorted(extra_metrics)[:1]))
     return False
 
