@@ -454,3 +454,11 @@ def test_an_eval_function_in_slimes_form_gives_slimes_eval_metrics(make_ctx):
     assert metrics == {"eval/aime": 0.5, "eval/aime/truncated_rate": 0.25, "custom/eval_rollout_id": 6.0}
     assert slime_style_hooks.EVAL_LOGGED == [(6, {"aime": ([1.0, 0.0, 0.0, 1.0], [0, 0, 0, 1], 0)},
                                               ["custom/eval_rollout_id"])]
+
+
+def test_dict_labels_reach_a_slime_reward_as_slime_gives_them(make_ctx):
+    rows = [{"prompt": p, "label": {"ground_truth": {"target": ["1", "one"]}}} for p in ("a1", "b2")]
+    cfg = config(reward={"rm_type": None, "custom_rm_path": "slime_style_hooks:ground_truth_reward"})
+    result = run(make_ctx(ScriptedEngine({"a1": "1", "b2": "2"}), cfg),
+                 BufferedDataSource(DataSource(rows, n_samples_per_prompt=2)))
+    assert [[s.reward for s in g] for g in result.groups] == [[1.0, 1.0], [0.0, 0.0]]

@@ -135,3 +135,10 @@ def to_train_data(args, samples: list[Sample]) -> dict:
 
 def to_train_data_with_teacher(args, samples: list[Sample]) -> dict:
     return {**to_train_data(args, samples), "teacher_log_probs": [[0.0]] * len(samples)}
+
+
+async def ground_truth_reward(args, sample, **kwargs) -> float:
+    """Search-R1's reward pattern: a dict label with the answers under 'ground_truth', an isinstance check."""
+    if not isinstance(sample, Sample):
+        raise TypeError("Sample must be an instance of Sample class.")
+    return float(sample.response.strip() in sample.label["ground_truth"]["target"])
