@@ -462,3 +462,21 @@ def test_dict_labels_reach_a_slime_reward_as_slime_gives_them(make_ctx):
     result = run(make_ctx(ScriptedEngine({"a1": "1", "b2": "2"}), cfg),
                  BufferedDataSource(DataSource(rows, n_samples_per_prompt=2)))
     assert [[s.reward for s in g] for g in result.groups] == [[1.0, 1.0], [0.0, 0.0]]
+
+
+def test_generate_and_rm_group_rewards_the_group_with_group_rm(make_ctx):
+    from slimeflow.slime_compat.rollout.sglang_rollout import GenerateState
+    from slimeflow.stages.rl.plugins import load_plugin
+    from slimeflow.stages.rl.slime_rollout_hooks import run_rollout_function
+
+    cfg = config(rollout={"rollout_function_path": "slime_style_rollout.generate_rollout",
+                          "custom_generate_function_path": "slime_style_hooks:record_evaluation"},
+                 reward={"rm_type": None, "custom_rm_path": "slime_style_hooks:group_length_reward", "group_rm": True})
+    GenerateState.clear_instances()
+    try:
+        result = run_rollout_function(load_plugin(cfg.rollout.rollout_function_path, "rollout-function-path"),
+                                      make_ctx(ScriptedEngine({}), cfg),
+                                      BufferedDataSource(DataSource(prompts("a1", "b2", "c3"), n_samples_per_prompt=2)), 0)
+    finally:
+        GenerateState.clear_instances()
+    assert [[s.reward for s in g] for g in result.groups] == [[0.0, 1.0], [0.0, 1.0]]

@@ -289,6 +289,15 @@ class RewardScorer:
             raise ValueError(sample.failure_reason)
         return sample.reward
 
+    async def rewards_of_group(self, views: list[Any]) -> list[float]:
+        """The rewards of a group of slime Samples with --group-rm (for slime's generate_and_rm_group)."""
+        samples = [from_slime(view, view, "generate_and_rm_group") for view in views]
+        await self.score_group(samples)
+        failed = [s.failure_reason for s in samples if s.status is Status.FAILED]
+        if failed:
+            raise ValueError(failed[0])
+        return [s.reward for s in samples]
+
     def _score_builtin(self, sample: Sample) -> None:
         """Reward one sample with a built-in rm_type (no custom function, no reward server)."""
         source = "reward"

@@ -92,7 +92,8 @@ class RolloutContext:
             self.args = slime_args(self.config, router_url=self.router_url, concurrency=self.concurrency,
                                    client=self.client, tokenizer=self.tokenizer, _slimeflow_tokenizer=self.tokenizer,
                                    weight_version=self.weight_version,
-                                   _slimeflow_reward=self.scorer.reward_of)
+                                   _slimeflow_reward=self.scorer.reward_of,
+                                   _slimeflow_group_reward=self.scorer.rewards_of_group)
             if self.api_key:
                 self.args.sglang_api_key = self.api_key
             http_utils.init_http_client(self.args)

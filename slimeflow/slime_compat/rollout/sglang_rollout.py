@@ -116,12 +116,14 @@ async def generate_and_rm(args: Any, sample: Sample, sampling_params: dict[str, 
 
 async def generate_and_rm_group(args: Any, group: list[Sample], sampling_params: dict[str, Any],
                                 evaluation: bool = False) -> list[Sample]:
-    """`generate_and_rm` for every sample of a group, concurrently (each with its own copy of sampling_params)."""
-    if args.group_rm:
-        raise NotImplementedError("generate_and_rm_group with --group-rm is not supported by slimeflow's slime "
-                                  "compatibility layer yet; reward the group in your rollout function")
+    """`generate_and_rm` for every sample of a group, concurrently (each with its own copy of sampling_params);
+    with --group-rm the group is then rewarded at once, as slime's."""
     state = GenerateState(args)
     if state.aborted:
         return group
-    return list(await asyncio.gather(*(generate_and_rm(args, sample, dict(sampling_params), evaluation=evaluation)
-                                       for sample in group)))
+    group = list(await asyncio.gather(*(generate_and_rm(args, sample, dict(sampling_params), evaluation=evaluation)
+                                        for sample in group)))
+    if args.group_rm and not state.aborted:
+        for sample, reward in zip(group, await args._slimeflow_group_reward(group), strict=True):
+            sample.reward = reward
+    return group
