@@ -22,7 +22,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--num-experts": _MOE,
     "--use-distributed-optimizer": "the Megatron backend is not available yet",
     "--custom-config-path": "custom YAML args for plug-ins are not supported yet",
-    "--eval-function-path": "a custom eval function is not supported yet",
     "--load-debug-rollout-data-subsample": "subsampling replayed rollouts is not supported yet: "
                                            "--load-debug-rollout-data replays whole rollouts",
     "--save-debug-train-data": "saving the trainer's per-rank data is not supported yet: "
@@ -64,6 +63,27 @@ NOT_YET_SUPPORTED.update({
     "--prefill-num-servers": "prefill/decode disaggregation is not supported yet",
     "--no-offload-train": "offload is not supported yet",
     "--no-offload-rollout": "offload is not supported yet",
+})
+
+_MEGATRON_HOOK = ("a hook into slime's Megatron actor, called only by the Megatron training backend, which is not in "
+                  "this version")
+_LOSS_HOOK = ("called inside slime's Megatron policy loss on packed sequences; slimeflow's policy loss does not take "
+              "this hook yet")
+# slime's `*-path` plug-in flags that slimeflow does not call (yet). The ones it calls are config fields.
+NOT_YET_SUPPORTED.update({
+    "--custom-tis-function-path": f"a custom TIS function is {_LOSS_HOOK}; use --use-tis with --tis-clip",
+    "--custom-pg-loss-reducer-function-path": f"a custom pg-loss reducer is {_LOSS_HOOK}",
+    "--rollout-data-postprocess-path": _MEGATRON_HOOK,
+    "--custom-megatron-init-path": _MEGATRON_HOOK,
+    "--custom-megatron-before-log-prob-hook-path": _MEGATRON_HOOK,
+    "--custom-megatron-before-train-step-hook-path": _MEGATRON_HOOK,
+    "--custom-model-provider-path": _MEGATRON_HOOK,
+    "--custom-update-weight-post-write-path": ("a hook of slime's update-weights-from-disk path; slimeflow's weight "
+                                               "sync does not call it"),
+    "--megatron-config-path": "Megatron-LM YAML configs are read only by the Megatron backend, not in this version",
+    "--data-source-path": ("a custom data source class (slime's RolloutDataSource API: get_samples, add_samples, "
+                           "save, load) is not supported yet; slimeflow's data source reads --prompt-data and "
+                           "resumes from checkpoints (--buffer-filter-path chooses what the buffer hands out)"),
 })
 
 NOT_YET_SUPPORTED_PREFIXES: dict[str, str] = {
@@ -139,11 +159,9 @@ _WEIGHT_SYNC = "weight sync goes over the engines' HTTP update endpoints; other 
 _HEALTH = "engine health checks and restarts are not supported yet"
 _EVAL_KEYS = ("per-eval-set data keys and lengths are not supported yet: the eval sets use --input-key, --label-key "
               "and the --eval-* sampling flags")
-_HOOK = "this plug-in hook is not supported yet"
-_MEGATRON_HOOK = "a hook into Megatron's model and train step, read only by the Megatron backend, not in this version"
 NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (
     "--enable-experimental", "--data-pad-size-multiplier", "--no-check-for-nan-in-loss-and-grad",
-    "--decoder-first-pipeline-num-layers", "--distributed-timeout-minutes", "--megatron-config-path",
+    "--decoder-first-pipeline-num-layers", "--distributed-timeout-minutes",
     "--megatron-deepgemm-forward-layers", "--megatron-deepgemm-forward-modules",
     "--megatron-deepgemm-moe-forward-layers", "--megatron-deepgemm-moe-forward-modules", "--padded-vocab-size",
     "--recompute-loss-function", "--async-save", "--balance-by-flops", "--use-stateless-adam",
@@ -165,15 +183,6 @@ NOT_YET_SUPPORTED.update({flag: _HEALTH for flag in (
 NOT_YET_SUPPORTED.update({flag: _EVAL_KEYS for flag in (
     "--eval-input-key", "--eval-label-key", "--eval-tool-key", "--eval-max-prompt-len", "--eval-min-new-tokens",
     "--eval-max-context-len")})
-NOT_YET_SUPPORTED.update({flag: _HOOK for flag in (
-    "--custom-convert-samples-to-train-data-path", "--custom-eval-rollout-log-function-path",
-    "--custom-pg-loss-reducer-function-path", "--custom-reward-post-process-path",
-    "--custom-rollout-log-function-path", "--custom-tis-function-path", "--custom-update-weight-post-write-path",
-    "--data-source-path", "--rollout-all-samples-process-path", "--rollout-data-postprocess-path",
-    "--rollout-sample-filter-path", "--rollout-sample-hook-path")})
-NOT_YET_SUPPORTED.update({flag: _MEGATRON_HOOK for flag in (
-    "--custom-megatron-before-log-prob-hook-path", "--custom-megatron-before-train-step-hook-path",
-    "--custom-megatron-init-path", "--custom-model-provider-path")})
 NOT_YET_SUPPORTED.update({
     "--tensorboard-dir": "Megatron-LM's TensorBoard flag: use --use-tensorboard with --tb-project-name (slime's)",
     "--wandb-always-use-train-step": ("metrics are logged once per rollout, at rollout/step (evaluations at "

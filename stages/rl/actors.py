@@ -73,7 +73,11 @@ class RolloutManager:
             source = DataSource.from_prompt_data(setup.prompt_data,
                                                  n_samples_per_prompt=config.batch.n_samples_per_prompt,
                                                  shuffle=config.data.rollout_shuffle, seed=config.data.rollout_seed)
-            buffer_filter = (load_plugin(config.rollout.buffer_filter_path, "buffer-filter-path")
+            from slimeflow.stages.rl.slime_plugins import buffer_filter as slime_buffer_filter
+            from slimeflow.stages.rl.slime_plugins import slime_args
+
+            buffer_filter = (slime_buffer_filter(load_plugin(config.rollout.buffer_filter_path, "buffer-filter-path"),
+                                                 slime_args(config))
                              if config.rollout.buffer_filter_path else pop_first)
             self.data = BufferedDataSource(source, buffer_filter)
             self.eval_sets = {name: _prompts(uri) for name, uri in setup.eval_prompt_data.items()}
@@ -93,33 +97,50 @@ class RolloutManager:
 
         return RolloutContext(self.config, self.tokenizer, self.engines.client(), self.scorer,
                               concurrency=self.setup.concurrency, weight_version=version,
-                              batch_groups=not self.engines.routed)
+                              batch_groups=not self.engines.routed, router_url=self.engines.rollout_url,
+                              api_key=self.engines.api_key)
 
     def generate(self, rollout_id: int) -> tuple[PackedBatch, dict[str, float], list[list[str]]]:
         """Rollout `rollout_id` with the weights of version `rollout_id`: (train batch, metrics, row ids per group)."""
         from slimeflow.stages.rl.debug_data import row_ids, save_rollout
         from slimeflow.stages.rl.rollout import generate_rollout
-        from slimeflow.stages.rl.types import PackedBatch, TrainBatch
+        from slimeflow.stages.rl.slime_rollout_hooks import train_batch
+        from slimeflow.stages.rl.types import PackedBatch
 
         # With --debug-rollout-only no trainer pushes weights: every rollout comes from the start weights.
         ctx = self._context(None if self.config.debug.debug_rollout_only else str(rollout_id))
-        result = self.loop.run_until_complete(generate_rollout(ctx, self.data, rollout_id))
+        if self.config.rollout.rollout_function_path is None:
+            result = self.loop.run_until_complete(generate_rollout(ctx, self.data, rollout_id))
+        else:  # slime's contract: a synchronous function that runs its coroutines on slime's background loop
+            from slimeflow.stages.rl.slime_rollout_hooks import run_rollout_function
+
+            function = load_plugin(self.config.rollout.rollout_function_path, "rollout-function-path")
+            result = run_rollout_function(function, ctx, self.data, rollout_id)
         if self.config.debug.save_debug_rollout_data is not None:
             save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, result.samples,
                          self.config.batch.n_samples_per_prompt)
-        return PackedBatch.pack(TrainBatch.from_samples(result.samples)), result.metrics, row_ids(result.samples)
+        batch = train_batch(self.config, ctx.args, result.samples)
+        return PackedBatch.pack(batch), result.metrics, row_ids(result.samples)
 
     def evaluate(self, version: str | None) -> dict[str, float]:
         """Every eval set with the eval sampling settings (eval_* flags, else the rollout's)."""
         from slimeflow.stages.rl.evaluation import EvalSettings, evaluate_sets
         from slimeflow.stages.rl.rollout import sampling_params
 
+        if self.config.eval.eval_function_path is not None:
+            from slimeflow.stages.rl.slime_rollout_hooks import run_eval_function
+
+            function = load_plugin(self.config.eval.eval_function_path, "eval-function-path")
+            rollout_id = int(version) if version is not None and version.isdigit() else None
+            return run_eval_function(function, self._context(version), self.data, rollout_id)
         if not self.eval_sets:
             return {}
         ev, ro = self.config.eval, self.config.rollout
         params = sampling_params(ro, ev.eval_max_response_len, ev.eval_temperature, ev.eval_top_p, ev.eval_top_k)
         settings = EvalSettings(ev.n_samples_per_eval_prompt, params)
-        return self.loop.run_until_complete(evaluate_sets(self._context(version), self.eval_sets, settings))
+        ctx = self._context(version)
+        ctx.rollout_id = int(version) if version is not None and version.isdigit() else None  # the loop's version
+        return self.loop.run_until_complete(evaluate_sets(ctx, self.eval_sets, settings))
 
     def weight_targets(self) -> WeightTargets:
         """Where the trainer pushes its weights (every engine; see TrainActor.connect_engines)."""
@@ -158,13 +179,15 @@ class ReplayRolloutManager:
     def generate(self, rollout_id: int) -> tuple[PackedBatch, dict[str, float], list[list[str]]]:
         """The saved rollout `rollout_id`: (train batch, no rollout metrics (nothing was generated), row ids)."""
         from slimeflow.stages.rl.debug_data import load_rollout, row_ids, save_rollout
-        from slimeflow.stages.rl.types import PackedBatch, TrainBatch
+        from slimeflow.stages.rl.slime_plugins import slime_args
+        from slimeflow.stages.rl.slime_rollout_hooks import train_batch
+        from slimeflow.stages.rl.types import PackedBatch
 
         samples = load_rollout(self.template, rollout_id, self.config.batch.n_samples_per_prompt)
         if self.config.debug.save_debug_rollout_data is not None:
             save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, samples,
                          self.config.batch.n_samples_per_prompt)
-        return PackedBatch.pack(TrainBatch.from_samples(samples)), {}, row_ids(samples)
+        return PackedBatch.pack(train_batch(self.config, slime_args(self.config), samples)), {}, row_ids(samples)
 
     def evaluate(self, version: str | None) -> dict[str, float]:
         return {}  # no engine to evaluate with

@@ -65,23 +65,29 @@ def compute_advantages(config: AlgorithmConfig, inputs: AdvantageInputs, n_sampl
                        custom: CustomAdvantage | None = None) -> Advantages:
     """Advantages for --advantage-estimator (or `custom`), then whitening where slime whitens.
 
-    REINFORCE++ and REINFORCE++-baseline are always whitened over the batch's loss-masked tokens; the others
-    when --normalize-advantages is set. Whitening raises when no token of the batch is loss-masked in.
+    GRPO-style and REINFORCE++-baseline rewards are group-normalised first, unless a
+    --custom-reward-post-process-path function already post-processed them. REINFORCE++ and REINFORCE++-baseline are
+    always whitened over the batch's loss-masked tokens; the others when --normalize-advantages is set. Whitening raises when no token of the batch is loss-masked in.
     """
     estimator = config.advantage_estimator
+    # --custom-reward-post-process-path (or a custom conversion to train data) already turned the rewards into what
+    # the estimator takes (slime's contract)
+    post_processed = (config.custom_reward_post_process_path or config.custom_convert_samples_to_train_data_path) \
+        is not None
     returns = None
     if custom is not None:
         advantages = list(custom(config, inputs))
         _check_shapes(advantages, inputs.response_lengths)
     elif estimator in ("grpo", "gspo", "cispo"):
-        rewards = alg.normalize_group_rewards(inputs.rewards, n_samples_per_prompt,
-                                              std_normalization=not config.disable_grpo_std_normalization)
+        rewards = inputs.rewards.float() if post_processed else alg.normalize_group_rewards(
+            inputs.rewards, n_samples_per_prompt, std_normalization=not config.disable_grpo_std_normalization)
         advantages = alg.broadcast_returns(rewards, inputs.response_lengths)
     elif estimator == "reinforce_plus_plus":
         advantages = alg.reinforce_plus_plus_returns(inputs.rewards.float(), token_kl(config, inputs), inputs.loss_masks,
                                                      config.kl_coef, config.gamma)
     elif estimator == "reinforce_plus_plus_baseline":
-        centered = alg.normalize_group_rewards(inputs.rewards, n_samples_per_prompt, std_normalization=False)
+        centered = inputs.rewards.float() if post_processed else alg.normalize_group_rewards(
+            inputs.rewards, n_samples_per_prompt, std_normalization=False)
         advantages = alg.reinforce_plus_plus_baseline_advantages(centered, token_kl(config, inputs),
                                                                 config.kl_coef)
     elif estimator == "ppo":

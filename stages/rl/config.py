@@ -121,7 +121,8 @@ class RolloutConfig(ConfigModel):
     custom_generate_function_path: PluginPath = None
     """async generate(args, sample, sampling_params) -> Sample, for multi-turn and agentic rollouts."""
     rollout_function_path: PluginPath = None
-    """Replace the whole rollout function."""
+    """Replace the whole rollout function: generate_rollout(args, rollout_id, data_source, evaluation=False) ->
+    RolloutFnTrainOutput | list[list[Sample]] (slime's contract; the dynamic-sampling flags are then its own)."""
     over_sampling_batch_size: OptionalPositiveInt = None
     """Prompts requested per over-sampling round (>= rollout_batch_size; defaults to it)."""
     dynamic_sampling_filter_path: PluginPath = None
@@ -132,6 +133,18 @@ class RolloutConfig(ConfigModel):
     """Mask the tokens of a partial sample that an older policy generated."""
     buffer_filter_path: PluginPath = None
     """How groups are taken from the buffer (default pop_first: FIFO)."""
+    rollout_sample_hook_path: list[str] | None = None
+    """hook(args, sample, *, rollout_id=None, evaluation=False) -> Sample | None, on each generated sample before
+    its reward, in the order given (slime's contract)."""
+    rollout_sample_filter_path: PluginPath = None
+    """filter(args, groups) -> None, setting `remove_sample` on samples that must not train (their loss mask
+    becomes 0; they still count in advantage normalisation), as slime."""
+    rollout_all_samples_process_path: PluginPath = None
+    """process(args, all_samples, data_source) on every finished group of the rollout, kept or filtered out
+    (slime's contract; data_source is slime's API over the rollout's buffer)."""
+    custom_rollout_log_function_path: PluginPath = None
+    """log(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool; True skips the default
+    rollout metrics (slime's contract)."""
 
 
 class RewardConfig(ConfigModel):
@@ -211,6 +224,12 @@ class AlgorithmConfig(ConfigModel):
     """A custom loss (with loss_type custom_loss)."""
     custom_advantage_function_path: PluginPath = None
     """A custom advantage estimator."""
+    custom_convert_samples_to_train_data_path: PluginPath = None
+    """convert(args, samples) -> dict (tokens, response_lengths, rewards, loss_masks[, rollout_log_probs]), the
+    train data in slime's form; its rewards are taken as they are (slime's contract)."""
+    custom_reward_post_process_path: PluginPath = None
+    """post_process(args, samples) -> (raw_rewards, rewards), on the rollout's samples (slime's contract); the
+    estimators then take `rewards` as they are (no group normalisation, as in slime)."""
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
@@ -297,6 +316,12 @@ class EvalConfig(ConfigModel):
     """Eval top-k (default: rollout_top_k)."""
     skip_eval_before_train: bool = False
     """Do not evaluate before the first rollout."""
+    eval_function_path: PluginPath = None
+    """eval_generate_rollout(args, rollout_id, data_source, evaluation=True) -> RolloutFnEvalOutput, replacing the
+    evaluation of --eval-prompt-data (slime's contract; args.eval_prompt_data is slime's [name, path, ...] list)."""
+    custom_eval_rollout_log_function_path: PluginPath = None
+    """log(rollout_id, args, data, extra_metrics) -> bool, data = {set: {rewards, truncated, samples}}; True skips
+    the default eval metrics (slime's contract)."""
 
 
 class PlacementConfig(ConfigModel):

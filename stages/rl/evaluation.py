@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from slimeflow.stages.rl.data_source import DataSource
+from slimeflow.stages.rl.plugins import load_plugin
 from slimeflow.stages.rl.rewards import EVAL_SET
 from slimeflow.stages.rl.rollout import RolloutContext, generate_group
+from slimeflow.stages.rl.slime_rollout_hooks import call_eval_log
 from slimeflow.stages.rl.types import Sample, Status
 
 
@@ -60,14 +62,22 @@ def score_set(name: str, groups: Sequence[Sequence[Sample]]) -> dict[str, float]
 
 async def evaluate_sets(ctx: RolloutContext, sets: Mapping[str, Sequence[Mapping[str, Any]]],
                         settings: EvalSettings) -> dict[str, float]:
-    """Generate n responses for every prompt of every set, score them, and return the metrics of each set."""
+    """Generate n responses for every prompt of every set, score them, and return the metrics of each set (none
+    when a --custom-eval-rollout-log-function-path function says it logged them itself, as slime)."""
     metrics: dict[str, float] = {}
+    results: dict[str, list[list[Sample]]] = {}
     for name, prompts in sets.items():
         source = DataSource(prompts, n_samples_per_prompt=settings.n_samples_per_eval_prompt)
         groups = source.get_groups(len(prompts))
         for group in groups:
             for sample in group:
                 sample.metadata.setdefault(EVAL_SET, name)
-        done = await asyncio.gather(*(generate_group(ctx, g, settings.sampling_params) for g in groups))
+        done = await asyncio.gather(*(generate_group(ctx, g, settings.sampling_params, evaluation=True)
+                                       for g in groups))
+        results[name] = list(done)
         metrics.update(score_set(name, done))
+    path = ctx.config.eval.custom_eval_rollout_log_function_path
+    if path is not None and call_eval_log(load_plugin(path, "custom-eval-rollout-log-function-path"), ctx.rollout_id,
+                                          ctx.args, results, metrics):
+        return {}
     return metrics

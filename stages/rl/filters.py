@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,6 +23,8 @@ class FilterOutcome:
 
     keep: bool
     reason: str | None = None
+    keep_when_insufficient: bool = False
+    """Keep the group anyway when dropping it would leave too few kept and in flight to fill the batch (slime's)."""
 
 
 GroupFilter = Callable[[Sequence[Sample]], "FilterOutcome | bool"]
@@ -36,9 +39,12 @@ def check_reward_nonzero_std(group: Sequence[Sample]) -> FilterOutcome:
     return FilterOutcome(False, "zero_std")
 
 
-def load_group_filter(path: str | None) -> GroupFilter | None:
-    """The filter at --dynamic-sampling-filter-path (None when unset)."""
-    return None if path is None else load_plugin(path, "dynamic-sampling-filter-path")
+def load_group_filter(path: str | None, args: Any = None) -> GroupFilter | None:
+    """The filter at --dynamic-sampling-filter-path (None when unset): slime's `f(args, samples)` (given `args`,
+    returning DynamicFilterOutput or a bool) or slimeflow's `f(group)`."""
+    from slimeflow.stages.rl.slime_plugins import group_filter
+
+    return None if path is None else group_filter(load_plugin(path, "dynamic-sampling-filter-path"), args)
 
 
 class DynamicSampler:
@@ -98,7 +104,8 @@ class DynamicSampler:
             outcome = self.group_filter(group)
             if not isinstance(outcome, FilterOutcome):
                 outcome = FilterOutcome(bool(outcome), None if outcome else getattr(self.group_filter, "__name__", "filter"))
-            if not outcome.keep:
+            short = len(self.kept) + self.in_flight < self.target_groups  # without this group
+            if not outcome.keep and not (outcome.keep_when_insufficient and short):
                 self.dropped[outcome.reason or "filtered"] += 1
                 return False
         self.kept.append(list(group))

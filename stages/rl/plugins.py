@@ -7,6 +7,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from slimeflow import slime_compat
+
 
 class PluginError(ValueError):
     """A plug-in path that cannot be loaded: names the flag, the path and the reason."""
@@ -24,6 +26,7 @@ def load_plugin(path: str, flag: str) -> Callable[..., Any]:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
         raise PluginError(f"--{flag} {path!r}: write it as 'package.module:function'")
+    slime_compat.install()  # a plug-in written against slime imports slime.*: answered where slime is absent
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

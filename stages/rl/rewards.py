@@ -13,6 +13,7 @@ import inspect
 import math
 import random
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -21,7 +22,8 @@ from slimeflow.stages.rl.answers import MathJudge
 from slimeflow.stages.rl.config import RewardConfig
 from slimeflow.stages.rl.plugins import load_plugin
 from slimeflow.stages.rl.rule_rewards import builtin_reward
-from slimeflow.stages.rl.types import Sample
+from slimeflow.stages.rl.slime_plugins import from_slime, to_slime
+from slimeflow.stages.rl.types import Sample, Status
 
 EVAL_SET = "eval_set"
 """metadata key naming an eval sample's set (evaluation sets it): such a sample's reward is --eval-reward-key's."""
@@ -86,8 +88,10 @@ class RewardScorer:
     """
 
     def __init__(self, config: RewardConfig, judge: MathJudge | None = None, remote: RemoteReward | None = None,
-                 seed: int = 0):
+                 seed: int = 0, args: Any = None):
         self.config, self.seed = config, seed
+        self.args = args
+        """slime's `args` for --custom-rm-path (slime_plugins.slime_args; the rollout sets it when None)."""
         self._owns_judge = judge is None
         self.judge = judge or MathJudge()
         self.custom = load_plugin(config.custom_rm_path, "custom-rm-path") if config.custom_rm_path else None
@@ -113,7 +117,7 @@ class RewardScorer:
             await asyncio.gather(*(self.score(sample) for sample in group))
             return
         try:
-            rewards = await _maybe_await(self.custom(self.config, list(group)))
+            rewards = await _maybe_await(self.custom(self._args(), [to_slime(s) for s in group]))
             if len(rewards) != len(group):
                 raise ValueError(f"returned {len(rewards)} rewards for a group of {len(group)}")
             values = [reward_value(r, self.reward_key(s)) for r, s in zip(rewards, group, strict=True)]
@@ -143,7 +147,7 @@ class RewardScorer:
         try:
             source = self._source(sample)
             if self.custom is not None:
-                value = await _maybe_await(self.custom(self.config, sample))
+                value = await _maybe_await(self.custom(self._args(), to_slime(sample)))
             elif source == "remote_rm":
                 value = await self.remote(sample, self.reward_key(sample))
             else:
@@ -151,6 +155,27 @@ class RewardScorer:
             sample.reward = reward_value(value, self.reward_key(sample))
         except Exception as exc:
             sample.mark_failed(f"{source} raised {type(exc).__name__}: {exc}")
+
+    def _args(self) -> Any:
+        """What a custom reward gets as `args`: the rollout's slime args, else the reward flags by their names."""
+        return self.args if self.args is not None else SimpleNamespace(**self.config.model_dump())
+
+    async def reward_of(self, view: Any) -> float:
+        """The reward of slime's Sample `view` (for slime's generate_and_rm); raises what scoring raised."""
+        sample = from_slime(view, view, "generate_and_rm")
+        await self.score(sample)
+        if sample.status is Status.FAILED:
+            raise ValueError(sample.failure_reason)
+        return sample.reward
+
+    async def rewards_of_group(self, views: list[Any]) -> list[float]:
+        """The rewards of a group of slime Samples with --group-rm (for slime's generate_and_rm_group)."""
+        samples = [from_slime(view, view, "generate_and_rm_group") for view in views]
+        await self.score_group(samples)
+        failed = [s.failure_reason for s in samples if s.status is Status.FAILED]
+        if failed:
+            raise ValueError(failed[0])
+        return [s.reward for s in samples]
 
     def _score_builtin(self, sample: Sample) -> None:
         """Reward one sample with a built-in rm_type (no custom function, no reward server)."""

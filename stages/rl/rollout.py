@@ -20,12 +20,15 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from slimeflow.slime_compat.utils import http_utils
 from slimeflow.stages.rl.config import RolloutConfig, TrainConfig
 from slimeflow.stages.rl.data_source import START_ROLLOUT_ID, BufferedDataSource, Group
 from slimeflow.stages.rl.engine.client import EngineUnavailableError
 from slimeflow.stages.rl.filters import DynamicSampler, load_group_filter
 from slimeflow.stages.rl.plugins import load_plugin
 from slimeflow.stages.rl.rewards import RewardScorer
+from slimeflow.stages.rl.slime_plugins import call_generate, slime_args
+from slimeflow.stages.rl.slime_rollout_hooks import apply_sample_hooks, finish_rollout
 from slimeflow.stages.rl.types import Sample, Status
 
 GenerateFn = Callable[[Any, Sample, dict[str, Any]], Awaitable[Sample]]
@@ -72,11 +75,32 @@ class RolloutContext:
     generate_fn: GenerateFn | None = None
     batch_groups: bool = True
     """Send a group's samples as one batched /generate (SGLang's batch form) with the default generate."""
+    router_url: str | None = None
+    """The engine or router URL the rollout talks to (slime plug-ins' args.sglang_router_ip/port)."""
+    api_key: str | None = field(default=None, repr=False)
+    """The engines' API key (slime's `post` to router_url sends it)."""
+    args: Any = None
+    """What plug-ins get as `args` (slime_plugins.slime_args; built from the rest when not given)."""
+    rollout_id: int | None = None
+    """The rollout being generated (set by generate_rollout; slime's sample hooks get it)."""
 
     def __post_init__(self) -> None:
         path = self.config.rollout.custom_generate_function_path
         if self.generate_fn is None and path is not None:
             self.generate_fn = load_plugin(path, "custom-generate-function-path")
+        if self.args is None:
+            self.args = slime_args(self.config, router_url=self.router_url, concurrency=self.concurrency,
+                                   client=self.client, tokenizer=self.tokenizer, _slimeflow_tokenizer=self.tokenizer,
+                                   weight_version=self.weight_version,
+                                   _slimeflow_reward=self.scorer.reward_of,
+                                   _slimeflow_group_reward=self.scorer.rewards_of_group)
+            if self.api_key:
+                self.args.sglang_api_key = self.api_key
+            http_utils.init_http_client(self.args)
+        if self.scorer.args is None:
+            self.scorer.args = self.args
+        self.sample_hooks = [load_plugin(path, "rollout-sample-hook-path")
+                             for path in self.config.rollout.rollout_sample_hook_path or []]
         self._in_flight = 0
         self._freed = asyncio.Condition()
 
@@ -225,10 +249,11 @@ def check_version(ctx: RolloutContext, meta: dict[str, Any]) -> None:
                            f"{ctx.weight_version!r}: the engines were not all updated; check the weight sync")
 
 
-async def generate_group(ctx: RolloutContext, group: Group, params: dict[str, Any]) -> Group:
+async def generate_group(ctx: RolloutContext, group: Group, params: dict[str, Any],
+                         evaluation: bool = False) -> Group:
     """Generate every sample of a group, then reward the group. The default generate sends the group as one
-    batched request; a custom generate function runs per sample. Requests in flight stay within `concurrency`
-    samples."""
+    batched request; a custom generate function runs per sample (with slime's `evaluation=` when it takes it).
+    Requests in flight stay within `concurrency` samples."""
     if ctx.generate_fn is None and ctx.batch_groups:
         async with ctx.slots(len(group)):
             try:
@@ -239,21 +264,34 @@ async def generate_group(ctx: RolloutContext, group: Group, params: dict[str, An
                 for sample in group:
                     sample.mark_failed(f"generate raised {type(exc).__name__}: {exc}")
     else:
-        generate = ctx.generate_fn or default_generate
-
-        async def one(sample: Sample) -> Sample:
+        async def one(sample: Sample) -> list[Sample]:
             async with ctx.slots(1):
                 try:
-                    return await generate(ctx, sample, params)
+                    if ctx.generate_fn is None:
+                        return [await default_generate(ctx, sample, params)]
+                    samples = await call_generate(ctx.generate_fn, ctx.args, sample, params, evaluation)
+                    for produced in samples:  # the versions slime's Sample recorded from the engine's answers
+                        if produced.metadata.get("weight_version") is not None:
+                            check_version(ctx, {"weight_version": produced.metadata["weight_version"],
+                                                "finish_reason": {"type": produced.status.value}})
+                    return samples
                 except _FATAL:
                     raise
                 except Exception as exc:  # an engine error fails the sample with the reason; the rollout goes on
                     sample.mark_failed(f"generate raised {type(exc).__name__}: {exc}")
-                    return sample
+                    return [sample]
 
-        group = list(await asyncio.gather(*(one(s) for s in group)))
+        # A custom generate may return several samples (a trajectory's turns): they stay in the group, in order.
+        group = [s for produced in await asyncio.gather(*(one(s) for s in group)) for s in produced]
     if any(s.status is Status.ABORTED for s in group):
         return group  # not scored: it is discarded or continued next rollout
+    if ctx.sample_hooks and all(s.status is not Status.FAILED for s in group):
+        try:
+            group = await apply_sample_hooks(ctx.sample_hooks, ctx.args, group, rollout_id=ctx.rollout_id,
+                                             evaluation=evaluation)
+        except Exception as exc:  # a hook that raises fails the group's samples with the reason
+            for sample in group:
+                sample.mark_failed(f"--rollout-sample-hook-path raised {type(exc).__name__}: {exc}")
     scorable = [s for s in group if s.status is not Status.FAILED]
     if len(scorable) == len(group):
         await ctx.scorer.score_group(group)
@@ -263,12 +301,14 @@ async def generate_group(ctx: RolloutContext, group: Group, params: dict[str, An
 async def generate_rollout(ctx: RolloutContext, data: BufferedDataSource, rollout_id: int) -> RolloutResult:
     """One rollout: `rollout_batch_size` groups that pass the filter, over-sampling as needed."""
     config = ctx.config
+    ctx.rollout_id = rollout_id
     sampler = DynamicSampler(config.batch.rollout_batch_size, config.rollout.over_sampling_batch_size,
-                             load_group_filter(config.rollout.dynamic_sampling_filter_path))
+                             load_group_filter(config.rollout.dynamic_sampling_filter_path, ctx.args))
     params = sampling_params(config.rollout)
     started = time.perf_counter()
     pending: set[asyncio.Task] = set()
     order: dict[asyncio.Task, int] = {}
+    offered: list[Group] = []  # kept or not (slime's --rollout-all-samples-process-path sees them all)
     while not sampler.done:
         for group in data.get_groups(sampler.groups_to_request()):
             task = asyncio.ensure_future(generate_group(ctx, group, params))
@@ -286,6 +326,7 @@ async def generate_rollout(ctx: RolloutContext, data: BufferedDataSource, rollou
                 data.add_groups([reset_group(group)], rollout_id)
                 continue
             sampler.offer(group)
+            offered.append(group)
     aborted = await abort_stragglers(ctx, pending)
     if config.rollout.partial_rollout:
         data.add_groups(aborted, rollout_id)
@@ -293,7 +334,7 @@ async def generate_rollout(ctx: RolloutContext, data: BufferedDataSource, rollou
     kept.sort(key=lambda g: g[0].group_index)
     metrics = rollout_metrics(kept, sampler.stats(), time.perf_counter() - started)
     metrics.update({"rollout/aborted_groups": len(aborted), "rollout/surplus_groups": len(surplus)})
-    return RolloutResult(groups=kept, metrics=metrics)
+    return RolloutResult(groups=kept, metrics=finish_rollout(ctx, kept, metrics, offered, data))
 
 
 def check_failures(sampler: DynamicSampler, group: Group) -> None:

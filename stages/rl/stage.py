@@ -138,23 +138,37 @@ PLUGIN_FLAGS = {
     ("reward", "custom_rm_path"): "custom-rm-path",
     ("algorithm", "custom_loss_function_path"): "custom-loss-function-path",
     ("algorithm", "custom_advantage_function_path"): "custom-advantage-function-path",
+    ("rollout", "rollout_sample_filter_path"): "rollout-sample-filter-path",
+    ("rollout", "custom_rollout_log_function_path"): "custom-rollout-log-function-path",
+    ("algorithm", "custom_reward_post_process_path"): "custom-reward-post-process-path",
+    ("rollout", "rollout_all_samples_process_path"): "rollout-all-samples-process-path",
+    ("eval", "custom_eval_rollout_log_function_path"): "custom-eval-rollout-log-function-path",
+    ("eval", "eval_function_path"): "eval-function-path",
+    ("algorithm", "custom_convert_samples_to_train_data_path"): "custom-convert-samples-to-train-data-path",
 }
 
 
+def plugin_problems(flag: str, path: str | None, group_rm: bool) -> list[str]:
+    """Why the plug-in at `path` cannot be loaded or called as --`flag` is (empty when it can, or path is None)."""
+    from slimeflow.stages.rl.slime_plugins import call_problem
+
+    if path is None:
+        return []
+    try:
+        problem = call_problem(flag, load_plugin(path, flag), group_rm=group_rm)
+    except PluginError as err:
+        problem = str(err)
+    return [problem if problem.startswith("--") else f"--{flag} {path!r}: {problem}"] if problem else []
+
+
 def check_plugins(config: TrainConfig) -> None:
-    """Every plug-in path loads, before Ray or an engine starts; all the wrong ones are named at once."""
+    """Every plug-in path loads and can be called the way the run will call it, before Ray or an engine starts;
+    all the wrong ones are named at once."""
     problems = []
     for (group, field), flag in PLUGIN_FLAGS.items():
-        path = getattr(getattr(config, group), field)
-        if path is None:
-            continue
-        try:
-            load_plugin(path, flag)
-        except PluginError as err:
-            problems.append(str(err))
-    if config.rollout.rollout_function_path is not None:
-        problems.append("--rollout-function-path: replacing the whole rollout function is not supported in this "
-                        "version; use --custom-generate-function-path (per sample) instead")
+        problems.extend(plugin_problems(flag, getattr(getattr(config, group), field), config.reward.group_rm))
+    for path in config.rollout.rollout_sample_hook_path or []:
+        problems.extend(plugin_problems("rollout-sample-hook-path", path, False))
     if problems:
         raise StageInputError("the train stage's plug-ins", problems, "Fix the paths (package.module:function).")
 

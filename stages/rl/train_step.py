@@ -6,6 +6,7 @@ computes log-probs for its share only and the shares are gathered, so advantages
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -90,9 +91,19 @@ def prepare(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, own: 
         ref = _gather(own, backend.compute_log_probs(mine, reference=True).log_probs, len(batch), world_size)
     policy = batch.rollout_log_probs if algo.use_rollout_logprobs else old
     inputs = AdvantageInputs(rewards=batch.rewards, loss_masks=batch.loss_masks, log_probs=policy, ref_log_probs=ref)
-    advantages = compute_advantages(algo, inputs, config.batch.n_samples_per_prompt,
+    advantages = compute_advantages(algo, inputs, group_size(batch, config.batch.n_samples_per_prompt),
                                     backend.custom_advantage)
     return Prepared(old_log_probs=old, advantages=advantages.advantages, ref_log_probs=ref)
+
+
+def group_size(batch: TrainBatch, n_samples_per_prompt: int) -> int:
+    """Samples per group for the group-normalised estimators: n_samples_per_prompt, or the size every group shares
+    when a custom generate returned several samples per trajectory; groups of different sizes normalise as one
+    group over the whole rollout (slime's fallback for unequal groups)."""
+    sizes = {len(list(run)) for _, run in itertools.groupby(batch.group_indices)}
+    if not sizes or sizes == {n_samples_per_prompt}:
+        return n_samples_per_prompt
+    return sizes.pop() if len(sizes) == 1 else len(batch)
 
 
 def _advantages_need_no_log_probs(config: TrainConfig, backend: TorchBackend) -> bool:

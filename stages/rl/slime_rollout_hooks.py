@@ -1,0 +1,256 @@
+"""slime's rollout-level hooks around slimeflow's rollout: sample hooks, the rollout sample filter, reward
+post-processing, the all-samples process, the rollout and eval log functions, a whole rollout function (with slime's
+data-source API over ours) and the conversion of samples to train data. Each is called with slime's signature on
+slime's `Sample` (slime_plugins converts at the boundary)."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from slimeflow.slime_compat.utils.types import Sample as SlimeSample
+from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.stages.rl.plugins import load_plugin
+from slimeflow.stages.rl.slime_plugins import from_slime, plugin_name, takes_keyword, to_slime
+from slimeflow.stages.rl.types import Sample, Status
+
+
+async def apply_sample_hooks(hooks: Sequence[Callable[..., Any]], args: Any, samples: list[Sample], *,
+                             rollout_id: int | None, evaluation: bool) -> list[Sample]:
+    """--rollout-sample-hook-path, in order, on each generated sample before its reward, as slime:
+    `hook(args, sample, *, rollout_id=None, evaluation=False) -> Sample | None` (sync or async; None keeps the
+    sample it was given, changed in place)."""
+    out = []
+    for sample in samples:
+        view = to_slime(sample)
+        for hook in hooks:
+            kwargs = {k: v for k, v in {"rollout_id": rollout_id, "evaluation": evaluation}.items() if takes_keyword(hook, k)}
+            result = hook(args, view, **kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+            if result is not None:
+                if not isinstance(result, SlimeSample):
+                    raise TypeError(f"--rollout-sample-hook-path {plugin_name(hook)} returned {type(result).__name__}; "
+                                    "return the Sample or None")
+                view = result
+        out.append(from_slime(view, sample, "--rollout-sample-hook-path"))
+    return out
+
+
+def apply_sample_filter(function: Callable[..., Any], args: Any, groups: list[list[Sample]]) -> int:
+    """--rollout-sample-filter-path, as slime: `filter(args, groups)` on the rollout's kept groups, setting
+    `remove_sample` on the samples that must not train; their loss masks become all 0 (they still count in the
+    group's advantage normalisation, as in slime). Returns how many were removed."""
+    views = [[to_slime(s) for s in group] for group in groups]
+    function(args, views)
+    removed = 0
+    for group, view_group in zip(groups, views, strict=True):
+        for sample, view in zip(group, view_group, strict=True):
+            if view.remove_sample:
+                sample.loss_mask = [0] * sample.response_length
+                removed += 1
+    return removed
+
+
+def call_rollout_log(function: Callable[..., Any], rollout_id: int, args: Any, samples: Sequence[Sample],
+                     metrics: dict[str, float], seconds: float) -> bool:
+    """--custom-rollout-log-function-path, as slime: `log(rollout_id, args, samples, rollout_extra_metrics,
+    rollout_time) -> bool`; True skips the default rollout metrics."""
+    return bool(function(rollout_id, args, [to_slime(s) for s in samples], dict(metrics), seconds))
+
+
+def call_eval_log(function: Callable[..., Any], rollout_id: int | None, args: Any,
+                  results: dict[str, list[list[Sample]]], metrics: dict[str, float]) -> bool:
+    """--custom-eval-rollout-log-function-path, as slime: `log(rollout_id, args, data, extra_metrics) -> bool` with
+    data = {set name: {"rewards", "truncated", "samples"}} (failed samples left out); True skips the default
+    eval metrics."""
+    data = {}
+    for name, groups in results.items():
+        good = [s for g in groups for s in g if s.status is not Status.FAILED and s.reward is not None]
+        data[name] = {"rewards": [float(s.reward) for s in good],
+                      "truncated": [int(s.status is Status.TRUNCATED) for s in good],
+                      "samples": [to_slime(s) for s in good]}
+    return bool(function(rollout_id, args, data, dict(metrics)))
+
+
+def post_process_rewards(function: Callable[..., Any], args: Any, groups: list[list[Sample]]) -> None:
+    """--custom-reward-post-process-path, as slime: `post_process(args, samples) -> (raw_rewards, rewards)` on the
+    rollout's samples in order; each sample's reward becomes its post-processed one (the raw one is kept in
+    metadata['raw_reward'])."""
+    samples = [s for group in groups for s in group]
+    where = f"--custom-reward-post-process-path {plugin_name(function)}"
+    raw, rewards = function(args, [to_slime(s) for s in samples])
+    if len(raw) != len(samples) or len(rewards) != len(samples):
+        raise ValueError(f"{where} returned {len(raw)} raw rewards and {len(rewards)} rewards for {len(samples)} "
+                         "samples; return one of each per sample")
+    for sample, raw_reward, reward in zip(samples, raw, rewards, strict=True):
+        sample.metadata["raw_reward"] = float(raw_reward)
+        sample.reward = float(reward)
+
+
+def process_all_samples(function: Callable[..., Any], args: Any, kept: list[list[Sample]],
+                        finished: list[list[Sample]], source: SlimeDataSource) -> None:
+    """--rollout-all-samples-process-path, as slime: `process(args, all_samples, data_source)` on every finished
+    group in prompt order, kept or filtered out; what it changes in the kept samples is carried back."""
+    ordered = sorted(finished, key=lambda group: group[0].group_index)
+    views = [[to_slime(s) for s in group] for group in ordered]
+    function(args, views, source)
+    back = {id(sample): view for group, view_group in zip(ordered, views, strict=True)
+            for sample, view in zip(group, view_group, strict=True)}
+    where = f"--rollout-all-samples-process-path {plugin_name(function)}"
+    for group in kept:
+        group[:] = [from_slime(back[id(s)], s, where) if id(s) in back else s for s in group]
+
+
+def finish_rollout(ctx: Any, kept: list[list[Sample]], metrics: dict[str, float],
+                   finished: list[list[Sample]] | None = None, data: Any = None) -> dict[str, float]:
+    """On the kept groups: --custom-reward-post-process-path, --rollout-sample-filter-path, then
+    --rollout-all-samples-process-path on every finished group (`finished`, kept or filtered out) with `data`
+    as slime's data source, then --custom-rollout-log-function-path; the metrics to log (none when the log
+    function says it logged them itself, as slime). `ctx` is the rollout's context."""
+    rollout = ctx.config.rollout
+    post_process = ctx.config.algorithm.custom_reward_post_process_path
+    if post_process is not None:
+        post_process_rewards(load_plugin(post_process, "custom-reward-post-process-path"), ctx.args, kept)
+    if rollout.rollout_sample_filter_path is not None:
+        function = load_plugin(rollout.rollout_sample_filter_path, "rollout-sample-filter-path")
+        metrics["rollout/removed_samples"] = float(apply_sample_filter(function, ctx.args, kept))
+    if rollout.rollout_all_samples_process_path is not None:
+        function = load_plugin(rollout.rollout_all_samples_process_path, "rollout-all-samples-process-path")
+        process_all_samples(function, ctx.args, kept, finished or kept, SlimeDataSource(data, ctx.rollout_id))
+    if rollout.custom_rollout_log_function_path is not None:
+        function = load_plugin(rollout.custom_rollout_log_function_path, "custom-rollout-log-function-path")
+        if call_rollout_log(function, ctx.rollout_id, ctx.args, [s for g in kept for s in g], metrics,
+                            metrics["rollout/seconds"]):
+            return {}
+    return metrics
+
+
+class SlimeDataSource:
+    """slime's data-source API (get_samples, add_samples) over slimeflow's buffered data source, for a rollout
+    function: groups go out as slime Samples and come back as ours."""
+
+    def __init__(self, data: Any, rollout_id: int):
+        self.data, self.rollout_id = data, rollout_id
+        self._origin: dict[int, Sample] = {}
+
+    def get_samples(self, num_samples: int) -> list[list[SlimeSample]]:
+        """`num_samples` groups (the buffer's first, as slime's data source with buffer)."""
+        views = []
+        for group in self.data.get_groups(num_samples):
+            view = [to_slime(s) for s in group]
+            self._origin.update({id(v): s for v, s in zip(view, group, strict=True)})
+            views.append(view)
+        return views
+
+    def add_samples(self, samples: list[list[SlimeSample]]) -> None:
+        """Put groups back into the buffer (aborted ones, continued by a later rollout)."""
+        self.data.add_groups([[self.native(s, "data_source.add_samples") for s in group] for group in samples],
+                             self.rollout_id)
+
+    def native(self, view: Any, where: str) -> Sample:
+        return from_slime(view, self._origin.get(id(view), view), where)
+
+    def get_buffer_length(self) -> int:
+        return len(self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+def _leaves(value: Any) -> list[Any]:
+    return [leaf for item in value for leaf in _leaves(item)] if isinstance(value, list) else [value]
+
+
+def run_rollout_function(function: Callable[..., Any], ctx: Any, data: Any, rollout_id: int) -> Any:
+    """--rollout-function-path, as slime calls it: `generate_rollout(args, rollout_id, data_source,
+    evaluation=False)` -> RolloutFnTrainOutput or list[list[Sample]] (a group may nest lists of samples). Every
+    sample must carry its reward (a dict is reduced with --reward-key). Returns the rollout's RolloutResult."""
+    from slimeflow.slime_compat.rollout.base_types import call_rollout_fn
+    from slimeflow.stages.rl.rewards import reward_value
+    from slimeflow.stages.rl.rollout import RolloutResult, rollout_metrics
+
+    ctx.rollout_id = rollout_id
+    source = SlimeDataSource(data, rollout_id)
+    where = f"--rollout-function-path {plugin_name(function)}"
+    started = time.perf_counter()
+    output = call_rollout_fn(function, ctx.args, rollout_id, source, evaluation=False)
+    groups = []
+    for group in output.samples:
+        samples = [source.native(view, where) for view in _leaves(group)]
+        for sample in samples:
+            if sample.reward is None:
+                raise ValueError(f"{where} returned sample {sample.index} (group {sample.group_index}) without a "
+                                 "reward; a rollout function rewards its samples (slime's generate_and_rm does)")
+            sample.reward = reward_value(sample.reward, ctx.config.reward.reward_key)
+        groups.append(samples)
+    metrics = rollout_metrics(groups, {}, time.perf_counter() - started)
+    metrics.update({k: float(v) for k, v in (output.metrics or {}).items() if isinstance(v, int | float)})
+    post_process = ctx.config.algorithm.custom_reward_post_process_path
+    if post_process is not None:  # as slime: applied to whatever the rollout function returned
+        post_process_rewards(load_plugin(post_process, "custom-reward-post-process-path"), ctx.args, groups)
+    return RolloutResult(groups=groups, metrics=metrics)
+
+
+_TRAIN_DATA_USED = {"tokens", "response_lengths", "rewards", "loss_masks", "rollout_log_probs"}
+_TRAIN_DATA_INFO = {"raw_reward", "truncated", "sample_indices", "rollout_ids", "rollout_mask_sums", "total_lengths"}
+"""slime train-data keys that only report (slimeflow computes total_lengths and the loss's denominators itself)."""
+
+
+def train_batch(config: TrainConfig, args: Any, samples: list[Sample]) -> Any:
+    """The TrainBatch of a rollout's samples: --custom-convert-samples-to-train-data-path's dict when set (slime's
+    `convert(args, samples) -> dict`, whose `rewards` the estimators take as they are), else TrainBatch.from_samples.
+    A key that would change training in slime but that slimeflow's trainer does not read is an error."""
+    import torch
+
+    from slimeflow.stages.rl.types import TrainBatch
+
+    path = config.algorithm.custom_convert_samples_to_train_data_path
+    if path is None:
+        return TrainBatch.from_samples(samples)
+    function = load_plugin(path, "custom-convert-samples-to-train-data-path")
+    where = f"--custom-convert-samples-to-train-data-path {plugin_name(function)}"
+    data = function(args, [to_slime(s) for s in samples])
+    unread = sorted(set(data) - _TRAIN_DATA_USED - _TRAIN_DATA_INFO)
+    missing = sorted({"tokens", "response_lengths", "rewards", "loss_masks"} - set(data))
+    if unread or missing:
+        raise ValueError(f"{where} returned keys {unread} that slimeflow's trainer does not read (remove them or "
+                         f"train with slime)" if unread else f"{where} returned no {missing}; it needs tokens, "
+                         "response_lengths, rewards and loss_masks (rollout_log_probs optional)")
+    logps = data.get("rollout_log_probs")
+    groups = [s.group_index for s in samples] if len(samples) == len(data["tokens"]) else []
+    return TrainBatch(tokens=[torch.as_tensor(t, dtype=torch.long) for t in data["tokens"]],
+                      response_lengths=[int(n) for n in data["response_lengths"]],
+                      loss_masks=[torch.as_tensor(m, dtype=torch.float32) for m in data["loss_masks"]],
+                      rewards=torch.as_tensor(data["rewards"], dtype=torch.float32),
+                      rollout_log_probs=None if logps is None else [torch.as_tensor(lp, dtype=torch.float32)
+                                                                    for lp in logps],
+                      group_indices=groups)
+
+
+def run_eval_function(function: Callable[..., Any], ctx: Any, data: Any, rollout_id: int | None) -> dict[str, float]:
+    """--eval-function-path, as slime calls it: `eval_generate_rollout(args, rollout_id, data_source,
+    evaluation=True)` -> RolloutFnEvalOutput or its data dict {set name: {"rewards", "truncated"?, "samples"?}}.
+    Metrics as slime logs them: eval/<set> (mean reward), eval/<set>/truncated_rate, and the function's own;
+    --custom-eval-rollout-log-function-path sees the data first (True: none of these)."""
+    from slimeflow.slime_compat.rollout.base_types import call_rollout_fn
+
+    ctx.rollout_id = rollout_id
+    where = f"--eval-function-path {plugin_name(function)}"
+    output = call_rollout_fn(function, ctx.args, rollout_id, SlimeDataSource(data, rollout_id), evaluation=True)
+    metrics = {k: float(v) for k, v in (output.metrics or {}).items() if isinstance(v, int | float)}
+    for name, result in output.data.items():
+        rewards = result.get("rewards") if isinstance(result, dict) else None
+        if not rewards:
+            raise ValueError(f"{where} returned no rewards for eval set {name!r}; give data[{name!r}]['rewards']")
+        metrics[f"eval/{name}"] = sum(float(r) for r in rewards) / len(rewards)
+        if result.get("truncated"):
+            metrics[f"eval/{name}/truncated_rate"] = sum(result["truncated"]) / len(result["truncated"])
+    path = ctx.config.eval.custom_eval_rollout_log_function_path
+    if path is not None:
+        log = load_plugin(path, "custom-eval-rollout-log-function-path")
+        if log(rollout_id, ctx.args, output.data, dict(metrics)):
+            return {}
+    return metrics
