@@ -83,8 +83,14 @@ def _moe_config(args: argparse.Namespace) -> dict[str, Any]:
             "moe_router_load_balancing_type": "none"}
 
 
-def gpt_model_from_args(args: argparse.Namespace, dtype: torch.dtype = torch.float32):
-    """A megatron-core GPTModel (local layer spec, CPU initialisation) of the shape in a checkpoint's args."""
+def gpt_model_from_args(args: argparse.Namespace, dtype: torch.dtype = torch.float32,
+                        parallel: dict[str, Any] | None = None, pre_process: bool = True, post_process: bool = True,
+                        parallel_output: bool = True):
+    """A megatron-core GPTModel (local layer spec, CPU initialisation) of the shape in a checkpoint's args.
+
+    `parallel`: further TransformerConfig fields (tensor/pipeline parallel sizes, ...), under megatron's
+    initialised parallel state; pre_process/post_process: this pipeline stage holds the embedding / the output
+    layer; parallel_output False gathers the logits over the tensor-parallel ranks (full vocabulary)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
@@ -96,8 +102,9 @@ def gpt_model_from_args(args: argparse.Namespace, dtype: torch.dtype = torch.flo
         add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
         rotary_interleaved=getattr(args, "rotary_interleaved", False), hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, params_dtype=dtype, **_moe_config(args))
+        gradient_accumulation_fusion=False, params_dtype=dtype, **_moe_config(args), **(parallel or {}))
     return GPTModel(config, layer_spec(args), vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
                     rotary_percent=getattr(args, "rotary_percent", 1.0), rotary_base=int(args.rotary_base),
-                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    pre_process=pre_process, post_process=post_process, parallel_output=parallel_output)

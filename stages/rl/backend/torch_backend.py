@@ -86,7 +86,7 @@ class TorchBackend:
         self.rank, self.world_size = rank, world_size
         self.data_parallel_group = None  # every rank is a data-parallel rank: the default process group
         self.device = torch.device(device) if device is not None else default_device()
-        self._owns_group = self._init_process_group(init_method)
+        self._owns_group = init_process_group(rank, world_size, init_method, self.device)
         seed_everything(seed)
         self.model = load_model(self.hf_checkpoint, self.device)
         self.optimizer = torch.optim.AdamW(
@@ -107,17 +107,6 @@ class TorchBackend:
     def autocast_dtype(self) -> torch.dtype | None:
         return torch.bfloat16 if self.optimizer_config.bf16 else None
 
-    def _init_process_group(self, init_method: str | None) -> bool:
-        if self.world_size == 1 or torch.distributed.is_initialized():
-            return False
-        if init_method is None:
-            raise ValueError(f"world_size {self.world_size} needs an init_method (e.g. file:///shared/rendezvous "
-                             "or tcp://host:port) for torch.distributed")
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        torch.distributed.init_process_group(backend, init_method=init_method, rank=self.rank,
-                                             world_size=self.world_size)
-        return True
-
     def _load_reference(self, ref_load: str | None) -> torch.nn.Module:
         model = load_model(self.hf_checkpoint, self.device, trainable=False)
         if ref_load is not None:
@@ -137,11 +126,7 @@ class TorchBackend:
     def micro_batches(self, lengths: list[int]) -> list[list[int]]:
         """Micro-batches (sample indices) of one rank's share: packed under --max-tokens-per-gpu with
         --use-dynamic-batch-size, else consecutive --micro-batch-size samples."""
-        if self.batch.use_dynamic_batch_size:
-            assert self.batch.max_tokens_per_gpu is not None  # BatchConfig validates this
-            return pack_micro_batches(lengths, self.batch.max_tokens_per_gpu)
-        size = self.batch.micro_batch_size
-        return [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
+        return plan_micro_batches(self.batch, lengths)
 
     def forward(self, rows: TrainBatch, with_entropy: bool = False, reference: bool = False) -> LogProbs:
         """Response-token log-probs (and entropies) of every row, on this device, with autograd as the caller's
@@ -284,6 +269,30 @@ def response_log_probs(selected: torch.Tensor, rows: TrainBatch, layout: RowLayo
     entropy = alg.compute_entropy_from_logits(logits) if with_entropy else None
     split = rows.response_lengths
     return LogProbs(list(torch.split(log_probs, split)), None if entropy is None else list(torch.split(entropy, split)))
+
+
+def init_process_group(rank: int, world_size: int, init_method: str | None, device: torch.device,
+                       single_rank_too: bool = False) -> bool:
+    """Join the default process group (gloo on CPU, NCCL on GPU) unless there is one, or there is a single rank
+    and not `single_rank_too`; returns whether this call created it (its owner destroys it)."""
+    if torch.distributed.is_initialized() or (world_size == 1 and not single_rank_too):
+        return False
+    if init_method is None:
+        raise ValueError(f"world_size {world_size} needs an init_method (e.g. file:///shared/rendezvous "
+                         "or tcp://host:port) for torch.distributed")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    return True
+
+
+def plan_micro_batches(batch: BatchConfig, lengths: list[int]) -> list[list[int]]:
+    """Micro-batches (sample indices) of one rank's share of `lengths` tokens: packed under --max-tokens-per-gpu
+    with --use-dynamic-batch-size, else consecutive --micro-batch-size samples."""
+    if batch.use_dynamic_batch_size:
+        assert batch.max_tokens_per_gpu is not None  # BatchConfig validates this
+        return pack_micro_batches(lengths, batch.max_tokens_per_gpu)
+    size = batch.micro_batch_size
+    return [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
 
 
 def sum_over_ranks(sums: dict[str, torch.Tensor], world_size: int, group: Any = None) -> dict[str, float]:
