@@ -84,8 +84,7 @@ class MegatronBackend:
             self.model = self._wrapped(self._build())
             self.optimizer = self._megatron_optimizer()
             self.scheduler = self._param_scheduler(total_steps)
-            self.ref_model = self._build(trainable=False) if self.needs_reference else None
-        self.ref_load = ref_load
+            self.ref_model = self._reference(ref_load) if self.needs_reference else None
         self.custom_loss: CustomLoss | None = load_custom_loss(algorithm)
         self.custom_advantage: CustomAdvantage | None = load_custom_advantage(algorithm)
 
@@ -115,6 +114,16 @@ class MegatronBackend:
                                     post_process=parallel_state.is_pipeline_last_stage(), parallel_output=False)
         model.to(self.device).eval()  # dropout is 0; eval as the torch backend, so log-probs do not depend on mode
         model.requires_grad_(trainable)
+        return model
+
+    def _reference(self, ref_load: str | None) -> torch.nn.Module:
+        from slimeflow.stages.rl.backend.megatron_checkpoint import load_weights
+
+        if ref_load is None:
+            raise ValueError("--use-kl-loss or --kl-coef > 0 with --train-backend megatron needs --ref-load (the "
+                             "reference model's torch_dist checkpoint, as in slime)")
+        model = self._build(trainable=False)
+        load_weights(model, ref_load)
         return model
 
     def _wrapped(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -364,15 +373,3 @@ def _hf_vocab_size(hf_checkpoint: Path) -> int:
 
     return int(json.loads((hf_checkpoint / "config.json").read_text(encoding="utf-8"))["vocab_size"])
 
-
-def load_weights(model: torch.nn.Module, directory: str | Path) -> None:
-    """This rank's share of the torch_dist checkpoint `directory` into `model` (megatron's dist_checkpointing:
-    each rank reads the pieces of the global tensors it holds, whatever TP/PP the checkpoint was written at)."""
-    from megatron.core import dist_checkpointing
-
-    loaded = dist_checkpointing.load(model.sharded_state_dict(), str(directory))
-    missing, unexpected = model.load_state_dict(loaded, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing:
-        raise ValueError(f"{directory} lacks weights this model needs: {missing[:5]}; was it written for this "
-                         "--hf-checkpoint's architecture?")
