@@ -69,7 +69,17 @@ def test_no_model_args_check_nothing():
 def test_megatron_parallelism_is_refused_under_the_torch_backend(flags):
     problems = check_model_args(train_config(*flags).megatron, QWEN3_4B, "torch")
     assert len(problems) == 1 and problems[0].startswith(flags[0]) and "--train-backend megatron" in problems[0]
-    assert check_model_args(train_config(*flags).megatron, QWEN3_4B, "megatron") == []
+    under_megatron = check_model_args(train_config(*flags).megatron, QWEN3_4B, "megatron")
+    if flags[0] in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
+        assert under_megatron == []  # what the Megatron backend builds
+    else:  # refused by name, with the reason
+        assert len(under_megatron) == 1 and under_megatron[0].startswith(flags[0])
+        assert "the Megatron backend does not build it yet" in under_megatron[0]
+
+
+def test_context_parallelism_says_why_it_cannot_run_on_a_cpu():
+    problems = check_model_args(train_config("--context-parallel-size", "2").megatron, QWEN3_4B, "megatron")
+    assert len(problems) == 1 and "local attention asserts context parallel size 1" in problems[0]
 
 
 def test_the_train_stage_refuses_tp8_before_anything_starts(tmp_path: Path):
@@ -108,7 +118,8 @@ def test_slimes_qwen3_4b_run_script_is_refused_only_for_what_needs_megatron():
         load_stage_config("train", None, argv)
     refused = sorted(p.split(":", 1)[0] for p in err.value.problems)
     assert refused == ["--accumulate-allreduce-grads-in-fp32", "--attention-backend", "--attention-softmax-in-fp32"]
-    assert all("read only by the Megatron training backend" in p for p in err.value.problems)
+    assert all("that the Megatron training backend (--train-backend megatron) does not read yet" in p
+               for p in err.value.problems)
     rest = [a for a in argv if a.split()[0] not in refused and a != "flash"]  # --attention-backend's value
     problems = check_model_args(load_stage_config("train", None, rest).megatron, QWEN3_4B, "torch")
     assert [p.split(" ", 1)[0] for p in problems] == [

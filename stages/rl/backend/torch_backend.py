@@ -85,6 +85,7 @@ class TorchBackend:
         self.optimizer_config, self.algorithm, self.batch = optimizer, algorithm, batch
         self.rank, self.world_size = rank, world_size
         self.data_parallel_group = None  # every rank is a data-parallel rank: the default process group
+        self.dp_rank, self.dp_size = rank, world_size
         self.device = torch.device(device) if device is not None else default_device()
         self._owns_group = init_process_group(rank, world_size, init_method, self.device)
         seed_everything(seed)
