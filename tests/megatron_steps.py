@@ -51,13 +51,10 @@ def train_steps(backend, batch, config, rank: int, world_size: int) -> list[dict
 def train_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
     """Build the backend of `rank`, load the job's checkpoint, train; rank 0's steps, weights and optimizer
     parameter groups (None on the other ranks)."""
-    from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend
     from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
 
     config = job["config"]
-    backend = MegatronBackend(job["hf"], job["checkpoint"], config.optimizer, config.algorithm, config.batch,
-                              config.megatron, seed=3, rank=rank, world_size=world, init_method=job["init"],
-                              ref_load=job["checkpoint"] if config.algorithm.use_kl_loss else None)
+    backend = make_backend(job, rank, world)
     try:
         load_checkpoint(backend, job["checkpoint"], weights_only=True)
         steps = train_steps(backend, job["batch"], config, backend.dp_rank, backend.dp_size)
@@ -67,6 +64,16 @@ def train_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     finally:
         backend.close()
     return {"steps": steps, "weights": weights, "groups": groups} if rank == 0 else None
+
+
+def make_backend(job: dict[str, Any], rank: int = 0, world: int = 1):
+    """The job's MegatronBackend for `rank` (its model shape from the job's checkpoint; nothing loaded yet)."""
+    from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend
+
+    config = job["config"]
+    return MegatronBackend(job["hf"], job["checkpoint"], config.optimizer, config.algorithm, config.batch,
+                           config.megatron, seed=3, rank=rank, world_size=world, init_method=job["init"],
+                           ref_load=job["checkpoint"] if config.algorithm.use_kl_loss else None)
 
 
 def _worker(rank: int, world: int, job: dict[str, Any]) -> None:

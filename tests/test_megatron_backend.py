@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_steps import make_batch, make_config, make_job, run_world, train_job, train_steps
+from megatron_steps import make_backend, make_batch, make_config, make_job, run_world, train_job, train_steps
 
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 
@@ -126,3 +126,49 @@ def test_pipeline_parallel_2_equals_one_process(converted, one_process, tmp_path
     run = run_world(2, "pp2", tmp_path, converted["hf"], converted["release"], one_process["batch"],
                     two_step_config(pipeline_model_parallel_size=2))
     _compare_with_one_process(run, one_process)
+
+
+@pytest.mark.slow
+def test_a_saved_checkpoint_resumes_the_next_rollout_exactly(converted, one_process, tmp_path):
+    """Save after rollout 0 (weights, optimizer, LR schedule, RNG, extra state through dist_checkpointing), train
+    rollout 1; a new backend resumed from the save trains rollout 1 to the same metrics and weights, bit for bit.
+    The checkpoint is Megatron's layout, and the torch backend's reader (what export uses) reads its weights."""
+    from slimeflow.io.checkpoints import read_tracker
+    from slimeflow.io.storage import Storage
+    from slimeflow.stages.convert.torch_dist import read_common, tensor_metadata
+    from slimeflow.stages.rl.backend.checkpoint import read_weights
+    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint, save_checkpoint
+
+    config = make_config(batch={"micro_batch_size": 2, "global_batch_size": 4},
+                         optimizer={"lr": LR, "lr_warmup_iters": 1, "lr_decay_style": "linear", "lr_decay_iters": 8,
+                                    "weight_decay": 0.01})
+    first, second = one_process["batch"], make_batch(seed=1)
+    second.rollout_log_probs = first.rollout_log_probs
+    job = make_job(tmp_path, "save", converted["hf"], converted["release"], first, config)
+    backend = make_backend(job)
+    try:
+        load_checkpoint(backend, converted["release"], weights_only=True)
+        train_steps(backend, first, config, 0, 1)
+        ref = save_checkpoint(backend, tmp_path / "save", 0, {"rollout_id": 0, "data": {"epoch": 1}})
+        saved = backend.named_weights()
+        expected = train_steps(backend, second, config, 0, 1)
+        expected_weights = backend.named_weights()
+    finally:
+        backend.close()
+    assert read_tracker(Storage(), str(tmp_path / "save")) == 0 and ref.uri.endswith("iter_0000000")
+    common = read_common(ref.uri)
+    assert common["iteration"] == 0 and common["args"].num_layers == 2 and "opt_param_scheduler" in common
+    assert any(key.startswith("optimizer.state.exp_avg.") for key in tensor_metadata(ref.uri))
+    exported = read_weights(ref.uri, converted["hf"])
+    assert all(torch.equal(exported[k], saved[k]) for k in saved)
+
+    resumed = make_backend({**job, "checkpoint": ref.uri, "init": (tmp_path / "rendezvous-resumed").as_uri()})
+    try:
+        assert load_checkpoint(resumed, ref) == {"rollout_id": 0, "data": {"epoch": 1}}
+        again = train_steps(resumed, second, config, 0, 1)
+        again_weights = resumed.named_weights()
+    finally:
+        resumed.close()
+    assert again == expected
+    assert all(torch.equal(again_weights[k], expected_weights[k]) for k in expected_weights)
+
