@@ -129,7 +129,9 @@ def init_ray(address: str | None) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True,
+        # address "local": a cluster of our own, never one that another process on this machine runs (without
+        # it, ray.init joins any local cluster it finds, and refuses num_cpus there)
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True,
                  configure_logging=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
 
 
