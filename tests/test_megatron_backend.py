@@ -172,3 +172,19 @@ def test_a_saved_checkpoint_resumes_the_next_rollout_exactly(converted, one_proc
     assert again == expected
     assert all(torch.equal(again_weights[k], expected_weights[k]) for k in expected_weights)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU path (NCCL, no CPU shims)")
+def test_one_step_on_a_gpu_equals_the_torch_backend(converted):
+    """The same step as test_one_step_equals_the_torch_backend, both backends on the GPU (NCCL world of one)."""
+    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+
+    config = make_config(batch={"micro_batch_size": 3}, optimizer={"lr": LR})
+    batch = rollout_batch(converted["hf"])
+    torch_backend = TorchBackend(converted["hf"], config.optimizer, config.algorithm, config.batch, seed=3)
+    expected = train_steps(torch_backend, batch, config, 0, 1)[0]
+    got = train_job(0, 1, make_job(converted["tmp"], "gpu", converted["hf"], converted["release"], batch, config))
+    assert got["steps"][0]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
+    trained = torch_backend.named_weights()
+    assert max((got["weights"][k] - trained[k].cpu()).abs().max().item() for k in trained) <= 0.1 * LR

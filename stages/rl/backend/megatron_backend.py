@@ -75,6 +75,10 @@ class MegatronBackend:
         self.data_parallel_group = parallel_state.get_data_parallel_group()
         self.dp_rank, self.dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         seed_everything(seed)
+        if self.device.type == "cuda":  # on a CPU, megatron_on_cpu seeds the tracker (megatron's reads CUDA states)
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.args = read_common(checkpoint)["args"]
         self.vocab_size = _hf_vocab_size(self.hf_checkpoint)
         if self.args.padded_vocab_size % tp:
