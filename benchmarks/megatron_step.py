@@ -4,7 +4,8 @@ A tiny Llama (--hidden-size, --layers; vocabulary of the tiny factory) is conver
 start from the same weights in this one process (the Megatron backend in a one-rank gloo world) and alternate,
 torch then Megatron, for --rounds rounds. A step is train_step's: prepare (advantages), forward and backward of
 every micro-batch, the optimizer step. Printed: each backend's median and spread (min-max) of seconds per step,
-the ratio of medians (Megatron / torch; goal <= 1.15), and the load average before and after.
+wall and CPU time of this process (on a loaded machine the wall time mostly measures the wait for a core), the
+ratio of medians (Megatron / torch; goal <= 1.15), and the load average before and after.
 
     .venv/bin/python benchmarks/megatron_step.py [--rounds 5] [--hidden-size 256] [--layers 4]
 """
@@ -36,12 +37,13 @@ def make_batch(samples: int, prompt: int, response: int, seed: int = 0) -> Train
                       rollout_log_probs=[-torch.rand(n, generator=g) for n in responses])
 
 
-def timed_step(backend, batch: TrainBatch, config: TrainConfig) -> float:
+def timed_step(backend, batch: TrainBatch, config: TrainConfig) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one step."""
     from slimeflow.stages.rl.train_step import train_on_rollout
 
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     train_on_rollout(backend, batch, config, rank=backend.dp_rank, world_size=backend.dp_size)
-    return time.perf_counter() - started
+    return time.perf_counter() - started, time.process_time() - cpu
 
 
 def main() -> int:
@@ -76,19 +78,23 @@ def main() -> int:
     load_before = os.getloadavg()
     timed_step(torch_backend, batch, config), timed_step(megatron, batch, config)  # warm-up, not counted
     times: dict[str, list[float]] = {"torch": [], "megatron": []}
+    cpu: dict[str, list[float]] = {"torch": [], "megatron": []}
     for _ in range(args.rounds):
-        times["torch"].append(timed_step(torch_backend, batch, config))
-        times["megatron"].append(timed_step(megatron, batch, config))
+        for name, backend in (("torch", torch_backend), ("megatron", megatron)):
+            wall, seconds = timed_step(backend, batch, config)
+            times[name].append(wall)
+            cpu[name].append(seconds)
     megatron.close()
     load_after = os.getloadavg()
     params = sum(p.numel() for p in torch_backend.model.parameters())
     print(f"model: {params / 1e6:.2f}M parameters (hidden {args.hidden_size}, {args.layers} layers); batch "
           f"{args.samples} samples of ~{args.prompt}+{args.response} tokens, micro-batches of 4; 1 thread")
-    for name, values in times.items():
-        print(f"{name:9s} median {statistics.median(values):.3f} s/step, spread {min(values):.3f}-{max(values):.3f} "
-              f"({args.rounds} rounds)")
-    ratio = statistics.median(times["megatron"]) / statistics.median(times["torch"])
-    print(f"megatron / torch: {ratio:.3f}x (goal <= 1.15)")
+    for label, table in (("wall", times), ("CPU", cpu)):
+        for name, values in table.items():
+            print(f"{label:4s} {name:9s} median {statistics.median(values):.3f} s/step, spread "
+                  f"{min(values):.3f}-{max(values):.3f} ({args.rounds} rounds)")
+        ratio = statistics.median(table["megatron"]) / statistics.median(table["torch"])
+        print(f"{label:4s} megatron / torch: {ratio:.3f}x (goal <= 1.15)")
     print(f"load average (1, 5, 15 min): before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
           f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
     return 0

@@ -115,7 +115,8 @@ class MegatronBackend:
                     "batch_p2p_comm": False, "calculate_per_token_loss": True}
         model = gpt_model_from_args(self.args, parallel=parallel,
                                     pre_process=parallel_state.is_pipeline_first_stage(),
-                                    post_process=parallel_state.is_pipeline_last_stage(), parallel_output=False)
+                                    post_process=parallel_state.is_pipeline_last_stage(), parallel_output=False,
+                                    sdpa=True)
         model.to(self.device).eval()  # dropout is 0; eval as the torch backend, so log-probs do not depend on mode
         model.requires_grad_(trainable)
         return model
@@ -248,11 +249,10 @@ class MegatronBackend:
             shape = (rows_max, length_max) if pipelined else tuple(layout.ids.shape)
             ids, keep = _padded(layout.ids, shape), _padded(layout.keep, shape)
             positions = torch.arange(shape[1], device=device).expand(shape)
-            causal = torch.triu(torch.ones(shape[1], shape[1], dtype=torch.bool, device=device), diagonal=1)
-            output = model(ids.to(device), positions, causal[None, None])
+            # Causal attention (sdpa_attention): right padding needs no mask, real positions never see it.
+            output = model(ids.to(device), positions, None)
 
             def on_output(output: torch.Tensor):
-                # Right padding needs no mask of its own under causal attention: real positions never see it.
                 selected = output[..., :vocab][keep.to(device)]
                 return on_log_probs(indices, response_log_probs(selected, rows, layout, temperature, with_entropy))
 
