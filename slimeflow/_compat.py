@@ -16,6 +16,8 @@ megatron-core.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import queue
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -58,28 +60,9 @@ def _moe_utils() -> Any:
     return moe_utils
 
 
-def _optimizer_module() -> Any:
-    from megatron.core.optimizer import optimizer
-
-    return optimizer
-
-
-def _clip_grads_module() -> Any:
-    from megatron.core.optimizer import clip_grads
-
-    return clip_grads
-
-
-def _schedules_module() -> Any:
-    from megatron.core.pipeline_parallel import schedules
-
-    return schedules
-
-
-def _megatron_utils() -> Any:
-    from megatron.core import utils
-
-    return utils
+def _module(name: str) -> Callable[[], Any]:
+    """An owner for Shim: the module `name`, imported when first asked for."""
+    return functools.partial(importlib.import_module, name)
 
 
 class CudaFactoriesOnCpu:
@@ -149,19 +132,19 @@ SHIMS: tuple[Shim, ...] = (
              "state; with no CUDA generator the CPU generator stands in."),
     Shim(_megatron_random, "_set_cuda_rng_state", _set_cpu_rng_state,
          why="CudaRNGStatesTracker.fork restores the CUDA generator's state on exit; see _get_cuda_rng_state."),
-    Shim(_optimizer_module, "torch", CudaFactoriesOnCpu(),
+    Shim(_module("megatron.core.optimizer.optimizer"), "torch", CudaFactoriesOnCpu(),
          why="megatron.core.optimizer.optimizer's FP32Optimizer makes its loss scale with torch.tensor(..., "
              "device='cuda'); on a CPU-only torch that raises."),
-    Shim(_optimizer_module, "clip_grad_by_total_norm_fp32", _clip_grads_by_total_norm_on_cpu,
+    Shim(_module("megatron.core.optimizer.optimizer"), "clip_grad_by_total_norm_fp32", _clip_grads_by_total_norm_on_cpu,
          why="megatron's clip_grad_by_total_norm_fp32 asserts every gradient's type() is 'torch.cuda.FloatTensor' "
              "(a CPU gradient is 'torch.FloatTensor'); the stand-in scales them as it does."),
-    Shim(_clip_grads_module, "torch", CudaFactoriesOnCpu(),
+    Shim(_module("megatron.core.optimizer.clip_grads"), "torch", CudaFactoriesOnCpu(),
          why="get_grad_norm_fp32 puts the norm in torch.tensor(..., device='cuda') to all-reduce it; on a "
              "CPU-only torch that raises."),
-    Shim(_megatron_utils, "torch", CudaFactoriesOnCpu(),
+    Shim(_module("megatron.core.utils"), "torch", CudaFactoriesOnCpu(),
          why="megatron.core.utils' local_multi_tensor_l2_norm (the gradient norm without Apex or Transformer "
              "Engine) returns it as torch.tensor(..., device='cuda'); on a CPU-only torch that raises."),
-    Shim(_schedules_module, "torch", CudaFactoriesOnCpu(),
+    Shim(_module("megatron.core.pipeline_parallel.schedules"), "torch", CudaFactoriesOnCpu(),
          why="the forward-backward schedules count tokens in torch.zeros([], device='cuda'); on a CPU-only torch "
              "that raises."),
     Shim(_moe_utils, "te_general_gemm", None,

@@ -331,7 +331,7 @@ def gather_global_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor] | N
     declared = model.sharded_state_dict()
     apply_factories(declared)
     mine = [(t.key, tuple(t.global_shape), t.global_slice(), t.data.detach().cpu())
-            for t in _leaves(declared)
+            for t in sharded_leaves(declared)
             if isinstance(t, ShardedTensor) and not any(t.replica_id if isinstance(t.replica_id, tuple)
                                                         else (t.replica_id,))]
     world = torch.distributed.get_world_size()
@@ -347,13 +347,14 @@ def gather_global_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor] | N
     return out
 
 
-def _leaves(tree: Any) -> Iterator[Any]:
+def sharded_leaves(tree: Any) -> Iterator[Any]:
+    """The leaves of a (sharded) state dict: what its nested dicts and lists hold."""
     if isinstance(tree, dict):
         for value in tree.values():
-            yield from _leaves(value)
+            yield from sharded_leaves(value)
     elif isinstance(tree, list):
         for value in tree:
-            yield from _leaves(value)
+            yield from sharded_leaves(value)
     else:
         yield tree
 
