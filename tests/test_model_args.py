@@ -168,3 +168,23 @@ def test_ppo_without_a_critic_is_refused_before_anything_starts(tmp_path: Path):
                           "--advantage-estimator", "ppo")
     with pytest.raises(StageInputError, match=r"--advantage-estimator ppo needs a critic's values"):
         rollout_setup(config, StageContext(Storage(), tmp_path / "work", str(tmp_path / "work")))
+
+
+def test_the_megatron_backend_refuses_a_run_it_cannot_start(tmp_path: Path):
+    from slimeflow.io.checkpoints import commit
+    from slimeflow.stages.rl.model_args import megatron_backend_problems
+
+    empty = ["--train-backend", "megatron", "--load", str(tmp_path / "empty")]
+    problems = megatron_backend_problems(train_config(*empty, "--use-kl-loss", "--bf16", "--actor-num-gpus-per-node",
+                                                      "3", "--tensor-model-parallel-size", "2"))
+    assert len(problems) == 4, problems
+    assert "starts from a torch_dist checkpoint" in problems[0] and "need --ref-load" in problems[1]
+    assert "3 training ranks" in problems[2] and "= 2" in problems[2] and problems[3].startswith("--bf16")
+    assert megatron_backend_problems(train_config(*empty, "--ref-load", str(tmp_path / "ref"),
+                                                  "--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size",
+                                                  "2", "--pipeline-model-parallel-size", "2")) == []
+    (tmp_path / "run" / "iter_0000003").mkdir(parents=True)  # a checkpoint to resume: no --ref-load needed
+    for marker in (".metadata", "common.pt", "metadata.json"):
+        (tmp_path / "run" / "iter_0000003" / marker).write_text("x")
+    commit(Storage(), str(tmp_path / "run"), 3)
+    assert megatron_backend_problems(train_config("--train-backend", "megatron", "--load", str(tmp_path / "run"))) == []
