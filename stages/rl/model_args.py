@@ -1,11 +1,12 @@
-"""slime's Megatron flags under the torch backend: model-shape flags (MODEL_ARGS) checked against the HF config,
-parallelism and recompute flags refused, so that none of them is accepted and then ignored.
+"""slime's Megatron flags: model-shape flags (MODEL_ARGS) checked against the HF config, and the parallelism and
+recompute flags a backend does not build refused, so that none of them is accepted and then ignored.
 
 slime's guide asks users to check `--rotary-base` and friends by hand against the model; here every model-shape
 flag the user gave is compared with the field of `config.json` it describes, and a mismatch names the flag, both
 values and the field. Only flags set away from their defaults are compared (a config that went through JSON, as
 Prefect parameters do, has every field set), so a run without MODEL_ARGS checks nothing. Parallelism (TP, PP, CP, EP, SP) and recompute are Megatron's; the torch backend trains
-data-parallel over --actor-num-nodes x --actor-num-gpus-per-node ranks, so a non-default value is refused.
+data-parallel over --actor-num-nodes x --actor-num-gpus-per-node ranks, so a non-default value is refused; the
+Megatron backend builds TP, PP and DP and refuses the rest by name (MEGATRON_NOT_BUILT, megatron_backend_problems).
 """
 
 from __future__ import annotations

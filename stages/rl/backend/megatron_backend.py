@@ -7,7 +7,8 @@ stages with PP); the last stage computes each micro-batch's loss with train_step
 That loss is already normalised by the global batch, so gradients are summed over micro-batches and DP ranks
 (`calculate_per_token_loss`: megatron neither divides by the number of micro-batches nor averages over ranks).
 The logits are gathered over the TP ranks and cut to the true vocabulary, so log-probs and entropies come from
-the torch backend's code (`response_log_probs`) on the full distribution. megatron's optimizer
+the torch backend's code (`response_log_probs`) on the full distribution. Attention is causal through torch's
+fused kernel (families.megatron.sdpa_attention), on right-padded rows as the torch backend's. megatron's optimizer
 (`get_megatron_optimizer`: AdamW, no weight decay on norms and biases) steps under its `OptimizerParamScheduler`.
 
 The model's shape is the Megatron args of the torch_dist checkpoint it starts from (--load or --ref-load, as
