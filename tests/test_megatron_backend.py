@@ -188,3 +188,11 @@ def test_one_step_on_a_gpu_equals_the_torch_backend(converted):
     assert got["steps"][0]["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
     trained = torch_backend.named_weights()
     assert max((got["weights"][k] - trained[k].cpu()).abs().max().item() for k in trained) <= 0.1 * LR
+
+
+@pytest.mark.slow
+def test_data_parallel_2_equals_one_process(converted, one_process, tmp_path):
+    """Two replicas, each half of every global batch: gradients summed over them by megatron's DDP."""
+    run = run_world(2, "dp2", tmp_path, converted["hf"], converted["release"], one_process["batch"],
+                    two_step_config())
+    _compare_with_one_process(run, one_process)
