@@ -16,6 +16,8 @@ megatron-core.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import queue
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -58,6 +60,46 @@ def _moe_utils() -> Any:
     return moe_utils
 
 
+def _module(name: str) -> Callable[[], Any]:
+    """An owner for Shim: the module `name`, imported when first asked for."""
+    return functools.partial(importlib.import_module, name)
+
+
+class CudaFactoriesOnCpu:
+    """Stands in for the name `torch` inside one megatron module: its tensor factories asked for a CUDA device
+    (`torch.zeros(..., device="cuda")`) make CPU tensors; every other attribute is torch's own."""
+
+    FACTORIES = frozenset({"tensor", "zeros", "ones", "empty", "full"})
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        value = getattr(torch, name)
+        return _factory_on_cpu(value) if name in self.FACTORIES else value
+
+
+def _factory_on_cpu(factory: Callable[..., Any]) -> Callable[..., Any]:
+    def make(*args: Any, **kwargs: Any) -> Any:
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return make
+
+
+def _clip_grads_by_total_norm_on_cpu(parameters: Any, max_norm: float, total_norm: float,
+                                     use_decoupled_grad: bool = False) -> None:
+    """megatron's clip_grad_by_total_norm_fp32 without its `grad.type() == 'torch.cuda.FloatTensor'` assert:
+    every gradient is scaled in place by max_norm / (total_norm + 1e-6) when that is below 1, as megatron does."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff >= 1.0:
+        return
+    for param in parameters:
+        grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
+        if grad is not None:
+            grad.detach().mul_(coeff)
+
+
 def _no_sync() -> None:
     return None
 
@@ -90,6 +132,21 @@ SHIMS: tuple[Shim, ...] = (
              "state; with no CUDA generator the CPU generator stands in."),
     Shim(_megatron_random, "_set_cuda_rng_state", _set_cpu_rng_state,
          why="CudaRNGStatesTracker.fork restores the CUDA generator's state on exit; see _get_cuda_rng_state."),
+    Shim(_module("megatron.core.optimizer.optimizer"), "torch", CudaFactoriesOnCpu(),
+         why="megatron.core.optimizer.optimizer's FP32Optimizer makes its loss scale with torch.tensor(..., "
+             "device='cuda'); on a CPU-only torch that raises."),
+    Shim(_module("megatron.core.optimizer.optimizer"), "clip_grad_by_total_norm_fp32", _clip_grads_by_total_norm_on_cpu,
+         why="megatron's clip_grad_by_total_norm_fp32 asserts every gradient's type() is 'torch.cuda.FloatTensor' "
+             "(a CPU gradient is 'torch.FloatTensor'); the stand-in scales them as it does."),
+    Shim(_module("megatron.core.optimizer.clip_grads"), "torch", CudaFactoriesOnCpu(),
+         why="get_grad_norm_fp32 puts the norm in torch.tensor(..., device='cuda') to all-reduce it; on a "
+             "CPU-only torch that raises."),
+    Shim(_module("megatron.core.utils"), "torch", CudaFactoriesOnCpu(),
+         why="megatron.core.utils' local_multi_tensor_l2_norm (the gradient norm without Apex or Transformer "
+             "Engine) returns it as torch.tensor(..., device='cuda'); on a CPU-only torch that raises."),
+    Shim(_module("megatron.core.pipeline_parallel.schedules"), "torch", CudaFactoriesOnCpu(),
+         why="the forward-backward schedules count tokens in torch.zeros([], device='cuda'); on a CPU-only torch "
+             "that raises."),
     Shim(_moe_utils, "te_general_gemm", None,
          why="megatron-core 0.16.1's MoE router (RouterGatingLinearFunction) tests `te_general_gemm is not None`, a "
              "name only imported with Transformer Engine: without it, NameError. None selects its torch.mm path."),

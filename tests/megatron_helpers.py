@@ -11,9 +11,11 @@ def declared_shapes(model) -> dict[str, tuple[int, ...]]:
     """Every tensor key the model's sharded state dict declares, with its global shape (what .metadata holds)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
+    from slimeflow.stages.rl.backend.megatron_backend import sharded_leaves
+
     declared = model.sharded_state_dict()
     apply_factories(declared)
-    return {t.key: tuple(t.global_shape) for t in _leaves(declared) if isinstance(t, ShardedTensor)}
+    return {t.key: tuple(t.global_shape) for t in sharded_leaves(declared) if isinstance(t, ShardedTensor)}
 
 
 def load_and_compare_logits(model, checkpoint_dir: Path, hf_dir: Path) -> float:
@@ -35,13 +37,3 @@ def load_and_compare_logits(model, checkpoint_dir: Path, hf_dir: Path) -> float:
         hf_logits = hf_model(ids).logits
     return (megatron_logits - hf_logits).abs().max().item()
 
-
-def _leaves(tree):
-    if isinstance(tree, dict):
-        for value in tree.values():
-            yield from _leaves(value)
-    elif isinstance(tree, list):
-        for value in tree:
-            yield from _leaves(value)
-    else:
-        yield tree

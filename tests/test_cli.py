@@ -57,7 +57,7 @@ def test_a_stage_without_its_inputs_fails_with_one_line_naming_them(prefect_harn
     err = capsys.readouterr().err
     assert "slimeflow: the run failed: StageInputError: the train stage cannot start" in err
     assert "--hf-checkpoint is not set" in err and "--prompt-data is not set" in err
-    assert "--train-backend megatron is not available in this version" in err
+    assert "--train-backend megatron starts from a torch_dist checkpoint" in err
 
 
 def test_bad_flags_exit_2_with_every_problem_named(capsys):

@@ -5,6 +5,7 @@ When one of these tests fails on a CPU-only machine, megatron-core or torch stop
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.managers
 import queue
 import subprocess
@@ -19,9 +20,97 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shims onl
 
 
 def test_every_shim_says_why_and_is_tested_here():
-    names = {shim.attribute for shim in _compat.SHIMS}
-    assert names == {"synchronize", "current_device", "_get_cuda_rng_state", "_set_cuda_rng_state", "te_general_gemm"}
+    names = {(shim.owner().__name__, shim.attribute) for shim in _compat.SHIMS}
+    assert names == {("torch.cuda", "synchronize"), ("torch.cuda", "current_device"),
+                     ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
+                     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
+                     ("megatron.core.transformer.moe.moe_utils", "te_general_gemm"),
+                     ("megatron.core.optimizer.optimizer", "torch"),
+                     ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),
+                     ("megatron.core.optimizer.clip_grads", "torch"), ("megatron.core.utils", "torch"),
+                     ("megatron.core.pipeline_parallel.schedules", "torch")}
     assert all(len(shim.why) > 40 for shim in _compat.SHIMS)
+
+
+@contextlib.contextmanager
+def all_shims_but(module, attribute: str):
+    """megatron_on_cpu with one shim taken back out: megatron-core's own `module.attribute` inside."""
+    original = getattr(module, attribute)
+    with _compat.megatron_on_cpu():
+        shimmed = getattr(module, attribute)
+        setattr(module, attribute, original)
+        try:
+            yield
+        finally:
+            setattr(module, attribute, shimmed)
+
+
+def test_fp32_optimizer_needs_the_optimizer_module_torch_shim():
+    from megatron.core.optimizer import OptimizerConfig, optimizer
+
+    def build():
+        return optimizer.FP32Optimizer(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]),
+                                       OptimizerConfig(lr=1e-3), None)
+
+    with all_shims_but(optimizer, "torch"), pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        build()
+    with _compat.megatron_on_cpu():
+        assert build().get_loss_scale().device.type == "cpu"
+
+
+def test_gradient_clipping_needs_the_stand_in_for_its_cuda_type_assert():
+    from megatron.core.optimizer import optimizer
+
+    param = torch.nn.Parameter(torch.ones(4))
+    param.grad = torch.full((4,), 3.0)
+    with all_shims_but(optimizer, "clip_grad_by_total_norm_fp32"), pytest.raises(AssertionError):
+        optimizer.clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=6.0)
+    with _compat.megatron_on_cpu():
+        optimizer.clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=6.0)
+    torch.testing.assert_close(param.grad, torch.full((4,), 3.0 / (6.0 + 1e-6)))
+
+
+def test_the_inf_norm_of_gradients_needs_the_clip_grads_torch_shim(megatron_world):
+    from megatron.core.optimizer import clip_grads
+
+    grads = [torch.tensor([1.0, -4.0]), torch.tensor([2.0])]
+    with all_shims_but(clip_grads, "torch"), pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        clip_grads.get_grad_norm_fp32(grads, norm_type=float("inf"))
+    with _compat.megatron_on_cpu():
+        assert clip_grads.get_grad_norm_fp32(grads, norm_type=float("inf")) == 4.0
+
+
+def test_the_l2_norm_without_apex_needs_the_utils_torch_shim():
+    from megatron.core import utils
+
+    tensors = [[torch.tensor([3.0]), torch.tensor([4.0])]]
+    with all_shims_but(utils, "torch"), pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        utils.local_multi_tensor_l2_norm(2048, None, tensors, False)
+    with _compat.megatron_on_cpu():
+        assert utils.local_multi_tensor_l2_norm(2048, None, tensors, False)[0].item() == 5.0
+
+
+def test_the_schedule_needs_the_schedules_torch_shim(megatron_world):
+    from megatron.core import ModelParallelConfig
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer.enums import ModelType
+
+    model = torch.nn.Linear(2, 1)
+    model.config, model.model_type = ModelParallelConfig(), ModelType.encoder_or_decoder
+    model.set_input_tensor = lambda tensor: None
+
+    def step(data, model):
+        return model(next(data)).sum(), lambda out: (out, {"out": out.detach()})
+
+    def run():
+        return schedules.forward_backward_no_pipelining(
+            forward_step_func=step, data_iterator=iter([torch.ones(1, 2)]), model=[model], num_microbatches=1,
+            seq_length=1, micro_batch_size=1, forward_only=True)
+
+    with all_shims_but(schedules, "torch"), pytest.raises((AssertionError, RuntimeError), match="CUDA"):
+        run()
+    with _compat.megatron_on_cpu():
+        assert len(run()) == 1
 
 
 def test_dist_checkpointing_preload_needs_the_synchronize_shim():

@@ -69,7 +69,17 @@ def test_no_model_args_check_nothing():
 def test_megatron_parallelism_is_refused_under_the_torch_backend(flags):
     problems = check_model_args(train_config(*flags).megatron, QWEN3_4B, "torch")
     assert len(problems) == 1 and problems[0].startswith(flags[0]) and "--train-backend megatron" in problems[0]
-    assert check_model_args(train_config(*flags).megatron, QWEN3_4B, "megatron") == []
+    under_megatron = check_model_args(train_config(*flags).megatron, QWEN3_4B, "megatron")
+    if flags[0] in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
+        assert under_megatron == []  # what the Megatron backend builds
+    else:  # refused by name, with the reason
+        assert len(under_megatron) == 1 and under_megatron[0].startswith(flags[0])
+        assert "the Megatron backend does not build it yet" in under_megatron[0]
+
+
+def test_context_parallelism_says_why_it_cannot_run_on_a_cpu():
+    problems = check_model_args(train_config("--context-parallel-size", "2").megatron, QWEN3_4B, "megatron")
+    assert len(problems) == 1 and "local attention asserts context parallel size 1" in problems[0]
 
 
 def test_the_train_stage_refuses_tp8_before_anything_starts(tmp_path: Path):
@@ -108,7 +118,8 @@ def test_slimes_qwen3_4b_run_script_is_refused_only_for_what_needs_megatron():
         load_stage_config("train", None, argv)
     refused = sorted(p.split(":", 1)[0] for p in err.value.problems)
     assert refused == ["--accumulate-allreduce-grads-in-fp32", "--attention-backend", "--attention-softmax-in-fp32"]
-    assert all("read only by the Megatron training backend" in p for p in err.value.problems)
+    assert all("that the Megatron training backend (--train-backend megatron) does not read yet" in p
+               for p in err.value.problems)
     rest = [a for a in argv if a.split()[0] not in refused and a != "flash"]  # --attention-backend's value
     problems = check_model_args(load_stage_config("train", None, rest).megatron, QWEN3_4B, "torch")
     assert [p.split(" ", 1)[0] for p in problems] == [
@@ -158,3 +169,23 @@ def test_ppo_without_a_critic_is_refused_before_anything_starts(tmp_path: Path):
                           "--advantage-estimator", "ppo")
     with pytest.raises(StageInputError, match=r"--advantage-estimator ppo needs a critic's values"):
         rollout_setup(config, StageContext(Storage(), tmp_path / "work", str(tmp_path / "work")))
+
+
+def test_the_megatron_backend_refuses_a_run_it_cannot_start(tmp_path: Path):
+    from slimeflow.io.checkpoints import commit
+    from slimeflow.stages.rl.model_args import megatron_backend_problems
+
+    empty = ["--train-backend", "megatron", "--load", str(tmp_path / "empty")]
+    problems = megatron_backend_problems(train_config(*empty, "--use-kl-loss", "--bf16", "--actor-num-gpus-per-node",
+                                                      "3", "--tensor-model-parallel-size", "2"))
+    assert len(problems) == 4, problems
+    assert "starts from a torch_dist checkpoint" in problems[0] and "need --ref-load" in problems[1]
+    assert "3 training ranks" in problems[2] and "= 2" in problems[2] and problems[3].startswith("--bf16")
+    assert megatron_backend_problems(train_config(*empty, "--ref-load", str(tmp_path / "ref"),
+                                                  "--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size",
+                                                  "2", "--pipeline-model-parallel-size", "2")) == []
+    (tmp_path / "run" / "iter_0000003").mkdir(parents=True)  # a checkpoint to resume: no --ref-load needed
+    for marker in (".metadata", "common.pt", "metadata.json"):
+        (tmp_path / "run" / "iter_0000003" / marker).write_text("x")
+    commit(Storage(), str(tmp_path / "run"), 3)
+    assert megatron_backend_problems(train_config("--train-backend", "megatron", "--load", str(tmp_path / "run"))) == []

@@ -20,7 +20,8 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--eval-config": "per-dataset eval settings from a YAML file are not supported yet: use the --eval-* flags",
     "--multi-latent-attention": "MLA models (DeepSeek) are not supported yet: Llama, Qwen2, Qwen3, GLM4 and Qwen3-MoE only",
     "--num-experts": _MOE,
-    "--use-distributed-optimizer": "the Megatron backend is not available yet",
+    "--use-distributed-optimizer": "the Megatron backend's distributed optimizer is not built yet (it keeps the "
+                                   "optimizer state whole on every data-parallel rank)",
     "--custom-config-path": "custom YAML args for plug-ins are not supported yet",
     "--load-debug-rollout-data-subsample": "subsampling replayed rollouts is not supported yet: "
                                            "--load-debug-rollout-data replays whole rollouts",
@@ -29,12 +30,12 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--dump-details": "use --save-debug-rollout-data DIR/rollout_data/{rollout_id}.pt (the rollout half of it)",
 }
 
-_MEGATRON = ("a Megatron-LM flag, read only by the Megatron training backend (--train-backend megatron), which is "
-             "not in this version; the torch backend needs no such setting")
+_MEGATRON = ("a Megatron-LM flag that the Megatron training backend (--train-backend megatron) does not read yet "
+             "(it runs megatron-core's local layer spec in fp32); the torch backend needs no such setting")
 _MLA = "multi-latent attention (DeepSeek-V3, Kimi-K2, Moonlight) is not supported yet: Llama, Qwen2, Qwen3, GLM4 and Qwen3-MoE only"
 _MTP = "multi-token prediction layers are not supported yet"
 _SANDWICH = ("GLM4's sandwich norms come from its HF config (model_type glm4), which the torch backend and the "
-             "converter read; this Megatron-LM flag is read only by the Megatron backend, not in this version")
+             "converter read; the Megatron backend takes them from the checkpoint's args, not from this flag")
 
 # Megatron-LM flags that slime's scripts/run-*.sh and scripts/models/*.sh pass (THUDM/slime 624b824a8).
 NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (

@@ -217,36 +217,31 @@ class TrainActor:
                  total_steps: int, num_threads: int | None = None, run_token: str | None = None):
         import torch
 
-        from slimeflow.stages.rl.backend.torch_backend import TorchBackend
-
         if num_threads:
             torch.set_num_threads(num_threads)
         self.config, self.rank, self.world_size = config, rank, world_size
         self.parent_pid = os.getppid()  # under Ray: this node's raylet (see check_may_commit)
         self.run_token = run_token  # the run's claim on --save (see check_may_commit)
-        self.backend = TorchBackend(hf_checkpoint=hf_checkpoint, optimizer=config.optimizer,
-                                    algorithm=config.algorithm, batch=config.batch, seed=config.seed, rank=rank,
-                                    world_size=world_size, init_method=init_method or None,
-                                    total_steps=total_steps, ref_load=config.checkpoint.ref_load,
-                                    temperature=config.rollout.rollout_temperature)
+        self.backend, self.checkpoints = _backend(config, hf_checkpoint, rank, world_size, init_method, total_steps)
         freeze_startup_heap()
 
     def load(self) -> tuple[int, dict[str, Any]]:
         """slime's start: the latest checkpoint of --load, else --ref-load's weights, else the HF weights.
         Returns (the first rollout id to run, the saved extra state: data position, ...)."""
-        from slimeflow.stages.rl.backend.checkpoint import load_checkpoint, resolve_start
+        from slimeflow.stages.rl.backend.checkpoint import resolve_start
 
         ckpt = self.config.checkpoint
         start = resolve_start(ckpt.load, ckpt.ref_load)
-        extra = load_checkpoint(self.backend, start.ref, start.weights_only) if start.ref is not None else {}
+        extra = (self.checkpoints.load_checkpoint(self.backend, start.ref, start.weights_only)
+                 if start.ref is not None else {})
         first = extra["rollout_id"] + 1 if "rollout_id" in extra else 0
         return (ckpt.start_rollout_id if ckpt.start_rollout_id is not None else first), extra
 
     def train(self, rollout_id: int, batch: PackedBatch) -> dict[str, float]:
         from slimeflow.stages.rl.train_step import train_on_rollout
 
-        return train_on_rollout(self.backend, batch.unpack(), self.config, rank=self.rank,
-                                world_size=self.world_size)
+        return train_on_rollout(self.backend, batch.unpack(), self.config, rank=self.backend.dp_rank,
+                                world_size=self.backend.dp_size)
 
     def connect_engines(self, targets: WeightTargets) -> None:
         """Make this rank the one that pushes weights to the engines of `targets` (rank 0; ranks are identical)."""
@@ -255,13 +250,15 @@ class TrainActor:
         self.weight_sync, self.loop = WeightSync(targets), asyncio.new_event_loop()
 
     def update_weights(self, version: str) -> str:
-        """Push the current weights to every engine as `version` (after connect_engines); returns the version."""
-        return self.loop.run_until_complete(self.weight_sync.push(self.backend.named_weights(), version))
+        """Push the current weights to every engine as `version` (rank 0, after connect_engines); returns the
+        version. Every rank calls it: the Megatron backend gathers its TP/PP shards onto rank 0 first."""
+        weights = self.backend.named_weights()
+        if self.rank != 0:
+            return version
+        return self.loop.run_until_complete(self.weight_sync.push(weights, version))
 
     def save(self, rollout_id: int, extra_state: dict[str, Any]) -> str:
-        from slimeflow.stages.rl.backend.checkpoint import save_checkpoint
-
-        ref = save_checkpoint(self.backend, self.config.checkpoint.save, rollout_id,
+        ref = self.checkpoints.save_checkpoint(self.backend, self.config.checkpoint.save, rollout_id,
                               {**extra_state, "rollout_id": rollout_id}, before_commit=self.check_may_commit)
         return ref.uri
 
@@ -281,6 +278,35 @@ class TrainActor:
                                "(its Ray node) has exited, so the job that asked for the save is gone")
         if self.run_token is not None:
             check_owner(self.config.checkpoint.save, self.run_token)
+
+
+def _backend(config: TrainConfig, hf_checkpoint: str, rank: int, world_size: int, init_method: str,
+             total_steps: int) -> tuple[Any, Any]:
+    """The --train-backend's backend for this rank and the module that saves and loads its checkpoints.
+
+    The Megatron backend takes its model's shape from the checkpoint it starts from (--load's latest, else
+    --ref-load), as slime's does; the torch backend from the HF checkpoint."""
+    from slimeflow.stages.rl.backend.checkpoint import resolve_start
+
+    common = {"optimizer": config.optimizer, "algorithm": config.algorithm, "batch": config.batch,
+              "seed": config.seed, "rank": rank, "world_size": world_size, "init_method": init_method or None,
+              "total_steps": total_steps, "ref_load": config.checkpoint.ref_load,
+              "temperature": config.rollout.rollout_temperature}
+    if config.placement.train_backend == "megatron":
+        from slimeflow.stages.rl.backend import megatron_checkpoint
+        from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend
+        from slimeflow.stages.rl.backend.ownership import local_root
+
+        start = resolve_start(config.checkpoint.load, config.checkpoint.ref_load)
+        if start.ref is None:
+            raise ValueError("--train-backend megatron starts from a torch_dist checkpoint: pass --ref-load (the HF "
+                             "checkpoint converted with `slimeflow convert`) or --load")
+        backend = MegatronBackend(hf_checkpoint, local_root(start.ref.uri), parallel=config.megatron, **common)
+        return backend, megatron_checkpoint
+    from slimeflow.stages.rl.backend import checkpoint
+    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+
+    return TorchBackend(hf_checkpoint=hf_checkpoint, **common), checkpoint
 
 
 def freeze_startup_heap() -> None:

@@ -1,11 +1,12 @@
-"""slime's Megatron flags under the torch backend: model-shape flags (MODEL_ARGS) checked against the HF config,
-parallelism and recompute flags refused, so that none of them is accepted and then ignored.
+"""slime's Megatron flags: model-shape flags (MODEL_ARGS) checked against the HF config, and the parallelism and
+recompute flags a backend does not build refused, so that none of them is accepted and then ignored.
 
 slime's guide asks users to check `--rotary-base` and friends by hand against the model; here every model-shape
 flag the user gave is compared with the field of `config.json` it describes, and a mismatch names the flag, both
 values and the field. Only flags set away from their defaults are compared (a config that went through JSON, as
 Prefect parameters do, has every field set), so a run without MODEL_ARGS checks nothing. Parallelism (TP, PP, CP, EP, SP) and recompute are Megatron's; the torch backend trains
-data-parallel over --actor-num-nodes x --actor-num-gpus-per-node ranks, so a non-default value is refused.
+data-parallel over --actor-num-nodes x --actor-num-gpus-per-node ranks, so a non-default value is refused; the
+Megatron backend builds TP, PP and DP and refuses the rest by name (MEGATRON_NOT_BUILT, megatron_backend_problems).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from slimeflow.families import head_dim, query_groups, rope_setting
-from slimeflow.stages.rl.config import MegatronConfig
+from slimeflow.stages.rl.config import MegatronConfig, TrainConfig
 
 MEGATRON_ONLY = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -58,6 +59,21 @@ def _equal(given: Any, actual: Any) -> bool:
     return given == actual
 
 
+_NOT_BUILT = "the Megatron backend does not build it yet (this version: TP, PP and DP)"
+MEGATRON_NOT_BUILT = {
+    "context_parallel_size": "context parallelism: " + _NOT_BUILT + "; on a CPU it cannot run at all (megatron-core's "
+                             "local attention asserts context parallel size 1)",
+    "expert_model_parallel_size": "expert parallelism (MoE): " + _NOT_BUILT,
+    "expert_tensor_parallel_size": "expert tensor parallelism (MoE): " + _NOT_BUILT,
+    "sequence_parallel": "sequence parallelism: " + _NOT_BUILT + " (the local layer spec's norms need the "
+                         "sequence-parallel tag first)",
+    "recompute_granularity": "activation recomputation: " + _NOT_BUILT,
+    "recompute_method": "activation recomputation: " + _NOT_BUILT,
+    "recompute_num_layers": "activation recomputation: " + _NOT_BUILT,
+}
+"""The Megatron parallelism/recompute flags the Megatron backend refuses, with the reason."""
+
+
 def check_model_args(megatron: MegatronConfig, hf_config: Mapping[str, Any], backend: str) -> list[str]:
     """Problems with the Megatron flags for a run on `backend` with this HF config.json; empty when all is well."""
     problems = []
@@ -69,12 +85,16 @@ def check_model_args(megatron: MegatronConfig, hf_config: Mapping[str, Any], bac
                 problems.append(f"{_flag(field)} {value}: the converter writes one torch_dist checkpoint that any "
                                 "parallel layout loads (Megatron reshards it), so it takes no parallel or recompute "
                                 "setting but --tensor-model-parallel-size (the vocabulary padding): remove it")
+    if backend == "megatron":
+        problems += [f"{_flag(field)} {getattr(megatron, field)}: {reason}; remove it"
+                     for field, reason in MEGATRON_NOT_BUILT.items()
+                     if getattr(megatron, field) != getattr(defaults, field)]
     if backend == "torch":
         for field in MEGATRON_ONLY:
             value = getattr(megatron, field)
             if value != getattr(defaults, field):
                 problems.append(f"{_flag(field)} {value}: Megatron parallelism/recompute, read only by "
-                                "--train-backend megatron (not in this version); the torch backend trains "
+                                "--train-backend megatron; the torch backend trains "
                                 "data-parallel over --actor-num-nodes x --actor-num-gpus-per-node ranks: remove it")
     for field, (hf_field, read) in SHAPE.items():
         value = getattr(megatron, field)
@@ -104,4 +124,29 @@ def _consistency(megatron: MegatronConfig, hf_config: Mapping[str, Any]) -> list
     mlp_bias = bool(hf_config.get("mlp_bias", False))
     if megatron.disable_bias_linear and mlp_bias:
         problems.append("--disable-bias-linear: the HF config has mlp_bias true (its MLP has biases); drop the flag")
+    return problems
+
+
+def megatron_backend_problems(config: TrainConfig) -> list[str]:
+    """What keeps a --train-backend megatron run from starting (beyond check_model_args): its start checkpoint,
+    the rank count against TP x PP, and what the backend does not build yet."""
+    from slimeflow.io.checkpoints import find_latest
+    from slimeflow.io.storage import Storage, is_local
+
+    problems = []
+    ckpt, placement, m = config.checkpoint, config.placement, config.megatron
+    resumable = ckpt.load is not None and is_local(ckpt.load) and find_latest(Storage(), ckpt.load) is not None
+    if ckpt.ref_load is None and not resumable:
+        problems.append("--train-backend megatron starts from a torch_dist checkpoint, as slime's: pass --ref-load "
+                        "(convert the HF checkpoint with `slimeflow convert --hf-checkpoint ... --save ...`)")
+    if (config.algorithm.use_kl_loss or config.algorithm.kl_coef > 0) and ckpt.ref_load is None:
+        problems.append("--use-kl-loss / --kl-coef with --train-backend megatron need --ref-load (the reference "
+                        "model's torch_dist checkpoint)")
+    ranks = placement.actor_num_nodes * placement.actor_num_gpus_per_node
+    model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
+    if ranks % model_parallel:
+        problems.append(f"{ranks} training ranks (--actor-num-nodes x --actor-num-gpus-per-node) are not a multiple "
+                        f"of --tensor-model-parallel-size x --pipeline-model-parallel-size = {model_parallel}")
+    if config.optimizer.bf16:
+        problems.append("--bf16 with --train-backend megatron: " + _NOT_BUILT + " (it trains in fp32)")
     return problems

@@ -73,9 +73,9 @@ class ActorGroup:
         return self._all("save", rollout_id, extra_state, what=f"saving checkpoint {rollout_id}")[0]
 
     def update_weights(self, version: int) -> None:
-        """Rank 0 pushes its replica (ranks are identical after a step) to every engine as `version`."""
+        """Rank 0 pushes the policy (gathered from the ranks' shards, if sharded) to every engine as `version`."""
         if self.pushes_weights:
-            call(self.actors[0].update_weights.remote(str(version)), f"pushing weights {version}")
+            self._all("update_weights", str(version), what=f"pushing weights {version}")
 
 
 class NoTrainer:

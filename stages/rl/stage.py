@@ -25,7 +25,7 @@ from slimeflow.stages.rl.actors import RolloutSetup
 from slimeflow.stages.rl.backend.ownership import claim_root
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.engine.sglang_launch import installed_server_args
-from slimeflow.stages.rl.model_args import check_model_args
+from slimeflow.stages.rl.model_args import check_model_args, megatron_backend_problems
 from slimeflow.stages.rl.placement import create_placement, init_ray, scratch_dir
 from slimeflow.stages.rl.placement_plan import flag_problems
 from slimeflow.stages.rl.plots import plot_curves
@@ -83,9 +83,8 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
     if config.algorithm.advantage_estimator == "ppo":  # the library computes GAE from values no run produces yet
         problems.append("--advantage-estimator ppo needs a critic's values (slime's --use-critic), which this version "
                         "does not train; use grpo, gspo, cispo, reinforce_plus_plus or reinforce_plus_plus_baseline")
-    if config.placement.train_backend != "torch":
-        problems.append(f"--train-backend {config.placement.train_backend} is not available in this version; use "
-                        "--train-backend torch (its checkpoints are Megatron's torch_dist all the same)")
+    if config.placement.train_backend == "megatron":
+        problems += megatron_backend_problems(config)
     if problems:
         raise StageInputError("the train stage cannot start", problems,
                               "In a pipeline these come from the model and preprocess stages; alone, pass them "

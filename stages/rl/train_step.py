@@ -9,13 +9,14 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from slimeflow.stages.rl.advantages import AdvantageInputs, compute_advantages
-from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+from slimeflow.stages.rl.backend.torch_backend import LogProbs, TorchBackend
 from slimeflow.stages.rl.config import TrainConfig
-from slimeflow.stages.rl.loss import LossInputs, LossNormalizer, compute_loss
+from slimeflow.stages.rl.loss import LossInputs, LossNormalizer, LossOutput, compute_loss
 from slimeflow.stages.rl.packing import split_for_data_parallel
 from slimeflow.stages.rl.types import TrainBatch
 
@@ -85,10 +86,12 @@ def prepare(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, own: 
         # so the extra forward pass over the rollout is skipped.
         old = None
     else:
-        old = _gather(own, backend.compute_log_probs(mine).log_probs, len(batch), world_size)
+        old = _gather(own, backend.compute_log_probs(mine).log_probs, len(batch), world_size,
+                      backend.data_parallel_group)
     ref = None
     if backend.needs_reference:
-        ref = _gather(own, backend.compute_log_probs(mine, reference=True).log_probs, len(batch), world_size)
+        ref = _gather(own, backend.compute_log_probs(mine, reference=True).log_probs, len(batch), world_size,
+                      backend.data_parallel_group)
     policy = batch.rollout_log_probs if algo.use_rollout_logprobs else old
     inputs = AdvantageInputs(rewards=batch.rewards, loss_masks=batch.loss_masks, log_probs=policy, ref_log_probs=ref)
     advantages = compute_advantages(algo, inputs, group_size(batch, config.batch.n_samples_per_prompt),
@@ -111,12 +114,14 @@ def _advantages_need_no_log_probs(config: TrainConfig, backend: TorchBackend) ->
     return backend.custom_advantage is None and config.algorithm.advantage_estimator in ("grpo", "gspo", "cispo")
 
 
-def _gather(own: list[int], values: list[torch.Tensor], total: int, world_size: int) -> list[torch.Tensor]:
-    """Every rank's (indices, per-sample tensors) put back in rollout order."""
+def _gather(own: list[int], values: list[torch.Tensor], total: int, world_size: int,
+            group: Any = None) -> list[torch.Tensor]:
+    """Every data-parallel rank's (indices, per-sample tensors) put back in rollout order (`group`: the
+    data-parallel process group, None: the default group)."""
     pieces = [(own, values)]
     if world_size > 1:
         pieces = [None] * world_size  # type: ignore[list-item]
-        torch.distributed.all_gather_object(pieces, (own, values))
+        torch.distributed.all_gather_object(pieces, (own, values), group=group)
     out: list[torch.Tensor | None] = [None] * total
     for indices, tensors in pieces:
         for i, tensor in zip(indices, tensors, strict=True):
@@ -133,16 +138,16 @@ def accumulate_gradients(backend: TorchBackend, batch: TrainBatch, indices: list
     batch's loss metrics (summed over ranks). The gradients summed over ranks equal one pass over the batch."""
     algo, device = config.algorithm, backend.device
     normalizer = LossNormalizer.for_batch([batch.loss_masks[i] for i in indices])
-    sums: dict[str, torch.Tensor] = {}
     lengths = batch.total_lengths  # a property that walks the batch: read it once, not once per sample
-    for micro in backend.micro_batches([lengths[i] for i in share]):
-        rows = [share[j] for j in micro]
-        out = backend.forward(batch.select(rows), with_entropy=True)
+    micros = [[share[j] for j in micro] for micro in backend.micro_batches([lengths[i] for i in share])]
+
+    def loss_of(rows: list[int], out: LogProbs) -> LossOutput:
+        """The loss of the micro-batch `rows` (batch indices) from the backend's forward output `out`."""
         assert out.entropy is not None
         entropy = out.entropy if algo.entropy_coef else [e.detach() for e in out.entropy]
 
         def pick(values: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
-            return None if values is None else [values[i].to(device) for i in rows]  # noqa: B023
+            return None if values is None else [values[i].to(device) for i in rows]
 
         old = pick(prepared.old_log_probs) or [lp.detach() for lp in out.log_probs]
         inputs = LossInputs(log_probs=out.log_probs, old_log_probs=old,
@@ -150,19 +155,6 @@ def accumulate_gradients(backend: TorchBackend, batch: TrainBatch, indices: list
                             ref_log_probs=pick(prepared.ref_log_probs) if algo.use_kl_loss else None,
                             rollout_log_probs=pick(batch.rollout_log_probs),
                             entropy=entropy, total_lengths=[lengths[i] for i in rows])
-        result = compute_loss(algo, inputs, normalizer, backend.custom_loss)
-        result.loss.backward()
-        for key, value in result.metrics.items():
-            sums[key] = sums.get(key, torch.zeros((), device=device)) + value.float().to(device)
-    return _sum_over_ranks(sums, backend.world_size)
+        return compute_loss(algo, inputs, normalizer, backend.custom_loss)
 
-
-def _sum_over_ranks(sums: dict[str, torch.Tensor], world_size: int) -> dict[str, float]:
-    """Each metric's global-batch value: the ranks' sums added (every rank has the same metric names)."""
-    keys = sorted(sums)
-    if not keys:
-        return {}
-    stacked = torch.stack([sums[k] for k in keys])
-    if world_size > 1:
-        torch.distributed.all_reduce(stacked, op=torch.distributed.ReduceOp.SUM)
-    return dict(zip(keys, stacked.tolist(), strict=True))
+    return backend.forward_backward(batch, micros, loss_of)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from slimeflow.stages.rl import algorithms as alg
 from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantage
 from slimeflow.stages.rl.backend.schedule import build_scheduler
 from slimeflow.stages.rl.config import AlgorithmConfig, BatchConfig, OptimizerConfig
-from slimeflow.stages.rl.loss import CustomLoss, load_custom_loss
+from slimeflow.stages.rl.loss import CustomLoss, LossOutput, load_custom_loss
 from slimeflow.stages.rl.packing import pack_micro_batches
 from slimeflow.stages.rl.types import TrainBatch
 
@@ -83,8 +84,10 @@ class TorchBackend:
         self.temperature = temperature
         self.optimizer_config, self.algorithm, self.batch = optimizer, algorithm, batch
         self.rank, self.world_size = rank, world_size
+        self.data_parallel_group = None  # every rank is a data-parallel rank: the default process group
+        self.dp_rank, self.dp_size = rank, world_size
         self.device = torch.device(device) if device is not None else default_device()
-        self._owns_group = self._init_process_group(init_method)
+        self._owns_group = init_process_group(rank, world_size, init_method, self.device)
         seed_everything(seed)
         self.model = load_model(self.hf_checkpoint, self.device)
         self.optimizer = torch.optim.AdamW(
@@ -105,17 +108,6 @@ class TorchBackend:
     def autocast_dtype(self) -> torch.dtype | None:
         return torch.bfloat16 if self.optimizer_config.bf16 else None
 
-    def _init_process_group(self, init_method: str | None) -> bool:
-        if self.world_size == 1 or torch.distributed.is_initialized():
-            return False
-        if init_method is None:
-            raise ValueError(f"world_size {self.world_size} needs an init_method (e.g. file:///shared/rendezvous "
-                             "or tcp://host:port) for torch.distributed")
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        torch.distributed.init_process_group(backend, init_method=init_method, rank=self.rank,
-                                             world_size=self.world_size)
-        return True
-
     def _load_reference(self, ref_load: str | None) -> torch.nn.Module:
         model = load_model(self.hf_checkpoint, self.device, trainable=False)
         if ref_load is not None:
@@ -135,11 +127,7 @@ class TorchBackend:
     def micro_batches(self, lengths: list[int]) -> list[list[int]]:
         """Micro-batches (sample indices) of one rank's share: packed under --max-tokens-per-gpu with
         --use-dynamic-batch-size, else consecutive --micro-batch-size samples."""
-        if self.batch.use_dynamic_batch_size:
-            assert self.batch.max_tokens_per_gpu is not None  # BatchConfig validates this
-            return pack_micro_batches(lengths, self.batch.max_tokens_per_gpu)
-        size = self.batch.micro_batch_size
-        return [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
+        return plan_micro_batches(self.batch, lengths)
 
     def forward(self, rows: TrainBatch, with_entropy: bool = False, reference: bool = False) -> LogProbs:
         """Response-token log-probs (and entropies) of every row, on this device, with autograd as the caller's
@@ -147,32 +135,14 @@ class TorchBackend:
         model = self.ref_model if reference else self.model
         if model is None:
             raise ValueError("no reference model: it is loaded only with --use-kl-loss or --kl-coef > 0")
-        totals = torch.tensor(rows.total_lengths, dtype=torch.long)
-        lengths = torch.tensor(rows.response_lengths, dtype=torch.long)
-        bad = (lengths >= totals).nonzero().flatten().tolist()
-        if bad:
-            i = bad[0]
-            raise ValueError(f"sample {i}: response_length {int(lengths[i])} leaves no prompt token "
-                             f"({int(totals[i])} tokens); the first response token needs a token before it to be "
-                             "predicted from")
-        firsts, row_of = distinct_rows(rows.tokens, rows.response_lengths)
-        kept = lengths[firsts]  # each row's kept positions (its response length)
-        ids, mask, keep = right_padded([rows.tokens[i] for i in firsts], totals[firsts], kept)
+        layout = RowLayout.of(rows)
         cast = self.autocast_dtype
         with torch.autocast(self.device.type, dtype=cast) if cast is not None else contextlib.nullcontext():
             # logits_to_keep (a boolean mask): the output layer runs on the kept positions only, flattened row by
             # row into one [tokens, vocab] block, so one log-softmax serves the micro-batch.
-            selected = model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                             logits_to_keep=keep.to(self.device), use_cache=False).logits
-        logits = selected.float() / self.temperature  # the sampling policy's logits; x / 1.0 is exact
-        if row_of is not None:  # each sample's positions within its row's block of kept positions
-            logits = logits[ranges((torch.cumsum(kept, 0) - kept)[row_of], lengths).to(self.device)]
-        targets = torch.cat(list(rows.tokens))[ranges(torch.cumsum(totals, 0) - lengths, lengths)]
-        log_probs = alg.compute_log_probs(logits, targets.to(self.device))
-        entropy = alg.compute_entropy_from_logits(logits) if with_entropy else None
-        split = rows.response_lengths
-        return LogProbs(list(torch.split(log_probs, split)),
-                        None if entropy is None else list(torch.split(entropy, split)))
+            selected = model(input_ids=layout.ids.to(self.device), attention_mask=layout.mask.to(self.device),
+                             logits_to_keep=layout.keep.to(self.device), use_cache=False).logits
+        return response_log_probs(selected, rows, layout, self.temperature, with_entropy)
 
     @torch.no_grad()
     def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = False, reference: bool = False) -> LogProbs:
@@ -188,6 +158,18 @@ class TorchBackend:
                     for i, value in zip(micro, torch.split(flat, rows.response_lengths), strict=True):
                         into[i] = value
         return out
+
+    def forward_backward(self, batch: TrainBatch, micro_batches: list[list[int]],
+                         loss_of: Callable[[list[int], LogProbs], LossOutput]) -> dict[str, float]:
+        """Forward (with entropies) and backward over `micro_batches` (indices into `batch`), each micro-batch's
+        loss from `loss_of(indices, log_probs)`; returns the loss metrics summed over micro-batches and ranks."""
+        sums: dict[str, torch.Tensor] = {}
+        for rows in micro_batches:
+            result = loss_of(rows, self.forward(batch.select(rows), with_entropy=True))
+            result.loss.backward()
+            for key, value in result.metrics.items():
+                sums[key] = sums.get(key, torch.zeros((), device=self.device)) + value.float().to(self.device)
+        return sum_over_ranks(sums, self.world_size)
 
     # -- the optimizer step -------------------------------------------------------------------------------------
 
@@ -239,6 +221,91 @@ class TorchBackend:
         """The inverse of training_state (after the weights are loaded)."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+
+
+@dataclass
+class RowLayout:
+    """One micro-batch as model input: its distinct rows (`distinct_rows`) right-padded to the longest.
+
+    ids/mask: [rows, longest]; keep: the positions whose output predicts a response token; kept: each row's count
+    of them; row_of: each sample's row (None: one row per sample); totals/lengths: each sample's token counts.
+    """
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    keep: torch.Tensor
+    kept: torch.Tensor
+    row_of: torch.Tensor | None
+    totals: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def of(cls, rows: TrainBatch) -> RowLayout:
+        """ValueError for a sample whose response leaves no prompt token to predict its first token from."""
+        totals = torch.tensor(rows.total_lengths, dtype=torch.long)
+        lengths = torch.tensor(rows.response_lengths, dtype=torch.long)
+        bad = (lengths >= totals).nonzero().flatten().tolist()
+        if bad:
+            i = bad[0]
+            raise ValueError(f"sample {i}: response_length {int(lengths[i])} leaves no prompt token "
+                             f"({int(totals[i])} tokens); the first response token needs a token before it to be "
+                             "predicted from")
+        firsts, row_of = distinct_rows(rows.tokens, rows.response_lengths)
+        kept = lengths[firsts]  # each row's kept positions (its response length)
+        ids, mask, keep = right_padded([rows.tokens[i] for i in firsts], totals[firsts], kept)
+        return cls(ids, mask, keep, kept, row_of, totals, lengths)
+
+
+def response_log_probs(selected: torch.Tensor, rows: TrainBatch, layout: RowLayout, temperature: float,
+                       with_entropy: bool) -> LogProbs:
+    """Per-sample log-probs (and entropies) from `selected`, the logits [kept positions, vocab] of `layout`'s
+    rows, flattened row by row; the logits are divided by the sampling temperature first."""
+    device = selected.device
+    logits = selected.float() / temperature  # the sampling policy's logits; x / 1.0 is exact
+    kept, lengths, totals = layout.kept, layout.lengths, layout.totals
+    if layout.row_of is not None:  # each sample's positions within its row's block of kept positions
+        logits = logits[ranges((torch.cumsum(kept, 0) - kept)[layout.row_of], lengths).to(device)]
+    targets = torch.cat(list(rows.tokens))[ranges(torch.cumsum(totals, 0) - lengths, lengths)]
+    log_probs = alg.compute_log_probs(logits, targets.to(device))
+    entropy = alg.compute_entropy_from_logits(logits) if with_entropy else None
+    split = rows.response_lengths
+    return LogProbs(list(torch.split(log_probs, split)), None if entropy is None else list(torch.split(entropy, split)))
+
+
+def init_process_group(rank: int, world_size: int, init_method: str | None, device: torch.device,
+                       single_rank_too: bool = False) -> bool:
+    """Join the default process group (gloo on CPU, NCCL on GPU) unless there is one, or there is a single rank
+    and not `single_rank_too`; returns whether this call created it (its owner destroys it)."""
+    if torch.distributed.is_initialized() or (world_size == 1 and not single_rank_too):
+        return False
+    if init_method is None:
+        raise ValueError(f"world_size {world_size} needs an init_method (e.g. file:///shared/rendezvous "
+                         "or tcp://host:port) for torch.distributed")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    return True
+
+
+def plan_micro_batches(batch: BatchConfig, lengths: list[int]) -> list[list[int]]:
+    """Micro-batches (sample indices) of one rank's share of `lengths` tokens: packed under --max-tokens-per-gpu
+    with --use-dynamic-batch-size, else consecutive --micro-batch-size samples."""
+    if batch.use_dynamic_batch_size:
+        assert batch.max_tokens_per_gpu is not None  # BatchConfig validates this
+        return pack_micro_batches(lengths, batch.max_tokens_per_gpu)
+    size = batch.micro_batch_size
+    return [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
+
+
+def sum_over_ranks(sums: dict[str, torch.Tensor], world_size: int, group: Any = None) -> dict[str, float]:
+    """Each metric's global-batch value: the ranks' sums added over `group` (None: the default group); every rank
+    has the same metric names."""
+    keys = sorted(sums)
+    if not keys:
+        return {}
+    stacked = torch.stack([sums[k] for k in keys])
+    if world_size > 1:
+        torch.distributed.all_reduce(stacked, op=torch.distributed.ReduceOp.SUM, group=group)
+    return dict(zip(keys, stacked.tolist(), strict=True))
 
 
 def distinct_rows(tokens: list[torch.Tensor], response_lengths: list[int]) -> tuple[list[int], torch.Tensor | None]:

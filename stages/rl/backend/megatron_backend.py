@@ -1,0 +1,381 @@
+"""The Megatron training backend: megatron-core's GPTModel, trained through megatron's own schedule and optimizer.
+
+The world is TP x PP x DP ranks (megatron's parallel_state over gloo on a CPU, NCCL on GPUs). Each data-parallel
+rank takes its share of every global batch (train_step.plan_steps over the DP ranks); the TP and PP ranks of one
+model replica see the same samples. Forward and backward run in `get_forward_backward_func` (1F1B over the
+stages with PP); the last stage computes each micro-batch's loss with train_step's loss code, the torch backend's.
+That loss is already normalised by the global batch, so gradients are summed over micro-batches and DP ranks
+(`calculate_per_token_loss`: megatron neither divides by the number of micro-batches nor averages over ranks).
+The logits are gathered over the TP ranks and cut to the true vocabulary, so log-probs and entropies come from
+the torch backend's code (`response_log_probs`) on the full distribution. Attention is causal through torch's
+fused kernel (families.megatron.sdpa_attention), on right-padded rows as the torch backend's. megatron's optimizer
+(`get_megatron_optimizer`: AdamW, no weight decay on norms and biases) steps under its `OptimizerParamScheduler`.
+
+The model's shape is the Megatron args of the torch_dist checkpoint it starts from (--load or --ref-load, as
+slime's Megatron backend; the convert stage writes one from the HF checkpoint); every rank reads its own share.
+On a CPU every call into megatron runs inside `slimeflow._compat.megatron_on_cpu`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slimeflow._compat import megatron_on_cpu
+from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantage
+from slimeflow.stages.rl.backend.torch_backend import (
+    LogProbs,
+    RowLayout,
+    default_device,
+    init_process_group,
+    plan_micro_batches,
+    response_log_probs,
+    seed_everything,
+    sum_over_ranks,
+)
+from slimeflow.stages.rl.config import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig
+from slimeflow.stages.rl.loss import CustomLoss, LossOutput, load_custom_loss
+from slimeflow.stages.rl.types import TrainBatch
+
+LossOf = Callable[[list[int], LogProbs], LossOutput]
+
+
+class MegatronBackend:
+    """One rank of the Megatron world: its shard of the policy (and of the frozen reference model when needed).
+
+    checkpoint: the torch_dist checkpoint directory whose Megatron args give the model's shape (the one training
+    starts from); its weights are loaded by megatron_checkpoint.load_checkpoint. Other arguments as TorchBackend's;
+    `parallel` holds the parallel sizes (--tensor-model-parallel-size, --pipeline-model-parallel-size).
+    """
+
+    def __init__(self, hf_checkpoint: str | Path, checkpoint: str | Path, optimizer: OptimizerConfig,
+                 algorithm: AlgorithmConfig, batch: BatchConfig, parallel: MegatronConfig, seed: int = 1234,
+                 rank: int = 0, world_size: int = 1, init_method: str | None = None, total_steps: int | None = None,
+                 ref_load: str | None = None, temperature: float = 1.0):
+        from megatron.core import parallel_state
+
+        from slimeflow.stages.convert.torch_dist import read_common
+
+        if temperature <= 0:
+            raise ValueError(f"temperature {temperature}: the trainer's log-probs need a sampling temperature > 0")
+        self.hf_checkpoint, self.temperature, self.seed = Path(hf_checkpoint), temperature, seed
+        self.optimizer_config, self.algorithm, self.batch, self.parallel = optimizer, algorithm, batch, parallel
+        self.rank, self.world_size = rank, world_size
+        self.device = default_device()
+        # megatron's parallel state lives in process groups, so even one rank has one.
+        self._owns_group = init_process_group(rank, world_size, init_method, self.device, single_rank_too=True)
+        tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+        if world_size % (tp * pp):
+            raise ValueError(f"{world_size} training ranks are not a multiple of --tensor-model-parallel-size {tp} x "
+                             f"--pipeline-model-parallel-size {pp}; use a multiple of {tp * pp} ranks")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        self.data_parallel_group = parallel_state.get_data_parallel_group()
+        self.dp_rank, self.dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+        seed_everything(seed)
+        if self.device.type == "cuda":  # on a CPU, megatron_on_cpu seeds the tracker (megatron's reads CUDA states)
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        self.args = read_common(checkpoint)["args"]
+        self.vocab_size = _hf_vocab_size(self.hf_checkpoint)
+        if self.args.padded_vocab_size % tp:
+            raise ValueError(f"{checkpoint}: its padded vocabulary ({self.args.padded_vocab_size}) does not split over "
+                             f"--tensor-model-parallel-size {tp}; convert it again with that tensor-parallel size")
+        with self.on_device():
+            self.model = self._wrapped(self._build())
+            self.optimizer = self._megatron_optimizer()
+            self.scheduler = self._param_scheduler(total_steps)
+            self.ref_model = self._reference(ref_load) if self.needs_reference else None
+        self.custom_loss: CustomLoss | None = load_custom_loss(algorithm)
+        self.custom_advantage: CustomAdvantage | None = load_custom_advantage(algorithm)
+
+    @property
+    def needs_reference(self) -> bool:
+        """The KL loss or a KL-penalised reward needs the reference model's log-probs."""
+        return self.algorithm.use_kl_loss or self.algorithm.kl_coef > 0
+
+    def on_device(self):
+        """The context every call into megatron runs in: the CPU shims when there is no GPU (none on a GPU)."""
+        return megatron_on_cpu(self.seed)
+
+    # -- construction -------------------------------------------------------------------------------------------
+
+    def _build(self, trainable: bool = True) -> torch.nn.Module:
+        from megatron.core import parallel_state
+
+        from slimeflow.families.megatron import gpt_model_from_args
+
+        parallel = {"tensor_model_parallel_size": self.parallel.tensor_model_parallel_size,
+                    "pipeline_model_parallel_size": self.parallel.pipeline_model_parallel_size,
+                    "pipeline_dtype": torch.float32,
+                    # gloo's batched p2p silently corrupts the interleaved schedule (megatron-on-cpu.md)
+                    "batch_p2p_comm": False, "calculate_per_token_loss": True}
+        model = gpt_model_from_args(self.args, parallel=parallel,
+                                    pre_process=parallel_state.is_pipeline_first_stage(),
+                                    post_process=parallel_state.is_pipeline_last_stage(), parallel_output=False,
+                                    sdpa=True)
+        model.to(self.device).eval()  # dropout is 0; eval as the torch backend, so log-probs do not depend on mode
+        model.requires_grad_(trainable)
+        return model
+
+    def _reference(self, ref_load: str | None) -> torch.nn.Module:
+        from slimeflow.stages.rl.backend.megatron_checkpoint import load_weights
+
+        if ref_load is None:
+            raise ValueError("--use-kl-loss or --kl-coef > 0 with --train-backend megatron needs --ref-load (the "
+                             "reference model's torch_dist checkpoint, as in slime)")
+        model = self._build(trainable=False)
+        load_weights(model, ref_load)
+        return model
+
+    def _wrapped(self, model: torch.nn.Module) -> torch.nn.Module:
+        """megatron's DDP (contiguous fp32 gradient buffers, summed over DP ranks when the step finalises)."""
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+
+        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
+            average_in_collective=False), module=model)  # gloo has no ReduceOp.AVG
+        config = model.config
+        config.no_sync_func = ddp.no_sync
+        # The loss is normalised by the global batch already: ignore the token count megatron would divide by.
+        config.finalize_model_grads_func = functools.partial(_finalize_without_scaling, finalize_model_grads)
+        return ddp
+
+    def _megatron_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        o = self.optimizer_config
+        if o.bf16:
+            raise ValueError("--bf16 with --train-backend megatron is not built yet: the Megatron backend trains "
+                             "in fp32 in this version")
+        config = MegatronOptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                                         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+                                         clip_grad=o.clip_grad, params_dtype=torch.float32,
+                                         use_distributed_optimizer=False)
+        return get_megatron_optimizer(config, [self.model])
+
+    def _param_scheduler(self, total_steps: int | None):
+        """Megatron's schedule of the learning rate (backend.schedule.lr_at) and of weight decay (constant; set
+        per parameter group, which is what leaves norms and biases undecayed)."""
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from slimeflow.stages.rl.backend.schedule import decay_steps
+
+        o = self.optimizer_config
+        decay = decay_steps(o, total_steps) or max(o.lr_warmup_iters, 1)
+        return OptimizerParamScheduler(self.optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
+                                       lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=max(decay, o.lr_warmup_iters),
+                                       lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay,
+                                       end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+
+    def close(self) -> None:
+        """Tear down megatron's parallel state and the process group if this backend created it."""
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if self._owns_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+            self._owns_group = False
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The policy's GPTModel (this rank's shard), without the DDP wrapper."""
+        return self.model.module
+
+    # -- forward and backward -----------------------------------------------------------------------------------
+
+    def micro_batches(self, lengths: list[int]) -> list[list[int]]:
+        return plan_micro_batches(self.batch, lengths)
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = False, reference: bool = False) -> LogProbs:
+        """log-probs (fp32, CPU) of every sample's response tokens under the policy (or the reference model), in
+        this backend's micro-batches; every rank of the model replica gets them."""
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise ValueError("no reference model: it is loaded only with --use-kl-loss or --kl-coef > 0")
+        out = LogProbs([None] * len(batch), [None] * len(batch) if with_entropy else None)  # type: ignore[list-item]
+
+        def keep(indices: list[int], part: LogProbs) -> tuple[torch.Tensor, int, Any]:
+            values = [(i, lp.float().cpu(), None if part.entropy is None else part.entropy[j].float().cpu())
+                      for j, (i, lp) in enumerate(zip(indices, part.log_probs, strict=True))]
+            return torch.zeros(()), 1, values
+
+        pieces = self._schedule(model, batch, self.micro_batches(batch.total_lengths), keep, with_entropy,
+                                forward_only=True)
+        for values in self._from_last_stage(pieces):
+            for i, log_probs, entropy in values:
+                out.log_probs[i] = log_probs
+                if out.entropy is not None:
+                    out.entropy[i] = entropy
+        return out
+
+    def forward_backward(self, batch: TrainBatch, micro_batches: list[list[int]], loss_of: LossOf) -> dict[str, float]:
+        """Forward (with entropies) and backward over `micro_batches` through megatron's schedule; gradients
+        accumulate in the DDP buffers, summed over DP ranks. Returns the loss metrics summed over micro-batches
+        and ranks (every rank gets them)."""
+
+        def loss(indices: list[int], part: LogProbs) -> tuple[torch.Tensor, int, Any]:
+            result = loss_of(indices, part)
+            return result.loss, 1, {k: v.detach().float() for k, v in result.metrics.items()}
+
+        pieces = self._schedule(self.model, batch, micro_batches, loss, with_entropy=True, forward_only=False)
+        return self._metrics(pieces)
+
+    def _schedule(self, model: torch.nn.Module, batch: TrainBatch, micro_batches: list[list[int]],
+                  on_log_probs: Callable[[list[int], LogProbs], tuple[torch.Tensor, int, Any]], with_entropy: bool,
+                  forward_only: bool) -> list[Any]:
+        """Run `micro_batches` through get_forward_backward_func; on the last stage, `on_log_probs(indices,
+        log_probs)` gives each micro-batch's (loss, tokens, data); returns the data (last stage only)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        items = [(rows, batch.select(rows), RowLayout.of(batch.select(rows))) for rows in micro_batches]
+        rows_max = max(layout.ids.shape[0] for _, _, layout in items)
+        length_max = max(layout.ids.shape[1] for _, _, layout in items)
+        pipelined = self.parallel.pipeline_model_parallel_size > 1
+        vocab, temperature, device = self.vocab_size, self.temperature, self.device
+
+        def forward_step(data: Iterator[Any], model: torch.nn.Module):
+            indices, rows, layout = next(data)
+            # Pipeline stages exchange activations of one fixed shape: every micro-batch is padded to it.
+            shape = (rows_max, length_max) if pipelined else tuple(layout.ids.shape)
+            ids, keep = _padded(layout.ids, shape), _padded(layout.keep, shape)
+            positions = torch.arange(shape[1], device=device).expand(shape)
+            # Causal attention (sdpa_attention): right padding needs no mask, real positions never see it.
+            output = model(ids.to(device), positions, None)
+
+            def on_output(output: torch.Tensor):
+                selected = output[..., :vocab][keep.to(device)]
+                return on_log_probs(indices, response_log_probs(selected, rows, layout, temperature, with_entropy))
+
+            return output, on_output
+
+        with self.on_device():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(items), model=[model],
+                num_microbatches=len(items), seq_length=length_max, micro_batch_size=rows_max,
+                forward_only=forward_only)
+
+    def _metrics(self, pieces: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        from megatron.core import parallel_state
+
+        metrics = None
+        if parallel_state.is_pipeline_last_stage():
+            sums: dict[str, torch.Tensor] = {}
+            for piece in pieces:
+                for key, value in piece.items():
+                    sums[key] = sums.get(key, torch.zeros((), device=self.device)) + value.to(self.device)
+            metrics = sum_over_ranks(sums, self.dp_size, self.data_parallel_group)
+        return self._from_last_stage([metrics])[0]
+
+    def _from_last_stage(self, values: list[Any]) -> list[Any]:
+        """`values` as the last pipeline stage has them, on every stage (objects broadcast over the PP group)."""
+        from megatron.core import parallel_state
+
+        if self.parallel.pipeline_model_parallel_size == 1:
+            return values
+        box = [values]
+        torch.distributed.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                                group=parallel_state.get_pipeline_model_parallel_group())
+        return box[0]
+
+    # -- the optimizer step -------------------------------------------------------------------------------------
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip (--clip-grad; 0 disables), step megatron's optimizer and schedule, zero the gradient buffers.
+
+        Returns the step's grad_norm (before clipping, over the whole model) and lr.
+        """
+        lr = self.optimizer.param_groups[0]["lr"]
+        with self.on_device():
+            unclipped = self.optimizer.get_grad_norm() if not self.optimizer_config.clip_grad else None
+            _, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        return {"grad_norm": float(grad_norm if grad_norm is not None else unclipped), "lr": float(lr)}
+
+    # -- weights ------------------------------------------------------------------------------------------------
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's full HF-named weights (vocabulary padding cut) on global rank 0, {} on the others.
+        Collective: every rank calls it; each sends its shards (one copy of each, megatron's main replicas)."""
+        from slimeflow.stages.convert.export import origin_family
+        from slimeflow.stages.convert.mapping import ModelShape, megatron_to_hf
+        from slimeflow.stages.convert.torch_dist import unstack_layers
+
+        with self.on_device():
+            tensors = gather_global_tensors(self.module)
+        if tensors is None:
+            return {}
+        hf_config, family = origin_family(self.hf_checkpoint)
+        shape = ModelShape.from_megatron_args(self.args, family, hf_config["vocab_size"])
+        return megatron_to_hf(unstack_layers(tensors), shape)
+
+
+def gather_global_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The model's checkpoint tensors as global tensors under their checkpoint keys (layers stacked, as in a
+    torch_dist checkpoint) on global rank 0, None on the others. Built from `model.sharded_state_dict()`, the
+    declaration megatron saves from, so the TP split (fused QKV and gate/up included) and the PP layer offsets are
+    undone exactly as dist_checkpointing would."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    declared = model.sharded_state_dict()
+    apply_factories(declared)
+    mine = [(t.key, tuple(t.global_shape), t.global_slice(), t.data.detach().cpu())
+            for t in sharded_leaves(declared)
+            if isinstance(t, ShardedTensor) and not any(t.replica_id if isinstance(t.replica_id, tuple)
+                                                        else (t.replica_id,))]
+    world = torch.distributed.get_world_size()
+    gathered: list[Any] = [None] * world if torch.distributed.get_rank() == 0 else None  # type: ignore[assignment]
+    torch.distributed.gather_object(mine, gathered, dst=0)
+    if gathered is None:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for pieces in gathered:
+        for key, shape, where, data in pieces:
+            full = out.setdefault(key, torch.empty(shape, dtype=data.dtype))
+            full[where] = data
+    return out
+
+
+def sharded_leaves(tree: Any) -> Iterator[Any]:
+    """The leaves of a (sharded) state dict: what its nested dicts and lists hold."""
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from sharded_leaves(value)
+    elif isinstance(tree, list):
+        for value in tree:
+            yield from sharded_leaves(value)
+    else:
+        yield tree
+
+
+def _padded(tensor: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """`tensor` [rows, length] zero-padded (False for booleans) at the bottom and right to `shape`."""
+    if tuple(tensor.shape) == shape:
+        return tensor
+    out = tensor.new_zeros(shape)
+    out[: tensor.shape[0], : tensor.shape[1]] = tensor
+    return out
+
+
+def _finalize_without_scaling(finalize: Callable[..., Any], model: list[torch.nn.Module], num_tokens: Any = None,
+                              **kwargs: Any) -> Any:
+    return finalize(model, None, **kwargs)
+
+
+def _hf_vocab_size(hf_checkpoint: Path) -> int:
+    import json
+
+    return int(json.loads((hf_checkpoint / "config.json").read_text(encoding="utf-8"))["vocab_size"])
+

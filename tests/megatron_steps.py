@@ -1,0 +1,107 @@
+"""Training steps of the Megatron backend in worker processes (one per rank), for tests and benchmarks.
+
+`run_world` starts `world` processes (spawned, file:// rendezvous, bounded by a timeout, stopped by pid) that
+each build a MegatronBackend at the given TP x PP, load a torch_dist checkpoint and train on one saved batch;
+global rank 0 writes the per-step metrics and the full HF-named weights afterwards to `<out>/<tag>.pt`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LENGTHS = [(7, 3), (9, 4), (5, 2), (12, 5), (6, 3), (10, 1), (8, 4), (11, 6)]
+"""(prompt + response tokens, response tokens) of the test rollout: 4 groups of 2."""
+
+
+def make_batch(seed: int = 0):
+    from slimeflow.stages.rl.types import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(3, 250, (total,), generator=g) for total, _ in LENGTHS]
+    masks = [torch.ones(n) for _, n in LENGTHS]
+    masks[3][1] = 0.0  # a tool token inside a response
+    rewards = [float(i % 3 == 0) for i in range(len(LENGTHS))]
+    return TrainBatch(tokens=tokens, response_lengths=[n for _, n in LENGTHS], loss_masks=masks,
+                      rewards=torch.tensor(rewards), rollout_log_probs=[-torch.rand(n, generator=g) for _, n in LENGTHS])
+
+
+def make_config(**groups):
+    from slimeflow.stages.rl.config import TrainConfig
+
+    batch = {"rollout_batch_size": 4, "n_samples_per_prompt": 2, "num_rollout": 1, **groups.pop("batch", {})}
+    return TrainConfig(batch=batch, **groups)
+
+
+def train_steps(backend, batch, config, rank: int, world_size: int) -> list[dict[str, float]]:
+    """train_on_rollout's steps, each step's metrics kept (it averages them)."""
+    from slimeflow.stages.rl.train_step import accumulate_gradients, plan_steps, prepare
+
+    plan = plan_steps(batch, config.batch.global_batch_size, rank, world_size, config.batch.balance_data)
+    prepared = prepare(backend, batch, config, sorted(i for _, share in plan for i in share), world_size,
+                       single_step=len(plan) == 1)
+    return [{**accumulate_gradients(backend, batch, indices, share, prepared, config), **backend.optimizer_step()}
+            for indices, share in plan]
+
+
+def train_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
+    """Build the backend of `rank`, load the job's checkpoint, train; rank 0's steps, weights and optimizer
+    parameter groups (None on the other ranks)."""
+    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+
+    config = job["config"]
+    backend = make_backend(job, rank, world)
+    try:
+        load_checkpoint(backend, job["checkpoint"], weights_only=True)
+        steps = train_steps(backend, job["batch"], config, backend.dp_rank, backend.dp_size)
+        weights = backend.named_weights()
+        groups = [{"weight_decay": g["weight_decay"], "dims": sorted({p.dim() for p in g["params"]})}
+                  for g in backend.optimizer.param_groups]
+    finally:
+        backend.close()
+    return {"steps": steps, "weights": weights, "groups": groups} if rank == 0 else None
+
+
+def make_backend(job: dict[str, Any], rank: int = 0, world: int = 1):
+    """The job's MegatronBackend for `rank` (its model shape from the job's checkpoint; nothing loaded yet)."""
+    from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend
+
+    config = job["config"]
+    return MegatronBackend(job["hf"], job["checkpoint"], config.optimizer, config.algorithm, config.batch,
+                           config.megatron, seed=3, rank=rank, world_size=world, init_method=job["init"],
+                           ref_load=job["checkpoint"] if config.algorithm.use_kl_loss else None)
+
+
+def _worker(rank: int, world: int, job: dict[str, Any]) -> None:
+    torch.set_num_threads(1)
+    result = train_job(rank, world, job)
+    if result is not None:
+        torch.save(result, Path(job["out"]) / f"{job['tag']}.pt")
+
+
+def make_job(out: Path, tag: str, hf: Path, checkpoint: Path, batch, config) -> dict[str, Any]:
+    return {"hf": str(hf), "checkpoint": str(checkpoint), "batch": batch, "config": config, "out": str(out),
+            "tag": tag, "init": (out / f"rendezvous-{uuid.uuid4().hex[:8]}").as_uri()}
+
+
+def run_world(world: int, tag: str, out: Path, hf: Path, checkpoint: Path, batch, config,
+              timeout: float = 240.0) -> dict[str, Any]:
+    """Train in `world` spawned processes; rank 0's {'steps': [...], 'weights': {...}}."""
+    import torch.multiprocessing as mp
+
+    job = make_job(out, tag, hf, checkpoint, batch, config)
+    context = mp.start_processes(_worker, args=(world, job), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{tag}: {world} ranks did not finish in {timeout} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return torch.load(out / f"{tag}.pt", weights_only=False)
