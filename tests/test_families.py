@@ -38,7 +38,14 @@ MOE_CASES = {
     "qwen3_moe-bf16-2p": ("tiny:qwen3_moe?dtype=bfloat16&num_hidden_layers=3&num_experts=5&moe_intermediate_size=24"
                           "&seed=4", 2),
 }
-CASES = {**GLM4_CASES, **MOE_CASES}
+DEEPSEEK_CASES = {
+    # MLA with a query LoRA, a dense first layer, 4 experts in 2 groups, a shared expert, expert bias
+    "deepseek_v3-fp32-1p": ("tiny:deepseek_v3?seed=6", 1),
+    # Moonlight-style (no query LoRA), YaRN x4, bf16 weights (the expert bias stays fp32), two ranks
+    "deepseek_v3-bf16-nolora-yarn-2p": ("tiny:deepseek_v3?q_lora_rank=0&yarn_factor=4&num_hidden_layers=3"
+                                        "&first_k_dense_replace=1&dtype=bfloat16&seed=8", 2),
+}
+CASES = {**GLM4_CASES, **MOE_CASES, **DEEPSEEK_CASES}
 
 
 def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -113,10 +120,11 @@ def test_tiny_glm4_is_glm4_shaped_and_generates_from_its_chat_template(glm4_dir)
 def new_family_dirs(glm4_dir, tmp_path_factory) -> dict[str, Path]:
     """The families without a native engine forward, each as a default tiny model."""
     moe = build_tiny_model(tmp_path_factory.mktemp("moe") / "hf", TinyModelSpec(family="qwen3_moe", seed=7))
-    return {"glm4": glm4_dir, "qwen3_moe": moe}
+    mla = build_tiny_model(tmp_path_factory.mktemp("mla") / "hf", TinyModelSpec(family="deepseek_v3", seed=7))
+    return {"glm4": glm4_dir, "qwen3_moe": moe, "deepseek_v3": mla}
 
 
-@pytest.mark.parametrize("family", ["glm4", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["glm4", "qwen3_moe", "deepseek_v3"])
 def test_the_engine_serves_the_family_through_transformers_forward(new_family_dirs, family):
     from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
     from slimeflow.stages.rl.engine.sampling import SamplingParams
@@ -165,7 +173,9 @@ def _trained_backend(hf_dir: Path):
 
 
 @pytest.mark.parametrize(("family", "trained"), [("glm4", ("post_self_attn_layernorm", "gate_up_proj")),
-                                                 ("qwen3_moe", ("mlp.gate.weight", "mlp.experts"))])
+                                                 ("qwen3_moe", ("mlp.gate.weight", "mlp.experts")),
+                                                 ("deepseek_v3", ("kv_b_proj", "q_a_layernorm", "shared_experts",
+                                                                  "mlp.experts"))])
 def test_the_torch_backend_trains_the_family(new_family_dirs, family, trained):
     backend, before = _trained_backend(new_family_dirs[family])
     changed = {n for n, p in backend.model.named_parameters() if not torch.equal(p, before[n])}
@@ -255,20 +265,43 @@ def test_qwen3_moe_checkpoint_stores_experts_stacked_as_megatron_does(converted)
                                                           hf[prefix + "up_proj.weight"]]))
 
 
-def test_moe_models_with_dense_layers_are_refused_before_any_write(tmp_path):
-    from slimeflow.stages.base import StageInputError
+@pytest.mark.slow
+def test_qwen3_moe_with_a_dense_layer_converts_exactly_with_each_layer_keyed_on_its_own(tmp_path, megatron_world):
+    """mlp_only_layers: layer 1 keeps a dense MLP. megatron-core keys the layers of such a model one by one
+    (`decoder.layers.<i>.<name>`, moe_layer_freq a list), and so does the checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf = build_tiny_model(tmp_path / "hf", TinyModelSpec(family="qwen3_moe", num_hidden_layers=2))
-    config = json.loads((hf / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps({**config, "mlp_only_layers": [1]}))
+    from slimeflow.families.megatron import gpt_model_from_args
+
+    base = build_tiny_model(tmp_path / "base", TinyModelSpec(family="qwen3_moe", num_hidden_layers=2, seed=2))
+    config = AutoConfig.from_pretrained(base)
+    config.mlp_only_layers = [1]
+    torch.manual_seed(2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    for file in base.iterdir():
+        if "token" in file.name or file.name == "chat_template.jinja":
+            (tmp_path / "hf" / file.name).write_bytes(file.read_bytes())
     ctx = StageContext(Storage(), tmp_path / "work", str(tmp_path / "work"))
-    with pytest.raises(StageInputError, match=r"layers \[1\] have a dense MLP"):
-        run(ConvertConfig(hf_checkpoint=str(hf), save=str(tmp_path / "ckpt")), ctx)
-    assert not (tmp_path / "ckpt").exists()
+    run(ConvertConfig(hf_checkpoint=str(tmp_path / "hf"), save=str(tmp_path / "ckpt")), ctx)
+    run(ConvertConfig(direction="torch-dist-to-hf", input_dir=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "back"),
+                      origin_hf_dir=str(tmp_path / "hf")), ctx)
+    original, back = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
+    assert sorted(back) == sorted(original) and all(torch.equal(back[n], t) for n, t in original.items())
+    release = tmp_path / "ckpt" / "release"
+    args = read_common(release)["args"]
+    assert args.moe_layer_freq == [1, 0]
+    keys = set(tensor_metadata(release))
+    assert {"decoder.layers.0.mlp.router.weight", "decoder.layers.0.pre_mlp_layernorm.weight",
+            "decoder.layers.1.mlp.linear_fc1.weight", "decoder.layers.1.mlp.linear_fc1.layer_norm_weight"} <= keys
+    assert not any(key.startswith("decoder.layers.1.mlp.router") for key in keys)
+    model = gpt_model_from_args(args).eval()
+    assert {key: shape for key, (shape, _) in tensor_metadata(release).items()} == declared_shapes(model)
+    assert load_and_compare_logits(model, release, tmp_path / "hf") <= 1e-5
 
 
 @pytest.mark.parametrize(("uri", "message"), [
-    ("tiny:qwen3?num_experts=4", "qwen3 has no experts, so num_experts cannot be set; families with experts: qwen3_moe"),
+    ("tiny:qwen3?num_experts=4", "qwen3 has no num_experts setting; families with one: qwen3_moe, deepseek_v3"),
+    ("tiny:qwen3_moe?q_lora_rank=8", "qwen3_moe has no q_lora_rank setting; families with one: deepseek_v3"),
     ("tiny:qwen3_moe?num_experts=2&num_experts_per_tok=3", "num_experts_per_tok (3) must not exceed num_experts (2)"),
     ("tiny:glm4?head_dim=18", "glm4 rotates head_dim x 0.5 dimensions, which must be even for rotary embeddings: head_dim must be a multiple of 4, got 18"),
 ])
