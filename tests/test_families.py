@@ -45,7 +45,12 @@ DEEPSEEK_CASES = {
     "deepseek_v3-bf16-nolora-yarn-2p": ("tiny:deepseek_v3?q_lora_rank=0&yarn_factor=4&num_hidden_layers=3"
                                         "&first_k_dense_replace=1&dtype=bfloat16&seed=8", 2),
 }
-CASES = {**GLM4_CASES, **MOE_CASES, **DEEPSEEK_CASES}
+GLM4_MOE_CASES = {
+    # GQA 8:2 with head_dim 16 (half rotated), QKV bias, a dense first layer, grouped sigmoid router, shared expert
+    "glm4_moe-bf16-gqa-2p": ("tiny:glm4_moe?num_hidden_layers=3&num_attention_heads=8&num_key_value_heads=2"
+                             "&head_dim=16&dtype=bfloat16&seed=5", 2),
+}
+CASES = {**GLM4_CASES, **MOE_CASES, **DEEPSEEK_CASES, **GLM4_MOE_CASES}
 
 
 def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -121,10 +126,11 @@ def new_family_dirs(glm4_dir, tmp_path_factory) -> dict[str, Path]:
     """The families without a native engine forward, each as a default tiny model."""
     moe = build_tiny_model(tmp_path_factory.mktemp("moe") / "hf", TinyModelSpec(family="qwen3_moe", seed=7))
     mla = build_tiny_model(tmp_path_factory.mktemp("mla") / "hf", TinyModelSpec(family="deepseek_v3", seed=7))
-    return {"glm4": glm4_dir, "qwen3_moe": moe, "deepseek_v3": mla}
+    glm_moe = build_tiny_model(tmp_path_factory.mktemp("glm_moe") / "hf", TinyModelSpec(family="glm4_moe", seed=7))
+    return {"glm4": glm4_dir, "qwen3_moe": moe, "deepseek_v3": mla, "glm4_moe": glm_moe}
 
 
-@pytest.mark.parametrize("family", ["glm4", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["glm4", "qwen3_moe", "deepseek_v3", "glm4_moe"])
 def test_the_engine_serves_the_family_through_transformers_forward(new_family_dirs, family):
     from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
     from slimeflow.stages.rl.engine.sampling import SamplingParams
@@ -175,7 +181,8 @@ def _trained_backend(hf_dir: Path):
 @pytest.mark.parametrize(("family", "trained"), [("glm4", ("post_self_attn_layernorm", "gate_up_proj")),
                                                  ("qwen3_moe", ("mlp.gate.weight", "mlp.experts")),
                                                  ("deepseek_v3", ("kv_b_proj", "q_a_layernorm", "shared_experts",
-                                                                  "mlp.experts"))])
+                                                                  "mlp.experts")),
+                                                 ("glm4_moe", ("q_proj.bias", "shared_experts", "mlp.experts"))])
 def test_the_torch_backend_trains_the_family(new_family_dirs, family, trained):
     backend, before = _trained_backend(new_family_dirs[family])
     changed = {n for n, p in backend.model.named_parameters() if not torch.equal(p, before[n])}
@@ -300,8 +307,10 @@ def test_qwen3_moe_with_a_dense_layer_converts_exactly_with_each_layer_keyed_on_
 
 
 @pytest.mark.parametrize(("uri", "message"), [
-    ("tiny:qwen3?num_experts=4", "qwen3 has no num_experts setting; families with one: qwen3_moe, deepseek_v3"),
+    ("tiny:qwen3?num_experts=4", "qwen3 has no num_experts setting; families with one: qwen3_moe, deepseek_v3, "
+                                 "glm4_moe"),
     ("tiny:qwen3_moe?q_lora_rank=8", "qwen3_moe has no q_lora_rank setting; families with one: deepseek_v3"),
+    ("tiny:glm4?num_experts=4", "glm4 has no num_experts setting; families with one: qwen3_moe, deepseek_v3, glm4_moe"),
     ("tiny:qwen3_moe?num_experts=2&num_experts_per_tok=3", "num_experts_per_tok (3) must not exceed num_experts (2)"),
     ("tiny:glm4?head_dim=18", "glm4 rotates head_dim x 0.5 dimensions, which must be even for rotary embeddings: head_dim must be a multiple of 4, got 18"),
 ])
@@ -338,3 +347,49 @@ def test_rotary_percent_is_checked_against_partial_rotary_factor_wherever_the_co
     for config in (nested, top_level):
         problems = check_model_args(megatron, config, "torch")
         assert problems == [] if factor == 0.5 else "--rotary-percent 0.25 does not match" in problems[0]
+
+
+@pytest.mark.slow
+def test_deepseek_v3_checkpoint_uses_the_names_and_args_slime_reads(converted):
+    """Names as slime's megatron_to_hf/deepseekv3.py reads them (Transformer Engine's MLA spec); the dense first
+    layer and the expert layers keyed one by one, as megatron-core keys them with moe_layer_freq a list."""
+    item = converted["deepseek_v3-fp32-1p"]
+    args = read_common(item["release"])["args"]
+    assert (args.multi_latent_attention, args.q_lora_rank, args.kv_lora_rank, args.qk_layernorm) == (True, 24, 16, True)
+    assert (args.qk_head_dim, args.qk_pos_emb_head_dim, args.v_head_dim, args.kv_channels) == (12, 8, 20, 20)
+    assert (args.moe_layer_freq, args.moe_router_score_function, args.moe_router_enable_expert_bias) == (
+        [0, 1], "sigmoid", True)
+    assert (args.moe_router_num_groups, args.moe_router_group_topk, args.moe_router_topk_scaling_factor) == (2, 1, 2.5)
+    assert args.moe_shared_expert_intermediate_size == 32 and args.rope_type == "rope"
+    metadata = tensor_metadata(item["release"])
+    layer0 = {"input_layernorm.weight", "self_attention.linear_q_down_proj.weight",
+              "self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.linear_q_up_proj.weight",
+              "self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.layer_norm_weight",
+              "self_attention.linear_kv_up_proj.weight", "self_attention.linear_proj.weight",
+              "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"}
+    assert {key.removeprefix("decoder.layers.0.") for key in metadata if key.startswith("decoder.layers.0.")} == layer0
+    assert metadata["decoder.layers.1.mlp.router.expert_bias"] == ((4,), torch.float32)
+    assert metadata["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"][0] == (4, 64, 64)
+    assert metadata["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"][0] == (64, 64)
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in metadata
+    yarn = read_common(converted["deepseek_v3-bf16-nolora-yarn-2p"]["release"])["args"]
+    assert (yarn.rope_type, yarn.rotary_scaling_factor, yarn.original_max_position_embeddings) == ("yarn", 4.0, 128)
+    assert yarn.q_lora_rank is None and "decoder.layers.1.self_attention.linear_q_proj.weight" in tensor_metadata(
+        converted["deepseek_v3-bf16-nolora-yarn-2p"]["release"])
+
+
+@pytest.mark.parametrize(("family", "change", "message"), [
+    ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob is false: megatron-core's sigmoid router always"),
+    ("deepseek_v3", {"n_group": 4, "topk_group": 2, "num_experts_per_tok": 2},
+     "num_experts_per_tok (2) // topk_group (2) is not 2"),
+    ("deepseek_v3", {"rope_interleave": False}, "rope_interleave is False: megatron-core's MLA always reads"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_type 'llama3': multi-latent"),
+    ("glm4_moe", {"use_qk_norm": True}, "use_qk_norm is True: per-head query/key norms of GLM4-MoE"),
+])
+def test_configs_megatron_would_compute_differently_are_refused_by_name(family, change, message):
+    from slimeflow.stages.model.tiny import _model_config, build_tiny_tokenizer
+
+    spec = TinyModelSpec(family=family)
+    config = {**_model_config(spec, build_tiny_tokenizer(family)).to_dict(), **change}
+    problems = ModelShape.from_hf_config(config, FAMILIES[family]).problems()
+    assert len(problems) == 1 and problems[0].startswith(message), problems

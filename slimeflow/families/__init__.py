@@ -82,6 +82,8 @@ class FamilySpec:
     multi_latent_attention: bool = False
     """DeepSeek's MLA: low-rank query and key/value projections, a RoPE part of each head (Megatron:
     MLASelfAttention, multi_latent_attention)."""
+    refused_config: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+    """HF config fields whose value (the first item) this spec does not convert yet, with the reason."""
     router_score_function: Literal["softmax", "sigmoid"] = "softmax"
     """The MoE router's score (Megatron: moe_router_score_function); sigmoid routers add an expert-score correction
     bias before choosing (HF: e_score_correction_bias; Megatron: expert_bias, moe_router_enable_expert_bias)."""
@@ -195,6 +197,8 @@ DEEPSEEK_V3 = FamilySpec(
     configurable_head_dim=False, multi_latent_attention=True, router_score_function="sigmoid",
     # Interleaved RoPE weights (DeepSeek's layout), which megatron-core's MLA de-interleaves the same way.
     config_overrides={"attention_bias": False, "norm_topk_prob": True, "rope_interleave": True},
+    refused_config={"rope_interleave": (False, "megatron-core's MLA always reads the RoPE part of each head as "
+                                               "interleaved pairs, as DeepSeek's weights are laid out")},
     # Tiny models borrow Llama 3's byte tokenizer and chat template (DeepSeek's own are not built yet).
     tiny_defaults={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2,
                    "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1, "q_lora_rank": 24,
@@ -203,8 +207,19 @@ DEEPSEEK_V3 = FamilySpec(
     config_names={"num_experts": "n_routed_experts"},
 )
 
+GLM4_MOE = FamilySpec(
+    "glm4_moe", "glm4_moe", ("Glm4MoeForCausalLM",),
+    (_INPUT_NORM, _QKV, _QKV_BIAS, _PROJ, *_DENSE_MLP_OF_MOE, *_EXPERTS, *_SHARED_EXPERTS_AND_BIAS), GLM4_TOKENIZER,
+    attention_bias=True, router_score_function="sigmoid", rope_overrides={"partial_rotary_factor": 0.5},
+    config_overrides={"attention_bias": True, "use_qk_norm": False, "norm_topk_prob": True},
+    refused_config={"use_qk_norm": (True, "per-head query/key norms of GLM4-MoE are not in its spec yet")},
+    tiny_defaults={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2,
+                   "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5},
+    config_names={"num_experts": "n_routed_experts"},
+)
+
 FAMILIES: Mapping[str, FamilySpec] = {spec.name: spec
-                                      for spec in (LLAMA, QWEN2, QWEN3, GLM4, QWEN3_MOE, DEEPSEEK_V3)}
+                                      for spec in (LLAMA, QWEN2, QWEN3, GLM4, QWEN3_MOE, DEEPSEEK_V3, GLM4_MOE)}
 BY_ARCHITECTURE: Mapping[str, FamilySpec] = {arch: f for f in FAMILIES.values() for arch in f.architectures}
 BY_MODEL_TYPE: Mapping[str, FamilySpec] = {f.model_type: f for f in FAMILIES.values()}
 

@@ -106,7 +106,9 @@ class ModelShape:
         """The shape of an HF `config.json` (a dict); KeyError names a missing field."""
         moe = _moe_fields(config, family) if family.has_experts else {}
         mla = _mla_fields(config) if family.multi_latent_attention else {}
-        unsupported = moe.pop("unsupported", ()) + mla.pop("unsupported", ())
+        unsupported = moe.pop("unsupported", ()) + mla.pop("unsupported", ()) + tuple(
+            f"{name} is {value}: {reason}" for name, (value, reason) in family.refused_config.items()
+            if config.get(name) == value)
         return cls(
             family=family.name,
             num_layers=config["num_hidden_layers"],
@@ -229,9 +231,6 @@ _YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_al
 def _mla_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     """Multi-latent attention and its RoPE from a DeepSeek-V3 HF config."""
     unsupported = []
-    if config.get("rope_interleave", True) is False:
-        unsupported.append("rope_interleave is false: megatron-core's MLA always reads the RoPE part of each head "
-                           "as interleaved pairs, as DeepSeek's weights are laid out")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     kind = rope.get("rope_type", rope.get("type", "default"))
     yarn = None
