@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-_MOE = ("mixture-of-experts Megatron flags are read only by the Megatron backend, not in this version; the torch "
-        "backend and the converter take a Qwen3-MoE model's experts from its HF config")
+_MOE = ("a Megatron mixture-of-experts runtime flag (dispatch, kernels, load balancing), read only by the Megatron "
+        "backend, not in this version; the experts' shape flags (--num-experts, --moe-router-topk, ...) are taken "
+        "and checked against the HF config")
 
 NOT_YET_SUPPORTED: dict[str, str] = {
     "--async-buffer-size": "asynchronous training (slime's train_async.py) is not supported yet",
@@ -15,8 +16,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--save-hf": "HF weights are not written at each save yet: export a checkpoint with `slimeflow export`",
     "--eval-config": "per-dataset eval settings from a YAML file are not supported yet: use the --eval-* flags",
     "--use-critic": "PPO with a trained critic is not supported yet",
-    "--multi-latent-attention": "MLA models (DeepSeek) are not supported yet: Llama, Qwen2, Qwen3, GLM4 and Qwen3-MoE only",
-    "--num-experts": _MOE,
     "--use-distributed-optimizer": "the Megatron backend is not available yet",
     "--custom-config-path": "custom YAML args for plug-ins are not supported yet",
     "--eval-function-path": "a custom eval function is not supported yet",
@@ -31,7 +30,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
 
 _MEGATRON = ("a Megatron-LM flag, read only by the Megatron training backend (--train-backend megatron), which is "
              "not in this version; the torch backend needs no such setting")
-_MLA = "multi-latent attention (DeepSeek-V3, Kimi-K2, Moonlight) is not supported yet: Llama, Qwen2, Qwen3, GLM4 and Qwen3-MoE only"
 _MTP = "multi-token prediction layers are not supported yet"
 _SANDWICH = ("GLM4's sandwich norms come from its HF config (model_type glm4), which the torch backend and the "
              "converter read; this Megatron-LM flag is read only by the Megatron backend, not in this version")
@@ -43,10 +41,6 @@ NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (
     "--no-rope-fusion", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
     "--decoder-last-pipeline-num-layers", "--spec", "--rotary-interleaved", "--no-position-embedding",
     "--allgather-cp", "--lr-warmup-fraction", "--deterministic-mode",
-)})
-NOT_YET_SUPPORTED.update({flag: _MLA for flag in (
-    "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--mscale",
-    "--mscale-all-dim", "--rotary-scaling-factor",
 )})
 NOT_YET_SUPPORTED.update({flag: _MTP for flag in ("--mtp-num-layers", "--mtp-loss-scaling-factor", "--enable-mtp-training")})
 NOT_YET_SUPPORTED.update({

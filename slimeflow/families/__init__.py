@@ -256,3 +256,59 @@ def query_groups(config: Mapping[str, Any]) -> int:
 def head_dim(config: Mapping[str, Any]) -> int:
     """head_dim, else hidden_size / num_attention_heads. KeyError names a missing field."""
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def moe_fields(config: Mapping[str, Any], family: FamilySpec) -> dict[str, Any]:
+    """An HF config's mixture of experts in Megatron's names (the converter's ModelShape fields; `dense_layers` the
+    layers whose MLP is dense, `unsupported` what Megatron would compute differently): Qwen3-MoE's field names
+    (transformers 5 may say num_local_experts), DeepSeek's and GLM4-MoE's (n_routed_experts,
+    first_k_dense_replace, groups, shared experts)."""
+    layers, step = config["num_hidden_layers"], config.get("decoder_sparse_step", 1) or 1
+    only = set(config.get("mlp_only_layers") or ())
+    first_moe = config.get("first_k_dense_replace") or 0
+    shared = config.get("n_shared_experts") or 0
+    norm_topk = bool(config.get("norm_topk_prob", False))
+    sigmoid = family.router_score_function == "sigmoid"
+    topk = config.get("num_experts_per_tok") or 0
+    unsupported = []
+    if sigmoid and not norm_topk and topk > 1:
+        unsupported.append("norm_topk_prob is false: megatron-core's sigmoid router always normalises the top-k "
+                           "weights, so the model would not compute what HF's does")
+    grouped = sigmoid and (config.get("n_group") or 1) > 1
+    return {
+        "num_experts": config.get("num_experts") or config.get("n_routed_experts") or config.get("num_local_experts")
+        or 0,
+        "moe_ffn_hidden_size": config["moe_intermediate_size"],
+        "moe_router_topk": topk,
+        # sigmoid routers score before choosing (Megatron's flag is read by its softmax router only)
+        "moe_router_pre_softmax": sigmoid or not norm_topk,
+        "dense_layers": tuple(i for i in range(layers) if i in only or (i + 1) % step or i < first_moe),
+        "moe_router_num_groups": config["n_group"] if grouped else None,
+        "moe_router_group_topk": config["topk_group"] if grouped else None,
+        "moe_router_topk_scaling_factor": config.get("routed_scaling_factor") if sigmoid else None,
+        "moe_shared_expert_intermediate_size": config["moe_intermediate_size"] * shared if shared else None,
+        "unsupported": tuple(unsupported),
+    }
+
+
+YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+
+
+def mla_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A DeepSeek-V3 HF config's multi-latent attention and its RoPE in Megatron's names (`yarn`: YaRN's settings,
+    None for plain RoPE; `unsupported` as in moe_fields)."""
+    unsupported = []
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    yarn = None
+    if kind == "yarn":
+        yarn = {"rotary_scaling_factor": float(rope["factor"]),
+                "original_max_position_embeddings": int(rope.get("original_max_position_embeddings")
+                                                        or config["max_position_embeddings"]),
+                **{name: float(rope.get(name) or default) for name, default in YARN_DEFAULTS.items()}}
+    elif kind != "default":
+        unsupported.append(f"rope_type {kind!r}: multi-latent attention converts with default or yarn RoPE only")
+    return {"q_lora_rank": config.get("q_lora_rank"), "kv_lora_rank": config["kv_lora_rank"],
+            "qk_head_dim": config["qk_nope_head_dim"], "qk_pos_emb_head_dim": config["qk_rope_head_dim"],
+            "v_head_dim": config["v_head_dim"], "yarn": yarn,
+            "unsupported": tuple(unsupported)}

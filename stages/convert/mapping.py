@@ -20,9 +20,12 @@ from slimeflow.families import (
     FAMILIES,
     GLOBAL_RULES,
     VOCAB_PADDED,
+    YARN_DEFAULTS,
     FamilySpec,
     Rule,
     head_dim,
+    mla_fields,
+    moe_fields,
     query_groups,
     rope_setting,
 )
@@ -104,8 +107,8 @@ class ModelShape:
     def from_hf_config(cls, config: Mapping[str, Any], family: FamilySpec, make_vocab_size_divisible_by: int = 128,
                        tensor_model_parallel_size: int = 1) -> ModelShape:
         """The shape of an HF `config.json` (a dict); KeyError names a missing field."""
-        moe = _moe_fields(config, family) if family.has_experts else {}
-        mla = _mla_fields(config) if family.multi_latent_attention else {}
+        moe = moe_fields(config, family) if family.has_experts else {}
+        mla = mla_fields(config) if family.multi_latent_attention else {}
         unsupported = moe.pop("unsupported", ()) + mla.pop("unsupported", ()) + tuple(
             f"{name} is {value}: {reason}" for name, (value, reason) in family.refused_config.items()
             if config.get(name) == value)
@@ -194,66 +197,13 @@ class ModelShape:
         return found
 
 
-def _moe_fields(config: Mapping[str, Any], family: FamilySpec) -> dict[str, Any]:
-    """The MoE part of a shape from an HF config: Qwen3-MoE's field names (transformers 5 may say
-    num_local_experts), DeepSeek's (n_routed_experts, first_k_dense_replace, groups, shared experts)."""
-    layers, step = config["num_hidden_layers"], config.get("decoder_sparse_step", 1) or 1
-    only = set(config.get("mlp_only_layers") or ())
-    first_moe = config.get("first_k_dense_replace") or 0
-    shared = config.get("n_shared_experts") or 0
-    norm_topk = bool(config.get("norm_topk_prob", False))
-    sigmoid = family.router_score_function == "sigmoid"
-    topk = config.get("num_experts_per_tok") or 0
-    unsupported = []
-    if sigmoid and not norm_topk and topk > 1:
-        unsupported.append("norm_topk_prob is false: megatron-core's sigmoid router always normalises the top-k "
-                           "weights, so the model would not compute what HF's does")
-    grouped = sigmoid and (config.get("n_group") or 1) > 1
-    return {
-        "num_experts": config.get("num_experts") or config.get("n_routed_experts") or config.get("num_local_experts")
-        or 0,
-        "moe_ffn_hidden_size": config["moe_intermediate_size"],
-        "moe_router_topk": topk,
-        # sigmoid routers score before choosing (Megatron's flag is read by its softmax router only)
-        "moe_router_pre_softmax": sigmoid or not norm_topk,
-        "dense_layers": tuple(i for i in range(layers) if i in only or (i + 1) % step or i < first_moe),
-        "moe_router_num_groups": config["n_group"] if grouped else None,
-        "moe_router_group_topk": config["topk_group"] if grouped else None,
-        "moe_router_topk_scaling_factor": config.get("routed_scaling_factor") if sigmoid else None,
-        "moe_shared_expert_intermediate_size": config["moe_intermediate_size"] * shared if shared else None,
-        "unsupported": tuple(unsupported),
-    }
-
-
-_YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
-
-
-def _mla_fields(config: Mapping[str, Any]) -> dict[str, Any]:
-    """Multi-latent attention and its RoPE from a DeepSeek-V3 HF config."""
-    unsupported = []
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    yarn = None
-    if kind == "yarn":
-        yarn = {"rotary_scaling_factor": float(rope["factor"]),
-                "original_max_position_embeddings": int(rope.get("original_max_position_embeddings")
-                                                        or config["max_position_embeddings"]),
-                **{name: float(rope.get(name) or default) for name, default in _YARN_DEFAULTS.items()}}
-    elif kind != "default":
-        unsupported.append(f"rope_type {kind!r}: multi-latent attention converts with default or yarn RoPE only")
-    return {"q_lora_rank": config.get("q_lora_rank"), "kv_lora_rank": config["kv_lora_rank"],
-            "qk_head_dim": config["qk_nope_head_dim"], "qk_pos_emb_head_dim": config["qk_rope_head_dim"],
-            "v_head_dim": config["v_head_dim"], "yarn": yarn,
-            "unsupported": tuple(unsupported)}
-
-
 def _mla_args(read: _ArgsReader) -> dict[str, Any]:
     """The MLA part of a shape from Megatron args (Megatron-LM's flag names)."""
     yarn = None
     if read("rope_type", default="yarn") == "yarn" and read("rotary_scaling_factor", default=1.0) != 1.0:
         yarn = {"rotary_scaling_factor": float(read("rotary_scaling_factor")),
                 "original_max_position_embeddings": int(read("original_max_position_embeddings", default=4096)),
-                **{name: float(read(name, default=default)) for name, default in _YARN_DEFAULTS.items()}}
+                **{name: float(read(name, default=default)) for name, default in YARN_DEFAULTS.items()}}
     return {"q_lora_rank": read("q_lora_rank", default=None), "kv_lora_rank": read("kv_lora_rank"),
             "qk_head_dim": read("qk_head_dim"), "qk_pos_emb_head_dim": read("qk_pos_emb_head_dim"),
             "v_head_dim": read("v_head_dim"), "yarn": yarn}
@@ -344,7 +294,7 @@ def _mla_megatron_args(shape: ModelShape) -> dict[str, Any]:
     """MLA's shape and RoPE under Megatron-LM's flag names (--qk-head-dim, --rotary-scaling-factor, ...)."""
     if not shape.info.multi_latent_attention:
         return {}
-    yarn = shape.yarn or {"rotary_scaling_factor": 1.0, **_YARN_DEFAULTS}
+    yarn = shape.yarn or {"rotary_scaling_factor": 1.0, **YARN_DEFAULTS}
     return {"qk_head_dim": shape.qk_head_dim, "qk_pos_emb_head_dim": shape.qk_pos_emb_head_dim,
             "v_head_dim": shape.v_head_dim, "rope_type": "yarn" if shape.yarn else "rope", **yarn}
 
