@@ -189,18 +189,24 @@ def test_the_torch_backend_trains_the_family(new_family_dirs, family, trained):
     assert all(any(part in n for n in changed) for part in trained), sorted(changed)
 
 
-def test_the_torch_backend_checkpoints_glm4_exactly(glm4_dir, tmp_path):
-    """Saved as torch_dist through GLM4's name map and read back bit for bit. (Qwen3-MoE is not here: transformers
-    keeps its experts fused in memory, mlp.experts.gate_up_proj [E, 2F, H], which the backend's checkpointing does
-    not map onto the per-expert names of HF checkpoints yet.)"""
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["glm4", "deepseek_v3"])
+def test_the_torch_backend_checkpoints_the_family_exactly(new_family_dirs, tmp_path, family):
+    """Saved as torch_dist through the family's name map and read back bit for bit: GLM4's fused gate_up_proj;
+    DeepSeek-V3's experts, which transformers holds fused in memory (mlp.experts.gate_up_proj [E, 2F, H]) and
+    checkpoints name one by one, and its expert-score correction bias, a buffer."""
+    from slimeflow.families.experts import fuse_experts
     from slimeflow.stages.rl.backend.checkpoint import read_weights, save_checkpoint
 
-    backend, _ = _trained_backend(glm4_dir)
+    backend, _ = _trained_backend(new_family_dirs[family])
     ref = save_checkpoint(backend, tmp_path / "save", 1, {"rollout_id": 1})
-    saved = read_weights(ref.uri, glm4_dir)
-    params = dict(backend.model.named_parameters())
-    assert sorted(saved) == sorted(params)
-    assert all(torch.equal(saved[name], param) for name, param in params.items())
+    saved = fuse_experts(read_weights(ref.uri, new_family_dirs[family]))
+    state = backend.model.state_dict()
+    assert sorted(saved) == sorted(state)
+    assert all(torch.equal(saved[name], tensor) for name, tensor in state.items())
+    if family == "deepseek_v3":
+        assert "model.layers.1.mlp.gate.e_score_correction_bias" in saved
+        assert saved["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
 
 
 # ----------------------------------------------------------------------------------------------------------------
