@@ -399,3 +399,19 @@ def test_configs_megatron_would_compute_differently_are_refused_by_name(family, 
     config = {**_model_config(spec, build_tiny_tokenizer(family)).to_dict(), **change}
     problems = ModelShape.from_hf_config(config, FAMILIES[family]).problems()
     assert len(problems) == 1 and problems[0].startswith(message), problems
+
+
+def test_multi_token_prediction_layers_are_refused_by_name_before_any_write(tmp_path):
+    """DeepSeek-V3's and GLM-4.5's HF checkpoints keep their MTP layer after the decoder layers (model.layers.61.*)."""
+    from safetensors.torch import save_file
+
+    from slimeflow.stages.base import StageInputError
+
+    hf = build_tiny_model(tmp_path / "hf", TinyModelSpec(family="deepseek_v3", num_hidden_layers=2))
+    tensors = hf_tensors(hf)
+    save_file({**tensors, "model.layers.2.eh_proj.weight": torch.zeros(64, 128)}, str(hf / "model.safetensors"),
+              metadata={"format": "pt"})
+    ctx = StageContext(Storage(), tmp_path / "work", str(tmp_path / "work"))
+    with pytest.raises(StageInputError, match=r"layers \[2\] after the 2 decoder layers are multi-token prediction"):
+        run(ConvertConfig(hf_checkpoint=str(hf), save=str(tmp_path / "ckpt")), ctx)
+    assert not (tmp_path / "ckpt").exists()
