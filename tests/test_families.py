@@ -415,3 +415,25 @@ def test_multi_token_prediction_layers_are_refused_by_name_before_any_write(tmp_
     with pytest.raises(StageInputError, match=r"layers \[2\] after the 2 decoder layers are multi-token prediction"):
         run(ConvertConfig(hf_checkpoint=str(hf), save=str(tmp_path / "ckpt")), ctx)
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_kimi_k2s_model_type_is_read_as_deepseek_v3(new_family_dirs, tmp_path):
+    """Kimi-K2's config.json says model_type kimi_k2, which transformers lacks; its architecture is DeepSeek-V3's."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from slimeflow.families.hf import load_causal_lm
+    from slimeflow.stages.model.stage import inspect_hf_dir
+    from slimeflow.stages.rl.engine.weights import load_model
+
+    kimi = Path(shutil.copytree(new_family_dirs["deepseek_v3"], tmp_path / "kimi"))
+    config = json.loads((kimi / "config.json").read_text())
+    (kimi / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
+    with pytest.raises(ValueError, match="kimi_k2"):
+        AutoModelForCausalLM.from_pretrained(kimi)
+    inspect_hf_dir(kimi)
+    ids = torch.tensor([[5, 80, 200, 17]])
+    with torch.no_grad():
+        expected = load_causal_lm(new_family_dirs["deepseek_v3"]).eval()(ids).logits
+        assert torch.equal(load_model(kimi, device="cpu").model(ids).logits, expected)

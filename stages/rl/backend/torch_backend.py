@@ -42,9 +42,9 @@ def default_device() -> torch.device:
 
 def load_model(hf_checkpoint: str | Path, device: torch.device, trainable: bool = True) -> torch.nn.Module:
     """The HF directory's causal LM in fp32 (the master weights; bf16 runs compute under autocast), eval mode."""
-    from transformers import AutoModelForCausalLM
+    from slimeflow.families.hf import load_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_checkpoint), dtype=torch.float32, local_files_only=True)
+    model = load_causal_lm(str(hf_checkpoint), dtype=torch.float32, local_files_only=True)
     model.to(device).eval()
     model.requires_grad_(trainable)
     return model
