@@ -403,10 +403,25 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape, layers: It
     """
     out = {}
     for name, rule, prefix in _placed(shape, layers, globals_, rules):
-        fused = [_fuse(rule, [hf[prefix + part] for part in names], shape) for names in _hf_names(rule, shape)]
-        tensor = torch.stack(fused) if rule.per_expert else fused[0]
+        if rule.per_expert:
+            tensor = _stacked_experts(rule, [[hf[prefix + part] for part in names] for names in _hf_names(rule, shape)])
+        else:
+            tensor = _fuse(rule, [hf[prefix + part] for part in rule.hf], shape)
         out[name] = _pad_vocab(tensor, shape.padded_vocab_size) if rule.megatron in VOCAB_PADDED else tensor
     return out
+
+
+def _stacked_experts(rule: Rule, parts: list[list[torch.Tensor]]) -> torch.Tensor:
+    """Each expert's parts fused (copy or gate_up) straight into its row of one [experts, ...] tensor: one copy of
+    the experts' bytes, where fusing then stacking made two (measured: benchmarks/README.md, MoE conversion)."""
+    if rule.fusion not in ("copy", "gate_up"):
+        raise ValueError(f"{rule.megatron}: per-expert rules fuse by copy or gate_up, not {rule.fusion}")
+    first = parts[0]
+    rows = sum(t.shape[0] for t in first)
+    stacked = first[0].new_empty((len(parts), rows, *first[0].shape[1:]))
+    for row, expert in zip(stacked, parts, strict=True):
+        torch.cat(expert, dim=0, out=row)
+    return stacked
 
 
 def megatron_to_hf(megatron: Mapping[str, torch.Tensor], shape: ModelShape, layers: Iterable[int] | None = None,
