@@ -292,6 +292,7 @@ def moe_fields(config: Mapping[str, Any], family: FamilySpec) -> dict[str, Any]:
 
 
 YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+"""YaRN settings an HF config may leave out, at the values HF and megatron-core both assume then."""
 
 
 def mla_fields(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -306,6 +307,10 @@ def mla_fields(config: Mapping[str, Any]) -> dict[str, Any]:
                 "original_max_position_embeddings": int(rope.get("original_max_position_embeddings")
                                                         or config["max_position_embeddings"]),
                 **{name: float(rope.get(name) or default) for name, default in YARN_DEFAULTS.items()}}
+        # megatron-core derives both from the settings above (and rounds the correction range, as truncate does)
+        unsupported += [f"rope {name} {rope[name]!r}: megatron-core's YaRN has no such setting"
+                        for name, plain in (("attention_factor", None), ("truncate", True)) if rope.get(name, plain)
+                        != plain]
     elif kind != "default":
         unsupported.append(f"rope_type {kind!r}: multi-latent attention converts with default or yarn RoPE only")
     return {"q_lora_rank": config.get("q_lora_rank"), "kv_lora_rank": config["kv_lora_rank"],
