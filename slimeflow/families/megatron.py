@@ -4,7 +4,9 @@ The local spec names parameters as Transformer Engine's does in sharded state di
 `input_layernorm.` onto `self_attention.linear_qkv.layer_norm_`), so a GPTModel built here loads the torch_dist
 checkpoints that slime and Megatron-LM load on GPUs. Upstream megatron-core has no GLM4 sandwich norms; slime
 gets them from a Megatron-LM patch. `SandwichNormLayer` adds them under that patch's names
-(`post_self_attn_layernorm`, `post_mlp_layernorm`), so checkpoints are interchangeable with slime's.
+(`post_self_attn_layernorm`, `post_mlp_layernorm`), so checkpoints are interchangeable with slime's. Multi-latent
+attention (DeepSeek-V3) runs on the local spec with a core attention that takes MLA's key/value head sizes, its
+latent norms keyed as TE fuses them; a model whose dense and expert layers differ gets one layer spec per layer.
 
 megatron is imported inside the functions: it is heavy and only the Megatron paths need it.
 """
