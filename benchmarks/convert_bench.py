@@ -1,6 +1,10 @@
 """HF -> torch_dist conversion of a synthetic ~2 GB bf16 Llama-style model, against `cp` of the same files.
 
-    .venv/bin/python benchmarks/convert_bench.py [--layers 20] [--rounds 3] [--workdir /tmp]
+    .venv/bin/python benchmarks/convert_bench.py [--layers 20] [--rounds 3] [--workdir /tmp] [--family deepseek_v3]
+
+`--family deepseek_v3` writes a ~2 GB DeepSeek-V3-style mixture of experts instead (8 layers by default: MLA, one
+dense first layer, 16 experts of which each layer stores every one, a shared expert, the fp32 expert bias), whose
+experts the converter stacks per layer and whose layers it keys one by one.
 
 Prints, for 1 and 2 conversion processes: wall time as a ratio to `cp -r` + `sync` of the HF directory, timed
 after a `sync` so that it flushes only the copy (goal <= 2x); cp and the two conversions run interleaved for
@@ -79,6 +83,45 @@ def write_synthetic_model(path: Path, layers: int) -> int:
     return total
 
 
+MOE_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 2048,
+    "intermediate_size": 5632, "moe_intermediate_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "q_lora_rank": 512, "kv_lora_rank": 256, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "n_routed_experts": 16, "num_experts_per_tok": 4, "n_group": 2, "topk_group": 2, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "vocab_size": 32000,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "tie_word_embeddings": False, "rope_interleave": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "dtype": "bfloat16",
+}
+
+
+def write_synthetic_moe(path: Path, layers: int) -> int:
+    """A DeepSeek-V3-architecture HF directory with random bf16 weights (the expert bias fp32, as DeepSeek ships
+    it), every tensor the family's name map expects, one safetensors shard per layer; its bytes."""
+    from slimeflow.families import FAMILIES
+    from slimeflow.stages.convert.mapping import ModelShape, expected_hf_tensors
+
+    path.mkdir(parents=True)
+    config = {**MOE_CONFIG, "num_hidden_layers": layers}
+    shapes = expected_hf_tensors(ModelShape.from_hf_config(config, FAMILIES["deepseek_v3"]))
+    generator = torch.Generator().manual_seed(0)
+    shards: dict[str, dict[str, torch.Tensor]] = {}
+    for name, shape in shapes.items():
+        shard = name.split(".")[2] if name.startswith("model.layers.") else "globals"
+        dtype = torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16
+        shards.setdefault(shard, {})[name] = (torch.randn(*shape, generator=generator) * 0.02).to(dtype)
+    weight_map, total = {}, 0
+    for n, tensors in enumerate(shards.values(), start=1):
+        name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(path / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(config))
+    build_tiny_tokenizer("deepseek_v3").save_pretrained(path)
+    return total
+
+
 def baseline_rss() -> int:
     """Peak RSS of a fresh process that imports what a conversion rank imports, and nothing more."""
     code = ("from slimeflow._compat import eager_jit_fusions\nwith eager_jit_fusions():\n"
@@ -134,15 +177,18 @@ def load() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=20)
+    parser.add_argument("--family", choices=("llama", "deepseek_v3"), default="llama")
+    parser.add_argument("--layers", type=int, default=None, help="default: 20 (llama), 8 (deepseek_v3)")
     parser.add_argument("--rounds", type=int, default=3, help="cp, 1 and 2 processes, interleaved this many times")
     parser.add_argument("--workdir", default=tempfile.gettempdir())
     options = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="convert-bench-", dir=options.workdir))
     try:
         hf = work / "hf"
-        size = write_synthetic_model(hf, options.layers)
-        print(f"synthetic model: {options.layers} layers, {size / 1e9:.2f} GB bf16 in {len(list(hf.glob('*.safetensors')))} files")
+        moe = options.family == "deepseek_v3"
+        layers = options.layers or (8 if moe else 20)
+        size = (write_synthetic_moe if moe else write_synthetic_model)(hf, layers)
+        print(f"synthetic {options.family} model: {layers} layers, {size / 1e9:.2f} GB bf16 in {len(list(hf.glob('*.safetensors')))} files")
         base = baseline_rss()
         print(f"baseline RSS of a process importing torch + megatron-core: {base / 1e9:.2f} GB "
               f"({base / size:.2f} of the model)")

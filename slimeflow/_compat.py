@@ -100,6 +100,12 @@ def _clip_grads_by_total_norm_on_cpu(parameters: Any, max_norm: float, total_nor
             grad.detach().mul_(coeff)
 
 
+def _multi_latent_attention() -> Any:
+    from megatron.core.transformer import multi_latent_attention
+
+    return multi_latent_attention
+
+
 def _no_sync() -> None:
     return None
 
@@ -150,6 +156,10 @@ SHIMS: tuple[Shim, ...] = (
     Shim(_moe_utils, "te_general_gemm", None,
          why="megatron-core 0.16.1's MoE router (RouterGatingLinearFunction) tests `te_general_gemm is not None`, a "
              "name only imported with Transformer Engine: without it, NameError. None selects its torch.mm path."),
+    Shim(_multi_latent_attention, "HAVE_TE", False,
+         why="megatron-core 0.16.1's MLA imports Transformer Engine's names through a module that stands in "
+             "placeholders when TE is absent, so it believes TE is there and `isinstance(linear_proj, TELinear)` "
+             "raises TypeError while building MLASelfAttention. False skips its TE-only fp8 branch."),
 )
 
 

@@ -5,6 +5,7 @@ When one of these tests fails on a CPU-only machine, megatron-core or torch stop
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import multiprocessing.managers
 import queue
@@ -25,6 +26,7 @@ def test_every_shim_says_why_and_is_tested_here():
                      ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
                      ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
                      ("megatron.core.transformer.moe.moe_utils", "te_general_gemm"),
+                     ("megatron.core.transformer.multi_latent_attention", "HAVE_TE"),
                      ("megatron.core.optimizer.optimizer", "torch"),
                      ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),
                      ("megatron.core.optimizer.clip_grads", "torch"), ("megatron.core.utils", "torch"),
@@ -170,6 +172,29 @@ def test_moe_router_needs_the_te_general_gemm_shim():
     with _compat.megatron_on_cpu():
         torch.testing.assert_close(moe_utils.router_gating_linear(inp, weight, None, torch.float32), inp @ weight.T)
     assert not hasattr(moe_utils, "te_general_gemm")  # deleted again: megatron-core never defined it
+
+
+def test_multi_latent_attention_needs_the_have_te_shim(megatron_world):
+    from megatron.core.transformer import MLATransformerConfig
+    from megatron.core.transformer.spec_utils import build_module
+
+    from slimeflow.families.megatron import layer_spec
+
+    config = MLATransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, kv_channels=8, q_lora_rank=8,
+                                  kv_lora_rank=8, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=8, rope_type="rope",
+                                  use_cpu_initialization=True, normalization="RMSNorm")
+    from megatron.core.transformer import multi_latent_attention
+
+    args = argparse.Namespace(qk_layernorm=True, normalization="RMSNorm", multi_latent_attention=True)
+    attention = layer_spec(args).submodules.self_attention  # with the core attention MLA needs here
+    with _compat.megatron_on_cpu():  # the other shims are needed before it gets this far
+        multi_latent_attention.HAVE_TE = True  # as unshimmed
+        with pytest.raises(TypeError, match="isinstance"):
+            build_module(attention, config=config, layer_number=1)
+        multi_latent_attention.HAVE_TE = False
+        built = build_module(attention, config=config, layer_number=1)
+    assert built.linear_q_up_proj.weight.shape == (2 * 12, 8)
+    assert multi_latent_attention.HAVE_TE is True  # restored on exit
 
 
 def test_shims_are_undone_on_exit():

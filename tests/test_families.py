@@ -38,7 +38,19 @@ MOE_CASES = {
     "qwen3_moe-bf16-2p": ("tiny:qwen3_moe?dtype=bfloat16&num_hidden_layers=3&num_experts=5&moe_intermediate_size=24"
                           "&seed=4", 2),
 }
-CASES = {**GLM4_CASES, **MOE_CASES}
+DEEPSEEK_CASES = {
+    # MLA with a query LoRA, a dense first layer, 4 experts in 2 groups, a shared expert, expert bias
+    "deepseek_v3-fp32-1p": ("tiny:deepseek_v3?seed=6", 1),
+    # Moonlight-style (no query LoRA), YaRN x4, bf16 weights (the expert bias stays fp32), two ranks
+    "deepseek_v3-bf16-nolora-yarn-2p": ("tiny:deepseek_v3?q_lora_rank=0&yarn_factor=4&num_hidden_layers=3"
+                                        "&first_k_dense_replace=1&dtype=bfloat16&seed=8", 2),
+}
+GLM4_MOE_CASES = {
+    # GQA 8:2 with head_dim 16 (half rotated), QKV bias, a dense first layer, grouped sigmoid router, shared expert
+    "glm4_moe-bf16-gqa-2p": ("tiny:glm4_moe?num_hidden_layers=3&num_attention_heads=8&num_key_value_heads=2"
+                             "&head_dim=16&dtype=bfloat16&seed=5", 2),
+}
+CASES = {**GLM4_CASES, **MOE_CASES, **DEEPSEEK_CASES, **GLM4_MOE_CASES}
 
 
 def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -113,10 +125,12 @@ def test_tiny_glm4_is_glm4_shaped_and_generates_from_its_chat_template(glm4_dir)
 def new_family_dirs(glm4_dir, tmp_path_factory) -> dict[str, Path]:
     """The families without a native engine forward, each as a default tiny model."""
     moe = build_tiny_model(tmp_path_factory.mktemp("moe") / "hf", TinyModelSpec(family="qwen3_moe", seed=7))
-    return {"glm4": glm4_dir, "qwen3_moe": moe}
+    mla = build_tiny_model(tmp_path_factory.mktemp("mla") / "hf", TinyModelSpec(family="deepseek_v3", seed=7))
+    glm_moe = build_tiny_model(tmp_path_factory.mktemp("glm_moe") / "hf", TinyModelSpec(family="glm4_moe", seed=7))
+    return {"glm4": glm4_dir, "qwen3_moe": moe, "deepseek_v3": mla, "glm4_moe": glm_moe}
 
 
-@pytest.mark.parametrize("family", ["glm4", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["glm4", "qwen3_moe", "deepseek_v3", "glm4_moe"])
 def test_the_engine_serves_the_family_through_transformers_forward(new_family_dirs, family):
     from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
     from slimeflow.stages.rl.engine.sampling import SamplingParams
@@ -165,25 +179,34 @@ def _trained_backend(hf_dir: Path):
 
 
 @pytest.mark.parametrize(("family", "trained"), [("glm4", ("post_self_attn_layernorm", "gate_up_proj")),
-                                                 ("qwen3_moe", ("mlp.gate.weight", "mlp.experts"))])
+                                                 ("qwen3_moe", ("mlp.gate.weight", "mlp.experts")),
+                                                 ("deepseek_v3", ("kv_b_proj", "q_a_layernorm", "shared_experts",
+                                                                  "mlp.experts")),
+                                                 ("glm4_moe", ("q_proj.bias", "shared_experts", "mlp.experts"))])
 def test_the_torch_backend_trains_the_family(new_family_dirs, family, trained):
     backend, before = _trained_backend(new_family_dirs[family])
     changed = {n for n, p in backend.model.named_parameters() if not torch.equal(p, before[n])}
     assert all(any(part in n for n in changed) for part in trained), sorted(changed)
 
 
-def test_the_torch_backend_checkpoints_glm4_exactly(glm4_dir, tmp_path):
-    """Saved as torch_dist through GLM4's name map and read back bit for bit. (Qwen3-MoE is not here: transformers
-    keeps its experts fused in memory, mlp.experts.gate_up_proj [E, 2F, H], which the backend's checkpointing does
-    not map onto the per-expert names of HF checkpoints yet.)"""
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["glm4", "deepseek_v3"])
+def test_the_torch_backend_checkpoints_the_family_exactly(new_family_dirs, tmp_path, family):
+    """Saved as torch_dist through the family's name map and read back bit for bit: GLM4's fused gate_up_proj;
+    DeepSeek-V3's experts, which transformers holds fused in memory (mlp.experts.gate_up_proj [E, 2F, H]) and
+    checkpoints name one by one, and its expert-score correction bias, a buffer."""
+    from slimeflow.families.experts import fuse_experts
     from slimeflow.stages.rl.backend.checkpoint import read_weights, save_checkpoint
 
-    backend, _ = _trained_backend(glm4_dir)
+    backend, _ = _trained_backend(new_family_dirs[family])
     ref = save_checkpoint(backend, tmp_path / "save", 1, {"rollout_id": 1})
-    saved = read_weights(ref.uri, glm4_dir)
-    params = dict(backend.model.named_parameters())
-    assert sorted(saved) == sorted(params)
-    assert all(torch.equal(saved[name], param) for name, param in params.items())
+    saved = fuse_experts(read_weights(ref.uri, new_family_dirs[family]))
+    state = backend.model.state_dict()
+    assert sorted(saved) == sorted(state)
+    assert all(torch.equal(saved[name], tensor) for name, tensor in state.items())
+    if family == "deepseek_v3":
+        assert "model.layers.1.mlp.gate.e_score_correction_bias" in saved
+        assert saved["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -255,20 +278,45 @@ def test_qwen3_moe_checkpoint_stores_experts_stacked_as_megatron_does(converted)
                                                           hf[prefix + "up_proj.weight"]]))
 
 
-def test_moe_models_with_dense_layers_are_refused_before_any_write(tmp_path):
-    from slimeflow.stages.base import StageInputError
+@pytest.mark.slow
+def test_qwen3_moe_with_a_dense_layer_converts_exactly_with_each_layer_keyed_on_its_own(tmp_path, megatron_world):
+    """mlp_only_layers: layer 1 keeps a dense MLP. megatron-core keys the layers of such a model one by one
+    (`decoder.layers.<i>.<name>`, moe_layer_freq a list), and so does the checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf = build_tiny_model(tmp_path / "hf", TinyModelSpec(family="qwen3_moe", num_hidden_layers=2))
-    config = json.loads((hf / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps({**config, "mlp_only_layers": [1]}))
+    from slimeflow.families.megatron import gpt_model_from_args
+
+    base = build_tiny_model(tmp_path / "base", TinyModelSpec(family="qwen3_moe", num_hidden_layers=2, seed=2))
+    config = AutoConfig.from_pretrained(base)
+    config.mlp_only_layers = [1]
+    torch.manual_seed(2)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    for file in base.iterdir():
+        if "token" in file.name or file.name == "chat_template.jinja":
+            (tmp_path / "hf" / file.name).write_bytes(file.read_bytes())
     ctx = StageContext(Storage(), tmp_path / "work", str(tmp_path / "work"))
-    with pytest.raises(StageInputError, match=r"layers \[1\] have a dense MLP"):
-        run(ConvertConfig(hf_checkpoint=str(hf), save=str(tmp_path / "ckpt")), ctx)
-    assert not (tmp_path / "ckpt").exists()
+    run(ConvertConfig(hf_checkpoint=str(tmp_path / "hf"), save=str(tmp_path / "ckpt")), ctx)
+    run(ConvertConfig(direction="torch-dist-to-hf", input_dir=str(tmp_path / "ckpt"), output_dir=str(tmp_path / "back"),
+                      origin_hf_dir=str(tmp_path / "hf")), ctx)
+    original, back = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "back")
+    assert sorted(back) == sorted(original) and all(torch.equal(back[n], t) for n, t in original.items())
+    release = tmp_path / "ckpt" / "release"
+    args = read_common(release)["args"]
+    assert args.moe_layer_freq == [1, 0]
+    keys = set(tensor_metadata(release))
+    assert {"decoder.layers.0.mlp.router.weight", "decoder.layers.0.pre_mlp_layernorm.weight",
+            "decoder.layers.1.mlp.linear_fc1.weight", "decoder.layers.1.mlp.linear_fc1.layer_norm_weight"} <= keys
+    assert not any(key.startswith("decoder.layers.1.mlp.router") for key in keys)
+    model = gpt_model_from_args(args).eval()
+    assert {key: shape for key, (shape, _) in tensor_metadata(release).items()} == declared_shapes(model)
+    assert load_and_compare_logits(model, release, tmp_path / "hf") <= 1e-5
 
 
 @pytest.mark.parametrize(("uri", "message"), [
-    ("tiny:qwen3?num_experts=4", "qwen3 has no experts, so num_experts cannot be set; families with experts: qwen3_moe"),
+    ("tiny:qwen3?num_experts=4", "qwen3 has no num_experts setting; families with one: qwen3_moe, deepseek_v3, "
+                                 "glm4_moe"),
+    ("tiny:qwen3_moe?q_lora_rank=8", "qwen3_moe has no q_lora_rank setting; families with one: deepseek_v3"),
+    ("tiny:glm4?num_experts=4", "glm4 has no num_experts setting; families with one: qwen3_moe, deepseek_v3, glm4_moe"),
     ("tiny:qwen3_moe?num_experts=2&num_experts_per_tok=3", "num_experts_per_tok (3) must not exceed num_experts (2)"),
     ("tiny:glm4?head_dim=18", "glm4 rotates head_dim x 0.5 dimensions, which must be even for rotary embeddings: head_dim must be a multiple of 4, got 18"),
 ])
@@ -305,3 +353,89 @@ def test_rotary_percent_is_checked_against_partial_rotary_factor_wherever_the_co
     for config in (nested, top_level):
         problems = check_model_args(megatron, config, "torch")
         assert problems == [] if factor == 0.5 else "--rotary-percent 0.25 does not match" in problems[0]
+
+
+@pytest.mark.slow
+def test_deepseek_v3_checkpoint_uses_the_names_and_args_slime_reads(converted):
+    """Names as slime's megatron_to_hf/deepseekv3.py reads them (Transformer Engine's MLA spec); the dense first
+    layer and the expert layers keyed one by one, as megatron-core keys them with moe_layer_freq a list."""
+    item = converted["deepseek_v3-fp32-1p"]
+    args = read_common(item["release"])["args"]
+    assert (args.multi_latent_attention, args.q_lora_rank, args.kv_lora_rank, args.qk_layernorm) == (True, 24, 16, True)
+    assert (args.qk_head_dim, args.qk_pos_emb_head_dim, args.v_head_dim, args.kv_channels) == (12, 8, 20, 20)
+    assert (args.moe_layer_freq, args.moe_router_score_function, args.moe_router_enable_expert_bias) == (
+        [0, 1], "sigmoid", True)
+    assert (args.moe_router_num_groups, args.moe_router_group_topk, args.moe_router_topk_scaling_factor) == (2, 1, 2.5)
+    assert args.moe_shared_expert_intermediate_size == 32 and args.rope_type == "rope"
+    metadata = tensor_metadata(item["release"])
+    layer0 = {"input_layernorm.weight", "self_attention.linear_q_down_proj.weight",
+              "self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.linear_q_up_proj.weight",
+              "self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.layer_norm_weight",
+              "self_attention.linear_kv_up_proj.weight", "self_attention.linear_proj.weight",
+              "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"}
+    assert {key.removeprefix("decoder.layers.0.") for key in metadata if key.startswith("decoder.layers.0.")} == layer0
+    assert metadata["decoder.layers.1.mlp.router.expert_bias"] == ((4,), torch.float32)
+    assert metadata["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"][0] == (4, 64, 64)
+    assert metadata["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"][0] == (64, 64)
+    assert "decoder.layers.1.pre_mlp_layernorm.weight" in metadata
+    yarn = read_common(converted["deepseek_v3-bf16-nolora-yarn-2p"]["release"])["args"]
+    assert (yarn.rope_type, yarn.rotary_scaling_factor, yarn.original_max_position_embeddings) == ("yarn", 4.0, 128)
+    assert yarn.q_lora_rank is None and "decoder.layers.1.self_attention.linear_q_proj.weight" in tensor_metadata(
+        converted["deepseek_v3-bf16-nolora-yarn-2p"]["release"])
+
+
+@pytest.mark.parametrize(("family", "change", "message"), [
+    ("deepseek_v3", {"norm_topk_prob": False}, "norm_topk_prob is false: megatron-core's sigmoid router always"),
+    ("deepseek_v3", {"n_group": 4, "topk_group": 2, "num_experts_per_tok": 2},
+     "num_experts_per_tok (2) // topk_group (2) is not 2"),
+    ("deepseek_v3", {"rope_interleave": False}, "rope_interleave is False: megatron-core's MLA always reads"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_type 'llama3': multi-latent"),
+    ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "truncate": False}},
+     "rope truncate False: megatron-core's YaRN has no such setting"),
+    ("glm4_moe", {"use_qk_norm": True}, "use_qk_norm is True: per-head query/key norms of GLM4-MoE"),
+])
+def test_configs_megatron_would_compute_differently_are_refused_by_name(family, change, message):
+    from slimeflow.stages.model.tiny import _model_config, build_tiny_tokenizer
+
+    spec = TinyModelSpec(family=family)
+    config = {**_model_config(spec, build_tiny_tokenizer(family)).to_dict(), **change}
+    problems = ModelShape.from_hf_config(config, FAMILIES[family]).problems()
+    assert len(problems) == 1 and problems[0].startswith(message), problems
+
+
+def test_multi_token_prediction_layers_are_refused_by_name_before_any_write(tmp_path):
+    """DeepSeek-V3's and GLM-4.5's HF checkpoints keep their MTP layer after the decoder layers (model.layers.61.*)."""
+    from safetensors.torch import save_file
+
+    from slimeflow.stages.base import StageInputError
+
+    hf = build_tiny_model(tmp_path / "hf", TinyModelSpec(family="deepseek_v3", num_hidden_layers=2))
+    tensors = hf_tensors(hf)
+    save_file({**tensors, "model.layers.2.eh_proj.weight": torch.zeros(64, 128)}, str(hf / "model.safetensors"),
+              metadata={"format": "pt"})
+    ctx = StageContext(Storage(), tmp_path / "work", str(tmp_path / "work"))
+    with pytest.raises(StageInputError, match=r"layers \[2\] after the 2 decoder layers are multi-token prediction"):
+        run(ConvertConfig(hf_checkpoint=str(hf), save=str(tmp_path / "ckpt")), ctx)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_kimi_k2s_model_type_is_read_as_deepseek_v3(new_family_dirs, tmp_path):
+    """Kimi-K2's config.json says model_type kimi_k2, which transformers lacks; its architecture is DeepSeek-V3's."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from slimeflow.families.hf import load_causal_lm
+    from slimeflow.stages.model.stage import inspect_hf_dir
+    from slimeflow.stages.rl.engine.weights import load_model
+
+    kimi = Path(shutil.copytree(new_family_dirs["deepseek_v3"], tmp_path / "kimi"))
+    config = json.loads((kimi / "config.json").read_text())
+    (kimi / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
+    with pytest.raises(ValueError, match="kimi_k2"):
+        AutoModelForCausalLM.from_pretrained(kimi)
+    inspect_hf_dir(kimi)
+    ids = torch.tensor([[5, 80, 200, 17]])
+    with torch.no_grad():
+        expected = load_causal_lm(new_family_dirs["deepseek_v3"]).eval()(ids).logits
+        assert torch.equal(load_model(kimi, device="cpu").model(ids).logits, expected)

@@ -6,8 +6,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-_MOE = ("mixture-of-experts Megatron flags are read only by the Megatron backend, not in this version; the torch "
-        "backend and the converter take a Qwen3-MoE model's experts from its HF config")
+_MOE = ("a Megatron mixture-of-experts runtime flag (dispatch, kernels, load balancing), read only by the Megatron "
+        "backend, not in this version; the experts' shape flags (--num-experts, --moe-router-topk, ...) are taken "
+        "and checked against the HF config")
 
 NOT_YET_SUPPORTED: dict[str, str] = {
     "--async-buffer-size": "asynchronous training (slime's train_async.py) is not supported yet",
@@ -18,8 +19,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--offload-rollout": "releasing the engines' memory during training (colocated mode) is not supported yet",
     "--save-hf": "HF weights are not written at each save yet: export a checkpoint with `slimeflow export`",
     "--eval-config": "per-dataset eval settings from a YAML file are not supported yet: use the --eval-* flags",
-    "--multi-latent-attention": "MLA models (DeepSeek) are not supported yet: Llama, Qwen2, Qwen3, GLM4 and Qwen3-MoE only",
-    "--num-experts": _MOE,
     "--use-distributed-optimizer": "the Megatron backend's distributed optimizer is not built yet (it keeps the "
                                    "optimizer state whole on every data-parallel rank)",
     "--custom-config-path": "custom YAML args for plug-ins are not supported yet",
@@ -32,7 +31,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
 
 _MEGATRON = ("a Megatron-LM flag that the Megatron training backend (--train-backend megatron) does not read yet "
              "(it runs megatron-core's local layer spec in fp32); the torch backend needs no such setting")
-_MLA = "multi-latent attention (DeepSeek-V3, Kimi-K2, Moonlight) is not supported yet: Llama, Qwen2, Qwen3, GLM4 and Qwen3-MoE only"
 _MTP = "multi-token prediction layers are not supported yet"
 _SANDWICH = ("GLM4's sandwich norms come from its HF config (model_type glm4), which the torch backend and the "
              "converter read; the Megatron backend takes them from the checkpoint's args, not from this flag")
@@ -44,10 +42,6 @@ NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (
     "--no-rope-fusion", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
     "--decoder-last-pipeline-num-layers", "--spec", "--rotary-interleaved", "--no-position-embedding",
     "--allgather-cp", "--lr-warmup-fraction", "--deterministic-mode",
-)})
-NOT_YET_SUPPORTED.update({flag: _MLA for flag in (
-    "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--mscale",
-    "--mscale-all-dim", "--rotary-scaling-factor",
 )})
 _CRITIC = ("PPO with a critic is not built yet: slime trains a value model beside the actor for "
            "--advantage-estimator ppo (value loss clipped by --value-clip, --num-critic-only-steps warm-up); the "

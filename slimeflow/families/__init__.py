@@ -16,6 +16,10 @@ joined by a fusion (the converter's mapping applies them):
 A rule `per_expert` names each expert's HF tensors with `{e}` in them; the fusion is applied to each expert's and
 the results are stacked on a new dim 0 (experts), as Megatron stores them (`mlp.experts.experts.linear_fc1.weight`
 is [experts, 2 x moe_ffn, hidden] per layer, whether written by SequentialMLP or grouped GEMM).
+
+A rule `only` applies to some layers or shapes: `dense` to the dense-MLP layers of a mixture of experts (DeepSeek's
+first_k_dense_replace, Qwen3-MoE's mlp_only_layers), `moe` to its expert layers, `q_lora` / `no_q_lora` to
+multi-latent attention with or without a query LoRA rank (DeepSeek-V3 has one; Moonlight and V2-Lite do not).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any, Literal
 from slimeflow.families.chat import GLM4_TOKENIZER, LLAMA3_TOKENIZER, QWEN_TOKENIZER, TokenizerInfo
 
 Fusion = Literal["copy", "qkv", "gate_up"]
+Only = Literal["dense", "moe", "q_lora", "no_q_lora"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,8 @@ class Rule:
     hf: tuple[str, ...]
     fusion: Fusion = "copy"
     per_expert: bool = False
+    only: Only | None = None
+    """None: every layer of every shape of the family."""
 
 
 @dataclass(frozen=True)
@@ -68,11 +75,26 @@ class FamilySpec:
     native_forward: bool = False
     """The engine's native forward (stages/rl/engine/native.py) computes this family; else transformers' does."""
     tiny_defaults: Mapping[str, Any] = field(default_factory=dict)
-    """Values of the tiny factory's family-specific spec fields (e.g. the experts of a mixture of experts)."""
+    """Values of the tiny factory's family-specific fields (e.g. the experts of a mixture of experts): the tiny spec's
+    fields where it has them, else HF config fields."""
+    config_names: Mapping[str, str] = field(default_factory=dict)
+    """The HF config's names of tiny spec fields where they differ (DeepSeek: num_experts is n_routed_experts)."""
+    multi_latent_attention: bool = False
+    """DeepSeek's MLA: low-rank query and key/value projections, a RoPE part of each head (Megatron:
+    MLASelfAttention, multi_latent_attention)."""
+    refused_config: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+    """HF config fields whose value (the first item) this spec does not convert yet, with the reason."""
+    router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """The MoE router's score (Megatron: moe_router_score_function); sigmoid routers add an expert-score correction
+    bias before choosing (HF: e_score_correction_bias; Megatron: expert_bias, moe_router_enable_expert_bias)."""
 
     @property
     def has_experts(self) -> bool:
         return any(rule.per_expert for rule in self.layer_rules)
+
+    @property
+    def router_expert_bias(self) -> bool:
+        return self.router_score_function == "sigmoid"
 
 
 GLOBAL_RULES: tuple[Rule, ...] = (
@@ -111,15 +133,7 @@ _GLM4_RULES: tuple[Rule, ...] = (
     Rule("post_mlp_layernorm.weight", ("post_mlp_layernorm.weight",)),
 )
 
-_MOE_RULES: tuple[Rule, ...] = (
-    _INPUT_NORM, _QKV, _PROJ, *_QK_NORM,
-    # Before experts the norm is a layer of its own (Transformer Engine's MoE spec: TENorm), not fused into fc1.
-    Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",)),
-    Rule("mlp.router.weight", ("mlp.gate.weight",)),
-    Rule("mlp.experts.experts.linear_fc1.weight",
-         ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"), "gate_up", per_expert=True),
-    Rule("mlp.experts.experts.linear_fc2.weight", ("mlp.experts.{e}.down_proj.weight",), per_expert=True),
-)
+_MOE_RULES: tuple[Rule, ...] = (_INPUT_NORM, _QKV, _PROJ, *_QK_NORM)
 
 LLAMA = FamilySpec(
     "llama", "llama", ("LlamaForCausalLM",), _DENSE_RULES, LLAMA3_TOKENIZER,
@@ -140,14 +154,72 @@ GLM4 = FamilySpec(
     rope_overrides={"partial_rotary_factor": 0.5},
 )
 
+_DENSE_MLP_OF_MOE: tuple[Rule, ...] = tuple(Rule(r.megatron, r.hf, r.fusion, only="dense") for r in _DENSE_RULES[3:])
+"""A dense layer of a mixture of experts: the dense model's MLP, its norm fused into fc1 (Transformer Engine)."""
+_EXPERTS: tuple[Rule, ...] = (
+    # Before experts the norm is a layer of its own (Transformer Engine's MoE spec: TENorm), not fused into fc1.
+    Rule("pre_mlp_layernorm.weight", ("post_attention_layernorm.weight",), only="moe"),
+    Rule("mlp.router.weight", ("mlp.gate.weight",), only="moe"),
+    Rule("mlp.experts.experts.linear_fc1.weight", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight"),
+         "gate_up", per_expert=True, only="moe"),
+    Rule("mlp.experts.experts.linear_fc2.weight", ("mlp.experts.{e}.down_proj.weight",), per_expert=True, only="moe"),
+)
+_SHARED_EXPERTS_AND_BIAS: tuple[Rule, ...] = (
+    Rule("mlp.router.expert_bias", ("mlp.gate.e_score_correction_bias",), only="moe"),
+    Rule("mlp.shared_experts.linear_fc1.weight",
+         ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"), "gate_up", only="moe"),
+    Rule("mlp.shared_experts.linear_fc2.weight", ("mlp.shared_experts.down_proj.weight",), only="moe"),
+)
+_MLA_RULES: tuple[Rule, ...] = (
+    # Transformer Engine's MLA spec keeps the input norm as a layer of its own and fuses the two latent norms into
+    # the up projections that follow them (slime's deepseekv3 converter reads these names).
+    Rule("input_layernorm.weight", ("input_layernorm.weight",)),
+    Rule("self_attention.linear_q_proj.weight", ("self_attn.q_proj.weight",), only="no_q_lora"),
+    Rule("self_attention.linear_q_down_proj.weight", ("self_attn.q_a_proj.weight",), only="q_lora"),
+    Rule("self_attention.linear_q_up_proj.layer_norm_weight", ("self_attn.q_a_layernorm.weight",), only="q_lora"),
+    Rule("self_attention.linear_q_up_proj.weight", ("self_attn.q_b_proj.weight",), only="q_lora"),
+    Rule("self_attention.linear_kv_down_proj.weight", ("self_attn.kv_a_proj_with_mqa.weight",)),
+    Rule("self_attention.linear_kv_up_proj.layer_norm_weight", ("self_attn.kv_a_layernorm.weight",)),
+    Rule("self_attention.linear_kv_up_proj.weight", ("self_attn.kv_b_proj.weight",)),
+    _PROJ,
+)
+
 QWEN3_MOE = FamilySpec(
-    "qwen3_moe", "qwen3_moe", ("Qwen3MoeForCausalLM",), _MOE_RULES, QWEN_TOKENIZER,
+    "qwen3_moe", "qwen3_moe", ("Qwen3MoeForCausalLM",), (*_MOE_RULES, *_EXPERTS, *_DENSE_MLP_OF_MOE), QWEN_TOKENIZER,
     qk_norm=True, config_overrides={"attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
                                     "norm_topk_prob": True},
     tiny_defaults={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
 )
 
-FAMILIES: Mapping[str, FamilySpec] = {spec.name: spec for spec in (LLAMA, QWEN2, QWEN3, GLM4, QWEN3_MOE)}
+DEEPSEEK_V3 = FamilySpec(
+    "deepseek_v3", "deepseek_v3", ("DeepseekV3ForCausalLM",),
+    (*_MLA_RULES, *_DENSE_MLP_OF_MOE, *_EXPERTS, *_SHARED_EXPERTS_AND_BIAS), LLAMA3_TOKENIZER,
+    configurable_head_dim=False, multi_latent_attention=True, router_score_function="sigmoid",
+    # Interleaved RoPE weights (DeepSeek's layout), which megatron-core's MLA de-interleaves the same way.
+    config_overrides={"attention_bias": False, "norm_topk_prob": True, "rope_interleave": True},
+    refused_config={"rope_interleave": (False, "megatron-core's MLA always reads the RoPE part of each head as "
+                                               "interleaved pairs, as DeepSeek's weights are laid out")},
+    # Tiny models borrow Llama 3's byte tokenizer and chat template (DeepSeek's own are not built yet).
+    tiny_defaults={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2,
+                   "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1, "q_lora_rank": 24,
+                   "kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 20,
+                   "routed_scaling_factor": 2.5, "yarn_factor": None},
+    config_names={"num_experts": "n_routed_experts"},
+)
+
+GLM4_MOE = FamilySpec(
+    "glm4_moe", "glm4_moe", ("Glm4MoeForCausalLM",),
+    (_INPUT_NORM, _QKV, _QKV_BIAS, _PROJ, *_DENSE_MLP_OF_MOE, *_EXPERTS, *_SHARED_EXPERTS_AND_BIAS), GLM4_TOKENIZER,
+    attention_bias=True, router_score_function="sigmoid", rope_overrides={"partial_rotary_factor": 0.5},
+    config_overrides={"attention_bias": True, "use_qk_norm": False, "norm_topk_prob": True},
+    refused_config={"use_qk_norm": (True, "per-head query/key norms of GLM4-MoE are not in its spec yet")},
+    tiny_defaults={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2,
+                   "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5},
+    config_names={"num_experts": "n_routed_experts"},
+)
+
+FAMILIES: Mapping[str, FamilySpec] = {spec.name: spec
+                                      for spec in (LLAMA, QWEN2, QWEN3, GLM4, QWEN3_MOE, DEEPSEEK_V3, GLM4_MOE)}
 BY_ARCHITECTURE: Mapping[str, FamilySpec] = {arch: f for f in FAMILIES.values() for arch in f.architectures}
 BY_MODEL_TYPE: Mapping[str, FamilySpec] = {f.model_type: f for f in FAMILIES.values()}
 
@@ -184,3 +256,64 @@ def query_groups(config: Mapping[str, Any]) -> int:
 def head_dim(config: Mapping[str, Any]) -> int:
     """head_dim, else hidden_size / num_attention_heads. KeyError names a missing field."""
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def moe_fields(config: Mapping[str, Any], family: FamilySpec) -> dict[str, Any]:
+    """An HF config's mixture of experts in Megatron's names (the converter's ModelShape fields; `dense_layers` the
+    layers whose MLP is dense, `unsupported` what Megatron would compute differently): Qwen3-MoE's field names
+    (transformers 5 may say num_local_experts), DeepSeek's and GLM4-MoE's (n_routed_experts,
+    first_k_dense_replace, groups, shared experts)."""
+    layers, step = config["num_hidden_layers"], config.get("decoder_sparse_step", 1) or 1
+    only = set(config.get("mlp_only_layers") or ())
+    first_moe = config.get("first_k_dense_replace") or 0
+    shared = config.get("n_shared_experts") or 0
+    norm_topk = bool(config.get("norm_topk_prob", False))
+    sigmoid = family.router_score_function == "sigmoid"
+    topk = config.get("num_experts_per_tok") or 0
+    unsupported = []
+    if sigmoid and not norm_topk and topk > 1:
+        unsupported.append("norm_topk_prob is false: megatron-core's sigmoid router always normalises the top-k "
+                           "weights, so the model would not compute what HF's does")
+    grouped = sigmoid and (config.get("n_group") or 1) > 1
+    return {
+        "num_experts": config.get("num_experts") or config.get("n_routed_experts") or config.get("num_local_experts")
+        or 0,
+        "moe_ffn_hidden_size": config["moe_intermediate_size"],
+        "moe_router_topk": topk,
+        # sigmoid routers score before choosing (Megatron's flag is read by its softmax router only)
+        "moe_router_pre_softmax": sigmoid or not norm_topk,
+        "dense_layers": tuple(i for i in range(layers) if i in only or (i + 1) % step or i < first_moe),
+        "moe_router_num_groups": config["n_group"] if grouped else None,
+        "moe_router_group_topk": config["topk_group"] if grouped else None,
+        "moe_router_topk_scaling_factor": config.get("routed_scaling_factor") if sigmoid else None,
+        "moe_shared_expert_intermediate_size": config["moe_intermediate_size"] * shared if shared else None,
+        "unsupported": tuple(unsupported),
+    }
+
+
+YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+"""YaRN settings an HF config may leave out, at the values HF and megatron-core both assume then."""
+
+
+def mla_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A DeepSeek-V3 HF config's multi-latent attention and its RoPE in Megatron's names (`yarn`: YaRN's settings,
+    None for plain RoPE; `unsupported` as in moe_fields)."""
+    unsupported = []
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    yarn = None
+    if kind == "yarn":
+        yarn = {"rotary_scaling_factor": float(rope["factor"]),
+                "original_max_position_embeddings": int(rope.get("original_max_position_embeddings")
+                                                        or config["max_position_embeddings"]),
+                **{name: float(rope.get(name) or default) for name, default in YARN_DEFAULTS.items()}}
+        # megatron-core derives both from the settings above (and rounds the correction range, as truncate does)
+        unsupported += [f"rope {name} {rope[name]!r}: megatron-core's YaRN has no such setting"
+                        for name, plain in (("attention_factor", None), ("truncate", True)) if rope.get(name, plain)
+                        != plain]
+    elif kind != "default":
+        unsupported.append(f"rope_type {kind!r}: multi-latent attention converts with default or yarn RoPE only")
+    return {"q_lora_rank": config.get("q_lora_rank"), "kv_lora_rank": config["kv_lora_rank"],
+            "qk_head_dim": config["qk_nope_head_dim"], "qk_pos_emb_head_dim": config["qk_rope_head_dim"],
+            "v_head_dim": config["v_head_dim"], "yarn": yarn,
+            "unsupported": tuple(unsupported)}

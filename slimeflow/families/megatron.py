@@ -4,7 +4,9 @@ The local spec names parameters as Transformer Engine's does in sharded state di
 `input_layernorm.` onto `self_attention.linear_qkv.layer_norm_`), so a GPTModel built here loads the torch_dist
 checkpoints that slime and Megatron-LM load on GPUs. Upstream megatron-core has no GLM4 sandwich norms; slime
 gets them from a Megatron-LM patch. `SandwichNormLayer` adds them under that patch's names
-(`post_self_attn_layernorm`, `post_mlp_layernorm`), so checkpoints are interchangeable with slime's.
+(`post_self_attn_layernorm`, `post_mlp_layernorm`), so checkpoints are interchangeable with slime's. Multi-latent
+attention (DeepSeek-V3) runs on the local spec with a core attention that takes MLA's key/value head sizes, its
+latent norms keyed as TE fuses them; a model whose dense and expert layers differ gets one layer spec per layer.
 
 megatron is imported inside the functions: it is heavy and only the Megatron paths need it.
 """
@@ -78,33 +80,72 @@ def sdpa_attention() -> type:
     return SdpaAttention
 
 
-def _with_core_attention(spec, core_attention: type):
-    attention = spec.submodules.self_attention
-    submodules = replace(spec.submodules, self_attention=replace(
-        attention, submodules=replace(attention.submodules, core_attention=core_attention)))
-    return replace(spec, submodules=submodules)
+def mla_core_attention() -> type:
+    """megatron-core's local DotProductAttention, taking the key and value head sizes that MLA passes (Transformer
+    Engine's attention takes them; the local one has no such arguments). Keys are as long as queries, values
+    kv_channels long (the args set kv_channels to MLA's v_head_dim)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
+            if v_channels is not None and v_channels != config.kv_channels:
+                raise ValueError(f"MLA's v_head_dim ({v_channels}) must equal kv_channels ({config.kv_channels})")
+            super().__init__(config, *args, **kwargs)
+
+    return MLADotProductAttention
 
 
-def layer_spec(args: argparse.Namespace, sdpa: bool = False):
+_MLA_KEYS = {
+    # Transformer Engine's MLA spec fuses the latent norms into the up projections that follow them.
+    "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+    "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+}
+
+
+def layer_spec(args: argparse.Namespace, moe: bool | None = None, sdpa: bool = False):
     """The local layer spec for these args: megatron-core's, with sandwich norms when the args ask for them, and
-    torch's fused causal attention (`sdpa_attention`) for `sdpa`."""
+    parameters keyed as Transformer Engine's specs key them. `moe`: an expert layer (None: whenever the args have
+    experts); `sdpa`: torch's fused causal attention (`sdpa_attention`) for standard attention (MLA keeps its own)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    experts = getattr(args, "num_experts", None)
+    experts = getattr(args, "num_experts", None) if moe is not False else None
+    mla = bool(getattr(args, "multi_latent_attention", False))
     spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=args.qk_layernorm,
-                                    normalization=args.normalization)
-    if experts:
-        # Transformer Engine's MoE layer keeps its pre-MLP norm as `pre_mlp_layernorm` (no fused fc1 to hold it).
-        keys = {k: v for k, v in spec.submodules.sharded_state_dict_keys_map.items() if k != "pre_mlp_layernorm."}
-        spec = ModuleSpec(module=spec.module, submodules=replace(spec.submodules, sharded_state_dict_keys_map=keys))
-    if sdpa:
-        spec = _with_core_attention(spec, sdpa_attention())
+                                    multi_latent_attention=mla, normalization=args.normalization)
+    # The local spec's key map, as for dense attention: TE fuses the input norm into linear_qkv and the pre-MLP
+    # norm into fc1. MLA keeps its input norm (TE: TENorm), an MoE layer its pre-MLP norm (no fused fc1 to hold it).
+    keys = {**({} if mla else {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}),
+            **({} if experts else {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"})}
+    submodules = replace(spec.submodules, sharded_state_dict_keys_map={**keys, **(_MLA_KEYS if mla else {})})
+    if mla:
+        attention = spec.submodules.self_attention
+        submodules = replace(submodules, self_attention=ModuleSpec(
+            module=attention.module, params=attention.params,
+            submodules=replace(attention.submodules, core_attention=mla_core_attention())))
+    elif sdpa:
+        attention = submodules.self_attention
+        submodules = replace(submodules, self_attention=replace(
+            attention, submodules=replace(attention.submodules, core_attention=sdpa_attention())))
     post_attn, post_mlp = getattr(args, "post_self_attn_layernorm", False), getattr(args, "post_mlp_layernorm", False)
     if post_attn != post_mlp:
         raise ValueError(f"post_self_attn_layernorm={post_attn} with post_mlp_layernorm={post_mlp}: only both "
                          "(GLM4's sandwich norms) or neither are built; set both flags or neither")
-    return ModuleSpec(module=sandwich_norm_layer(), submodules=spec.submodules) if post_attn else spec
+    return ModuleSpec(module=sandwich_norm_layer() if post_attn else spec.module, submodules=submodules)
+
+
+def block_spec(args: argparse.Namespace, sdpa: bool = False):
+    """The layer spec, or, when dense and expert layers alternate (moe_layer_freq a list: DeepSeek's first dense
+    layers), one spec per layer (`sdpa`: see layer_spec)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    freq = getattr(args, "moe_layer_freq", 1)
+    if not isinstance(freq, list):
+        return layer_spec(args, sdpa=sdpa)
+    dense, moe = layer_spec(args, moe=False, sdpa=sdpa), layer_spec(args, moe=True, sdpa=sdpa)
+    return TransformerBlockSubmodules(layer_specs=[moe if is_moe else dense for is_moe in freq],
+                                      layer_norm=WrappedTorchNorm)
 
 
 def _moe_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -112,11 +153,27 @@ def _moe_config(args: argparse.Namespace) -> dict[str, Any]:
     (SequentialMLP) and tokens are gathered, not sent all-to-all, which needs CUDA streams."""
     if not getattr(args, "num_experts", None):
         return {}
+    optional = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups",
+                "moe_router_group_topk", "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size",
+                "moe_layer_freq")
     return {"num_moe_experts": args.num_experts, "moe_ffn_hidden_size": args.moe_ffn_hidden_size,
             "moe_router_topk": args.moe_router_topk, "moe_router_pre_softmax": args.moe_router_pre_softmax,
-            "moe_router_score_function": getattr(args, "moe_router_score_function", "softmax"),
+            **{name: getattr(args, name) for name in optional if getattr(args, name, None) is not None},
             "moe_grouped_gemm": False, "moe_token_dispatcher_type": "allgather",
-            "moe_router_load_balancing_type": "none"}
+            "moe_router_load_balancing_type": "none", "moe_router_dtype": "fp32"}
+
+
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
+               "rotary_scaling_factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+               "mscale_all_dim")
+
+
+def _mla_config(args: argparse.Namespace) -> dict[str, Any]:
+    """MLATransformerConfig's fields from the args (none without multi-latent attention)."""
+    if not getattr(args, "multi_latent_attention", False):
+        return {}
+    return {"multi_latent_attention": True, "rotary_base": float(args.rotary_base),
+            **{name: getattr(args, name) for name in _MLA_FIELDS if hasattr(args, name)}}
 
 
 def gpt_model_from_args(args: argparse.Namespace, dtype: torch.dtype = torch.float32,
@@ -129,9 +186,12 @@ def gpt_model_from_args(args: argparse.Namespace, dtype: torch.dtype = torch.flo
     layer; parallel_output False gathers the logits over the tensor-parallel ranks (full vocabulary); sdpa: torch's
     fused causal attention (layer_spec)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-    config = TransformerConfig(
+    from slimeflow._compat import megatron_on_cpu
+
+    mla = _mla_config(args)
+    config = (MLATransformerConfig if mla else TransformerConfig)(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
@@ -139,9 +199,10 @@ def gpt_model_from_args(args: argparse.Namespace, dtype: torch.dtype = torch.flo
         add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
         rotary_interleaved=getattr(args, "rotary_interleaved", False), hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, params_dtype=dtype, **_moe_config(args), **(parallel or {}))
-    return GPTModel(config, layer_spec(args, sdpa), vocab_size=args.padded_vocab_size,
-                    max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
-                    rotary_percent=getattr(args, "rotary_percent", 1.0), rotary_base=int(args.rotary_base),
-                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                    pre_process=pre_process, post_process=post_process, parallel_output=parallel_output)
+        gradient_accumulation_fusion=False, params_dtype=dtype, **_moe_config(args), **mla, **(parallel or {}))
+    with megatron_on_cpu():  # MLA's constructor needs it (a shim there); nested in the backend's, it changes nothing
+        return GPTModel(config, block_spec(args, sdpa), vocab_size=args.padded_vocab_size,
+                        max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
+                        rotary_percent=getattr(args, "rotary_percent", 1.0), rotary_base=int(args.rotary_base),
+                        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                        pre_process=pre_process, post_process=post_process, parallel_output=parallel_output)

@@ -106,11 +106,19 @@ def write_hf(checkpoint_dir: Path, output: Path, origin: Path, vocab_size: int |
     return len(weight_map)
 
 
-def _plan(shape: ModelShape, available: dict, checkpoint_dir: Path) -> list[tuple[str, tuple[str, ...]]]:
-    """(Megatron checkpoint key, its rule names) for every tensor to convert; StageInputError if any is missing."""
-    layer_keys = [("decoder.layers." + rule.megatron, (rule.megatron,)) for rule in shape.info.layer_rules]
-    plan = [(rule.megatron, (rule.megatron,)) for rule in global_rules(shape)] + layer_keys
-    missing = [key for key, _ in plan if key not in available]
+def _plan(shape: ModelShape, available: dict, checkpoint_dir: Path) -> list[tuple[str, tuple[int, ...], str]]:
+    """(Megatron checkpoint key, the layers it holds, its rule's Megatron name) for every tensor to convert;
+    StageInputError if any is missing. Layers are stacked in one key per rule, or keyed one by one where they differ
+    (mapping.ModelShape.homogeneous)."""
+    rules = shape.info.layer_rules
+    if shape.homogeneous:
+        every = tuple(range(shape.num_layers))
+        layer_keys = [("decoder.layers." + r.megatron, every, r.megatron) for r in rules if shape.applies(r, 0)]
+    else:
+        layer_keys = [(f"decoder.layers.{i}.{r.megatron}", (i,), r.megatron)
+                      for i in range(shape.num_layers) for r in rules if shape.applies(r, i)]
+    plan = [(rule.megatron, (), rule.megatron) for rule in global_rules(shape)] + layer_keys
+    missing = [key for key, _, _ in plan if key not in available]
     if missing:
         raise StageInputError(f"torch_dist checkpoint {checkpoint_dir}", [f"no tensor {key}" for key in missing],
                               f"It is not a {shape.family} checkpoint with this shape; check --origin-hf-dir.")
@@ -118,17 +126,15 @@ def _plan(shape: ModelShape, available: dict, checkpoint_dir: Path) -> list[tupl
 
 
 def _write_shards(checkpoint_dir: Path, staging: Path, shape: ModelShape,
-                  plan: list[tuple[str, tuple[str, ...]]], max_shard_bytes: int) -> dict[str, str]:
+                  plan: list[tuple[str, tuple[int, ...], str]], max_shard_bytes: int) -> dict[str, str]:
     from safetensors.torch import save_file
 
     weight_map: dict[str, str] = {}
     total = 0
     parts: list[Path] = []
-    for key, names in plan:
+    for key, layers, name in plan:
         loaded, _ = load_torch_dist(checkpoint_dir, [key])
-        is_layer = key.startswith("decoder.layers.")
-        hf = megatron_to_hf(unstack_layers(loaded), shape, range(shape.num_layers) if is_layer else (),
-                            () if is_layer else names, rules=names if is_layer else None)
+        hf = megatron_to_hf(unstack_layers(loaded), shape, layers, () if layers else (name,), rules=(name,))
         for tensors in _chunks(hf, max_shard_bytes):
             parts.append(staging / f"part-{len(parts):05d}.safetensors")
             save_file(tensors, str(parts[-1]), metadata={"format": "pt"})

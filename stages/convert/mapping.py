@@ -20,9 +20,12 @@ from slimeflow.families import (
     FAMILIES,
     GLOBAL_RULES,
     VOCAB_PADDED,
+    YARN_DEFAULTS,
     FamilySpec,
     Rule,
     head_dim,
+    mla_fields,
+    moe_fields,
     query_groups,
     rope_setting,
 )
@@ -57,16 +60,58 @@ class ModelShape:
     moe_router_pre_softmax: bool = False
     """Softmax over all experts before the top-k (HF: norm_topk_prob false); else over the top-k's logits."""
     dense_layers: tuple[int, ...] = ()
-    """Layers of an MoE model whose MLP is dense (HF: mlp_only_layers, decoder_sparse_step)."""
+    """Layers of an MoE model whose MLP is dense (HF: mlp_only_layers, decoder_sparse_step, first_k_dense_replace;
+    Megatron: moe_layer_freq as a list, 0 for dense)."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing (HF: n_group, topk_group): top-k among the best `group_topk` groups of experts."""
+    moe_router_group_topk: int | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    """HF: routed_scaling_factor (None: 1)."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """HF: moe_intermediate_size x n_shared_experts (None: no shared experts)."""
+    q_lora_rank: int | None = None
+    """Multi-latent attention (Megatron's names; all 0/None without it): the query's low rank (None: a full
+    q_proj), the key/value latent, each head's parts without and with RoPE (HF: qk_nope_head_dim,
+    qk_rope_head_dim), and the value head."""
+    kv_lora_rank: int = 0
+    qk_head_dim: int = 0
+    qk_pos_emb_head_dim: int = 0
+    v_head_dim: int = 0
+    yarn: Mapping[str, float] | None = None
+    """YaRN RoPE scaling in Megatron's names (rotary_scaling_factor, original_max_position_embeddings, beta_fast,
+    beta_slow, mscale, mscale_all_dim); None: plain RoPE."""
+    unsupported: tuple[str, ...] = ()
+    """What the HF config asks for that no Megatron model computes the same way (reported by `problems`)."""
 
     @property
     def info(self) -> FamilySpec:
         return FAMILIES[self.family]
 
+    @property
+    def q_head_dim(self) -> int:
+        """Dimensions of one query (and key) head: with MLA its parts without and with RoPE."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim if self.info.multi_latent_attention else self.kv_channels
+
+    @property
+    def homogeneous(self) -> bool:
+        """Every layer has the same tensors, so a checkpoint stacks them (`decoder.layers.<name>` [layers, ...]);
+        else each layer's are keyed `decoder.layers.<i>.<name>`, as megatron-core does with moe_layer_freq a list."""
+        return not (self.num_experts and self.dense_layers)
+
+    def applies(self, rule: Rule, layer: int) -> bool:
+        """Whether `rule` names a tensor of `layer` in this shape (its `only`)."""
+        return {None: True, "dense": layer in self.dense_layers, "moe": layer not in self.dense_layers,
+                "q_lora": self.q_lora_rank is not None, "no_q_lora": self.q_lora_rank is None}[rule.only]
+
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], family: FamilySpec, make_vocab_size_divisible_by: int = 128,
                        tensor_model_parallel_size: int = 1) -> ModelShape:
         """The shape of an HF `config.json` (a dict); KeyError names a missing field."""
+        moe = moe_fields(config, family) if family.has_experts else {}
+        mla = mla_fields(config) if family.multi_latent_attention else {}
+        unsupported = moe.pop("unsupported", ()) + mla.pop("unsupported", ()) + tuple(
+            f"{name} is {value}: {reason}" for name, (value, reason) in family.refused_config.items()
+            if config.get(name) == value)
         return cls(
             family=family.name,
             num_layers=config["num_hidden_layers"],
@@ -74,7 +119,7 @@ class ModelShape:
             ffn_hidden_size=config["intermediate_size"],
             num_attention_heads=config["num_attention_heads"],
             num_query_groups=query_groups(config),
-            kv_channels=head_dim(config),
+            kv_channels=config["v_head_dim"] if family.multi_latent_attention else head_dim(config),
             vocab_size=config["vocab_size"],
             padded_vocab_size=padded_vocab_size(config["vocab_size"], make_vocab_size_divisible_by,
                                                 tensor_model_parallel_size),
@@ -83,7 +128,7 @@ class ModelShape:
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             rotary_percent=rope_setting(config, "partial_rotary_factor", 1.0),
-            **(_moe_fields(config) if family.has_experts else {}),
+            **moe, **mla, unsupported=unsupported,
         )
 
     @classmethod
@@ -110,6 +155,12 @@ class ModelShape:
             moe_ffn_hidden_size=read("moe_ffn_hidden_size", default=None) or 0,
             moe_router_topk=read("moe_router_topk", default=None) or 0,
             moe_router_pre_softmax=bool(read("moe_router_pre_softmax", default=False)),
+            dense_layers=_dense_layers(read("moe_layer_freq", default=1), read("num_layers")),
+            moe_router_num_groups=read("moe_router_num_groups", default=None),
+            moe_router_group_topk=read("moe_router_group_topk", default=None),
+            moe_router_topk_scaling_factor=read("moe_router_topk_scaling_factor", default=None),
+            moe_shared_expert_intermediate_size=read("moe_shared_expert_intermediate_size", default=None),
+            **(_mla_args(read) if family.multi_latent_attention else {}),
         )
         if read.missing:
             raise ValueError(f"{source}: the checkpoint's Megatron args lack {', '.join(read.missing)}; it was not "
@@ -126,31 +177,45 @@ class ModelShape:
             found.append(f"padded vocabulary {self.padded_vocab_size} is smaller than vocab_size {self.vocab_size}")
         if self.info.has_experts:
             found += self._moe_problems()
-        return found
+        return found + list(self.unsupported)
 
     def _moe_problems(self) -> list[str]:
         found = []
         if not 0 < self.moe_router_topk <= self.num_experts:
             found.append(f"num_experts_per_tok ({self.moe_router_topk}) must be between 1 and num_experts "
                          f"({self.num_experts})")
-        if self.dense_layers:
-            found.append(f"layers {list(self.dense_layers)} have a dense MLP (mlp_only_layers / decoder_sparse_step):"
-                         " MoE models with dense layers are not supported yet, only every layer an MoE layer")
+        groups, picked = self.moe_router_num_groups, self.moe_router_group_topk
+        if groups and picked:
+            if self.num_experts % groups or not 0 < picked <= groups:
+                found.append(f"n_group ({groups}) must divide the {self.num_experts} experts and topk_group "
+                             f"({picked}) must be between 1 and n_group")
+            elif self.moe_router_topk // picked != 2:
+                # HF scores a group by its best two experts; megatron-core by its best topk / group_topk.
+                found.append(f"num_experts_per_tok ({self.moe_router_topk}) // topk_group ({picked}) is not 2: HF "
+                             "scores each group by its two best experts, megatron-core by its best "
+                             "num_experts_per_tok // topk_group, so the two would route differently")
         return found
 
 
-def _moe_fields(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The MoE part of a shape from an HF config (Qwen3-MoE's field names; transformers 5 may say
-    num_local_experts)."""
-    layers, step = config["num_hidden_layers"], config.get("decoder_sparse_step", 1) or 1
-    only = set(config.get("mlp_only_layers") or ())
-    return {
-        "num_experts": config.get("num_experts") or config.get("num_local_experts") or 0,
-        "moe_ffn_hidden_size": config["moe_intermediate_size"],
-        "moe_router_topk": config.get("num_experts_per_tok") or 0,
-        "moe_router_pre_softmax": not config.get("norm_topk_prob", False),
-        "dense_layers": tuple(i for i in range(layers) if i in only or (i + 1) % step),
-    }
+def _mla_args(read: _ArgsReader) -> dict[str, Any]:
+    """The MLA part of a shape from Megatron args (Megatron-LM's flag names)."""
+    yarn = None
+    if read("rope_type", default="yarn") == "yarn" and read("rotary_scaling_factor", default=1.0) != 1.0:
+        yarn = {"rotary_scaling_factor": float(read("rotary_scaling_factor")),
+                "original_max_position_embeddings": int(read("original_max_position_embeddings", default=4096)),
+                **{name: float(read(name, default=default)) for name, default in YARN_DEFAULTS.items()}}
+    return {"q_lora_rank": read("q_lora_rank", default=None), "kv_lora_rank": read("kv_lora_rank"),
+            "qk_head_dim": read("qk_head_dim"), "qk_pos_emb_head_dim": read("qk_pos_emb_head_dim"),
+            "v_head_dim": read("v_head_dim"), "yarn": yarn}
+
+
+def _dense_layers(moe_layer_freq: Any, num_layers: int | None) -> tuple[int, ...]:
+    """Dense layers from Megatron's moe_layer_freq: a list (0 dense, 1 MoE) or every N-th layer an MoE layer."""
+    if isinstance(moe_layer_freq, (list, tuple)):
+        return tuple(i for i, moe in enumerate(moe_layer_freq) if not moe)
+    if isinstance(moe_layer_freq, int) and moe_layer_freq > 1 and num_layers:
+        return tuple(i for i in range(num_layers) if i % moe_layer_freq)
+    return ()
 
 
 _REQUIRED = object()
@@ -194,7 +259,9 @@ def megatron_args(shape: ModelShape, dtype: torch.dtype, make_vocab_size_divisib
         # norm_epsilon under both spellings: Megatron-LM's newer (layernorm_epsilon) and older, which slime reads.
         normalization="RMSNorm", norm_epsilon=shape.norm_epsilon, layernorm_epsilon=shape.norm_epsilon,
         swiglu=True, add_bias_linear=False,
-        add_qkv_bias=info.attention_bias, qk_layernorm=info.qk_norm, position_embedding_type="rope",
+        # MLA's latent norms are Megatron's qk_layernorm (slime's DeepSeek scripts pass --qk-layernorm).
+        add_qkv_bias=info.attention_bias, qk_layernorm=info.qk_norm or info.multi_latent_attention,
+        position_embedding_type="rope",
         rotary_base=shape.rotary_base, rotary_percent=shape.rotary_percent,
         rotary_interleaved=info.rotary_interleaved, max_position_embeddings=shape.max_position_embeddings,
         # GLM4's sandwich norms, under the flag names of slime's patched Megatron-LM.
@@ -202,16 +269,34 @@ def megatron_args(shape: ModelShape, dtype: torch.dtype, make_vocab_size_divisib
         untie_embeddings_and_output_weights=not shape.tie_word_embeddings,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype, ckpt_format="torch_dist",
         # Read by slime's converters for every model (None/False: no multi-latent attention, no experts).
-        multi_latent_attention=False, q_lora_rank=None, kv_lora_rank=None, num_experts=shape.num_experts or None,
-        **_moe_args(shape), model_family=shape.family,
+        multi_latent_attention=info.multi_latent_attention, q_lora_rank=shape.q_lora_rank,
+        kv_lora_rank=shape.kv_lora_rank or None, num_experts=shape.num_experts or None,
+        **_moe_args(shape), **_mla_megatron_args(shape), model_family=shape.family,
     )
 
 
 def _moe_args(shape: ModelShape) -> dict[str, Any]:
     if not shape.num_experts:
         return {}
+    info = shape.info
+    layer_freq = [int(i not in shape.dense_layers) for i in range(shape.num_layers)]
     return {"moe_ffn_hidden_size": shape.moe_ffn_hidden_size, "moe_router_topk": shape.moe_router_topk,
-            "moe_router_pre_softmax": shape.moe_router_pre_softmax, "moe_router_score_function": "softmax"}
+            "moe_router_pre_softmax": shape.moe_router_pre_softmax,
+            "moe_router_score_function": info.router_score_function,
+            "moe_router_enable_expert_bias": info.router_expert_bias,
+            "moe_router_num_groups": shape.moe_router_num_groups, "moe_router_group_topk": shape.moe_router_group_topk,
+            "moe_router_topk_scaling_factor": shape.moe_router_topk_scaling_factor,
+            "moe_shared_expert_intermediate_size": shape.moe_shared_expert_intermediate_size,
+            "moe_layer_freq": 1 if shape.homogeneous else layer_freq}
+
+
+def _mla_megatron_args(shape: ModelShape) -> dict[str, Any]:
+    """MLA's shape and RoPE under Megatron-LM's flag names (--qk-head-dim, --rotary-scaling-factor, ...)."""
+    if not shape.info.multi_latent_attention:
+        return {}
+    yarn = shape.yarn or {"rotary_scaling_factor": 1.0, **YARN_DEFAULTS}
+    return {"qk_head_dim": shape.qk_head_dim, "qk_pos_emb_head_dim": shape.qk_pos_emb_head_dim,
+            "v_head_dim": shape.v_head_dim, "rope_type": "yarn" if shape.yarn else "rope", **yarn}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -224,7 +309,7 @@ _HF_SHAPES: dict[str, Callable[[ModelShape], tuple[int, ...]]] = {
     "lm_head.weight": lambda s: (s.vocab_size, s.hidden_size),
     "input_layernorm.weight": lambda s: (s.hidden_size,),
     "post_attention_layernorm.weight": lambda s: (s.hidden_size,),
-    "self_attn.q_proj.weight": lambda s: (s.num_attention_heads * s.kv_channels, s.hidden_size),
+    "self_attn.q_proj.weight": lambda s: (s.num_attention_heads * s.q_head_dim, s.hidden_size),
     "self_attn.k_proj.weight": lambda s: (s.num_query_groups * s.kv_channels, s.hidden_size),
     "self_attn.v_proj.weight": lambda s: (s.num_query_groups * s.kv_channels, s.hidden_size),
     "self_attn.q_proj.bias": lambda s: (s.num_attention_heads * s.kv_channels,),
@@ -243,6 +328,16 @@ _HF_SHAPES: dict[str, Callable[[ModelShape], tuple[int, ...]]] = {
     "mlp.experts.{e}.gate_proj.weight": lambda s: (s.moe_ffn_hidden_size, s.hidden_size),
     "mlp.experts.{e}.up_proj.weight": lambda s: (s.moe_ffn_hidden_size, s.hidden_size),
     "mlp.experts.{e}.down_proj.weight": lambda s: (s.hidden_size, s.moe_ffn_hidden_size),
+    "mlp.gate.e_score_correction_bias": lambda s: (s.num_experts,),
+    "mlp.shared_experts.gate_proj.weight": lambda s: (s.moe_shared_expert_intermediate_size, s.hidden_size),
+    "mlp.shared_experts.up_proj.weight": lambda s: (s.moe_shared_expert_intermediate_size, s.hidden_size),
+    "mlp.shared_experts.down_proj.weight": lambda s: (s.hidden_size, s.moe_shared_expert_intermediate_size),
+    "self_attn.q_a_proj.weight": lambda s: (s.q_lora_rank, s.hidden_size),
+    "self_attn.q_a_layernorm.weight": lambda s: (s.q_lora_rank,),
+    "self_attn.q_b_proj.weight": lambda s: (s.num_attention_heads * s.q_head_dim, s.q_lora_rank),
+    "self_attn.kv_a_proj_with_mqa.weight": lambda s: (s.kv_lora_rank + s.qk_pos_emb_head_dim, s.hidden_size),
+    "self_attn.kv_a_layernorm.weight": lambda s: (s.kv_lora_rank,),
+    "self_attn.kv_b_proj.weight": lambda s: (s.num_attention_heads * (s.qk_head_dim + s.v_head_dim), s.kv_lora_rank),
 }
 """HF tensor shapes by name (per-layer names without their `model.layers.<i>.` prefix)."""
 
@@ -256,6 +351,8 @@ def expected_hf_tensors(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     expected = {name: _HF_SHAPES[name](shape) for rule in global_rules(shape) for name in rule.hf}
     for layer in range(shape.num_layers):
         for rule in shape.info.layer_rules:
+            if not shape.applies(rule, layer):
+                continue
             for names in _hf_names(rule, shape):
                 expected.update({HF_LAYER.format(layer) + name: _HF_SHAPES[template](shape)
                                  for template, name in zip(rule.hf, names, strict=True)})
@@ -280,7 +377,8 @@ def _placed(shape: ModelShape, layers: Iterable[int] | None, globals_: Iterable[
     layer_rules = [r for r in shape.info.layer_rules if rules is None or r.megatron in set(rules)]
     placed = [(r.megatron, r, "") for r in global_rules(shape) if r.megatron in wanted]
     for layer in layers:
-        placed += [(MEGATRON_LAYER.format(layer) + r.megatron, r, HF_LAYER.format(layer)) for r in layer_rules]
+        placed += [(MEGATRON_LAYER.format(layer) + r.megatron, r, HF_LAYER.format(layer)) for r in layer_rules
+                   if shape.applies(r, layer)]
     return placed
 
 
@@ -305,10 +403,25 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape, layers: It
     """
     out = {}
     for name, rule, prefix in _placed(shape, layers, globals_, rules):
-        fused = [_fuse(rule, [hf[prefix + part] for part in names], shape) for names in _hf_names(rule, shape)]
-        tensor = torch.stack(fused) if rule.per_expert else fused[0]
+        if rule.per_expert:
+            tensor = _stacked_experts(rule, [[hf[prefix + part] for part in names] for names in _hf_names(rule, shape)])
+        else:
+            tensor = _fuse(rule, [hf[prefix + part] for part in rule.hf], shape)
         out[name] = _pad_vocab(tensor, shape.padded_vocab_size) if rule.megatron in VOCAB_PADDED else tensor
     return out
+
+
+def _stacked_experts(rule: Rule, parts: list[list[torch.Tensor]]) -> torch.Tensor:
+    """Each expert's parts fused (copy or gate_up) straight into its row of one [experts, ...] tensor: one copy of
+    the experts' bytes, where fusing then stacking made two (measured: benchmarks/README.md, MoE conversion)."""
+    if rule.fusion not in ("copy", "gate_up"):
+        raise ValueError(f"{rule.megatron}: per-expert rules fuse by copy or gate_up, not {rule.fusion}")
+    first = parts[0]
+    rows = sum(t.shape[0] for t in first)
+    stacked = first[0].new_empty((len(parts), rows, *first[0].shape[1:]))
+    for row, expert in zip(stacked, parts, strict=True):
+        torch.cat(expert, dim=0, out=row)
+    return stacked
 
 
 def megatron_to_hf(megatron: Mapping[str, torch.Tensor], shape: ModelShape, layers: Iterable[int] | None = None,

@@ -118,6 +118,13 @@ def read_hf_source(path: Path, make_vocab_size_divisible_by: int = 128,
     if problems:
         raise StageInputError(where, problems, "Fix config.json so that it describes these weights.")
     weight_map, headers = _read_headers(path)
+    mtp = _mtp_layers(headers, shape.num_layers)
+    if mtp:
+        raise StageInputError(where, [f"layers {mtp} after the {shape.num_layers} decoder layers are multi-token "
+                                      f"prediction layers (num_nextn_predict_layers: "
+                                      f"{hf_config.get('num_nextn_predict_layers')}), which are not converted yet"],
+                              "Convert a copy without the model.layers.<n>.* tensors of those layers (training "
+                              "without MTP, as --mtp-num-layers is refused too).")
     problems = _tensor_problems(headers, expected_hf_tensors(shape))
     if problems:
         raise StageInputError(where, problems, "The weights do not match config.json: re-save the model with "
@@ -154,6 +161,12 @@ def _read_headers(path: Path) -> tuple[dict[str, str], dict[str, tuple[tuple[int
                 weight_map[name] = filename
                 headers[name] = (tuple(piece.get_shape()), piece.get_dtype())
     return weight_map, headers
+
+
+def _mtp_layers(headers: dict[str, Any], num_layers: int) -> list[int]:
+    """Layer numbers at or past num_layers (DeepSeek's and GLM-4.5's checkpoints keep their MTP layers there)."""
+    numbers = {name.split(".")[2] for name in headers if name.startswith("model.layers.")}
+    return sorted(int(n) for n in numbers if n.isdigit() and int(n) >= num_layers)
 
 
 def _tensor_problems(headers: dict[str, tuple[tuple[int, ...], str]], expected: dict[str, tuple[int, ...]]

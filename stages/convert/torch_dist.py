@@ -28,16 +28,22 @@ from slimeflow.stages.convert.supervise import periodically
 
 CHECKPOINT_VERSION = 3.0
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_LINEARS_WITH_EXTRA_STATE = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-                             "mlp.linear_fc2")
-"""Linear layers whose (empty) `_extra_state` megatron-core checkpoints next to their weight."""
 _EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
-"""The same for each expert (dim 0 of the per-layer tensor): sharded over (layer, expert)."""
+"""Linear layers of each expert (dim 0 of the per-layer tensor), whose `_extra_state` is sharded over experts."""
 _REPLICA = (0, 0, 0)  # (pipeline, tensor, data) replica: every tensor here has exactly one writer
 
 
-def sharded_state_dict(tensors: Mapping[str, torch.Tensor], num_layers: int) -> dict:
-    """megatron-core ShardedTensors (and `_extra_state` ShardedObjects) for this rank's tensors."""
+def _has_extra_state(module: str, leaf: str) -> bool:
+    """megatron-core checkpoints an (empty) `_extra_state` next to the weight of every linear layer
+    (`...linear_<x>.weight`: linear_qkv, linear_proj, linear_fc1/2, MLA's linear_q/kv_*_proj)."""
+    return leaf == "weight" and module.rsplit(".", 1)[-1].startswith("linear_")
+
+
+def sharded_state_dict(tensors: Mapping[str, torch.Tensor], num_layers: int, stacked: bool = True) -> dict:
+    """megatron-core ShardedTensors (and `_extra_state` ShardedObjects) for this rank's tensors.
+
+    `stacked`: layer i's tensor is shard [i] of `decoder.layers.<name>` [num_layers, ...]; else (layers that differ,
+    megatron-core's non-homogeneous layers) it is the whole of `decoder.layers.<i>.<name>`."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     out: dict = {}
@@ -47,18 +53,22 @@ def sharded_state_dict(tensors: Mapping[str, torch.Tensor], num_layers: int) -> 
             out[name] = ShardedTensor.from_rank_offsets(name, tensor, replica_id=_REPLICA)
             continue
         layer, inner = int(match.group(1)), match.group(2)
-        key = f"decoder.layers.{inner}"
-        out[name] = ShardedTensor.from_rank_offsets(key, tensor, (0, layer, num_layers), replica_id=_REPLICA,
-                                                    prepend_axis_num=1)
-        module = inner.rsplit(".", 1)[0]
-        extra = f"decoder.layers.{module}._extra_state"
-        if module in _LINEARS_WITH_EXTRA_STATE and inner.endswith(".weight"):
+        prefix, layer_axis = ("decoder.layers.", ((0, layer, num_layers),)) if stacked else (f"decoder.layers.{layer}.", ())
+        out[name] = ShardedTensor.from_rank_offsets(prefix + inner, tensor, *layer_axis, replica_id=_REPLICA,
+                                                    prepend_axis_num=len(layer_axis))
+        module, leaf = inner.rsplit(".", 1)
+        extra = f"{prefix}{module}._extra_state"
+        outer, offsets = ((num_layers,), (layer,)) if stacked else ((), ())
+        if module in _EXPERT_LINEARS:
+            if leaf == "weight":
+                experts = tensor.shape[0]
+                out.update({f"decoder.layers.{layer}.{module}.{expert}._extra_state": ShardedObject(
+                    extra, None, (*outer, experts), (*offsets, expert), replica_id=_REPLICA)
+                    for expert in range(experts)})
+        elif _has_extra_state(module, leaf):
+            # megatron-core gives an object with no sharded axis the shape (1,)
             out[f"decoder.layers.{layer}.{module}._extra_state"] = ShardedObject(
-                extra, None, (num_layers,), (layer,), replica_id=_REPLICA)
-        if module in _EXPERT_LINEARS and inner.endswith(".weight"):
-            experts = tensor.shape[0]
-            out.update({f"decoder.layers.{layer}.{module}.{expert}._extra_state": ShardedObject(
-                extra, None, (num_layers, experts), (layer, expert), replica_id=_REPLICA) for expert in range(experts)})
+                extra, None, outer or (1,), offsets or (0,), replica_id=_REPLICA)
     return out
 
 
@@ -75,7 +85,8 @@ def save_torch_dist(tensors: Mapping[str, torch.Tensor], args: argparse.Namespac
 
     from slimeflow._compat import in_process_write_results, megatron_on_cpu
 
-    state = sharded_state_dict(tensors, args.num_layers)
+    # megatron-core keys each layer on its own when MoE and dense layers alternate (moe_layer_freq a list).
+    state = sharded_state_dict(tensors, args.num_layers, not isinstance(getattr(args, "moe_layer_freq", 1), list))
     state.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration)
     Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -212,10 +223,11 @@ def load_torch_dist(checkpoint_dir: str | Path, keys: Iterable[str] | None = Non
 
 def unstack_layers(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Global tensors -> mapping.py's names: `decoder.layers.<name>` [L, ...] becomes L tensors
-    `decoder.layers.<i>.<name>` (views, no copy); other tensors pass through."""
+    `decoder.layers.<i>.<name>` (views, no copy); other tensors (a layer's own, `decoder.layers.<i>.<name>`, too)
+    pass through."""
     out = {}
     for key, tensor in tensors.items():
-        if key.startswith("decoder.layers."):
+        if key.startswith("decoder.layers.") and not _LAYER.match(key):
             inner = key.removeprefix("decoder.layers.")
             out.update({f"decoder.layers.{i}.{inner}": tensor[i] for i in range(tensor.shape[0])})
         else:

@@ -120,10 +120,10 @@ def _read_json(path: Path, problems: list[str]) -> dict[str, Any] | None:
 
 
 def _check_transformers_config(path: Path, problems: list[str]) -> None:
-    from transformers import AutoConfig
+    from slimeflow.families.hf import load_config
 
     try:
-        AutoConfig.from_pretrained(path, local_files_only=True)
+        load_config(path, local_files_only=True)
     except Exception as err:  # transformers raises many types for a config it cannot read
         problems.append(f"config.json is not a config transformers can read: {err}")
 

@@ -79,6 +79,9 @@ SPEC_PARAMS: dict[str, SpecParam] = {
     "num_experts": _POSITIVE_INT,
     "num_experts_per_tok": _POSITIVE_INT,
     "moe_intermediate_size": _POSITIVE_INT,
+    "first_k_dense_replace": SpecParam(int, "a non-negative integer"),
+    "q_lora_rank": SpecParam(int, "a non-negative integer (0: no query LoRA)"),
+    "yarn_factor": _FLOAT,
 }
 """The query keys of a `tiny:<family>?key=value&...` URI: every spec field but `family`."""
 
@@ -109,6 +112,12 @@ class TinyModelSpec:
     """Mixture-of-experts families only (as the next two); None: the family's tiny default."""
     num_experts_per_tok: int | None = None
     moe_intermediate_size: int | None = None
+    first_k_dense_replace: int | None = None
+    """DeepSeek-style mixtures of experts: how many first layers keep a dense MLP."""
+    q_lora_rank: int | None = None
+    """Multi-latent attention only (as the next): the query's LoRA rank; 0: none, a full q_proj (Moonlight)."""
+    yarn_factor: float | None = None
+    """YaRN RoPE scaling by this factor (None: plain RoPE); the original context is max_position_embeddings / it."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -120,7 +129,7 @@ class TinyModelSpec:
     @property
     def family_fields(self) -> dict[str, Any]:
         """The family-specific config fields (experts): the spec's values where given, else the family's defaults."""
-        return {name: default if getattr(self, name) is None else getattr(self, name)
+        return {name: default if getattr(self, name, None) is None else getattr(self, name)
                 for name, default in self.info.tiny_defaults.items()}
 
     @property
@@ -211,12 +220,18 @@ def _validate(spec: TinyModelSpec) -> None:
 
 
 def _validate_experts(spec: TinyModelSpec) -> None:
+    for name in _FAMILY_FIELDS:
+        if getattr(spec, name) is not None and name not in spec.info.tiny_defaults:
+            raise ValueError(f"{spec.family} has no {name} setting; families with one: "
+                             + ", ".join(family for family, info in FAMILIES.items() if name in info.tiny_defaults))
     given = [name for name in _EXPERT_FIELDS if getattr(spec, name) is not None]
-    if given and not spec.info.has_experts:
-        raise ValueError(f"{spec.family} has no experts, so {', '.join(given)} cannot be set; families with "
-                         "experts: " + ", ".join(name for name, info in FAMILIES.items() if info.has_experts))
     for name in given:
         _require_positive_int(name, getattr(spec, name))
+    for name in ("first_k_dense_replace", "q_lora_rank"):
+        if getattr(spec, name) is not None and (not _is_int(getattr(spec, name)) or getattr(spec, name) < 0):
+            raise ValueError(f"{name} must be a non-negative integer, got {getattr(spec, name)!r}")
+    if spec.yarn_factor is not None:
+        _require_positive_number("yarn_factor", spec.yarn_factor)
     if spec.info.has_experts:
         fields_ = spec.family_fields
         if fields_["num_experts_per_tok"] > fields_["num_experts"]:
@@ -225,6 +240,8 @@ def _validate_experts(spec: TinyModelSpec) -> None:
 
 
 _EXPERT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+_FAMILY_FIELDS = (*_EXPERT_FIELDS, "first_k_dense_replace", "q_lora_rank", "yarn_factor")
+"""Spec fields that only families naming them in their spec's tiny_defaults have."""
 
 
 def _validate_attention(spec: TinyModelSpec) -> None:
@@ -370,6 +387,15 @@ def _model_config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast):
 
     info = spec.info
     head_dim = {"head_dim": spec.resolved_head_dim} if info.configurable_head_dim else {}
+    family = spec.family_fields
+    rope = {"rope_type": "default", "rope_theta": float(spec.rope_theta), **info.rope_overrides}
+    if family.pop("yarn_factor", None):
+        rope.update(rope_type="yarn", factor=float(spec.yarn_factor), mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0,
+                    beta_slow=1.0, original_max_position_embeddings=int(spec.max_position_embeddings / spec.yarn_factor))
+    if family.get("q_lora_rank") == 0:
+        family["q_lora_rank"] = None
+    # MLA keys and values come per query head, so its config says as many KV heads as query heads.
+    kv_heads = spec.num_attention_heads if info.multi_latent_attention else spec.num_key_value_heads
     return AutoConfig.for_model(
         info.model_type,
         vocab_size=len(tokenizer),
@@ -377,17 +403,17 @@ def _model_config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast):
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=spec.rms_norm_eps,
         # transformers 5 keeps RoPE settings in one dict; there is no `rope_theta` field any more.
-        rope_parameters={"rope_type": "default", "rope_theta": float(spec.rope_theta), **spec.info.rope_overrides},
+        rope_parameters=rope,
         tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         **head_dim,
-        **spec.family_fields,
+        **{info.config_names.get(name, name): value for name, value in family.items()},
         **info.config_overrides,
     )
 
@@ -407,6 +433,11 @@ def _init_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> PreT
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _perturb_constant_params(model, spec.seed)
     model.to(getattr(torch, spec.dtype))
+    # What transformers keeps in fp32 whatever the dtype (DeepSeek's e_score_correction_bias), real checkpoints
+    # store in fp32 too.
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if any(part in name for part in getattr(model, "_keep_in_fp32_modules_strict", None) or ()):
+            tensor.data = tensor.data.float()
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=list(tokenizer.convert_tokens_to_ids(list(spec.info.tokenizer.stop_tokens))),
@@ -416,7 +447,7 @@ def _init_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> PreT
 
 
 def _perturb_constant_params(model: PreTrainedModel, seed: int) -> None:
-    """Add small seeded noise to every tensor initialised to a constant (norm weights 1, biases 0).
+    """Add small seeded noise to every saved tensor initialised to a constant (norm weights 1, biases 0).
 
     With constant tensors, a converter that swaps two norms or drops a bias would still give the same
     logits; with every tensor distinct, such a mistake shows.
@@ -424,7 +455,10 @@ def _perturb_constant_params(model: PreTrainedModel, seed: int) -> None:
     import torch
 
     generator = torch.Generator().manual_seed(seed)
+    saved = model.state_dict()  # parameters and persistent buffers (DeepSeek's expert-score correction bias)
     with torch.no_grad():
-        for _, param in model.named_parameters():
+        for name, param in [*model.named_parameters(), *model.named_buffers()]:
+            if name not in saved or not param.is_floating_point():
+                continue
             if param.numel() > 1 and bool((param == param.flatten()[0]).all()):
                 param.add_(torch.randn(param.shape, generator=generator, dtype=param.dtype) * _PERTURB_STD)

@@ -432,6 +432,48 @@ class MegatronConfig(ConfigModel):
     """Attention dropout."""
     hidden_dropout: float = Field(0.0, ge=0, lt=1)
     """Hidden dropout."""
+    # Mixture of experts and multi-latent attention (slime's Qwen3-MoE, DeepSeek-V3, GLM-4.5 scripts); checked
+    # against the HF config like the fields above (stages/rl/model_args.py).
+    num_experts: OptionalPositiveInt = None
+    """Routed experts per MoE layer."""
+    moe_ffn_hidden_size: OptionalPositiveInt = None
+    """Each expert's MLP intermediate size."""
+    moe_router_topk: OptionalPositiveInt = None
+    """Experts per token."""
+    moe_layer_freq: str | None = None
+    """Which layers are MoE layers: an integer N (every N-th) or a list such as [0]*3+[1]*58 (0: dense)."""
+    moe_shared_expert_intermediate_size: OptionalPositiveInt = None
+    """Shared experts' MLP intermediate size."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] | None = None
+    """Router score."""
+    moe_router_pre_softmax: bool = False
+    """Score all experts before the top-k."""
+    moe_router_enable_expert_bias: bool = False
+    """Expert-score correction bias (sigmoid routers)."""
+    moe_router_num_groups: OptionalPositiveInt = None
+    """Expert groups for group-limited routing."""
+    moe_router_group_topk: OptionalPositiveInt = None
+    """Groups chosen per token."""
+    moe_router_topk_scaling_factor: float | None = Field(None, gt=0)
+    """Routed experts' weight scale."""
+    multi_latent_attention: bool = False
+    """Multi-latent attention (DeepSeek)."""
+    q_lora_rank: OptionalPositiveInt = None
+    """MLA query LoRA rank."""
+    kv_lora_rank: OptionalPositiveInt = None
+    """MLA key/value LoRA rank."""
+    qk_head_dim: OptionalPositiveInt = None
+    """MLA query/key head part without RoPE."""
+    qk_pos_emb_head_dim: OptionalPositiveInt = None
+    """MLA query/key head part with RoPE."""
+    v_head_dim: OptionalPositiveInt = None
+    """MLA value head dimension."""
+    rotary_scaling_factor: float | None = Field(None, gt=0)
+    """YaRN RoPE scaling factor (1: none)."""
+    mscale: float | None = Field(None, gt=0)
+    """YaRN mscale."""
+    mscale_all_dim: float | None = Field(None, ge=0)
+    """YaRN mscale_all_dim."""
 
 
 class SglangConfig(ConfigModel):

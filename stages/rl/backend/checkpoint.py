@@ -116,7 +116,7 @@ def _stage_weights(backend: TorchBackend, root: Path, rollout_id: int) -> Path:
 
     with claimed_dir(root, ".hf-weights-") as scratch:
         try:
-            weights = {k: v.contiguous() for k, v in backend.named_weights().items()}
+            weights = {k: v.contiguous() for k, v in backend.checkpoint_weights().items()}
             save_file(weights, str(scratch / "model.safetensors"), metadata={"format": "pt"})
             for filename in _HF_SIDE_FILES:
                 if (backend.hf_checkpoint / filename).is_file():

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from slimeflow.families.experts import fuse_experts, split_experts
 from slimeflow.stages.rl import algorithms as alg
 from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantage
 from slimeflow.stages.rl.backend.schedule import build_scheduler
@@ -42,9 +43,9 @@ def default_device() -> torch.device:
 
 def load_model(hf_checkpoint: str | Path, device: torch.device, trainable: bool = True) -> torch.nn.Module:
     """The HF directory's causal LM in fp32 (the master weights; bf16 runs compute under autocast), eval mode."""
-    from transformers import AutoModelForCausalLM
+    from slimeflow.families.hf import load_causal_lm
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_checkpoint), dtype=torch.float32, local_files_only=True)
+    model = load_causal_lm(str(hf_checkpoint), dtype=torch.float32, local_files_only=True)
     model.to(device).eval()
     model.requires_grad_(trainable)
     return model
@@ -53,6 +54,7 @@ def load_model(hf_checkpoint: str | Path, device: torch.device, trainable: bool 
 def assign_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
     """Copy HF-named `weights` into `model`; ValueError (naming `source`) when a parameter is missing or a name
     is unknown. A tied output layer needs no entry of its own."""
+    weights = fuse_experts(weights)  # checkpoints name each expert; transformers holds them fused
     required = {name for name, _ in model.named_parameters()}  # tied parameters appear once
     known = set(model.state_dict())
     missing, unknown = sorted(required - set(weights)), sorted(set(weights) - known)
@@ -208,6 +210,14 @@ class TorchBackend:
         """HF-named weights (tied ones once), detached, on the CPU. On a CPU backend these share memory with the
         parameters (no copy): consume them before the next optimizer step."""
         return {name: p.detach().cpu() for name, p in self.model.named_parameters()}
+
+    def checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        """The weights as an HF checkpoint names them: named_weights with each expert on its own, plus the saved
+        buffers (DeepSeek's and GLM4-MoE's expert-score correction bias)."""
+        parameters = self.named_weights()
+        buffers = {name: b.detach().cpu() for name, b in self.model.state_dict().items()
+                   if name not in parameters and not name.endswith("lm_head.weight")}
+        return split_experts({**parameters, **buffers})
 
     def load_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
         """Replace the policy's weights by HF-named `weights` (from `source`, named in errors)."""

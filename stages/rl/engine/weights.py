@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from slimeflow.families.hf import load_causal_lm
 from slimeflow.stages.rl.engine.sampling import BadRequestError
 
 DTYPES = ("float32", "bfloat16")
@@ -35,7 +36,7 @@ def load_model(model_path: str | Path, *, dtype: str = "float32", device: str | 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(target).eval()
+    model = load_causal_lm(model_path, dtype=getattr(torch, dtype)).to(target).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     return LoadedModel(model=model, tokenizer=tokenizer, eos_token_ids=eos_ids(model),
                        max_positions=int(model.config.max_position_embeddings), device=target)
