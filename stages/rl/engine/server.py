@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from slimeflow.stages.rl.engine.batcher import ADMISSION_WINDOW_S, Batcher, GenerateRequest
+from slimeflow.stages.rl.engine.control import add_control_routes
 from slimeflow.stages.rl.engine.guard import API_KEY_ENV, BodyTooLargeError, Guard
 from slimeflow.stages.rl.engine.protocol import PromptLimits, parse_generate, to_response
 from slimeflow.stages.rl.engine.sampling import BadRequestError, SamplingParams
@@ -72,6 +73,10 @@ class EngineState:
     limits: PromptLimits
     weights_dir: str | None = None
     """The only directory /update_weights_from_disk loads from (None: it loads nothing)."""
+    model_path_version: str = "default"
+    """The weight version of the checkpoint at `model_path` (what /resume_memory_occupation reloads)."""
+    host: str = "127.0.0.1"
+    """The address this engine serves on (and joins weight-update groups from)."""
     requests_received: int = 0
     # Tokenising a long `text` takes seconds: done here, never on the event loop that answers /health.
     tokenizer_pool: ThreadPoolExecutor = field(
@@ -124,6 +129,8 @@ def create_app(state: EngineState) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate():
+        if state.batcher.released:
+            return _error(503, f"memory released ({sorted(state.batcher.released)}): POST /resume_memory_occupation")
         probe = GenerateRequest(rid=f"health-{time.monotonic_ns()}", input_ids=[_probe_token(state.loaded)],
                                 params=SamplingParams(temperature=0.0, max_new_tokens=1))
         try:
@@ -147,16 +154,24 @@ def create_app(state: EngineState) -> FastAPI:
         return {"success": True, "aborted": aborted}
 
     @app.post("/pause_generation")
-    async def pause_generation():
+    async def pause_generation(request: Request):
+        # SGLang's modes: abort (its default) returns every request with finish_reason abort; in_place keeps them.
+        mode = (await _json(request)).get("mode", "abort")
+        if mode not in ("abort", "in_place"):
+            raise BadRequestError(f"pause_generation mode {mode!r} is not supported by the embedded engine; use "
+                                  "'abort' (the default) or 'in_place' ('retract' is not built)")
         await asyncio.wrap_future(state.batcher.pause())
-        return {"success": True, "message": "generation paused; running requests stay in place"}
+        if mode == "abort":
+            await asyncio.wrap_future(state.batcher.abort(None))
+        return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
     async def continue_generation():
         await asyncio.wrap_future(state.batcher.resume())
-        return {"success": True, "message": "generation continued"}
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
     _add_weight_routes(app, state)
+    add_control_routes(app, state, _json)
     return app
 
 
@@ -169,7 +184,7 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
             raise BadRequestError('update_weights_from_disk needs {"model_path": "<HF checkpoint dir>"}')
         tensors = await asyncio.to_thread(_read_update, path, state)
         aborted = await asyncio.wrap_future(state.batcher.update_weights(tensors, body.get("weight_version")))
-        state.model_path = path
+        state.model_path, state.model_path_version = path, state.batcher.weight_version
         return {"success": True, "message": f"loaded {len(tensors)} tensors from {path}; aborted {aborted} "
                                             "running requests", "num_paused_requests": 0}
 
@@ -304,7 +319,7 @@ def build_server(args: argparse.Namespace) -> tuple[EngineState, uvicorn.Server]
                         max_batch_size=args.max_batch_size,
                         limits=PromptLimits.of(loaded, context_length=args.context_length,
                                                max_prompts=args.max_queued_requests),
-                        weights_dir=args.weights_dir)
+                        weights_dir=args.weights_dir, model_path_version=args.weight_version, host=args.host)
     if args.api_key is None:
         log.warning("serving without --api-key: any local process may update this engine's weights")
     app = Guard(create_app(state), api_key=args.api_key, max_body_bytes=int(args.max_request_body_mb * 2**20),
