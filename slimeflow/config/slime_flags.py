@@ -7,7 +7,6 @@ _MOE = ("mixture-of-experts Megatron flags are read only by the Megatron backend
 
 NOT_YET_SUPPORTED: dict[str, str] = {
     "--async-buffer-size": "asynchronous training (slime's train_async.py) is not supported yet",
-    "--update-weights-interval": "asynchronous training (slime's train_async.py) is not supported yet",
     "--use-fault-tolerance": "engine health checks and restarts are not supported yet",
     "--offload": "offloading the trainer's state around rollouts (colocated mode) is not supported yet",
     "--offload-train": "offloading the trainer's state around rollouts (colocated mode) is not supported yet",
@@ -52,7 +51,6 @@ NOT_YET_SUPPORTED.update({flag: _MTP for flag in ("--mtp-num-layers", "--mtp-los
 NOT_YET_SUPPORTED.update({
     "--post-self-attn-layernorm": _SANDWICH,
     "--post-mlp-layernorm": _SANDWICH,
-    "--update-weight-buffer-size": "bucketed weight sync is not supported yet: weights go to the engines whole",
     "--prefill-num-servers": "prefill/decode disaggregation is not supported yet",
     "--no-offload-train": "offload is not supported yet",
     "--no-offload-rollout": "offload is not supported yet",

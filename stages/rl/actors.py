@@ -54,6 +54,7 @@ class RolloutManager:
 
         self.config = config
         self.setup = setup
+        self.first_rollout_id: int | None = None
         # The engines import and load (seconds) while this actor sets up the rest, transformers' import included.
         launching = EngineSet.launch(setup.hf_checkpoint, config.sglang.args, setup.num_engines, setup.engine_threads,
                                      in_process=config.placement.engine_in_process)
@@ -91,13 +92,17 @@ class RolloutManager:
                               batch_groups=not self.engines.routed)
 
     def generate(self, rollout_id: int) -> tuple[PackedBatch, dict[str, float], list[list[str]]]:
-        """Rollout `rollout_id` with the weights of version `rollout_id`: (train batch, metrics, row ids per group)."""
+        """Rollout `rollout_id` with the weights the engines serve (version `rollout_id`, or the last pushed with
+        --update-weights-interval): (train batch, metrics, row ids per group)."""
         from slimeflow.stages.rl.debug_data import row_ids, save_rollout
+        from slimeflow.stages.rl.loop import served_version
         from slimeflow.stages.rl.rollout import generate_rollout
         from slimeflow.stages.rl.types import PackedBatch, TrainBatch
 
-        # With --debug-rollout-only no trainer pushes weights: every rollout comes from the start weights.
-        ctx = self._context(None if self.config.debug.debug_rollout_only else str(rollout_id))
+        # The loop's first rollout follows its first push; with --debug-rollout-only no trainer pushes weights.
+        self.first_rollout_id = rollout_id if self.first_rollout_id is None else self.first_rollout_id
+        version = served_version(rollout_id, self.first_rollout_id, self.config.weight_sync.update_weights_interval)
+        ctx = self._context(None if self.config.debug.debug_rollout_only else str(version))
         result = self.loop.run_until_complete(generate_rollout(ctx, self.data, rollout_id))
         if self.config.debug.save_debug_rollout_data is not None:
             save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, result.samples,
@@ -217,7 +222,10 @@ class TrainActor:
         """Make this rank the one that pushes weights to the engines of `targets` (rank 0; ranks are identical)."""
         from slimeflow.stages.rl.engines import WeightSync
 
-        self.weight_sync, self.loop = WeightSync(targets), asyncio.new_event_loop()
+        sync = self.config.weight_sync
+        transport = {"nccl": "distributed", "disk": "disk", None: None}[sync.update_weight_transport]
+        self.weight_sync = WeightSync(targets, sync.update_weight_buffer_size, transport)
+        self.loop = asyncio.new_event_loop()
 
     def update_weights(self, version: str) -> str:
         """Push the current weights to every engine as `version` (after connect_engines); returns the version."""
