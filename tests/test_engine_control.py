@@ -8,6 +8,8 @@ weights again.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import httpx
 import pytest
@@ -15,9 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError
+from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
 from slimeflow.stages.rl.engine.launch import new_api_key, start_engine
-from slimeflow.stages.rl.engines import WeightSync, WeightTargets, buckets
+from slimeflow.stages.rl.engines import EngineDiedError, EngineSet, WeightSync, WeightTargets, buckets
 
 # ~63 MB of float32 weights (4 layers of 512 x 2048 MLPs): large enough that freeing them shows in resident memory.
 SPEC = TinyModelSpec(seed=5, hidden_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -151,3 +153,32 @@ def test_distributed_update_without_a_group_or_with_bad_metadata_is_refused(engi
     with pytest.raises(EngineRequestError, match="no weight-update group 'nope'"):
         asyncio.run(EngineClient(engine.url, api_key=KEY).control("/destroy_weights_update_group",
                                                                   {"group_name": "nope"}))
+
+
+def test_an_engine_killed_mid_rollout_is_named_with_its_log_tail(tmp_path):
+    """Without --use-fault-tolerance a dead engine ends the rollout at once (no hang), and the RolloutManager's error
+    names it, how it died and its log."""
+    model = build_tiny_model(tmp_path / "tiny", TinyModelSpec(seed=1))
+    engines = EngineSet.start(str(model), {}, num_engines=1)  # an engine process (in_process is not asked for)
+    engine = engines.processes[0]
+
+    async def killed_mid_request() -> None:
+        client = engines.client()
+        long = asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 400, "ignore_eos": True}))
+        while (await client.workers[0]._request("GET", "/get_model_info")).json()["running"] < 1:
+            await asyncio.sleep(0.01)
+        os.kill(engine.process.pid, signal.SIGKILL)
+        with pytest.raises(EngineUnavailableError, match=engine.url):
+            await asyncio.wait_for(long, 30)
+        await engines.aclose()
+
+    try:
+        engines.check_alive()  # alive: nothing to say
+        asyncio.run(killed_mid_request())
+        with pytest.raises(EngineDiedError) as died:
+            engines.check_alive()
+        message = str(died.value)
+        assert f"engine at {engine.url} was killed by signal 9" in message
+        assert "--use-fault-tolerance" in message and f"serving {model}" in message  # the engine's own log line
+    finally:
+        engines.stop()

@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
 
@@ -23,6 +23,8 @@ from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.engines import WeightTargets
 from slimeflow.stages.rl.plugins import load_plugin
 from slimeflow.stages.rl.remote import ActorFailure
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from slimeflow.stages.rl.rollout import RolloutContext
@@ -103,7 +105,7 @@ class RolloutManager:
         self.first_rollout_id = rollout_id if self.first_rollout_id is None else self.first_rollout_id
         version = served_version(rollout_id, self.first_rollout_id, self.config.weight_sync.update_weights_interval)
         ctx = self._context(None if self.config.debug.debug_rollout_only else str(version))
-        result = self.loop.run_until_complete(generate_rollout(ctx, self.data, rollout_id))
+        result = self._run(generate_rollout(ctx, self.data, rollout_id))
         if self.config.debug.save_debug_rollout_data is not None:
             save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, result.samples,
                          self.config.batch.n_samples_per_prompt)
@@ -119,7 +121,16 @@ class RolloutManager:
         ev, ro = self.config.eval, self.config.rollout
         params = sampling_params(ro, ev.eval_max_response_len, ev.eval_temperature, ev.eval_top_p, ev.eval_top_k)
         settings = EvalSettings(ev.n_samples_per_eval_prompt, params)
-        return self.loop.run_until_complete(evaluate_sets(self._context(version), self.eval_sets, settings))
+        return self._run(evaluate_sets(self._context(version), self.eval_sets, settings))
+
+    def _run(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run rollout work on this actor's loop; when it fails and an engine process has died, say which one and
+        why (its log tail) instead of the connection error the rollout saw."""
+        try:
+            return self.loop.run_until_complete(work)
+        except Exception:
+            self.engines.check_alive()
+            raise
 
     def weight_targets(self) -> WeightTargets:
         """Where the trainer pushes its weights (every engine; see TrainActor.connect_engines)."""

@@ -159,6 +159,10 @@ class WeightSync:
         await asyncio.gather(*(c.aclose() for c in self.clients))
 
 
+class EngineDiedError(RuntimeError):
+    """An engine (or router) process this run started has exited; the message names it and its log tail."""
+
+
 @dataclass
 class EngineSet:
     """Engine URLs, the URL rollouts use, and the processes this run started (stopped by `stop`)."""
@@ -225,6 +229,14 @@ class EngineSet:
             self._client = RoutedClient(EngineClient(self.rollout_url, api_key=self.api_key),
                                         [EngineClient(url, api_key=self.api_key) for url in self.worker_urls])
         return self._client
+
+    def check_alive(self) -> None:
+        """Raise EngineDiedError naming every engine or router process of this run that has exited (how, and its
+        log tail); nothing for external servers or an in-process engine, which have no process here."""
+        reports = [r for r in (getattr(p, "exit_report", lambda: None)() for p in self.processes) if r]
+        if reports:
+            raise EngineDiedError("a rollout engine process of this run is gone (--use-fault-tolerance, which would "
+                                  "restart it, is not built yet):\n" + "\n".join(reports))
 
     def weight_targets(self) -> WeightTargets:
         return WeightTargets(tuple(self.worker_urls), self.hf_checkpoint, self.weights_dir, self.api_key)

@@ -86,6 +86,14 @@ class _ManagedProcess:
         except OSError as err:
             return f"<log {self.log_path} unreadable: {err}>"
 
+    def exit_report(self) -> str | None:
+        """None while the process runs; else what ended it (exit code or signal), its URL and its log tail."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return f"{self.kind} at {self.url} {how}.\nlog tail ({self.log_path}):\n{self.log_tail()}"
+
     def wait_ready(self, path: str, timeout_s: float, ready: Any = None) -> None:
         """Poll GET url+path until it answers 200 (and `ready(response)` holds); stop the process on failure.
 
