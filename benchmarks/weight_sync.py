@@ -7,8 +7,9 @@ trainer side uses ("tensor": safetensors bodies over HTTP; "distributed": broadc
 `WeightSync` pushes the whole model `--repeats` times in buckets of `--buffer-mb`; every push is timed from the
 call to the answer of the engine that has applied it (the engine parses, checks for NaN/Inf and copies into its
 parameters). The baseline is `Tensor.copy_` of the same tensors into preallocated ones in this process (one
-memcpy, the least any update must do). Figures: median bytes/s of each, the ratio (goal >= 0.5x), spread
-(min-max), and the load average before and after.
+memcpy, the least any update must do), timed just before each push, so that each pair sees the same load; the
+figure is the median of the pairs' ratios (push bytes/s over memcpy bytes/s; goal >= 0.5x), with their spread
+(min-max) and the load average before and after.
 
 Then the loop's pattern: `--rollouts` rollouts that push after every Nth (stages/rl/loop.should_push), for N = 1
 and 4, giving seconds of weight sync per rollout (medians over `--repeats` runs).
@@ -33,27 +34,26 @@ from slimeflow.stages.rl.engines import WeightSync, WeightTargets
 from slimeflow.stages.rl.loop import should_push
 
 
-def memcpy_seconds(weights: dict[str, torch.Tensor], repeats: int) -> list[float]:
-    targets = {name: torch.empty_like(t) for name, t in weights.items()}
-    for name, t in weights.items():  # touch every page once: the engine's parameters are resident too
+def memcpy_seconds(weights: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> float:
+    start = time.perf_counter()
+    for name, t in weights.items():
         targets[name].copy_(t)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for name, t in weights.items():
-            targets[name].copy_(t)
-        times.append(time.perf_counter() - start)
-    return times
+    return time.perf_counter() - start
 
 
-async def push_seconds(sync: WeightSync, weights: dict[str, torch.Tensor], repeats: int, tag: str) -> list[float]:
+async def paired_seconds(sync: WeightSync, weights: dict[str, torch.Tensor], repeats: int,
+                         tag: str) -> list[tuple[float, float]]:
+    """(memcpy seconds, push seconds) pairs, each memcpy timed right before its push."""
+    targets = {name: torch.empty_like(t) for name, t in weights.items()}
+    memcpy_seconds(weights, targets)  # touch every page once: the engine's parameters are resident too
     await sync.push(weights, f"{tag}-warm")  # the distributed transport makes its group here
-    times = []
+    pairs = []
     for i in range(repeats):
+        copy = memcpy_seconds(weights, targets)
         start = time.perf_counter()
         await sync.push(weights, f"{tag}-{i}")
-        times.append(time.perf_counter() - start)
-    return times
+        pairs.append((copy, time.perf_counter() - start))
+    return pairs
 
 
 async def per_rollout_seconds(sync: WeightSync, weights: dict[str, torch.Tensor], interval: int,
@@ -93,29 +93,29 @@ def main() -> None:
         weights = {name: p.detach() for name, p in model.named_parameters()}
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         print(f"model: {nbytes / 2**20:.1f} MiB float32 in {len(weights)} tensors; buffer {args.buffer_mb:g} MiB")
-        copy = memcpy_seconds(weights, args.repeats)
-        copy_rate = nbytes / statistics.median(copy)
-        print(f"memcpy (Tensor.copy_): median {statistics.median(copy):.4f} s ({copy_rate / 2**30:.2f} GiB/s), "
-              f"spread {spread(copy)}")
         key = new_api_key()
         with start_engine(model_dir, num_threads=args.threads, api_key=key) as engine:
             targets = WeightTargets((engine.url,), str(model_dir), api_key=key)
             for transport in ("tensor", "distributed"):
                 sync = WeightSync(targets, int(args.buffer_mb * 2**20), transport)
 
-                async def measure(sync: WeightSync = sync, transport: str = transport) -> tuple[list[float], dict]:
+                async def measure(sync: WeightSync = sync, transport: str = transport) -> tuple[list, dict]:
                     try:
-                        pushes = await push_seconds(sync, weights, args.repeats, transport)
+                        pairs = await paired_seconds(sync, weights, args.repeats, transport)
                         per_rollout = {n: [await per_rollout_seconds(sync, weights, n, args.rollouts)
                                            for _ in range(args.repeats)] for n in (1, 4)}
-                        return pushes, per_rollout
+                        return pairs, per_rollout
                     finally:
                         await sync.aclose()
 
-                pushes, per_rollout = asyncio.run(measure())
-                rate = nbytes / statistics.median(pushes)
-                print(f"{transport}: median {statistics.median(pushes):.4f} s per update ({rate / 2**30:.2f} GiB/s, "
-                      f"{rate / copy_rate:.2f}x memcpy), spread {spread(pushes)}; weight sync per rollout over "
+                pairs, per_rollout = asyncio.run(measure())
+                copies, pushes = [c for c, _ in pairs], [p for _, p in pairs]
+                ratios = [c / p for c, p in pairs]
+                print(f"{transport}: median {statistics.median(pushes):.4f} s per update "
+                      f"({nbytes / statistics.median(pushes) / 2**30:.2f} GiB/s; spread {spread(pushes)}) against "
+                      f"memcpy {statistics.median(copies):.4f} s ({nbytes / statistics.median(copies) / 2**30:.2f} "
+                      f"GiB/s; spread {spread(copies)}): {statistics.median(ratios):.2f}x memcpy (spread "
+                      f"{min(ratios):.2f}-{max(ratios):.2f}); weight sync per rollout over "
                       f"{args.rollouts} rollouts: interval 1 {statistics.median(per_rollout[1]):.4f} s "
                       f"(spread {spread(per_rollout[1])}), interval 4 {statistics.median(per_rollout[4]):.4f} s "
                       f"(spread {spread(per_rollout[4])})")

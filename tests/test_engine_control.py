@@ -173,7 +173,7 @@ def test_an_engine_killed_mid_rollout_is_named_with_its_log_tail(tmp_path):
         await engines.aclose()
 
     try:
-        engines.check_alive()  # alive: nothing to say
+        engines.check_alive(grace_s=0.1)  # alive: nothing to say
         asyncio.run(killed_mid_request())
         with pytest.raises(EngineDiedError) as died:
             engines.check_alive()

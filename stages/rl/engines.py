@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -230,10 +231,14 @@ class EngineSet:
                                         [EngineClient(url, api_key=self.api_key) for url in self.worker_urls])
         return self._client
 
-    def check_alive(self) -> None:
-        """Raise EngineDiedError naming every engine or router process of this run that has exited (how, and its
-        log tail); nothing for external servers or an in-process engine, which have no process here."""
-        reports = [r for r in (getattr(p, "exit_report", lambda: None)() for p in self.processes) if r]
+    def check_alive(self, grace_s: float = 1.0) -> None:
+        """Raise EngineDiedError naming every engine or router process of this run that has exited, or exits within
+        `grace_s` (how, and its log tail); nothing for external servers or an in-process engine, which have no
+        process here."""
+        deadline = time.monotonic() + grace_s
+        reports = [p.exit_report(max(0.0, deadline - time.monotonic())) for p in self.processes
+                   if hasattr(p, "exit_report")]
+        reports = [r for r in reports if r]
         if reports:
             raise EngineDiedError("a rollout engine process of this run is gone (--use-fault-tolerance, which would "
                                   "restart it, is not built yet):\n" + "\n".join(reports))
