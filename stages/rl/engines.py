@@ -24,6 +24,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError
 
@@ -75,6 +76,10 @@ class WeightSync:
             raise ValueError("--update-weight-transport: external SGLang servers (--sglang-worker-urls) load weights "
                              "from --sglang-weights-dir only; the embedded engines take them over HTTP (the default) "
                              "or by broadcast (nccl: a gloo group on CPU)")
+        remote = [url for url in targets.worker_urls if urlsplit(url).hostname not in ("127.0.0.1", "localhost")]
+        if transport == "distributed" and remote:
+            raise ValueError(f"--update-weight-transport nccl: the gloo group is made on loopback, for engines on "
+                             f"trainer rank 0's host; {remote} are elsewhere (use the default HTTP transport)")
         self.targets, self.buffer_size, self.transport = targets, buffer_size, transport
         self.clients = [EngineClient(url, api_key=targets.api_key) for url in targets.worker_urls]
         self.group: Any = None  # the WeightGroup of the distributed transport, made at the first push
