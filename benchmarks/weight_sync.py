@@ -30,8 +30,9 @@ import torch
 
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.engine.launch import new_api_key, start_engine
-from slimeflow.stages.rl.engines import WeightSync, WeightTargets
+from slimeflow.stages.rl.engines import WeightTargets
 from slimeflow.stages.rl.loop import should_push
+from slimeflow.stages.rl.weight_sync import WeightSync
 
 
 def memcpy_seconds(weights: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> float:

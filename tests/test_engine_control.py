@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
 from slimeflow.stages.rl.engine.launch import new_api_key, start_engine
-from slimeflow.stages.rl.engines import EngineDiedError, EngineSet, WeightSync, WeightTargets, buckets
+from slimeflow.stages.rl.engines import EngineDiedError, EngineSet, WeightTargets
+from slimeflow.stages.rl.weight_sync import WeightSync, buckets
 
 # ~63 MB of float32 weights (4 layers of 512 x 2048 MLPs): large enough that freeing them shows in resident memory.
 SPEC = TinyModelSpec(seed=5, hidden_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -231,7 +231,7 @@ class TrainActor:
 
     def connect_engines(self, targets: WeightTargets) -> None:
         """Make this rank the one that pushes weights to the engines of `targets` (rank 0; ranks are identical)."""
-        from slimeflow.stages.rl.engines import WeightSync
+        from slimeflow.stages.rl.weight_sync import WeightSync
 
         sync = self.config.weight_sync
         transport = {"nccl": "distributed", "disk": "disk", None: None}[sync.update_weight_transport]
