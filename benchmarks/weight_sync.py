@@ -79,8 +79,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rollouts", type=int, default=8)
     parser.add_argument("--buffer-mb", type=float, default=512.0, help="--update-weight-buffer-size in MiB")
-    parser.add_argument("--threads", type=int, default=1, help="the engine's torch threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine and of the memcpy")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)  # the memcpy runs with the engine's thread count (OpenMP teams spin)
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "| load before:", os.getloadavg())
 
     spec = TinyModelSpec(seed=0, hidden_size=args.hidden, num_hidden_layers=args.layers,

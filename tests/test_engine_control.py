@@ -89,6 +89,13 @@ def test_release_frees_resident_memory_and_resume_reloads_the_weights(engine, re
     assert after["output_ids"] == before["output_ids"] and after["meta_info"]["weight_version"] == "v0"
 
 
+def test_server_info_has_the_fields_slime_sizes_an_external_engine_by(engine):
+    info = httpx.get(engine.url + "/server_info", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
+    assert {k: info[k] for k in ("tp_size", "pp_size", "ep_size", "disaggregation_mode")} == {
+        "tp_size": 1, "pp_size": 1, "ep_size": 1, "disaggregation_mode": "null"}
+    assert info["weight_version"] == "v0"
+
+
 def test_release_refuses_unknown_tags_and_pause_modes_follow_sglang(engine):
     bad = call(engine, "/release_memory_occupation", {"tags": ["weight"]})
     assert bad.status_code == 400 and "unknown memory tags ['weight']" in bad.json()["message"]

@@ -215,6 +215,8 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
                 "weight_version": state.batcher.weight_version, "requests_received": state.requests_received,
                 "max_batch_size": state.max_batch_size, "dtype": state.dtype,
                 "device": str(state.loaded.device), "admission_rounds": state.batcher.admission_rounds,
+                # SGLang's server arguments that slime reads to size an external engine: one device, no parallelism.
+                "tp_size": 1, "pp_size": 1, "ep_size": 1, "dp_size": 1, "disaggregation_mode": "null",
                 **state.batcher.load()}
 
 
