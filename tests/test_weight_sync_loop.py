@@ -24,6 +24,15 @@ def test_the_weight_sync_flags_parse_under_slimes_names():
         load_stage_config("train", None, [*TRAIN, "--update-weight-transport", "ipc"])
 
 
+def test_fault_tolerance_flags_are_refused_by_name_with_what_happens_instead():
+    for flag, value in (("--use-fault-tolerance", []), ("--rollout-health-check-interval", ["10"]),
+                        ("--rollout-health-check-timeout", ["5"]), ("--rollout-health-check-first-wait", ["0"])):
+        with pytest.raises(ConfigError) as err:
+            load_stage_config("train", None, [*TRAIN, flag, *value])
+        assert f"{flag}: not supported yet (engine health checks and restarts" in str(err.value)
+        assert "a dead engine process ends the run with an error naming it and its log tail" in str(err.value)
+
+
 @pytest.mark.slow
 def test_a_run_pushes_every_interval_in_buckets_over_a_gloo_group(tmp_path, monkeypatch):
     import ray

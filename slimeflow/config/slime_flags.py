@@ -5,9 +5,15 @@ from __future__ import annotations
 _MOE = ("mixture-of-experts Megatron flags are read only by the Megatron backend, not in this version; the torch "
         "backend and the converter take a Qwen3-MoE model's experts from its HF config")
 
+_FAULT_TOLERANCE = ("engine health checks and restarts (--use-fault-tolerance) are not built: a dead engine "
+                    "process ends the run with an error naming it and its log tail")
+
 NOT_YET_SUPPORTED: dict[str, str] = {
     "--async-buffer-size": "asynchronous training (slime's train_async.py) is not supported yet",
-    "--use-fault-tolerance": "engine health checks and restarts are not supported yet",
+    "--use-fault-tolerance": _FAULT_TOLERANCE,
+    "--rollout-health-check-interval": _FAULT_TOLERANCE,
+    "--rollout-health-check-timeout": _FAULT_TOLERANCE,
+    "--rollout-health-check-first-wait": _FAULT_TOLERANCE,
     "--offload": "offloading the trainer's state around rollouts (colocated mode) is not supported yet",
     "--offload-train": "offloading the trainer's state around rollouts (colocated mode) is not supported yet",
     "--offload-rollout": "releasing the engines' memory during training (colocated mode) is not supported yet",
