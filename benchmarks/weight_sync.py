@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/weight_sync.py [--hidden 768] [--layers 6] [--repeats 5] [--rollouts 8]
 
 One engine process serves a random Llama-style model (float32; its size is printed). For each transport the
-trainer side uses ("tensor": safetensors bodies over HTTP; "distributed": broadcast in a gloo group), a
+trainer side uses ("tensor": safetensors bodies over HTTP; "shared_memory": a /dev/shm file the engine copies from,
+what --colocate uses; "distributed": broadcast in a gloo group), a
 `WeightSync` pushes the whole model `--repeats` times in buckets of `--buffer-mb`; every push is timed from the
 call to the answer of the engine that has applied it (the engine parses, checks for NaN/Inf and copies into its
 parameters). The baseline is `Tensor.copy_` of the same tensors into preallocated ones in this process (one
@@ -98,7 +99,7 @@ def main() -> None:
         key = new_api_key()
         with start_engine(model_dir, num_threads=args.threads, api_key=key) as engine:
             targets = WeightTargets((engine.url,), str(model_dir), api_key=key)
-            for transport in ("tensor", "distributed"):
+            for transport in ("tensor", "shared_memory", "distributed"):
                 sync = WeightSync(targets, int(args.buffer_mb * 2**20), transport)
 
                 async def measure(sync: WeightSync = sync, transport: str = transport) -> tuple[list, dict]:

@@ -122,7 +122,7 @@ def shifted_weights(reference, seed: int) -> dict[str, torch.Tensor]:
     return {name: p.detach() + 0.02 * torch.randn(p.shape, generator=noise) for name, p in reference.named_parameters()}
 
 
-@pytest.mark.parametrize("transport", ["tensor", "distributed"])
+@pytest.mark.parametrize("transport", ["tensor", "shared_memory", "distributed"])
 def test_bucketed_pushes_reach_the_engine_as_one_version(engine, reference, model_dir, transport):
     weights = shifted_weights(reference, seed=7)
     limit = 4 * 2**20  # 4 MiB buckets: the 4 MiB MLP matrices go one per bucket, the small tensors together
@@ -149,6 +149,18 @@ def test_bucketed_pushes_reach_the_engine_as_one_version(engine, reference, mode
     assert answer["output_ids"] == hf_greedy(target) != hf_greedy(reference)
     asyncio.run(WeightSync(WeightTargets((engine.url,), str(model_dir), api_key=KEY)).push(
         dict(reference.named_parameters()), "v0"))
+
+
+def test_shared_memory_updates_read_only_the_trainers_segment_files(engine, tmp_path):
+    elsewhere = tmp_path / "slimeflow-weights-x"
+    elsewhere.write_bytes(b"\0" * 64)
+    for description, words in ((f'{{"path": "{elsewhere}", "size": 64, "tensors": []}}', "is not a /dev/shm/"),
+                               ("not json", "is not the trainer's segment JSON")):
+        answer = call(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [description],
+                                                              "load_format": "slimeflow_shared_memory"})
+        assert answer.status_code == 400 and words in answer.json()["message"]
+    pickled = call(engine, "/update_weights_from_tensor", {"serialized_named_tensors": ["gASV"]})
+    assert pickled.status_code == 400 and "pickled tensors are not read" in pickled.json()["message"]
 
 
 def test_distributed_update_without_a_group_or_with_bad_metadata_is_refused(engine):

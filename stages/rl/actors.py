@@ -234,7 +234,9 @@ class TrainActor:
         from slimeflow.stages.rl.weight_sync import WeightSync
 
         sync = self.config.weight_sync
-        transport = {"nccl": "distributed", "disk": "disk", None: None}[sync.update_weight_transport]
+        # As slime: colocated engines take tensors in place (CUDA IPC there; a /dev/shm file here), others by nccl.
+        colocated = "shared_memory" if self.config.placement.colocate and targets.weights_dir is None else None
+        transport = {"nccl": "distributed", "disk": "disk", None: colocated}[sync.update_weight_transport]
         self.weight_sync = WeightSync(targets, sync.update_weight_buffer_size, transport)
         self.loop = asyncio.new_event_loop()
 

@@ -22,7 +22,7 @@ from slimeflow.stages.rl.engines import WeightTargets
 
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
 """slime's --update-weight-buffer-size default (bytes per bucket)."""
-TRANSPORTS = ("tensor", "distributed", "disk")
+TRANSPORTS = ("tensor", "shared_memory", "distributed", "disk")
 
 
 def buckets(named_tensors: Mapping[str, Any], limit: int) -> Iterator[dict[str, Any]]:
@@ -57,12 +57,13 @@ class WeightSync:
                              "from --sglang-weights-dir only; the embedded engines take them over HTTP (the default) "
                              "or by broadcast (nccl: a gloo group on CPU)")
         remote = [url for url in targets.worker_urls if urlsplit(url).hostname not in ("127.0.0.1", "localhost")]
-        if transport == "distributed" and remote:
-            raise ValueError(f"--update-weight-transport nccl: the gloo group is made on loopback, for engines on "
-                             f"trainer rank 0's host; {remote} are elsewhere (use the default HTTP transport)")
+        if transport in ("distributed", "shared_memory") and remote:
+            raise ValueError(f"weight transport {transport} reaches engines on trainer rank 0's host only (a loopback "
+                             f"gloo group, a /dev/shm file); {remote} are elsewhere (use the default HTTP transport)")
         self.targets, self.buffer_size, self.transport = targets, buffer_size, transport
         self.clients = [EngineClient(url, api_key=targets.api_key) for url in targets.worker_urls]
         self.group: Any = None  # the WeightGroup of the distributed transport, made at the first push
+        self.segment: Any = None  # the SegmentWriter of the shared_memory transport
         self.buckets_sent = 0
 
     async def push(self, named_tensors: Mapping[str, Any], version: str) -> str:
@@ -71,7 +72,8 @@ class WeightSync:
             # An embedded engine answers once it serves `version` (and every rollout answer is checked against the
             # rollout's version), so asking it again would only cost a round trip (~1 ms of a ~12 ms update).
             parts = list(buckets(named_tensors, self.buffer_size))
-            send = self._send_tensors if self.transport == "tensor" else self._send_distributed
+            send = {"tensor": self._send_tensors, "shared_memory": self._send_shared,
+                    "distributed": self._send_distributed}[self.transport]
             if len(parts) > 1:
                 await self._all("/pause_generation")
             for part in parts:
@@ -93,6 +95,15 @@ class WeightSync:
 
     async def _send_tensors(self, part: dict[str, Any], version: str) -> None:
         await asyncio.gather(*(c.update_weights_from_tensor(part, version) for c in self.clients))
+
+    async def _send_shared(self, part: dict[str, Any], version: str) -> None:
+        """Copy the bucket into a /dev/shm file once; every engine copies it from there into its model."""
+        from slimeflow.stages.rl.engine.shared_segment import LOAD_FORMAT, SegmentWriter
+
+        self.segment = self.segment or SegmentWriter()
+        body = {"serialized_named_tensors": [self.segment.write(part)], "load_format": LOAD_FORMAT,
+                "weight_version": version, "flush_cache": False}
+        await self._all("/update_weights_from_tensor", body)
 
     async def _send_distributed(self, part: dict[str, Any], version: str) -> None:
         """SGLang's protocol: each engine gets the names, dtypes and shapes, then every tensor by broadcast."""
@@ -138,6 +149,8 @@ class WeightSync:
         return str(target)
 
     async def aclose(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
         if self.group is not None:
             await self._all("/destroy_weights_update_group", {"group_name": self.group.name})
             self.group.close()

@@ -39,6 +39,7 @@ from slimeflow.stages.rl.engine.control import add_control_routes
 from slimeflow.stages.rl.engine.guard import API_KEY_ENV, BodyTooLargeError, Guard
 from slimeflow.stages.rl.engine.protocol import PromptLimits, parse_generate, to_response
 from slimeflow.stages.rl.engine.sampling import BadRequestError, SamplingParams
+from slimeflow.stages.rl.engine.shared_segment import LOAD_FORMAT, read_segment
 from slimeflow.stages.rl.engine.weights import (
     ForbiddenError,
     LoadedModel,
@@ -78,6 +79,8 @@ class EngineState:
     host: str = "127.0.0.1"
     """The address this engine serves on (and joins weight-update groups from)."""
     requests_received: int = 0
+    segments: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The trainer's shared-memory segment, mapped once (shared_segment.read_segment)."""
     # Tokenising a long `text` takes seconds: done here, never on the event loop that answers /health.
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize"))
@@ -190,13 +193,18 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request, weight_version: str | None = None):
-        payload = await request.body()
-        try:
-            tensors = await asyncio.to_thread(load_safetensors, payload)
-        except (SafetensorError, ValueError) as err:
-            raise BadRequestError(
-                f"the body is not safetensors bytes ({err}); send safetensors.torch.save(named_tensors)"
-            ) from None
+        if request.headers.get("content-type", "").startswith("application/json"):
+            body = await _json(request)
+            tensors = _shared_tensors(body, state)
+            weight_version = body.get("weight_version", weight_version)
+        else:
+            payload = await request.body()
+            try:
+                tensors = await asyncio.to_thread(load_safetensors, payload)
+            except (SafetensorError, ValueError) as err:
+                raise BadRequestError(
+                    f"the body is not safetensors bytes ({err}); send safetensors.torch.save(named_tensors)"
+                ) from None
         await asyncio.to_thread(check_finite, tensors, state.batcher.weight_version)
         aborted = await asyncio.wrap_future(state.batcher.update_weights(tensors, weight_version))
         return {"success": True, "message": f"updated {len(tensors)} tensors; aborted {aborted} running requests"}
@@ -218,6 +226,17 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
                 # SGLang's server arguments that slime reads to size an external engine: one device, no parallelism.
                 "tp_size": 1, "pp_size": 1, "ep_size": 1, "dp_size": 1, "disaggregation_mode": "null",
                 **state.batcher.load()}
+
+
+def _shared_tensors(body: dict, state: EngineState) -> dict[str, torch.Tensor]:
+    """SGLang's JSON form: only its shared-memory flavour (shared_segment.py) is read; pickled tensors are not."""
+    entries = body.get("serialized_named_tensors")
+    if body.get("load_format") != LOAD_FORMAT or not (isinstance(entries, list) and len(entries) == 1
+                                                      and isinstance(entries[0], str)):
+        raise BadRequestError(f"the embedded engine reads SGLang's JSON /update_weights_from_tensor only with "
+                              f"load_format {LOAD_FORMAT!r} and one segment description (pickled tensors are not "
+                              "read); or send safetensors bytes")
+    return read_segment(entries[0], state.segments)
 
 
 def _read_update(path: str, state: EngineState) -> dict[str, torch.Tensor]:
