@@ -1,6 +1,7 @@
-"""--update-weights-interval, --update-weight-buffer-size and --update-weight-transport nccl through a real train
-stage on Ray: the trainer pushes every 2 rollouts, in buckets, by broadcast in a gloo group, and every rollout
-answer is checked against the version the engines should serve (a wrong one fails the run)."""
+"""--update-weights-interval and --update-weight-buffer-size through a real train stage on Ray, colocated: the
+trainer pushes every 2 rollouts, in buckets, through a /dev/shm file, and every rollout answer is checked against the
+version the engines should serve (a wrong one fails the run). The gloo transport's run (--update-weight-transport
+nccl) is the same but for the flag; test_engine_control checks both transports' buckets against HF's outputs."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_fault_tolerance_flags_are_refused_by_name_with_what_happens_instead():
 
 
 @pytest.mark.slow
-def test_a_run_pushes_every_interval_in_buckets_over_a_gloo_group(tmp_path, monkeypatch):
+def test_a_colocated_run_pushes_every_interval_in_buckets_through_shared_memory(tmp_path, monkeypatch):
     import ray
     from test_debug_modes import run_stage
     from test_train_e2e import train_config
@@ -43,7 +44,7 @@ def test_a_run_pushes_every_interval_in_buckets_over_a_gloo_group(tmp_path, monk
     config, _ = train_config(tmp_path / "prep", **{
         "num-rollout": 3, "rollout-batch-size": 4, "n-samples-per-prompt": 4, "eval-interval": 1,
         "save-interval": None, "update-weights-interval": 2, "update-weight-buffer-size": 65536,
-        "update-weight-transport": "nccl"})
+        "colocate": True})
     try:
         records, _, manifest = run_stage(config, tmp_path / "run", monkeypatch)
     finally:

@@ -104,6 +104,7 @@ class WeightSync:
         body = {"serialized_named_tensors": [self.segment.write(part)], "load_format": LOAD_FORMAT,
                 "weight_version": version, "flush_cache": False}
         await self._all("/update_weights_from_tensor", body)
+        self.segment.mapped()
 
     async def _send_distributed(self, part: dict[str, Any], version: str) -> None:
         """SGLang's protocol: each engine gets the names, dtypes and shapes, then every tensor by broadcast."""

@@ -5,7 +5,8 @@ The trainer copies a bucket into a file under /dev/shm once (`SegmentWriter`) an
 entry of SGLang's `serialized_named_tensors`, with `load_format` LOAD_FORMAT; the engine maps the file and copies
 straight from it into its parameters (`read_segment`), so the bytes cross no socket and are parsed by nobody. The
 description is JSON (never a pickle): {"path", "size", "tensors": [[name, dtype, shape, offset], ...]}. The engine
-maps only files named PREFIX* directly under /dev/shm.
+maps only files named PREFIX* directly under /dev/shm, once, and keeps the mapping; once every engine has mapped it,
+the trainer removes the file's name (`SegmentWriter.mapped`), so that a killed run leaves nothing in /dev/shm.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class SegmentWriter:
             self._finalizer = weakref.finalize(self, _unlink, self.path)
         return self.buffer
 
+    def mapped(self) -> None:
+        """Every engine has mapped the segment: remove its name (the mappings, and so the memory, stay)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
     def close(self) -> None:
         self.buffer = None
         if self._finalizer is not None:
@@ -80,15 +86,11 @@ def read_segment(description: str, cache: dict[str, torch.Tensor]) -> dict[str, 
         path, size, entries = str(spec["path"]), int(spec["size"]), spec["tensors"]
     except (ValueError, KeyError, TypeError) as err:
         raise BadRequestError(f"{LOAD_FORMAT}: the description is not the trainer's segment JSON ({err})") from None
-    real = Path(os.path.realpath(path))
-    if real.parent != SEGMENT_DIR or not real.name.startswith(PREFIX) or not real.is_file():
-        raise BadRequestError(f"{LOAD_FORMAT}: {path!r} is not a {SEGMENT_DIR}/{PREFIX}* file")
-    if real.stat().st_size < size:
-        raise BadRequestError(f"{LOAD_FORMAT}: {path} holds {real.stat().st_size} bytes, fewer than {size}")
-    buffer = cache.get(str(real))
+    buffer = cache.get(path)
     if buffer is None or buffer.numel() != size:
-        cache.clear()  # the trainer keeps one segment: an older mapping is of a file it removed
-        buffer = cache[str(real)] = torch.from_file(str(real), shared=True, size=size, dtype=torch.uint8)
+        buffer = _map(path, size)
+        cache.clear()  # the trainer keeps one segment: an older mapping is of a file it replaced
+        cache[path] = buffer
     tensors = {}
     try:
         for name, dtype, shape, offset in entries:
@@ -103,3 +105,12 @@ def read_segment(description: str, cache: dict[str, torch.Tensor]) -> dict[str, 
     except (ValueError, TypeError, RuntimeError) as err:
         raise BadRequestError(f"{LOAD_FORMAT}: {err}") from None
     return tensors
+
+
+def _map(path: str, size: int) -> torch.Tensor:
+    real = Path(os.path.realpath(path))
+    if real.parent != SEGMENT_DIR or not real.name.startswith(PREFIX) or not real.is_file():
+        raise BadRequestError(f"{LOAD_FORMAT}: {path!r} is not a {SEGMENT_DIR}/{PREFIX}* file")
+    if real.stat().st_size < size:
+        raise BadRequestError(f"{LOAD_FORMAT}: {path} holds {real.stat().st_size} bytes, fewer than {size}")
+    return torch.from_file(str(real), shared=True, size=size, dtype=torch.uint8)
