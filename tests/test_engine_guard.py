@@ -58,7 +58,10 @@ def version(engine) -> str:
 MUTATING = [("POST", "/update_weights_from_disk", {"model_path": "/tmp"}), ("POST", "/update_weights_from_tensor", None),
             ("POST", "/abort_request", {"abort_all": True}), ("POST", "/pause_generation", None),
             ("POST", "/continue_generation", None), ("POST", "/flush_cache", None),
-            ("POST", "/generate", {"input_ids": PROMPT}), ("GET", "/get_model_info", None)]
+            ("POST", "/generate", {"input_ids": PROMPT}), ("GET", "/get_model_info", None),
+            ("POST", "/release_memory_occupation", None), ("POST", "/resume_memory_occupation", None),
+            ("POST", "/init_weights_update_group", None), ("POST", "/update_weights_from_distributed", None),
+            ("POST", "/destroy_weights_update_group", None)]
 
 
 @pytest.mark.parametrize("key", [None, "wrong-key"], ids=["no-key", "wrong-key"])
@@ -211,7 +214,8 @@ def test_external_servers_get_the_sglang_api_key_on_every_call(engine, model_dir
     the rollout client and by the weight sync, which writes into the servers' weights directory."""
     from transformers import AutoModelForCausalLM
 
-    from slimeflow.stages.rl.engines import EngineSet, WeightSync
+    from slimeflow.stages.rl.engines import EngineSet
+    from slimeflow.stages.rl.weight_sync import WeightSync
 
     weights_dir = engine.command[engine.command.index("--weights-dir") + 1]
     engines = EngineSet.start(str(model_dir), {"worker_urls": [engine.url], "weights_dir": weights_dir,

@@ -103,6 +103,18 @@ def test_a_resumed_loop_restores_the_data_position_and_starts_after_the_checkpoi
     assert result.start_rollout_id == 2 and sorted(result.row_ids) == [2, 3]
 
 
+def test_weights_are_pushed_every_update_weights_interval_and_evaluated_as_served():
+    recorder, reports = Recorder(), Reports()
+    placement = FakePlacement(recorder, weight_sync={"update_weights_interval": 2}, eval={"eval_interval": 1})
+    loop.train(placement, 5, reports)
+    assert [c[1] for c in recorder.calls if c[0] == "update"] == [0, 2, 4]
+    # Evaluation after rollout k runs on the weights the engines serve: the last pushed version.
+    assert [c[1] for c in recorder.calls if c[0] == "eval"] == ["0", "0", "2", "2", "4", "4"]
+    assert reports.evals == [0, 1, 2, 3, 4, 5]
+    assert [loop.served_version(r, 0, 2) for r in range(5)] == [0, 0, 2, 2, 4]
+    assert [loop.served_version(r, 3, 4) for r in range(3, 10)] == [3, 4, 4, 4, 4, 8, 8]  # resumed at 3
+
+
 def test_a_finished_run_does_nothing():
     recorder = Recorder(start=4)
     result = loop.train(FakePlacement(recorder), 4, Reports())

@@ -10,10 +10,15 @@ _MOE = ("a Megatron mixture-of-experts runtime flag (dispatch, kernels, load bal
         "backend, not in this version; the experts' shape flags (--num-experts, --moe-router-topk, ...) are taken "
         "and checked against the HF config")
 
+_FAULT_TOLERANCE = ("engine health checks and restarts (--use-fault-tolerance) are not built: a dead engine "
+                    "process ends the run with an error naming it and its log tail")
+
 NOT_YET_SUPPORTED: dict[str, str] = {
     "--async-buffer-size": "asynchronous training (slime's train_async.py) is not supported yet",
-    "--update-weights-interval": "asynchronous training (slime's train_async.py) is not supported yet",
-    "--use-fault-tolerance": "engine health checks and restarts are not supported yet",
+    "--use-fault-tolerance": _FAULT_TOLERANCE,
+    "--rollout-health-check-interval": _FAULT_TOLERANCE,
+    "--rollout-health-check-timeout": _FAULT_TOLERANCE,
+    "--rollout-health-check-first-wait": _FAULT_TOLERANCE,
     "--offload": "offloading the trainer's state around rollouts (colocated mode) is not supported yet",
     "--offload-train": "offloading the trainer's state around rollouts (colocated mode) is not supported yet",
     "--offload-rollout": "releasing the engines' memory during training (colocated mode) is not supported yet",
@@ -54,7 +59,6 @@ NOT_YET_SUPPORTED.update({flag: _MTP for flag in ("--mtp-num-layers", "--mtp-los
 NOT_YET_SUPPORTED.update({
     "--post-self-attn-layernorm": _SANDWICH,
     "--post-mlp-layernorm": _SANDWICH,
-    "--update-weight-buffer-size": "bucketed weight sync is not supported yet: weights go to the engines whole",
     "--prefill-num-servers": "prefill/decode disaggregation is not supported yet",
     "--no-offload-train": "offload is not supported yet",
     "--no-offload-rollout": "offload is not supported yet",
@@ -150,8 +154,9 @@ _NEW_ATTENTION = ("gated / linear attention (Qwen3-Next, Qwen3.5) is not support
                   "and Qwen3-MoE only")
 _CI = "slime's CI assertions are not supported: slimeflow's test suite checks these properties itself"
 _PROFILE = "memory and step profiling is not supported yet"
-_WEIGHT_SYNC = "weight sync goes over the engines' HTTP update endpoints; other transports are not supported yet"
-_HEALTH = "engine health checks and restarts are not supported yet"
+_WEIGHT_SYNC = ("delta weight updates, their disk files and checks are not supported yet: weights go whole, over HTTP, "
+                "a /dev/shm file (--colocate), a gloo group (--update-weight-transport nccl) or disk (external "
+                "servers)")
 _EVAL_KEYS = ("per-eval-set data keys and lengths are not supported yet: the eval sets use --input-key, --label-key "
               "and the --eval-* sampling flags")
 NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (
@@ -170,11 +175,9 @@ NOT_YET_SUPPORTED.update({flag: _PROFILE for flag in (
     "--memory-recorder", "--memory-snapshot-dir", "--memory-snapshot-num-steps", "--profile-target",
     "--record-memory-history")})
 NOT_YET_SUPPORTED.update({flag: _WEIGHT_SYNC for flag in (
-    "--update-weight-mode", "--update-weight-transport", "--update-weight-delta-checksum",
+    "--update-weight-mode", "--update-weight-delta-checksum",
     "--update-weight-delta-encoding", "--update-weight-disk-dir", "--update-weight-disk-keep-files",
     "--update-weight-local-checkpoint-dir", "--check-weight-update-equal")})
-NOT_YET_SUPPORTED.update({flag: _HEALTH for flag in (
-    "--rollout-health-check-interval", "--rollout-health-check-timeout", "--rollout-health-check-first-wait")})
 NOT_YET_SUPPORTED.update({flag: _EVAL_KEYS for flag in (
     "--eval-input-key", "--eval-label-key", "--eval-tool-key", "--eval-max-prompt-len", "--eval-min-new-tokens",
     "--eval-max-context-len")})

@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
 
@@ -23,6 +23,8 @@ from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.engines import WeightTargets
 from slimeflow.stages.rl.plugins import load_plugin
 from slimeflow.stages.rl.remote import ActorFailure
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from slimeflow.stages.rl.placement_group import EnginePlacement
@@ -57,6 +59,7 @@ class RolloutManager:
 
         self.config = config
         self.setup = setup
+        self.first_rollout_id: int | None = None
         # The engines import and load (seconds) while this actor sets up the rest, transformers' import included.
         launching = EngineSet.launch(setup.hf_checkpoint, config.sglang.args, setup.num_engines, setup.engine_threads,
                                      in_process=config.placement.engine_in_process, placed=setup.engines_on,
@@ -101,21 +104,29 @@ class RolloutManager:
                               api_key=self.engines.api_key)
 
     def generate(self, rollout_id: int) -> tuple[PackedBatch, dict[str, float], list[list[str]]]:
-        """Rollout `rollout_id` with the weights of version `rollout_id`: (train batch, metrics, row ids per group)."""
+        """Rollout `rollout_id` with the weights the engines serve (version `rollout_id`, or the last pushed with
+        --update-weights-interval): (train batch, metrics, row ids per group)."""
         from slimeflow.stages.rl.debug_data import row_ids, save_rollout
+        from slimeflow.stages.rl.loop import served_version
         from slimeflow.stages.rl.rollout import generate_rollout
         from slimeflow.stages.rl.slime_rollout_hooks import train_batch
         from slimeflow.stages.rl.types import PackedBatch
 
-        # With --debug-rollout-only no trainer pushes weights: every rollout comes from the start weights.
-        ctx = self._context(None if self.config.debug.debug_rollout_only else str(rollout_id))
+        # The loop's first rollout follows its first push; with --debug-rollout-only no trainer pushes weights.
+        self.first_rollout_id = rollout_id if self.first_rollout_id is None else self.first_rollout_id
+        version = served_version(rollout_id, self.first_rollout_id, self.config.weight_sync.update_weights_interval)
+        ctx = self._context(None if self.config.debug.debug_rollout_only else str(version))
         if self.config.rollout.rollout_function_path is None:
-            result = self.loop.run_until_complete(generate_rollout(ctx, self.data, rollout_id))
+            result = self._run(generate_rollout(ctx, self.data, rollout_id))
         else:  # slime's contract: a synchronous function that runs its coroutines on slime's background loop
             from slimeflow.stages.rl.slime_rollout_hooks import run_rollout_function
 
             function = load_plugin(self.config.rollout.rollout_function_path, "rollout-function-path")
-            result = run_rollout_function(function, ctx, self.data, rollout_id)
+            try:
+                result = run_rollout_function(function, ctx, self.data, rollout_id)
+            except Exception:
+                self.engines.check_alive()
+                raise
         if self.config.debug.save_debug_rollout_data is not None:
             save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, result.samples,
                          self.config.batch.n_samples_per_prompt)
@@ -140,7 +151,16 @@ class RolloutManager:
         settings = EvalSettings(ev.n_samples_per_eval_prompt, params)
         ctx = self._context(version)
         ctx.rollout_id = int(version) if version is not None and version.isdigit() else None  # the loop's version
-        return self.loop.run_until_complete(evaluate_sets(ctx, self.eval_sets, settings))
+        return self._run(evaluate_sets(ctx, self.eval_sets, settings))
+
+    def _run(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run rollout work on this actor's loop; when it fails and an engine process has died, say which one and
+        why (its log tail) instead of the connection error the rollout saw."""
+        try:
+            return self.loop.run_until_complete(work)
+        except Exception:
+            self.engines.check_alive()
+            raise
 
     def weight_targets(self) -> WeightTargets:
         """Where the trainer pushes its weights (every engine; see TrainActor.connect_engines)."""
@@ -245,9 +265,14 @@ class TrainActor:
 
     def connect_engines(self, targets: WeightTargets) -> None:
         """Make this rank the one that pushes weights to the engines of `targets` (rank 0; ranks are identical)."""
-        from slimeflow.stages.rl.engines import WeightSync
+        from slimeflow.stages.rl.weight_sync import WeightSync
 
-        self.weight_sync, self.loop = WeightSync(targets), asyncio.new_event_loop()
+        sync = self.config.weight_sync
+        # As slime: colocated engines take tensors in place (CUDA IPC there; a /dev/shm file here), others by nccl.
+        colocated = "shared_memory" if self.config.placement.colocate and targets.weights_dir is None else None
+        transport = {"nccl": "distributed", "disk": "disk", None: colocated}[sync.update_weight_transport]
+        self.weight_sync = WeightSync(targets, sync.update_weight_buffer_size, transport)
+        self.loop = asyncio.new_event_loop()
 
     def update_weights(self, version: str) -> str:
         """Push the current weights to every engine as `version` (rank 0, after connect_engines); returns the

@@ -2,10 +2,9 @@
 or external SGLang servers (`--sglang-worker-urls URL ...`, optionally `--sglang-router-ip/--sglang-router-port`).
 
 Rollouts go to one URL (the router's, or the only engine's). Weights go from the trainer straight to every engine
-(a `WeightSync` in the TrainActor that holds them, as slime's actor pushes to its engines): embedded engines take the
-tensors over HTTP (`/update_weights_from_tensor`); external SGLang servers load an HF directory written to
-`--sglang-weights-dir` (a path every server can read) through `/update_weights_from_disk`. HTTP clients are kept for
-the life of the run (a new one per call cost a TLS context and a TCP connection every rollout).
+(weight_sync.WeightSync in the TrainActor that holds them, as slime's actor pushes to its engines; `WeightTargets`
+says where). HTTP clients are kept for the life of the run (a new one per call cost a TLS context and a TCP
+connection every rollout).
 
 Every client carries the run's API key: a new one for the embedded engines (and the router) of each run, or
 `--sglang-api-key` for external SGLang servers and router started with `--api-key`.
@@ -14,11 +13,10 @@ Every client carries the run's API key: a new one for the embedded engines (and 
 from __future__ import annotations
 
 import asyncio
-import shutil
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError
@@ -38,42 +36,8 @@ class WeightTargets:
     api_key: str | None = field(default=None, repr=False)
 
 
-class WeightSync:
-    """Pushes HF-named tensors to every engine of `targets` as one weight version, on kept HTTP clients."""
-
-    def __init__(self, targets: WeightTargets):
-        self.targets = targets
-        self.clients = [EngineClient(url, api_key=targets.api_key) for url in targets.worker_urls]
-
-    async def push(self, named_tensors: Mapping[str, Any], version: str) -> str:
-        """Every engine serves `version` afterwards; raises naming the engine that did not take it."""
-        if self.targets.weights_dir is None:
-            # An embedded engine answers once it serves `version` (and every rollout answer is checked against the
-            # rollout's version), so asking it again would only cost a round trip (~1 ms of a ~12 ms update).
-            await asyncio.gather(*(c.update_weights_from_tensor(dict(named_tensors), version) for c in self.clients))
-            return version
-        path = self._write_hf(named_tensors, version)
-        await asyncio.gather(*(c.update_weights_from_disk(path, version) for c in self.clients))
-        served = await asyncio.gather(*(c.weight_version() for c in self.clients))
-        wrong = {url: v for url, v in zip(self.targets.worker_urls, served, strict=True) if v != version}
-        if wrong:
-            raise RuntimeError(f"after pushing weight version {version!r}, engines serve {wrong}")
-        return version
-
-    def _write_hf(self, named_tensors: Mapping[str, Any], version: str) -> str:
-        from safetensors.torch import save_file
-
-        assert self.targets.weights_dir is not None
-        target = Path(self.targets.weights_dir) / f"v{version}"
-        target.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in named_tensors.items()}, str(target / "model.safetensors"))
-        for item in Path(self.targets.hf_checkpoint).iterdir():
-            if item.is_file() and not item.name.endswith((".safetensors", ".bin")) and item.name != "model.safetensors.index.json":
-                shutil.copy2(item, target / item.name)
-        return str(target)
-
-    async def aclose(self) -> None:
-        await asyncio.gather(*(c.aclose() for c in self.clients))
+class EngineDiedError(RuntimeError):
+    """An engine (or router) process this run started has exited; the message names it and its log tail."""
 
 
 @dataclass
@@ -156,6 +120,18 @@ class EngineSet:
             self._client = RoutedClient(EngineClient(self.rollout_url, api_key=self.api_key),
                                         [EngineClient(url, api_key=self.api_key) for url in self.worker_urls])
         return self._client
+
+    def check_alive(self, grace_s: float = 1.0) -> None:
+        """Raise EngineDiedError naming every engine or router process of this run that has exited, or exits within
+        `grace_s` (how, and its log tail); nothing for external servers or an in-process engine, which have no
+        process here."""
+        deadline = time.monotonic() + grace_s
+        reports = [p.exit_report(max(0.0, deadline - time.monotonic())) for p in self.processes
+                   if hasattr(p, "exit_report")]
+        reports = [r for r in reports if r]
+        if reports:
+            raise EngineDiedError("a rollout engine process of this run is gone (--use-fault-tolerance, which would "
+                                  "restart it, is not built yet):\n" + "\n".join(reports))
 
     def weight_targets(self) -> WeightTargets:
         return WeightTargets(tuple(self.worker_urls), self.hf_checkpoint, self.weights_dir, self.api_key)

@@ -74,12 +74,14 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
             with timer("save"):
                 result.checkpoint = actor_group.save(rollout_id, {"data_source": rollout_manager.state_dict()})
 
-        with timer("update_weights"):
-            actor_group.update_weights(version=rollout_id + 1)
+        if should_push(config.weight_sync.update_weights_interval, rollout_id):
+            with timer("update_weights"):
+                actor_group.update_weights(version=rollout_id + 1)
 
         if should_run(config.eval.eval_interval, rollout_id, num_rollout):
             with timer("eval"):
-                result.eval_history[rollout_id + 1] = evaluate(rollout_manager, rollout_id + 1, report)
+                served = served_version(rollout_id + 1, start_rollout_id, config.weight_sync.update_weights_interval)
+                result.eval_history[rollout_id + 1] = evaluate(rollout_manager, rollout_id + 1, report, served)
         result.last_metrics = {**rollout_metrics, **train_metrics, **timer.seconds}
         report.rollout(rollout_id, result.last_metrics)
     return result
@@ -114,7 +116,20 @@ def should_save(interval: int | None, rollout_id: int, num_rollout: int) -> bool
     return should_run(interval, rollout_id, num_rollout) or rollout_id + 1 == num_rollout
 
 
-def evaluate(rollout_manager, version: int, report: Reporter) -> Metrics:
-    metrics = rollout_manager.evaluate(str(version))
+def should_push(interval: int, rollout_id: int) -> bool:
+    """Push the weights after rollout `rollout_id`: every `interval` rollouts (--update-weights-interval)."""
+    return (rollout_id + 1) % interval == 0
+
+
+def served_version(rollout_id: int, start_rollout_id: int, interval: int) -> int:
+    """The weight version the engines serve for rollout `rollout_id`: the last one pushed, at the start
+    (`start_rollout_id`) or after a rollout that `should_push`."""
+    return max(start_rollout_id, rollout_id - rollout_id % interval)
+
+
+def evaluate(rollout_manager, version: int, report: Reporter, served: int | None = None) -> Metrics:
+    """Evaluate after `version` rollouts, with the weights of version `served` (default `version`; older between
+    pushes with --update-weights-interval)."""
+    metrics = rollout_manager.evaluate(str(version if served is None else served))
     report.evaluation(version, metrics)
     return metrics

@@ -34,8 +34,14 @@ import torch
 from slimeflow.stages.rl.engine import kv_batch
 from slimeflow.stages.rl.engine.lanes import Lanes
 from slimeflow.stages.rl.engine.native import select_forward
-from slimeflow.stages.rl.engine.sampling import SamplingParams, sample_rows
-from slimeflow.stages.rl.engine.weights import LoadedModel, apply_update, check_update
+from slimeflow.stages.rl.engine.sampling import BadRequestError, SamplingParams, sample_rows
+from slimeflow.stages.rl.engine.weights import (
+    LoadedModel,
+    apply_update,
+    check_update,
+    free_weights,
+    restore_weights,
+)
 
 log = logging.getLogger(__name__)
 
@@ -147,12 +153,19 @@ class Batcher:
         self._running: list[_Sequence] = []
         self._kv: kv_batch.KVBatch | None = None
         self._paused = False
+        self._released: frozenset[str] = frozenset()  # MEMORY_TAGS whose memory is freed (release_memory)
+        self._freed_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
 
     @property
     def weight_version(self) -> str:
         return self._weight_version
+
+    @property
+    def released(self) -> frozenset[str]:
+        """The memory tags released and not resumed yet (while any is, requests wait)."""
+        return self._released
 
     def load(self) -> dict[str, int]:
         """How many sequences are running and waiting (a snapshot; may be stale by the time it is read)."""
@@ -247,6 +260,8 @@ class Batcher:
         """
 
         def run() -> int:
+            if "weights" in self._released:
+                raise BadRequestError("the engine's weights are released: POST /resume_memory_occupation first")
             check_update(self._loaded.model.state_dict(), update)
             aborted = self._abort(lambda seq: seq in self._running)
             apply_update(self._loaded.model, update)
@@ -257,6 +272,41 @@ class Batcher:
 
         return self._call(run)
 
+    def release_memory(self, tags: frozenset[str]) -> Future:
+        """Free the model's parameters ('weights') and the KV cache ('kv_cache'), as SGLang's
+        /release_memory_occupation: requests queue until `resume_memory`. Fails with BadRequestError while any
+        request runs (SGLang releases idle engines only: pause with mode abort, or let them finish)."""
+
+        def run() -> None:
+            if self._running:
+                raise BadRequestError(f"{len(self._running)} requests are running: release memory when the engine is "
+                                      "idle (POST /pause_generation {\"mode\": \"abort\"} first, or let them finish)")
+            if "kv_cache" in tags:
+                self._kv = None
+            if "weights" in tags and "weights" not in self._released:
+                self._freed_shapes = free_weights(self._loaded.model)
+            self._released = self._released | tags
+
+        return self._call(run)
+
+    def resume_memory(self, tags: frozenset[str], weights: dict[str, torch.Tensor] | None,
+                      weight_version: str | None) -> Future:
+        """Take back the memory of `tags`; for 'weights', allocate the parameters again and fill them from `weights`
+        (every parameter, HF names), which then serve as `weight_version`."""
+
+        def run() -> None:
+            if "weights" in tags and "weights" in self._released:
+                if weights is None:
+                    raise BadRequestError("resuming the weights needs their tensors")
+                restore_weights(self._loaded.model, self._freed_shapes, weights)
+                self._forward.refresh()
+                self._freed_shapes = {}
+                if weight_version is not None:
+                    self._weight_version = weight_version
+            self._released = self._released - tags
+
+        return self._call(run)
+
     # ---- the scheduler thread ----------------------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -264,7 +314,7 @@ class Batcher:
         with torch.inference_mode():
             while not self._stopping.is_set():
                 self._run_commands(wait_s=self._idle_wait_s())
-                if self._paused:
+                if self._halted:
                     continue
                 try:
                     self._admit()
@@ -279,11 +329,16 @@ class Batcher:
     def _idle_wait_s(self) -> float:
         """How long to wait for a command before this turn: 0 while decoding, the rest of the admission window
         while only held requests wait, else a short wait (so that stop() is noticed without a wake-up)."""
-        if self._running and not self._paused:
+        if self._running and not self._halted:
             return 0.0
-        if (self._waiting or self._probes) and not self._paused:
+        if (self._waiting or self._probes) and not self._halted:
             return max(0.0, self._admission_due() - time.monotonic())
         return 0.2
+
+    @property
+    def _halted(self) -> bool:
+        """Paused, or some memory released: nothing is admitted or decoded."""
+        return self._paused or bool(self._released)
 
     def _admission_due(self) -> float:
         """When the waiting requests must be admitted (now if they fill the batch's free slots)."""

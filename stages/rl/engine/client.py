@@ -103,6 +103,13 @@ class EngineClient:
                                     params={"weight_version": weight_version},
                                     headers={"content-type": "application/octet-stream"})).json()
 
+    async def control(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        """POST one of SGLang's control endpoints (/release_memory_occupation, /resume_memory_occupation,
+        /pause_generation, /continue_generation, /init_weights_update_group, /update_weights_from_distributed,
+        /destroy_weights_update_group, /flush_cache) with its JSON body; the JSON answer (None when empty)."""
+        response = await self._request("POST", path, json=body or {})
+        return orjson.loads(response.content) if response.content else None
+
     async def aclose(self) -> None:
         if self._client is not None:
             await self._client.aclose()

@@ -88,6 +88,18 @@ class _ManagedProcess:
         except OSError as err:
             return f"<log {self.log_path} unreadable: {err}>"
 
+    def exit_report(self, wait_s: float = 0.0) -> str | None:
+        """None while the process runs (after waiting up to `wait_s` for it to end: a killed process closes its
+        sockets before it can be reaped); else what ended it (exit code or signal), its URL and its log tail."""
+        try:
+            code = self.process.wait(wait_s) if wait_s > 0 else self.process.poll()
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is None:
+            return None
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return f"{self.kind} at {self.url} {how}.\nlog tail ({self.log_path}):\n{self.log_tail()}"
+
     def wait_ready(self, path: str, timeout_s: float, ready: Any = None) -> None:
         """Poll GET url+path until it answers 200 (and `ready(response)` holds); stop the process on failure.
 

@@ -35,9 +35,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
 from slimeflow.stages.rl.engine.batcher import ADMISSION_WINDOW_S, Batcher, GenerateRequest
+from slimeflow.stages.rl.engine.control import add_control_routes
 from slimeflow.stages.rl.engine.guard import API_KEY_ENV, BodyTooLargeError, Guard
 from slimeflow.stages.rl.engine.protocol import PromptLimits, parse_generate, to_response
 from slimeflow.stages.rl.engine.sampling import BadRequestError, SamplingParams
+from slimeflow.stages.rl.engine.shared_segment import LOAD_FORMAT, read_segment
 from slimeflow.stages.rl.engine.weights import (
     ForbiddenError,
     LoadedModel,
@@ -72,7 +74,13 @@ class EngineState:
     limits: PromptLimits
     weights_dir: str | None = None
     """The only directory /update_weights_from_disk loads from (None: it loads nothing)."""
+    model_path_version: str = "default"
+    """The weight version of the checkpoint at `model_path` (what /resume_memory_occupation reloads)."""
+    host: str = "127.0.0.1"
+    """The address this engine serves on (and joins weight-update groups from)."""
     requests_received: int = 0
+    segments: dict[str, torch.Tensor] = field(default_factory=dict)
+    """The trainer's shared-memory segment, mapped once (shared_segment.read_segment)."""
     # Tokenising a long `text` takes seconds: done here, never on the event loop that answers /health.
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize"))
@@ -124,6 +132,8 @@ def create_app(state: EngineState) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate():
+        if state.batcher.released:
+            return _error(503, f"memory released ({sorted(state.batcher.released)}): POST /resume_memory_occupation")
         probe = GenerateRequest(rid=f"health-{time.monotonic_ns()}", input_ids=[_probe_token(state.loaded)],
                                 params=SamplingParams(temperature=0.0, max_new_tokens=1))
         try:
@@ -147,16 +157,24 @@ def create_app(state: EngineState) -> FastAPI:
         return {"success": True, "aborted": aborted}
 
     @app.post("/pause_generation")
-    async def pause_generation():
+    async def pause_generation(request: Request):
+        # SGLang's modes: abort (its default) returns every request with finish_reason abort; in_place keeps them.
+        mode = (await _json(request)).get("mode", "abort")
+        if mode not in ("abort", "in_place"):
+            raise BadRequestError(f"pause_generation mode {mode!r} is not supported by the embedded engine; use "
+                                  "'abort' (the default) or 'in_place' ('retract' is not built)")
         await asyncio.wrap_future(state.batcher.pause())
-        return {"success": True, "message": "generation paused; running requests stay in place"}
+        if mode == "abort":
+            await asyncio.wrap_future(state.batcher.abort(None))
+        return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
     async def continue_generation():
         await asyncio.wrap_future(state.batcher.resume())
-        return {"success": True, "message": "generation continued"}
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
     _add_weight_routes(app, state)
+    add_control_routes(app, state, _json)
     return app
 
 
@@ -169,19 +187,24 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
             raise BadRequestError('update_weights_from_disk needs {"model_path": "<HF checkpoint dir>"}')
         tensors = await asyncio.to_thread(_read_update, path, state)
         aborted = await asyncio.wrap_future(state.batcher.update_weights(tensors, body.get("weight_version")))
-        state.model_path = path
+        state.model_path, state.model_path_version = path, state.batcher.weight_version
         return {"success": True, "message": f"loaded {len(tensors)} tensors from {path}; aborted {aborted} "
                                             "running requests", "num_paused_requests": 0}
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request, weight_version: str | None = None):
-        payload = await request.body()
-        try:
-            tensors = await asyncio.to_thread(load_safetensors, payload)
-        except (SafetensorError, ValueError) as err:
-            raise BadRequestError(
-                f"the body is not safetensors bytes ({err}); send safetensors.torch.save(named_tensors)"
-            ) from None
+        if request.headers.get("content-type", "").startswith("application/json"):
+            body = await _json(request)
+            tensors = _shared_tensors(body, state)
+            weight_version = body.get("weight_version", weight_version)
+        else:
+            payload = await request.body()
+            try:
+                tensors = await asyncio.to_thread(load_safetensors, payload)
+            except (SafetensorError, ValueError) as err:
+                raise BadRequestError(
+                    f"the body is not safetensors bytes ({err}); send safetensors.torch.save(named_tensors)"
+                ) from None
         await asyncio.to_thread(check_finite, tensors, state.batcher.weight_version)
         aborted = await asyncio.wrap_future(state.batcher.update_weights(tensors, weight_version))
         return {"success": True, "message": f"updated {len(tensors)} tensors; aborted {aborted} running requests"}
@@ -200,7 +223,20 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
                 "weight_version": state.batcher.weight_version, "requests_received": state.requests_received,
                 "max_batch_size": state.max_batch_size, "dtype": state.dtype,
                 "device": str(state.loaded.device), "admission_rounds": state.batcher.admission_rounds,
+                # SGLang's server arguments that slime reads to size an external engine: one device, no parallelism.
+                "tp_size": 1, "pp_size": 1, "ep_size": 1, "dp_size": 1, "disaggregation_mode": "null",
                 **state.batcher.load()}
+
+
+def _shared_tensors(body: dict, state: EngineState) -> dict[str, torch.Tensor]:
+    """SGLang's JSON form: only its shared-memory flavour (shared_segment.py) is read; pickled tensors are not."""
+    entries = body.get("serialized_named_tensors")
+    if body.get("load_format") != LOAD_FORMAT or not (isinstance(entries, list) and len(entries) == 1
+                                                      and isinstance(entries[0], str)):
+        raise BadRequestError(f"the embedded engine reads SGLang's JSON /update_weights_from_tensor only with "
+                              f"load_format {LOAD_FORMAT!r} and one segment description (pickled tensors are not "
+                              "read); or send safetensors bytes")
+    return read_segment(entries[0], state.segments)
 
 
 def _read_update(path: str, state: EngineState) -> dict[str, torch.Tensor]:
@@ -304,7 +340,7 @@ def build_server(args: argparse.Namespace) -> tuple[EngineState, uvicorn.Server]
                         max_batch_size=args.max_batch_size,
                         limits=PromptLimits.of(loaded, context_length=args.context_length,
                                                max_prompts=args.max_queued_requests),
-                        weights_dir=args.weights_dir)
+                        weights_dir=args.weights_dir, model_path_version=args.weight_version, host=args.host)
     if args.api_key is None:
         log.warning("serving without --api-key: any local process may update this engine's weights")
     app = Guard(create_app(state), api_key=args.api_key, max_body_bytes=int(args.max_request_body_mb * 2**20),

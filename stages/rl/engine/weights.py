@@ -100,13 +100,19 @@ def _inside(root: str, path: str | Path, what: str) -> Path:
 def check_finite(update: dict[str, torch.Tensor], serving: str) -> None:
     """Raise BadRequestError when a floating-point tensor of `update` holds NaN or Inf (`serving`: the version that
     keeps serving, for the message)."""
-    bad = [name for name, t in update.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = [name for name, t in update.items() if t.is_floating_point() and not _finite(t)]
     if bad:
         raise BadRequestError(
             f"weight update refused: {len(bad)} of {len(update)} tensors hold NaN or Inf values (e.g. {bad[:3]}); "
             f"the engine keeps serving weight version {serving!r}. The trainer's weights diverged: check its loss "
             "and grad norm (a lower --lr, --clip-grad) or the checkpoint the weights came from"
         )
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    # A sum is one read of the tensor and allocates nothing; it is finite whenever every element is (NaN and Inf
+    # propagate), so only a non-finite sum (or an overflow of large finite values) needs the exact elementwise test.
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def update_body_limit(model: PreTrainedModel) -> tuple[int, str]:
@@ -123,3 +129,53 @@ def apply_update(model: PreTrainedModel, update: dict[str, torch.Tensor]) -> Non
     with torch.no_grad():
         for name, tensor in update.items():
             own[name].copy_(tensor.to(dtype=own[name].dtype, device=own[name].device))
+
+
+def free_weights(model: PreTrainedModel) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Drop every parameter's storage (each becomes an empty tensor of its dtype, the module tree stays) and hand the
+    freed pages back to the OS; returns each parameter's shape and dtype, for `restore_weights`."""
+    shapes = {}
+    for name, param in model.named_parameters():  # a tied parameter is listed once
+        shapes[name] = (param.shape, param.dtype)
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    _trim_heap()
+    return shapes
+
+
+def restore_weights(model: PreTrainedModel, shapes: dict[str, tuple[torch.Size, torch.dtype]],
+                    weights: dict[str, torch.Tensor]) -> None:
+    """Allocate the parameters `free_weights` dropped and fill them from `weights` (HF names; BadRequestError, with
+    nothing allocated, unless they cover every parameter with the right shapes)."""
+    missing = sorted(set(shapes) - set(weights))
+    if missing:
+        raise BadRequestError(f"the weights to resume from lack {len(missing)} of the model's tensors, e.g. "
+                              f"{missing[:3]}; give a full checkpoint")
+    check_update({name: torch.empty(shape, device="meta") for name, (shape, _) in shapes.items()},
+                 {name: weights[name] for name in shapes})
+    params = dict(model.named_parameters())
+    for name, (shape, dtype) in shapes.items():
+        params[name].data = torch.empty(shape, dtype=dtype, device=params[name].device)
+    apply_update(model, {name: weights[name] for name in shapes})
+
+
+def read_own_checkpoint(model_path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files of the directory the engine itself was started from (or last loaded by
+    /update_weights_from_disk, inside --weights-dir): no --weights-dir check, the engine chose this path."""
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise BadRequestError(f"{model_path} holds no *.safetensors files to resume the weights from")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(file))
+    return tensors
+
+
+def _trim_heap() -> None:
+    """glibc keeps freed heap pages for reuse; malloc_trim hands them back, so the process's resident memory drops."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)

@@ -1,0 +1,129 @@
+"""Weight sync into an embedded engine on the same host, against a memcpy of the same bytes.
+
+    .venv/bin/python benchmarks/weight_sync.py [--hidden 768] [--layers 6] [--repeats 5] [--rollouts 8]
+
+One engine process serves a random Llama-style model (float32; its size is printed). For each transport the
+trainer side uses ("tensor": safetensors bodies over HTTP; "shared_memory": a /dev/shm file the engine copies from,
+what --colocate uses; "distributed": broadcast in a gloo group), a
+`WeightSync` pushes the whole model `--repeats` times in buckets of `--buffer-mb`; every push is timed from the
+call to the answer of the engine that has applied it (the engine parses, checks for NaN/Inf and copies into its
+parameters). The baseline is `Tensor.copy_` of the same tensors into preallocated ones in this process (one
+memcpy, the least any update must do), timed just before each push, so that each pair sees the same load; the
+figure is the median of the pairs' ratios (push bytes/s over memcpy bytes/s; goal >= 0.5x), with their spread
+(min-max) and the load average before and after.
+
+Then the loop's pattern: `--rollouts` rollouts that push after every Nth (stages/rl/loop.should_push), for N = 1
+and 4, giving seconds of weight sync per rollout (medians over `--repeats` runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.stages.rl.engine.launch import new_api_key, start_engine
+from slimeflow.stages.rl.engines import WeightTargets
+from slimeflow.stages.rl.loop import should_push
+from slimeflow.stages.rl.weight_sync import WeightSync
+
+
+def memcpy_seconds(weights: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> float:
+    start = time.perf_counter()
+    for name, t in weights.items():
+        targets[name].copy_(t)
+    return time.perf_counter() - start
+
+
+async def paired_seconds(sync: WeightSync, weights: dict[str, torch.Tensor], repeats: int,
+                         tag: str) -> list[tuple[float, float]]:
+    """(memcpy seconds, push seconds) pairs, each memcpy timed right before its push."""
+    targets = {name: torch.empty_like(t) for name, t in weights.items()}
+    memcpy_seconds(weights, targets)  # touch every page once: the engine's parameters are resident too
+    await sync.push(weights, f"{tag}-warm")  # the distributed transport makes its group here
+    pairs = []
+    for i in range(repeats):
+        copy = memcpy_seconds(weights, targets)
+        start = time.perf_counter()
+        await sync.push(weights, f"{tag}-{i}")
+        pairs.append((copy, time.perf_counter() - start))
+    return pairs
+
+
+async def per_rollout_seconds(sync: WeightSync, weights: dict[str, torch.Tensor], interval: int,
+                              rollouts: int) -> float:
+    spent = 0.0
+    for rollout_id in range(rollouts):
+        if should_push(interval, rollout_id):
+            start = time.perf_counter()
+            await sync.push(weights, f"interval{interval}-{rollout_id}")
+            spent += time.perf_counter() - start
+    return spent / rollouts
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.4f}-{max(values):.4f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rollouts", type=int, default=8)
+    parser.add_argument("--buffer-mb", type=float, default=512.0, help="--update-weight-buffer-size in MiB")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine and of the memcpy")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)  # the memcpy runs with the engine's thread count (OpenMP teams spin)
+    print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "| load before:", os.getloadavg())
+
+    spec = TinyModelSpec(seed=0, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                         num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 128,
+                         intermediate_size=4 * args.hidden)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(Path(tmp) / "model", spec)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        weights = {name: p.detach() for name, p in model.named_parameters()}
+        nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        print(f"model: {nbytes / 2**20:.1f} MiB float32 in {len(weights)} tensors; buffer {args.buffer_mb:g} MiB")
+        key = new_api_key()
+        with start_engine(model_dir, num_threads=args.threads, api_key=key) as engine:
+            targets = WeightTargets((engine.url,), str(model_dir), api_key=key)
+            for transport in ("tensor", "shared_memory", "distributed"):
+                sync = WeightSync(targets, int(args.buffer_mb * 2**20), transport)
+
+                async def measure(sync: WeightSync = sync, transport: str = transport) -> tuple[list, dict]:
+                    try:
+                        pairs = await paired_seconds(sync, weights, args.repeats, transport)
+                        per_rollout = {n: [await per_rollout_seconds(sync, weights, n, args.rollouts)
+                                           for _ in range(args.repeats)] for n in (1, 4)}
+                        return pairs, per_rollout
+                    finally:
+                        await sync.aclose()
+
+                pairs, per_rollout = asyncio.run(measure())
+                copies, pushes = [c for c, _ in pairs], [p for _, p in pairs]
+                ratios = [c / p for c, p in pairs]
+                print(f"{transport}: median {statistics.median(pushes):.4f} s per update "
+                      f"({nbytes / statistics.median(pushes) / 2**30:.2f} GiB/s; spread {spread(pushes)}) against "
+                      f"memcpy {statistics.median(copies):.4f} s ({nbytes / statistics.median(copies) / 2**30:.2f} "
+                      f"GiB/s; spread {spread(copies)}): {statistics.median(ratios):.2f}x memcpy (spread "
+                      f"{min(ratios):.2f}-{max(ratios):.2f}); weight sync per rollout over "
+                      f"{args.rollouts} rollouts: interval 1 {statistics.median(per_rollout[1]):.4f} s "
+                      f"(spread {spread(per_rollout[1])}), interval 4 {statistics.median(per_rollout[4]):.4f} s "
+                      f"(spread {spread(per_rollout[4])})")
+    print("load after:", os.getloadavg())
+
+
+if __name__ == "__main__":
+    main()

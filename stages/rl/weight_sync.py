@@ -1,0 +1,159 @@
+"""The trainer's side of weight sync: HF-named tensors to every engine of a run, as one weight version, in buckets.
+
+Embedded engines take the tensors over HTTP (`/update_weights_from_tensor`), or, with --update-weight-transport
+nccl, by broadcast in a process group of trainer rank 0 and every engine (`/init_weights_update_group` +
+`/update_weights_from_distributed`, SGLang's protocol; gloo on CPU); external SGLang servers load an HF directory
+written to `--sglang-weights-dir` through `/update_weights_from_disk`. Buckets hold at most
+--update-weight-buffer-size bytes, as slime's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from slimeflow.stages.rl.engine.client import EngineClient
+from slimeflow.stages.rl.engines import WeightTargets
+
+DEFAULT_BUFFER_SIZE = 512 * 1024**2
+"""slime's --update-weight-buffer-size default (bytes per bucket)."""
+TRANSPORTS = ("tensor", "shared_memory", "distributed", "disk")
+
+
+def buckets(named_tensors: Mapping[str, Any], limit: int) -> Iterator[dict[str, Any]]:
+    """The tensors in order, in groups of at most `limit` bytes (a larger tensor goes alone), as slime's buffer."""
+    bucket: dict[str, Any] = {}
+    size = 0
+    for name, tensor in named_tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > limit:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = tensor
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class WeightSync:
+    """Pushes HF-named tensors to every engine of `targets` as one weight version, on kept HTTP clients.
+
+    `transport`: "tensor" (HTTP bodies) or "distributed" (a process group) for embedded engines, "disk" for external
+    servers (the default follows `targets`). A push of several buckets pauses the engines (SGLang's abort mode:
+    running requests return with finish_reason abort) so that no answer mixes two versions, and continues them after.
+    """
+
+    def __init__(self, targets: WeightTargets, buffer_size: int = DEFAULT_BUFFER_SIZE, transport: str | None = None):
+        transport = transport or ("tensor" if targets.weights_dir is None else "disk")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"weight transport {transport!r} is not one of {TRANSPORTS}")
+        if (transport == "disk") != (targets.weights_dir is not None):
+            raise ValueError("--update-weight-transport: external SGLang servers (--sglang-worker-urls) load weights "
+                             "from --sglang-weights-dir only; the embedded engines take them over HTTP (the default) "
+                             "or by broadcast (nccl: a gloo group on CPU)")
+        remote = [url for url in targets.worker_urls if urlsplit(url).hostname not in ("127.0.0.1", "localhost")]
+        if transport in ("distributed", "shared_memory") and remote:
+            raise ValueError(f"weight transport {transport} reaches engines on trainer rank 0's host only (a loopback "
+                             f"gloo group, a /dev/shm file); {remote} are elsewhere (use the default HTTP transport)")
+        self.targets, self.buffer_size, self.transport = targets, buffer_size, transport
+        self.clients = [EngineClient(url, api_key=targets.api_key) for url in targets.worker_urls]
+        self.group: Any = None  # the WeightGroup of the distributed transport, made at the first push
+        self.segment: Any = None  # the SegmentWriter of the shared_memory transport
+        self.buckets_sent = 0
+
+    async def push(self, named_tensors: Mapping[str, Any], version: str) -> str:
+        """Every engine serves `version` afterwards; raises naming the engine that did not take it."""
+        if self.transport != "disk":
+            # An embedded engine answers once it serves `version` (and every rollout answer is checked against the
+            # rollout's version), so asking it again would only cost a round trip (~1 ms of a ~12 ms update).
+            parts = list(buckets(named_tensors, self.buffer_size))
+            send = {"tensor": self._send_tensors, "shared_memory": self._send_shared,
+                    "distributed": self._send_distributed}[self.transport]
+            if len(parts) > 1:
+                await self._all("/pause_generation")
+            for part in parts:
+                await send(part, version)
+            if len(parts) > 1:
+                await self._all("/continue_generation")
+            self.buckets_sent += len(parts)
+            return version
+        path = self._write_hf(named_tensors, version)
+        await asyncio.gather(*(c.update_weights_from_disk(path, version) for c in self.clients))
+        served = await asyncio.gather(*(c.weight_version() for c in self.clients))
+        wrong = {url: v for url, v in zip(self.targets.worker_urls, served, strict=True) if v != version}
+        if wrong:
+            raise RuntimeError(f"after pushing weight version {version!r}, engines serve {wrong}")
+        return version
+
+    async def _all(self, path: str, body: dict[str, Any] | None = None) -> list[Any]:
+        return await asyncio.gather(*(c.control(path, body) for c in self.clients))
+
+    async def _send_tensors(self, part: dict[str, Any], version: str) -> None:
+        await asyncio.gather(*(c.update_weights_from_tensor(part, version) for c in self.clients))
+
+    async def _send_shared(self, part: dict[str, Any], version: str) -> None:
+        """Copy the bucket into a /dev/shm file once; every engine copies it from there into its model."""
+        from slimeflow.stages.rl.engine.shared_segment import LOAD_FORMAT, SegmentWriter
+
+        self.segment = self.segment or SegmentWriter()
+        body = {"serialized_named_tensors": [self.segment.write(part)], "load_format": LOAD_FORMAT,
+                "weight_version": version, "flush_cache": False}
+        await self._all("/update_weights_from_tensor", body)
+        self.segment.mapped()
+
+    async def _send_distributed(self, part: dict[str, Any], version: str) -> None:
+        """SGLang's protocol: each engine gets the names, dtypes and shapes, then every tensor by broadcast."""
+        group = self.group or await self._connect()
+        tensors = [t.detach().cpu().contiguous() for t in part.values()]
+        body = {"names": list(part), "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                "shapes": [list(t.shape) for t in tensors], "group_name": group.name, "weight_version": version,
+                "flush_cache": False}
+        answers = asyncio.gather(*(c.control("/update_weights_from_distributed", body) for c in self.clients))
+        sending = asyncio.ensure_future(asyncio.to_thread(lambda: [group.broadcast(t) for t in tensors]))
+        # An engine that refuses the bucket fails its request at once: raise that, not the broadcast's timeout.
+        done, _ = await asyncio.wait([answers, sending], return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()
+        await answers
+        await sending
+
+    async def _connect(self) -> Any:
+        """Make the group: this trainer is rank 0 and hosts the rendezvous; engine i joins as rank i + 1."""
+        from slimeflow.stages.rl.engine.launch import free_port
+        from slimeflow.stages.rl.engine.weight_group import WeightGroup
+
+        port, world = free_port(), len(self.clients) + 1
+        name = f"slimeflow-weights-{uuid.uuid4().hex[:8]}"
+        joining = [c.control("/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": i + 1, "world_size": world,
+            "group_name": name, "backend": "gloo"}) for i, c in enumerate(self.clients)]
+        own = asyncio.to_thread(WeightGroup.join, master_address="127.0.0.1", master_port=port, rank=0,
+                                world_size=world, group_name=name)
+        *_, self.group = await asyncio.gather(*joining, own)
+        return self.group
+
+    def _write_hf(self, named_tensors: Mapping[str, Any], version: str) -> str:
+        from safetensors.torch import save_file
+
+        assert self.targets.weights_dir is not None
+        target = Path(self.targets.weights_dir) / f"v{version}"
+        target.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in named_tensors.items()}, str(target / "model.safetensors"))
+        for item in Path(self.targets.hf_checkpoint).iterdir():
+            if item.is_file() and not item.name.endswith((".safetensors", ".bin")) and item.name != "model.safetensors.index.json":
+                shutil.copy2(item, target / item.name)
+        return str(target)
+
+    async def aclose(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+        if self.group is not None:
+            await self._all("/destroy_weights_update_group", {"group_name": self.group.name})
+            self.group.close()
+            self.group = None
+        await asyncio.gather(*(c.aclose() for c in self.clients))

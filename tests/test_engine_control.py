@@ -1,0 +1,206 @@
+"""The embedded engine's control API with SGLang's shapes (memory release/resume, pause modes, weight-update groups)
+and the trainer's weight sync over it: bucketed, by HTTP tensors and by broadcast in a gloo group.
+
+One engine subprocess serves the module; the tests run in file order and each leaves it serving `model_dir`'s
+weights again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
+from slimeflow.stages.rl.engine.launch import new_api_key, start_engine
+from slimeflow.stages.rl.engines import EngineDiedError, EngineSet, WeightTargets
+from slimeflow.stages.rl.weight_sync import WeightSync, buckets
+
+# ~63 MB of float32 weights (4 layers of 512 x 2048 MLPs): large enough that freeing them shows in resident memory.
+SPEC = TinyModelSpec(seed=5, hidden_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=2048)
+PROMPT = [256, 72, 101, 108, 108, 111]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 12}
+KEY = new_api_key()
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("control") / "tiny", SPEC)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    with start_engine(model_dir, num_threads=1, max_batch_size=8, weight_version="v0", api_key=KEY) as process:
+        yield process
+
+
+def call(engine, path: str, body: dict | None = None) -> httpx.Response:
+    return httpx.post(engine.url + path, json=body or {}, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+
+def greedy(engine) -> dict:
+    async def once():
+        async with EngineClient(engine.url, api_key=KEY) as client:
+            return await client.generate(PROMPT, GREEDY)
+    return asyncio.run(once())
+
+
+def hf_greedy(model) -> list[int]:
+    out = model.generate(torch.tensor([PROMPT]), do_sample=False, max_new_tokens=GREEDY["max_new_tokens"])
+    return out[0, len(PROMPT):].tolist()
+
+
+def test_release_frees_resident_memory_and_resume_reloads_the_weights(engine, reference):
+    before = greedy(engine)
+    assert before["output_ids"] == hf_greedy(reference)
+    weight_bytes = sum(p.numel() * 4 for p in reference.parameters())
+    held = rss_bytes(engine.process.pid)
+
+    released = call(engine, "/release_memory_occupation", {"tags": None})
+    assert released.status_code == 200 and released.json() is None  # SGLang answers null
+    freed = held - rss_bytes(engine.process.pid)
+    assert freed >= 0.8 * weight_bytes, f"resident memory dropped by {freed / 2**20:.1f} MiB of {weight_bytes / 2**20:.1f}"
+    unhealthy = httpx.get(engine.url + "/health_generate", timeout=10)
+    assert unhealthy.status_code == 503 and "resume_memory_occupation" in unhealthy.json()["message"]
+    refused = call(engine, "/update_weights_from_tensor")
+    assert refused.status_code == 400
+
+    assert call(engine, "/resume_memory_occupation", {"tags": ["weights", "kv_cache"]}).status_code == 200
+    assert rss_bytes(engine.process.pid) - (held - freed) >= 0.8 * weight_bytes
+    after = greedy(engine)
+    assert after["output_ids"] == before["output_ids"] and after["meta_info"]["weight_version"] == "v0"
+
+
+def test_server_info_has_the_fields_slime_sizes_an_external_engine_by(engine):
+    info = httpx.get(engine.url + "/server_info", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
+    assert {k: info[k] for k in ("tp_size", "pp_size", "ep_size", "disaggregation_mode")} == {
+        "tp_size": 1, "pp_size": 1, "ep_size": 1, "disaggregation_mode": "null"}
+    assert info["weight_version"] == "v0"
+
+
+def test_release_refuses_unknown_tags_and_pause_modes_follow_sglang(engine):
+    bad = call(engine, "/release_memory_occupation", {"tags": ["weight"]})
+    assert bad.status_code == 400 and "unknown memory tags ['weight']" in bad.json()["message"]
+    assert call(engine, "/pause_generation", {"mode": "retract"}).status_code == 400
+
+    async def abort_mode() -> dict:
+        async with EngineClient(engine.url, api_key=KEY) as client:
+            long = asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 400, "ignore_eos": True}))
+            while (await client._request("GET", "/get_model_info")).json()["running"] < 1:
+                await asyncio.sleep(0.01)
+            paused = await client.control("/pause_generation", {})  # SGLang's default mode: abort
+            assert paused == {"message": "Generation paused successfully.", "status": "ok"}
+            answer = await long
+            await client.control("/continue_generation", {})
+            return answer
+
+    aborted = asyncio.run(abort_mode())
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort" and aborted["meta_info"]["completion_tokens"] < 400
+    assert greedy(engine)["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+
+
+def shifted_weights(reference, seed: int) -> dict[str, torch.Tensor]:
+    noise = torch.Generator().manual_seed(seed)
+    return {name: p.detach() + 0.02 * torch.randn(p.shape, generator=noise) for name, p in reference.named_parameters()}
+
+
+@pytest.mark.parametrize("transport", ["tensor", "shared_memory", "distributed"])
+def test_bucketed_pushes_reach_the_engine_as_one_version(engine, reference, model_dir, transport):
+    weights = shifted_weights(reference, seed=7)
+    limit = 4 * 2**20  # 4 MiB buckets: the 4 MiB MLP matrices go one per bucket, the small tensors together
+    expected_buckets = len(list(buckets(weights, limit)))
+    assert 8 < expected_buckets < len(weights)
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    target.load_state_dict(weights, strict=False)
+
+    async def push_twice() -> WeightSync:
+        sync = WeightSync(WeightTargets((engine.url,), str(model_dir), api_key=KEY), buffer_size=limit,
+                          transport=transport)
+        try:
+            assert await sync.push(weights, f"{transport}-1") == f"{transport}-1"
+            if transport == "shared_memory":  # mapped by the engine, so no longer named: a killed run leaves nothing
+                assert sync.segment.buffer is not None and not sync.segment.path.exists()
+            await sync.push(dict(reference.named_parameters()), f"{transport}-2")  # back to the original weights
+            await sync.push(weights, f"{transport}-3")
+        finally:
+            await sync.aclose()
+        return sync
+
+    sync = asyncio.run(push_twice())
+    assert sync.buckets_sent == 3 * expected_buckets
+    answer = greedy(engine)
+    assert answer["meta_info"]["weight_version"] == f"{transport}-3"
+    assert answer["output_ids"] == hf_greedy(target) != hf_greedy(reference)
+    asyncio.run(WeightSync(WeightTargets((engine.url,), str(model_dir), api_key=KEY)).push(
+        dict(reference.named_parameters()), "v0"))
+
+
+def test_shared_memory_updates_read_only_the_trainers_segment_files(engine, tmp_path):
+    elsewhere = tmp_path / "slimeflow-weights-x"
+    elsewhere.write_bytes(b"\0" * 64)
+    for description, words in ((f'{{"path": "{elsewhere}", "size": 64, "tensors": []}}', "is not a /dev/shm/"),
+                               ("not json", "is not the trainer's segment JSON")):
+        answer = call(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [description],
+                                                              "load_format": "slimeflow_shared_memory"})
+        assert answer.status_code == 400 and words in answer.json()["message"]
+    pickled = call(engine, "/update_weights_from_tensor", {"serialized_named_tensors": ["gASV"]})
+    assert pickled.status_code == 400 and "pickled tensors are not read" in pickled.json()["message"]
+
+
+def test_distributed_update_without_a_group_or_with_bad_metadata_is_refused(engine):
+    missing = call(engine, "/update_weights_from_distributed", {"names": ["lm_head.weight"], "dtypes": ["float32"],
+                                                                 "shapes": [[1]], "group_name": "nope"})
+    assert missing.status_code == 400 and "POST /init_weights_update_group first" in missing.json()["message"]
+    nccl = call(engine, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                                       "rank_offset": 1, "world_size": 2, "backend": "nccl"})
+    assert nccl.status_code == 400 and "gloo" in nccl.json()["message"]
+    with pytest.raises(EngineRequestError, match="no weight-update group 'nope'"):
+        asyncio.run(EngineClient(engine.url, api_key=KEY).control("/destroy_weights_update_group",
+                                                                  {"group_name": "nope"}))
+
+
+def test_an_engine_killed_mid_rollout_is_named_with_its_log_tail(tmp_path):
+    """Without --use-fault-tolerance a dead engine ends the rollout at once (no hang), and the RolloutManager's error
+    names it, how it died and its log."""
+    model = build_tiny_model(tmp_path / "tiny", TinyModelSpec(seed=1))
+    engines = EngineSet.start(str(model), {}, num_engines=1)  # an engine process (in_process is not asked for)
+    engine = engines.processes[0]
+
+    async def killed_mid_request() -> None:
+        client = engines.client()
+        long = asyncio.create_task(client.generate(PROMPT, {"max_new_tokens": 400, "ignore_eos": True}))
+        while (await client.workers[0]._request("GET", "/get_model_info")).json()["running"] < 1:
+            await asyncio.sleep(0.01)
+        os.kill(engine.process.pid, signal.SIGKILL)
+        with pytest.raises(EngineUnavailableError, match=engine.url):
+            await asyncio.wait_for(long, 30)
+        await engines.aclose()
+
+    try:
+        engines.check_alive(grace_s=0.1)  # alive: nothing to say
+        asyncio.run(killed_mid_request())
+        with pytest.raises(EngineDiedError) as died:
+            engines.check_alive()
+        message = str(died.value)
+        assert f"engine at {engine.url} was killed by signal 9" in message
+        assert "--use-fault-tolerance" in message and f"serving {model}" in message  # the engine's own log line
+    finally:
+        engines.stop()
