@@ -6,8 +6,7 @@ _MOE = ("mixture-of-experts Megatron flags are read only by the Megatron backend
         "backend and the converter take a Qwen3-MoE model's experts from its HF config")
 
 NOT_YET_SUPPORTED: dict[str, str] = {
-    "--async-buffer-size": "asynchronous training (slime's train_async.py) is not supported yet",
-    "--update-weights-interval": "asynchronous training (slime's train_async.py) is not supported yet",
+    "--async-buffer-size": "--async (slime's train_async.py) generates one rollout ahead; a deeper buffer is not built",
     "--use-fault-tolerance": "engine health checks and restarts are not supported yet",
     "--offload": "offloading the trainer's state around rollouts (colocated mode) is not supported yet",
     "--offload-train": "offloading the trainer's state around rollouts (colocated mode) is not supported yet",

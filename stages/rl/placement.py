@@ -2,7 +2,8 @@
 loop calls plain methods. Colocated on one machine by default (the engines idle while the trainer works).
 
 On a CPU the actors ask Ray for no CPU (they alternate, and torch's threads are set explicitly, see `cpu_threads`);
-on GPUs each TrainActor asks for one GPU (`--actor-num-nodes x --actor-num-gpus-per-node` ranks).
+on GPUs each TrainActor asks for one GPU (`--actor-num-nodes x --actor-num-gpus-per-node` ranks). With --async the
+two compute at once, so on a CPU the cores are split between the trainer ranks and the engines.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ class RolloutManagerHandle:
         batch_ref, metrics_ref, rows_ref = self.actor.generate.options(num_returns=3).remote(rollout_id)
         return batch_ref, call(metrics_ref, f"rollout {rollout_id}"), call(rows_ref, f"rollout {rollout_id}")
 
+    def start_generate(self, rollout_id: int, weight_version: int) -> PendingRollout:
+        """Ask for rollout `rollout_id` (with the engines' weights `weight_version`) and return at once."""
+        refs = self.actor.generate.options(num_returns=3).remote(rollout_id, weight_version)
+        return PendingRollout(rollout_id, *refs)
+
     def evaluate(self, version: str) -> dict[str, float]:
         return call(self.actor.evaluate.remote(version), f"evaluation with weights {version}")
 
@@ -45,6 +51,24 @@ class RolloutManagerHandle:
 
     def shutdown(self) -> None:
         call(self.actor.shutdown.remote(), "stopping the rollout engines")
+
+
+@dataclass
+class PendingRollout:
+    """A rollout being generated (RolloutManagerHandle.start_generate); the train batch stays a Ray object."""
+
+    rollout_id: int
+    batch_ref: Any
+    metrics_ref: Any
+    rows_ref: Any
+
+    def wait(self) -> None:
+        """Until the rollout is generated (its errors are raised by `result`)."""
+        ray.wait([self.metrics_ref], num_returns=1, fetch_local=False)
+
+    def result(self) -> tuple[Any, dict[str, float], list[list[str]]]:
+        what = f"rollout {self.rollout_id}"
+        return self.batch_ref, call(self.metrics_ref, what), call(self.rows_ref, what)
 
 
 class ActorGroup:
@@ -129,7 +153,9 @@ def init_ray(address: str | None) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True,
+        # "local": a cluster of its own. Without an address Ray joins the newest local cluster it finds (another
+        # run's, on a shared machine), and fails there on num_cpus.
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True,
                  configure_logging=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
 
 
@@ -141,9 +167,11 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
     placement = config.placement
     world = placement.actor_num_nodes * placement.actor_num_gpus_per_node
     gpus = 1 if _has_gpus() else 0
-    threads = None if gpus else cpu_threads(world)
+    # Synchronous: trainers and engines take turns, each may use the machine. Async: they compute at once.
+    at_once = world + setup.num_engines if placement.async_ else world
+    threads = None if gpus else cpu_threads(at_once)
     if not gpus and setup.engine_threads is None:
-        setup = replace(setup, engine_threads=cpu_threads(1))
+        setup = replace(setup, engine_threads=cpu_threads(at_once if placement.async_ else 1))
     init_method = (scratch / f"dist-{uuid.uuid4().hex[:8]}").resolve().as_uri() if world > 1 else ""
     manager = ray.remote(num_cpus=0)(hosted(rollout_manager_class(config))).remote(config, setup)
     ranks = 0 if config.debug.debug_rollout_only else world
