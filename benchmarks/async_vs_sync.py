@@ -21,18 +21,10 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loop_bench import (  # noqa: E402  (a sibling script, not a package)
-    STAGE_SCRIPT,
-    SideResult,
-    prepare,
-    slimeflow_config,
-    stop_group,
-    tail_rollouts,
-)
+from loop_bench import SideResult, prepare, run_slimeflow, slimeflow_config  # noqa: E402  (a sibling script)
 
 
 def side_config(args, side: str, hf: str, train: str, held_out: str):
@@ -48,23 +40,10 @@ def side_config(args, side: str, hf: str, train: str, held_out: str):
 
 
 def run_side(args, side: str, paths: tuple[str, str, str], workdir: Path) -> SideResult:
-    import subprocess
-
     config = side_config(args, side, *paths)
     assert config.placement.async_ == (side != "sync")
-    workdir.mkdir(parents=True)
-    (workdir / "config.json").write_text(config.model_dump_json())
-    load = os.getloadavg()[0]
-    started = time.perf_counter()
-    with open(workdir / "stage.log", "wb") as stage_log:
-        proc = subprocess.Popen([sys.executable, "-c", STAGE_SCRIPT, str(workdir / "config.json"), str(workdir)],
-                                start_new_session=True, stdout=stage_log, stderr=subprocess.STDOUT)
-        try:
-            result = tail_rollouts(args, proc, workdir / "train" / "rollouts.jsonl", started)
-        finally:
-            stop_group(proc)
+    result = run_slimeflow(args, *paths, workdir, config=config)
     result.name = side
-    result.notes.insert(0, f"load {load:.2f} -> {os.getloadavg()[0]:.2f}")
     return result
 
 

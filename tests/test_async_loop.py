@@ -10,6 +10,7 @@ import signal
 import time
 
 import pytest
+from test_loop import Recorder
 from test_train_e2e import launch, row_ids, train_config, wait_until_gone
 
 from slimeflow.config.flags import ConfigError
@@ -32,41 +33,17 @@ class Pending:
                 [[f"row-{self.rollout_id}"]])
 
 
-class FakeActors:
-    """The rollout manager and the actor group in one, recording the calls; versions as the engines would report."""
+class FakeActors(Recorder):
+    """test_loop's recorder of the rollout manager and actor group calls, with the async loop's start_generate;
+    versions as the engines would report them."""
 
     def __init__(self, start=0, saved=None, engine_versions=None):
-        self.calls, self.start, self.saved = [], start, saved or {}
-        self.engine_versions = engine_versions  # to simulate engines that kept other weights
+        super().__init__(start, saved)
+        self.engine_versions = engine_versions or {}  # engines that kept other weights
 
     def start_generate(self, rollout_id, version):
         self.calls.append(("generate", rollout_id, version))
-        reported = self.engine_versions.get(rollout_id, version) if self.engine_versions else version
-        return Pending(self, rollout_id, reported)
-
-    def evaluate(self, version):
-        self.calls.append(("eval", version))
-        return {"eval/x/avg_at_1": 0.5}
-
-    def state_dict(self):
-        return {"offset": 1}
-
-    def load_state_dict(self, state):
-        self.calls.append(("restore", state))
-
-    def load(self):
-        return self.start, self.saved
-
-    def train(self, rollout_id, batch):
-        self.calls.append(("train", rollout_id))
-        return {"pg_loss": 0.1}
-
-    def save(self, rollout_id, extra):
-        self.calls.append(("save", rollout_id))
-        return f"iter_{rollout_id}"
-
-    def update_weights(self, version):
-        self.calls.append(("update", version))
+        return Pending(self, rollout_id, self.engine_versions.get(rollout_id, version))
 
 
 class Reports:
@@ -100,9 +77,9 @@ def test_the_next_rollout_is_asked_for_before_training_and_weights_wait_for_it()
     async_loop.train(FakePlacement(actors, checkpoint={"save_interval": 3}), 3, Reports())
     assert actors.calls == [
         ("update", 0), ("generate", 0, 0),
-        ("result", 0), ("generate", 1, 0), ("train", 0), ("wait", 1), ("update", 1),
-        ("result", 1), ("generate", 2, 1), ("train", 1), ("wait", 2), ("update", 2),
-        ("result", 2), ("train", 2), ("save", 2), ("wait", 2), ("update", 3),
+        ("result", 0), ("generate", 1, 0), ("train", 0, "batch-0"), ("wait", 1), ("update", 1),
+        ("result", 1), ("generate", 2, 1), ("train", 1, "batch-1"), ("wait", 2), ("update", 2),
+        ("result", 2), ("train", 2, "batch-2"), ("save", 2), ("wait", 2), ("update", 3),
     ]
 
 
@@ -122,7 +99,7 @@ def test_a_rollout_older_than_the_bound_stops_the_run_with_the_versions():
     placement = FakePlacement(actors, rollout={"update_weights_interval": 2})
     with pytest.raises(async_loop.StalenessError, match=r"rollout 3 .* versions 0\.\.0: staleness 3\.\.3, outside 0\.\.2"):
         async_loop.train(placement, 6, Reports())
-    assert ("train", 3) not in actors.calls
+    assert ("train", 3, "batch-3") not in actors.calls
 
 
 def test_a_resumed_async_loop_restores_the_rollout_in_flight_and_starts_after_the_checkpoint():
