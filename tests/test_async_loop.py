@@ -143,7 +143,7 @@ def test_sigkill_mid_async_run_then_resume_trains_every_rollouts_rows_exactly_on
 
     config, _ = train_config(tmp_path / "prep", **{"num-rollout": 4, "save-interval": 2, "eval-interval": None,
                                                    "rollout-batch-size": 4, "n-samples-per-prompt": 2,
-                                                   "async": True, "update-weights-interval": 2})
+                                                   "async": True, "update-weights-interval": 2, "use-tis": True})
     # The sync loop's data order: rollout k takes the data source's next rollout_batch_size groups.
     source = DataSource.from_prompt_data(config.data.prompt_data, shuffle=config.data.rollout_shuffle,
                                          seed=config.data.rollout_seed)
@@ -171,3 +171,5 @@ def test_sigkill_mid_async_run_then_resume_trains_every_rollouts_rows_exactly_on
     # only once rollout 2 was generated), not again by the resumed run, whose engines hold version 2 from its start.
     assert records[2]["rollout/weight_version_max"] == 0 and records[2]["async/staleness_max"] == 2
     assert all(0 <= r["async/staleness_min"] <= r["async/staleness_max"] <= 2 for r in records.values())
+    # --use-tis weighs by the trainer's over the engine's probabilities: here of the policy 0 to 2 versions old.
+    assert all(0.5 < r["tis"] < 2.0 for r in records.values()), [r["tis"] for r in records.values()]

@@ -4,8 +4,10 @@ The rollout manager is asked for the next rollout before training starts, with t
 are pushed every --update-weights-interval rollouts, after the rollout in flight is generated (never under one). So a
 sample may lag the trained policy: its staleness, the trained version minus the version that generated it, is 1..N
 for N = --update-weights-interval (0 for the first rollout of a run), recorded per rollout and checked against
---max-staleness. A save carries the rollout in flight (RolloutManager.state_dict), so a killed run resumes with it.
-Everything else (reporting, intervals, evaluation) is loop.py's.
+--max-staleness. The trainer's old log-probs are its own (the current weights), so --use-tis weighs each token by
+them over the engine's log-probs of the older policy that sampled it, as slime's TIS does. A save carries the rollout
+in flight (RolloutManager.state_dict), so a killed run resumes with it. An evaluation pushes the trained weights
+first, so it scores the same policy as the synchronous loop's. Reporting, intervals and evaluation are loop.py's.
 """
 
 from __future__ import annotations
