@@ -11,7 +11,7 @@ where the time goes (per-rollout phases: time/generate is the sync loop's genera
 loop's wait for a rollout generated while it trained; rollout/completions_per_s the engine side's own rate).
 
     .venv/bin/python benchmarks/async_vs_sync.py [--rounds 3] [--seed 7] [--target 0.8] [--interval 1] \
-        [--sides sync,async,async-thread]
+        [--sides sync,async,async-thread,async-tis]
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ def side_config(args, side: str, hf: str, train: str, held_out: str):
     # of the RolloutManager's process (--engine-in-process true), one process fewer competing for the cores.
     placement = config.placement.model_copy(update={"async_": True, "engine_in_process": side == "async-thread"})
     rollout = config.rollout.model_copy(update={"update_weights_interval": args.interval})
+    # "async-tis": --use-tis, the engine's log-probs of the stale policy weighing each token (slime's TIS).
+    algorithm = config.algorithm.model_copy(update={"use_tis": side == "async-tis"})
     return config.model_validate({**config.model_dump(), "placement": placement.model_dump(),
-                                  "rollout": rollout.model_dump()})
+                                  "rollout": rollout.model_dump(), "algorithm": algorithm.model_dump()})
 
 
 def run_side(args, side: str, paths: tuple[str, str, str], workdir: Path) -> SideResult:
@@ -66,7 +68,7 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--interval", type=int, default=1, help="--update-weights-interval of the async side")
     parser.add_argument("--sides", default="sync,async,async-thread",
-                        help="which of sync, async, async-thread to run (sync first in even rounds)")
+                        help="which of sync, async, async-thread, async-tis to run (in this order in even rounds)")
     parser.add_argument("--eval-interval", type=int, default=10)
     parser.add_argument("--max-rollouts", type=int, default=300)
     parser.add_argument("--max-seconds", type=float, default=300.0)
