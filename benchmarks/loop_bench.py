@@ -124,9 +124,10 @@ def slimeflow_config(args, hf: str, train: str, held_out: str):
     return load_stage_config("train", section)
 
 
-def run_slimeflow(args, hf: str, train: str, held_out: str, workdir: Path) -> SideResult:
-    """The train stage in its own process group, tailed until the target, the step cap or the time cap."""
-    config = slimeflow_config(args, hf, train, held_out)
+def run_slimeflow(args, hf: str, train: str, held_out: str, workdir: Path, config=None) -> SideResult:
+    """The train stage (`config`, default slimeflow_config's) in its own process group, tailed until the target, the
+    step cap or the time cap."""
+    config = config or slimeflow_config(args, hf, train, held_out)
     workdir.mkdir(parents=True)
     (workdir / "config.json").write_text(config.model_dump_json())
     log = workdir / "train" / "rollouts.jsonl"

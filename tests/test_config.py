@@ -74,7 +74,7 @@ def test_unsupported_flags_are_each_named_with_the_reason():
     problems = caught.value.problems
     assert len(problems) == 5, problems
     text = str(caught.value)
-    assert "--async-buffer-size: not supported yet (asynchronous training" in text
+    assert "--async-buffer-size: not supported yet (--async (slime's train_async.py) generates one rollout ahead" in text
     assert "--update-weights-interval" not in text  # taken: the synchronous loop pushes every N rollouts
     assert "--max-turns: unknown flag" in text
     assert "--prompt-key: use --input-key" in text

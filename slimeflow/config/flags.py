@@ -48,7 +48,7 @@ class Leaf:
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return "--" + self.name.rstrip("_").replace("_", "-")  # `async_` (a Python keyword's field) is --async
 
     @property
     def kind(self) -> Kind:

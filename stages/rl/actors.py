@@ -29,7 +29,7 @@ T = TypeVar("T")
 if TYPE_CHECKING:
     from slimeflow.stages.rl.placement_group import EnginePlacement
     from slimeflow.stages.rl.rollout import RolloutContext
-    from slimeflow.stages.rl.types import PackedBatch
+    from slimeflow.stages.rl.types import PackedBatch, Sample
 
 # The driver imports this module only to create the actors: what they compute with (torch, transformers, the
 # rollout function) is imported inside them, which keeps ~0.8 s of torch import out of the driver's start-up.
@@ -85,6 +85,7 @@ class RolloutManager:
             self.data = BufferedDataSource(source, buffer_filter)
             self.eval_sets = {name: _prompts(uri) for name, uri in setup.eval_prompt_data.items()}
             self.scorer = RewardScorer(config.reward, seed=config.data.rollout_seed)
+            self.in_flight: InFlight | None = None
         except BaseException:
             launching.cancel()
             raise
@@ -103,9 +104,13 @@ class RolloutManager:
                               batch_groups=not self.engines.routed, router_url=self.engines.rollout_url,
                               api_key=self.engines.api_key)
 
-    def generate(self, rollout_id: int) -> tuple[PackedBatch, dict[str, float], list[list[str]]]:
-        """Rollout `rollout_id` with the weights the engines serve (version `rollout_id`, or the last pushed with
-        --update-weights-interval): (train batch, metrics, row ids per group)."""
+    def generate(self, rollout_id: int, weight_version: int | None = None
+                 ) -> tuple[PackedBatch, dict[str, float], list[list[str]]]:
+        """Rollout `rollout_id` with the weights of `weight_version` (default: those the engines serve, version
+        `rollout_id` or the last pushed with --update-weights-interval): (train batch, metrics, row ids per group).
+        With --async the rollout is kept until the next one is asked for (it is in flight: generated, not yet
+        trained) and goes into `state_dict`; a rollout restored from a checkpoint by `load_state_dict` is handed
+        out as it was generated, without touching the data source."""
         from slimeflow.stages.rl.debug_data import row_ids, save_rollout
         from slimeflow.stages.rl.loop import served_version
         from slimeflow.stages.rl.rollout import generate_rollout
@@ -114,24 +119,29 @@ class RolloutManager:
 
         # The loop's first rollout follows its first push; with --debug-rollout-only no trainer pushes weights.
         self.first_rollout_id = rollout_id if self.first_rollout_id is None else self.first_rollout_id
-        version = served_version(rollout_id, self.first_rollout_id, self.config.weight_sync.update_weights_interval)
+        version = (served_version(rollout_id, self.first_rollout_id, self.config.weight_sync.update_weights_interval)
+                   if weight_version is None else weight_version)
         ctx = self._context(None if self.config.debug.debug_rollout_only else str(version))
-        if self.config.rollout.rollout_function_path is None:
-            result = self._run(generate_rollout(ctx, self.data, rollout_id))
-        else:  # slime's contract: a synchronous function that runs its coroutines on slime's background loop
-            from slimeflow.stages.rl.slime_rollout_hooks import run_rollout_function
+        if self.in_flight is not None and self.in_flight.rollout_id == rollout_id:
+            samples, metrics = self.in_flight.samples, self.in_flight.metrics
+        else:
+            if self.config.rollout.rollout_function_path is None:
+                result = self._run(generate_rollout(ctx, self.data, rollout_id))
+            else:  # slime's contract: a synchronous function that runs its coroutines on slime's background loop
+                from slimeflow.stages.rl.slime_rollout_hooks import run_rollout_function
 
-            function = load_plugin(self.config.rollout.rollout_function_path, "rollout-function-path")
-            try:
-                result = run_rollout_function(function, ctx, self.data, rollout_id)
-            except Exception:
-                self.engines.check_alive()
-                raise
-        if self.config.debug.save_debug_rollout_data is not None:
-            save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, result.samples,
-                         self.config.batch.n_samples_per_prompt)
-        batch = train_batch(self.config, ctx.args, result.samples)
-        return PackedBatch.pack(batch), result.metrics, row_ids(result.samples)
+                function = load_plugin(self.config.rollout.rollout_function_path, "rollout-function-path")
+                try:
+                    result = run_rollout_function(function, ctx, self.data, rollout_id)
+                except Exception:
+                    self.engines.check_alive()
+                    raise
+            samples, metrics = result.samples, {**result.metrics, **weight_versions(result.samples)}
+            if self.config.debug.save_debug_rollout_data is not None:
+                save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, samples,
+                             self.config.batch.n_samples_per_prompt)
+        self.in_flight = InFlight(rollout_id, samples, metrics) if self.config.placement.async_ else None
+        return PackedBatch.pack(train_batch(self.config, ctx.args, samples)), metrics, row_ids(samples)
 
     def evaluate(self, version: str | None) -> dict[str, float]:
         """Every eval set with the eval sampling settings (eval_* flags, else the rollout's)."""
@@ -174,16 +184,51 @@ class RolloutManager:
         return {"engines": ray.get([a.where.remote() for a in actors]), "router": routers[0] if routers else None}
 
     def state_dict(self) -> dict[str, Any]:
-        """The data position and the buffer (saved with every checkpoint)."""
-        return self.data.state_dict()
+        """The data position and the buffer (saved with every checkpoint), and with --async the rollout in flight:
+        its prompts are past the data position, so a resume that lost it would skip them."""
+        state = self.data.state_dict()
+        if self.in_flight is not None:
+            state["in_flight"] = self.in_flight.to_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.data.load_state_dict(state)
+        self.in_flight = InFlight.from_dict(state["in_flight"]) if state.get("in_flight") else None
 
     def shutdown(self) -> None:
         self.scorer.close()
         self.loop.run_until_complete(self.engines.aclose())
         self.engines.stop()
+
+
+@dataclass
+class InFlight:
+    """The async loop's rollout generated but not yet trained: what a checkpoint must carry besides the data
+    position (which is already past its prompts)."""
+
+    rollout_id: int
+    samples: list[Sample]
+    metrics: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rollout_id": self.rollout_id, "samples": [s.to_dict() for s in self.samples],
+                "metrics": self.metrics}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> InFlight:
+        from slimeflow.stages.rl.types import Sample
+
+        return cls(int(data["rollout_id"]), [Sample.from_dict(s) for s in data["samples"]], dict(data["metrics"]))
+
+
+def weight_versions(samples: list[Sample]) -> dict[str, float]:
+    """The oldest and newest policy version that generated the rollout's samples, as the engines reported it
+    (the async loop's staleness is the trained version minus these); none when an engine reports no version."""
+    versions = [s.metadata.get("weight_version") for s in samples]
+    if not versions or any(v is None or not str(v).isdigit() for v in versions):
+        return {}
+    numbers = [int(v) for v in versions]
+    return {"rollout/weight_version_min": float(min(numbers)), "rollout/weight_version_max": float(max(numbers))}
 
 
 class ReplayRolloutManager:

@@ -200,6 +200,9 @@ class AlgorithmConfig(ConfigModel):
     """Entropy bonus weight."""
     calculate_per_token_loss: bool = False
     """Average over all tokens of the batch instead of per sample."""
+    max_staleness: OptionalPositiveInt = None
+    """With --async: the most policy versions a trained sample may lag the trainer (default: the loop's own bound,
+    --update-weights-interval); a config whose loop could exceed it is refused, and a sample over it stops the run."""
     use_tis: bool = False
     """Truncated importance sampling between the rollout engine's and the trainer's probabilities."""
     tis_clip: float = Field(2.0, gt=0)
@@ -343,6 +346,10 @@ class PlacementConfig(ConfigModel):
     """GPUs of each node (logical GPUs on a CPU cluster): an engine's GPUs are on one node."""
     rollout_external_engine_addrs: list[str] | None = None
     """SGLang servers started elsewhere (host:port or http://host:port), used instead of launching engines."""
+    async_: bool = False
+    """slime's train_async.py loop: rollout k+1 is generated while the trainer trains on rollout k (needs
+    the engines on devices of their own: refused with --colocate); on a CPU the engine then defaults to a process of
+    its own."""
     engine_in_process: bool = True
     """One embedded engine is served from a thread of the RolloutManager's process (no process of its own, which
     saves its interpreter's imports: 2-3 CPU seconds of start-up); false gives it its own process, for a rollout
@@ -647,7 +654,39 @@ class TrainConfig(ConfigModel):
                 f"--micro-batch-size {self.batch.micro_batch_size} is larger than a data-parallel rank's share of the "
                 f"global batch ({self.batch.global_batch_size} samples over {ranks} ranks = {share}); choose at most "
                 f"{max(share, 1)}")
+        check_async(self)
         if self.batch.n_samples_per_prompt == 1 and self.algorithm.advantage_estimator in ("grpo", "gspo", "cispo"):
             # As slime: the std of a one-sample group is undefined, so std normalisation is switched off.
             self.algorithm.__dict__["disable_grpo_std_normalization"] = True
         return self
+
+
+def check_async(config: TrainConfig) -> None:
+    """--async and its flags: what the asynchronous loop cannot do is refused with the reason (slime's where it has
+    one). On a CPU an async run's engine gets a process of its own unless --engine-in-process is given."""
+    placement, interval = config.placement, config.weight_sync.update_weights_interval
+    bound = config.algorithm.max_staleness
+    if not placement.async_:
+        problems = [] if bound is None else [
+            f"--max-staleness {bound} needs --async (the synchronous loop generates each rollout with the weights it "
+            "last pushed, so its staleness is bounded by --update-weights-interval alone)"]
+    else:
+        refused = {
+            "--colocate": (placement.colocate, "slime refuses it too ('Colocation is not supported for async "
+                           "training'): colocated engines and trainer share the devices, so generation cannot overlap "
+                           "training"),
+            "--debug-rollout-only": (config.debug.debug_rollout_only, "there is no trainer to overlap generation with"),
+            "--debug-train-only": (config.debug.debug_train_only, "there is no engine: saved rollouts are replayed"),
+            "--partial-rollout": (config.rollout.partial_rollout, "a continued sample's first tokens come from the "
+                                  "policy of an earlier rollout, so its staleness is not bounded by "
+                                  "--update-weights-interval; not built yet"),
+        }
+        problems = [f"--async with {flag}: {reason}" for flag, (given, reason) in refused.items() if given]
+        if bound is not None and interval > bound:
+            problems.append(f"--update-weights-interval {interval} lets the async loop train on samples up to {interval} "
+                            f"policy versions old, more than --max-staleness {bound}; lower the interval to at most "
+                            f"{bound} or raise --max-staleness")
+    if problems:
+        raise ValueError("; ".join(problems))
+    if placement.async_ and "engine_in_process" not in placement.model_fields_set:
+        placement.__dict__["engine_in_process"] = False  # overlap: engine and rollout loop need not share one GIL

@@ -4,7 +4,8 @@ loop calls plain methods. Colocated on one machine by default (the engines idle 
 On a cluster with GPUs (logical ones too) placement is slime's: one placement group (placement_plan,
 placement_group), each TrainActor pinned to its bundle, and the engines Ray actors pinned to theirs, started by the
 RolloutManager. On a CPU the actors ask Ray for no CPU (they alternate, and torch's threads are set explicitly, see
-`cpu_threads`) and the RolloutManager starts the embedded engines itself.
+`cpu_threads`) and the RolloutManager starts the embedded engines itself. With --async the two compute at once, so
+on a CPU the cores are split between the trainer ranks and the engines.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class RolloutManagerHandle:
         batch_ref, metrics_ref, rows_ref = self.actor.generate.options(num_returns=3).remote(rollout_id)
         return batch_ref, call(metrics_ref, f"rollout {rollout_id}"), call(rows_ref, f"rollout {rollout_id}")
 
+    def start_generate(self, rollout_id: int, weight_version: int) -> PendingRollout:
+        """Ask for rollout `rollout_id` (with the engines' weights `weight_version`) and return at once."""
+        refs = self.actor.generate.options(num_returns=3).remote(rollout_id, weight_version)
+        return PendingRollout(rollout_id, *refs)
+
     def evaluate(self, version: str) -> dict[str, float]:
         return call(self.actor.evaluate.remote(version), f"evaluation with weights {version}")
 
@@ -50,6 +56,24 @@ class RolloutManagerHandle:
 
     def shutdown(self) -> None:
         call(self.actor.shutdown.remote(), "stopping the rollout engines")
+
+
+@dataclass
+class PendingRollout:
+    """A rollout being generated (RolloutManagerHandle.start_generate); the train batch stays a Ray object."""
+
+    rollout_id: int
+    batch_ref: Any
+    metrics_ref: Any
+    rows_ref: Any
+
+    def wait(self) -> None:
+        """Until the rollout is generated (its errors are raised by `result`)."""
+        ray.wait([self.metrics_ref], num_returns=1, fetch_local=False)
+
+    def result(self) -> tuple[Any, dict[str, float], list[list[str]]]:
+        what = f"rollout {self.rollout_id}"
+        return self.batch_ref, call(self.metrics_ref, what), call(self.rows_ref, what)
 
 
 class ActorGroup:
@@ -150,9 +174,12 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
     placement = config.placement
     world = placement.actor_num_nodes * placement.actor_num_gpus_per_node
     group = _placement_group(config) if _has_gpus() else None
-    threads = None if group else cpu_threads(world)
+    # Synchronous: trainers and engines take turns, each may use the machine. Async: they compute at once.
+    at_once = world + setup.num_engines if placement.async_ else world
+    threads = None if group else cpu_threads(at_once)
     if setup.engine_threads is None:
-        setup = replace(setup, engine_threads=cpu_threads(max(1, setup.num_engines if group else 1)))
+        engines = setup.num_engines if group else (at_once if placement.async_ else 1)
+        setup = replace(setup, engine_threads=cpu_threads(max(1, engines)))
     if group is not None:
         setup = replace(setup, engines_on=group.engine_placement(
             "sglang" if sglang_installed() else "embedded", config.seed, placement.num_gpus_per_node,

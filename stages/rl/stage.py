@@ -20,7 +20,7 @@ from slimeflow.io.storage import join
 from slimeflow.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.model.stage import fingerprint
-from slimeflow.stages.rl import loop
+from slimeflow.stages.rl import async_loop, loop
 from slimeflow.stages.rl.actors import RolloutSetup
 from slimeflow.stages.rl.backend.ownership import claim_root
 from slimeflow.stages.rl.config import TrainConfig
@@ -48,7 +48,7 @@ def run(config: TrainConfig, ctx: StageContext) -> Manifest:
         init_ray(ctx.ray_address)
         placement = create_placement(config, setup, total_steps, scratch_dir(ctx.workdir), run_token)
         try:
-            result = loop.train(placement, num_rollout, history)
+            result = (async_loop if config.placement.async_ else loop).train(placement, num_rollout, history)
         finally:
             placement.shutdown()
     finally:

@@ -1,4 +1,4 @@
-# Flags from the seeds that slimeflow does not take: async training (slime-skill-en.md, Workflow 2), the
+# Flags from the seeds that slimeflow does not take: the async buffer (slime-skill-en.md, Workflow 2), the
 # multi-turn example's custom --max-turns, and older spellings (slime-quickstart-zh.md, "Multiturn").
 --rollout-batch-size 8
 --num-rollout 10
