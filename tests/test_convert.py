@@ -392,7 +392,7 @@ def test_cli_takes_the_direction_as_a_positional_or_a_flag(capsys):
         assert main([*argv, "--input-dir", "a", "--output-dir", "b", "--origin-hf-dir", "c", "--vocab-size",
                      "259", "--print-config"]) == 0
         printed = yaml.safe_load(capsys.readouterr().out)["convert"]
-        assert printed["direction"] == "torch-dist-to-hf" and printed["vocab_size"] == 259
+        assert printed["direction"] == "torch-dist-to-hf" and printed["megatron"]["vocab_size"] == 259
 
 
 @pytest.mark.slow
