@@ -102,7 +102,8 @@ def services(tmp_path_factory) -> Iterator[Services]:
     """The processes of this module; at teardown every one is stopped by pid and none may be left."""
     home = tmp_path_factory.mktemp("prefect-server")
     env = {**os.environ, "PREFECT_HOME": str(home / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_ENABLED": "false"}
+           "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_ENABLED": "false",
+           "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1"}
     env.pop("PREFECT_API_URL", None)
     found = Services(env, home)
     yield found
@@ -155,11 +156,14 @@ def first_deploy(prefect_server: str, services: Services, deploy_cwd: Path) -> s
     return _deploy(services, deploy_cwd)
 
 
+def _start_worker(services: Services, cwd: Path, name: str = "worker") -> subprocess.Popen:
+    return services.start(name, [*PREFECT, "worker", "start", "--pool", "slimeflow", "--type", "process"], cwd)
+
+
 @pytest.fixture(scope="module")
 def prefect_worker(first_deploy, services: Services, deploy_cwd: Path) -> subprocess.Popen:
     """A process worker polling the `slimeflow` pool (which the first deploy created) every second."""
-    return services.start("worker", [*PREFECT, "worker", "start", "--pool", "slimeflow", "--type", "process"],
-                          deploy_cwd)
+    return _start_worker(services, deploy_cwd)
 
 
 @pytest.fixture(scope="module")
@@ -281,3 +285,136 @@ def test_deploy_refuses_an_unknown_deployment_and_lists_the_known_ones(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "unknown deployment 'pipelin'" in err and "pipeline, model, convert" in err
+
+
+# --- a training pipeline on the worker: cancelled, a second run on its workdir, killed and retried, artifacts ---
+
+TRAIN_S = 300
+
+
+def _train_pipeline(workdir: Path, num_rollout: int) -> dict:
+    """model -> preprocess -> train -> evaluate on the default tiny Llama and the demo's n+1 task, a checkpoint every
+    second rollout, in the parameters' canonical form."""
+    from slimeflow.config.pipeline import load_pipeline_config
+    from slimeflow.deployments.definitions import canonical
+
+    data = ROOT / "examples" / "data"
+    return canonical(load_pipeline_config({
+        "name": "orchestrated", "workdir": str(workdir), "hf_checkpoint": "tiny:llama?seed=0",
+        "stages": ["model", "preprocess", "train", "evaluate"],
+        "preprocess": {"input": [str(data / "increment-train.jsonl")],
+                       "eval_input": {"increment": str(data / "increment-eval.jsonl")},
+                       "input_key": "prompt", "label_key": "label"},
+        "train": {"rollout-batch-size": 4, "n-samples-per-prompt": 2, "num-rollout": num_rollout,
+                  "rollout-max-response-len": 1, "rm-type": "prefix_match", "lr": 1.0e-3, "save-interval": 2,
+                  "eval-interval": 2, "eval-temperature": 0.0, "eval-max-response-len": 1},
+        "evaluate": {"eval-temperature": 0.0, "eval-max-response-len": 1, "rm-type": "prefix_match"},
+    }))
+
+
+def _submit(config: dict):
+    """Create a flow run of the pipeline deployment and return at once (the UI's "Run", not waiting)."""
+    from prefect.deployments import run_deployment
+
+    return run_deployment("slimeflow-pipeline/pipeline", parameters={"config": config}, timeout=0)
+
+
+def _wait_for(what: str, check, timeout_s: float, services: Services, poll_s: float = 0.05):
+    """Poll `check()` until it returns something truthy; fail naming `what` (with the worker's log) after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = check()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"{log.name}:\n{_tail(log, 30)}" for log in sorted(services.logs.glob("worker*.log")))
+            pytest.fail(f"{what}: not after {timeout_s} s\n{logs}")
+        time.sleep(poll_s)
+
+
+def _state(flow_run_id):
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id).state
+
+
+def _final_state(flow_run_id, services: Services, timeout_s: float = TRAIN_S):
+    return _wait_for(f"flow run {flow_run_id} in a final state",
+                     lambda: (state := _state(flow_run_id)) is not None and state.is_final() and state,
+                     timeout_s, services, poll_s=0.5)
+
+
+def _flow_run_process(flow_run_id, services: Services) -> int | None:
+    """The pid of the process a worker started for `flow_run_id` (Prefect puts it in a session of its own)."""
+    import psutil
+
+    for worker in services.started:
+        try:
+            children = psutil.Process(worker.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+        for child in children:
+            try:
+                if child.environ().get("PREFECT__FLOW_RUN_ID") == str(flow_run_id) and os.getsid(child.pid) == child.pid:
+                    return child.pid
+            except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+                continue
+    return None
+
+
+def _session(sid: int) -> list[str]:
+    """The live processes (zombies aside) of session `sid`: the flow run's process, Ray's raylet, GCS and actors."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                alive.append(f"{stat.parent.name} {(stat.parent / 'cmdline').read_bytes()[:100]!r}")
+        except (OSError, ValueError):
+            continue  # exited while we looked
+    return alive
+
+
+def _tracker(workdir: Path) -> int | None:
+    path = workdir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * TRAIN_S)
+def test_a_second_run_on_a_busy_workdir_is_refused_and_a_cancelled_run_leaves_no_process(
+        deployed, services, tmp_path):
+    workdir = tmp_path / "run"
+    config = _train_pipeline(workdir, num_rollout=200)  # far more than the test lets it train
+    first = _submit(config)
+    _wait_for("the first run's first checkpoint", lambda: _tracker(workdir), TRAIN_S, services)
+    sid = _flow_run_process(first.id, services)
+    assert sid is not None, "the worker's process for the first run"
+
+    # The same config on the same workdir, while the first trains: refused at once, naming the workdir and who holds it.
+    second = _final_state(_submit(config).id, services)
+    assert second.is_failed(), second
+    message = second.message or ""
+    assert f"work directory {workdir} is in use by another slimeflow run (pipeline run 'orchestrated'" in message
+    assert "--workdir of its own" in message
+    # ... and the first is untouched: still running, still checkpointing.
+    reached = _tracker(workdir)
+    assert _state(first.id).is_running()
+    _wait_for("a checkpoint of the first run after the refusal", lambda: (_tracker(workdir) or 0) > reached,
+              TRAIN_S, services)
+
+    # Cancel as the UI's "Cancel" does; the worker stops the flow run's process group, and with it Ray's processes.
+    from prefect import get_client
+    from prefect.states import Cancelling
+
+    services.remember_descendants()
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(first.id, Cancelling(), force=True)
+    assert _final_state(first.id, services, timeout_s=120).is_cancelled()
+    left = _wait_for("no process left of the cancelled run", lambda: not _session(sid) or None, 60, services,
+                     poll_s=0.5)
+    assert left, _session(sid)
