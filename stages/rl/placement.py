@@ -8,7 +8,9 @@ on GPUs each TrainActor asks for one GPU (`--actor-num-nodes x --actor-num-gpus-
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
+import threading
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -123,14 +125,22 @@ LOCAL_RAY_SYSTEM_CONFIG = {
 
 
 def init_ray(address: str | None) -> None:
-    """Join the Ray cluster at `address` (RAY_ADDRESS style), else start a local one for this process."""
+    """Join the Ray cluster at `address` (RAY_ADDRESS style), else start a local one for this process.
+
+    A SIGTERM handler the host installed (Prefect's, which turns a cancellation into a Cancelled run) stays in charge:
+    ray.init replaces it with one that calls sys.exit, and a cancelled flow run would be reported Crashed."""
     if ray.is_initialized():
         return
+    host_handler = signal.getsignal(signal.SIGTERM)
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True,
+        # "local": a cluster of its own, even where `ray start` left /tmp/ray/ray_current_cluster, which
+        # ray.init() would join (another user's cluster, and then num_cpus is refused). RAY_ADDRESS still wins.
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True,
                  configure_logging=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
+    if callable(host_handler) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, host_handler)
 
 
 def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int, scratch: Path,
