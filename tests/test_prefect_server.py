@@ -6,6 +6,9 @@ pid (the group is killed) at the end of the module; the teardown asserts that no
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -287,6 +290,40 @@ def test_deploy_refuses_an_unknown_deployment_and_lists_the_known_ones(capsys):
     assert "unknown deployment 'pipelin'" in err and "pipeline, model, convert" in err
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_S + 120)
+def test_an_interval_schedule_creates_runs_and_the_worker_runs_them(deployed, services):
+    """An hourly schedule on the model stage's deployment (its default parameters), as the UI's "Add schedule"
+    makes it; the scheduler creates the coming runs and the worker runs the first when it is due."""
+    from datetime import UTC, datetime, timedelta
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+    from prefect.client.schemas.schedules import IntervalSchedule
+
+    hour = timedelta(hours=1)
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("slimeflow-model/model")
+        anchor = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=15)
+        [schedule] = client.create_deployment_schedules(
+            deployment.id, [(IntervalSchedule(interval=hour, anchor_date=anchor), True)])
+
+        def scheduled():
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])))
+            return sorted(runs, key=lambda r: r.expected_start_time) if len(runs) >= 3 else None
+
+        runs = _wait_for("runs created by the schedule", scheduled, 60, services, poll_s=1)
+        starts = [r.expected_start_time for r in runs]
+        assert starts[:3] == [anchor, anchor + hour, anchor + 2 * hour]
+        assert all(r.auto_scheduled for r in runs)
+        state = _final_state(runs[0].id, services, timeout_s=RUN_S)
+        assert state.is_completed(), state
+        client.update_deployment_schedule(deployment.id, schedule.id, active=False)
+        for later in runs[1:]:  # an hour away; not left for a worker of a later test
+            client.delete_flow_run(later.id)
+
+
 # --- a training pipeline on the worker: cancelled, a second run on its workdir, killed and retried, artifacts ---
 
 TRAIN_S = 300
@@ -325,6 +362,7 @@ def _wait_for(what: str, check, timeout_s: float, services: Services, poll_s: fl
     while True:
         found = check()
         if found:
+            print(f"TIMING {what}: {time.monotonic() - deadline + timeout_s:.1f} s", flush=True)
             return found
         if time.monotonic() > deadline:
             logs = "\n".join(f"{log.name}:\n{_tail(log, 30)}" for log in sorted(services.logs.glob("worker*.log")))
@@ -363,17 +401,26 @@ def _flow_run_process(flow_run_id, services: Services) -> int | None:
     return None
 
 
-def _session(sid: int) -> list[str]:
-    """The live processes (zombies aside) of session `sid`: the flow run's process, Ray's raylet, GCS and actors."""
-    alive = []
+def _session(sid: int) -> dict[int, str]:
+    """The live processes (zombies aside) of session `sid` by pid: the flow run's process, Ray's raylet, GCS and
+    actors."""
+    alive = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
             if int(fields[3]) == sid and fields[0] != "Z":
-                alive.append(f"{stat.parent.name} {(stat.parent / 'cmdline').read_bytes()[:100]!r}")
+                alive[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes()[:100].decode(errors="replace")
         except (OSError, ValueError):
             continue  # exited while we looked
     return alive
+
+
+def _until_gone(sid: int, services: Services, timeout_s: float = 60) -> None:
+    """Wait until session `sid` has no live process (Ray's actors exit a second or more after their raylet)."""
+    deadline = time.monotonic() + timeout_s
+    while _session(sid):
+        assert time.monotonic() < deadline, f"left after {timeout_s} s: {_session(sid)}"
+        time.sleep(0.5)
 
 
 def _tracker(workdir: Path) -> int | None:
@@ -415,6 +462,73 @@ def test_a_second_run_on_a_busy_workdir_is_refused_and_a_cancelled_run_leaves_no
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(first.id, Cancelling(), force=True)
     assert _final_state(first.id, services, timeout_s=120).is_cancelled()
-    left = _wait_for("no process left of the cancelled run", lambda: not _session(sid) or None, 60, services,
-                     poll_s=0.5)
-    assert left, _session(sid)
+    _until_gone(sid, services)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * TRAIN_S)
+def test_a_run_whose_worker_died_mid_train_resumes_from_its_checkpoint_when_retried(
+        deployed, prefect_worker, services, deploy_cwd, tmp_path):
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
+    from prefect.states import AwaitingRetry, Crashed
+
+    workdir = tmp_path / "run"
+    run = _submit(_train_pipeline(workdir, num_rollout=6))
+    killed_at = _wait_for("the first checkpoint", lambda: _tracker(workdir), TRAIN_S, services)
+    sid = _flow_run_process(run.id, services)
+    # The worker's machine is lost: the worker's process group and the flow run's session (Prefect starts each flow
+    # run in a session of its own: killing the worker alone would leave it training), every process at once.
+    services.remember_descendants()
+    os.killpg(prefect_worker.pid, signal.SIGKILL)
+    for pid in _session(sid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    prefect_worker.wait(timeout=30)
+    assert killed_at < 5, "killed after the last checkpoint: the test no longer tests a resume"
+    _until_gone(sid, services)
+
+    # The server still sees the run Running. Marked Crashed (the UI's "Change state", or a zombie-run automation),
+    # then retried as the UI's "Retry" does; a new worker picks it up.
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(run.id, Crashed(message="worker lost"), force=True)
+        client.set_flow_run_state(run.id, AwaitingRetry(message="Retry from the UI"), force=True)
+    _start_worker(services, deploy_cwd, "worker-2")
+    state = _final_state(run.id, services)
+    assert state.is_completed(), f"{state}\n{_tail(services.logs / 'worker-2.log', 60)}"
+
+    # Finished stages reused, training resumed after the checkpoint the kill left, each rollout on record once.
+    reused = [f"{stage}: inputs, config and code unchanged; reusing" for stage in ("model", "preprocess")]
+    logs = _stage_logs(run.id, reused)
+    assert all(line in logs for line in reused), logs
+    trained = json.loads((workdir / "manifests" / "train.json").read_text())
+    assert trained["counts"]["start_rollout_id"] == killed_at + 1
+    assert trained["counts"]["rollouts_run"] == 6 - (killed_at + 1)
+    assert trained["outputs"]["checkpoint"].endswith("iter_0000005")
+    lines = [json.loads(line) for line in (workdir / "train" / "rollouts.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "rollout/reward_mean" in r] == list(range(6))
+
+    # What the stages published: links to their manifests, the reward curve, the eval scores.
+    with get_client(sync_client=True) as client:
+        subflows = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
+        ids = [r.id for r in subflows if r.state is not None and r.state.is_completed()]
+        artifacts = {a.key: a for a in client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=ids)))}
+    manifest_link = artifacts["slimeflow-train-manifest"]
+    assert manifest_link.type == "link"
+    assert (workdir / "manifests" / "train.json").resolve().as_uri() in manifest_link.data
+    curve = artifacts["slimeflow-train-reward-curve"]
+    assert curve.type == "image" and curve.data.startswith("data:image/png;base64,")
+    assert base64.b64decode(curve.data.split(",", 1)[1]) == (workdir / "train" / "reward_curve.png").read_bytes()
+    table = artifacts["slimeflow-evaluate-eval"]
+    rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+    evaluated = json.loads((workdir / "manifests" / "evaluate.json").read_text())["metrics"]
+    assert {(r["set"], r["metric"]): r["score"] for r in rows} == {
+        tuple(key.split("/")[1:]): value for key, value in evaluated.items() if key.startswith("eval/")}
+    assert ("increment", "avg_at_1") in {(r["set"], r["metric"]) for r in rows}
