@@ -362,7 +362,6 @@ def _wait_for(what: str, check, timeout_s: float, services: Services, poll_s: fl
     while True:
         found = check()
         if found:
-            print(f"TIMING {what}: {time.monotonic() - deadline + timeout_s:.1f} s", flush=True)
             return found
         if time.monotonic() > deadline:
             logs = "\n".join(f"{log.name}:\n{_tail(log, 30)}" for log in sorted(services.logs.glob("worker*.log")))
