@@ -319,9 +319,10 @@ def test_an_interval_schedule_creates_runs_and_the_worker_runs_them(deployed, se
         assert all(r.auto_scheduled for r in runs)
         state = _final_state(runs[0].id, services, timeout_s=RUN_S)
         assert state.is_completed(), state
-        client.update_deployment_schedule(deployment.id, schedule.id, active=False)
-        for later in runs[1:]:  # an hour away; not left for a worker of a later test
-            client.delete_flow_run(later.id)
+        client.update_deployment_schedule(deployment.id, schedule.id, active=False)  # its coming runs go with it
+        remaining = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])))
+        assert [r.id for r in remaining] == [runs[0].id]
 
 
 # --- a training pipeline on the worker: cancelled, a second run on its workdir, killed and retried, artifacts ---
