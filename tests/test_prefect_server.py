@@ -480,7 +480,7 @@ def test_a_run_whose_worker_died_mid_train_resumes_from_its_checkpoint_when_retr
 
     workdir = tmp_path / "run"
     run = _submit(_train_pipeline(workdir, num_rollout=6))
-    killed_at = _wait_for("the first checkpoint", lambda: _tracker(workdir), TRAIN_S, services)
+    _wait_for("the first checkpoint", lambda: _tracker(workdir), TRAIN_S, services)
     sid = _flow_run_process(run.id, services)
     # The worker's machine is lost: the worker's process group and the flow run's session (Prefect starts each flow
     # run in a session of its own: killing the worker alone would leave it training), every process at once.
@@ -490,8 +490,9 @@ def test_a_run_whose_worker_died_mid_train_resumes_from_its_checkpoint_when_retr
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     prefect_worker.wait(timeout=30)
-    assert killed_at < 5, "killed after the last checkpoint: the test no longer tests a resume"
     _until_gone(sid, services)
+    killed_at = _tracker(workdir)  # the checkpoint the kill left (one may have committed since it was seen)
+    assert killed_at < 5, "killed after the last checkpoint: the test no longer tests a resume"
 
     # The server still sees the run Running. Marked Crashed (the UI's "Change state", or a zombie-run automation),
     # then retried as the UI's "Retry" does; a new worker picks it up.
@@ -511,7 +512,10 @@ def test_a_run_whose_worker_died_mid_train_resumes_from_its_checkpoint_when_retr
     assert trained["counts"]["rollouts_run"] == 6 - (killed_at + 1)
     assert trained["outputs"]["checkpoint"].endswith("iter_0000005")
     lines = [json.loads(line) for line in (workdir / "train" / "rollouts.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines if "rollout/reward_mean" in r] == list(range(6))
+    steps = [r["step"] for r in lines if "rollout/reward_mean" in r]
+    # Each once, the resumed ones all there. The checkpointed rollout itself may lack its line: the loop reports a
+    # rollout after its save, weight update and eval, and the kill can land between the save and the report.
+    assert steps == sorted(set(steps)) and set(range(killed_at + 1, 6)) <= set(steps) <= set(range(6)), steps
 
     # What the stages published: links to their manifests, the reward curve, the eval scores.
     with get_client(sync_client=True) as client:
