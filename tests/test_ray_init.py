@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 PROBE = """
 import signal, sys
 import ray
@@ -20,6 +22,7 @@ print("kept" if kept else "replaced")
 """
 
 
+@pytest.mark.slow  # a Ray cluster starts and stops: 13 s on 2 cores
 def test_a_hosts_sigterm_handler_survives_ray_init():
     probe = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=180)
     assert probe.returncode == 0, probe.stderr[-3000:]
