@@ -21,14 +21,17 @@ from slimeflow.flows.stages import (
     tracker_for,
     train_flow,
 )
+from slimeflow.io.locks import exclusive
 
 
 @flow(name="slimeflow-pipeline", log_prints=True)
 def pipeline_flow(config: PipelineConfig) -> dict[str, dict]:
-    """Run the configured stages in order under one MLflow run; returns each stage's manifest."""
+    """Run the configured stages in order under one MLflow run; returns each stage's manifest. The run holds its
+    work directory throughout: a second run on it is refused (io.locks), never interleaved with this one."""
     settings = config.settings()
     m: dict[str, dict] = {}
-    with tracker_for(settings).run(config.name, {"stages": ",".join(config.stages)}) as run_id:
+    with (exclusive(settings.workdir, f"pipeline run {config.name!r}"),
+          tracker_for(settings).run(config.name, {"stages": ",".join(config.stages)}) as run_id):
         run = {"settings": settings, "parent_run_id": run_id}
         if "model" in config.stages:
             m["model"] = model_flow(config.model, **run)

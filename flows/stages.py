@@ -14,10 +14,11 @@ import json
 from pathlib import Path
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
 
 from slimeflow import code_version
 from slimeflow.config.pipeline import RunSettings
+from slimeflow.flows.artifacts import publish
+from slimeflow.io.locks import exclusive
 from slimeflow.io.storage import Storage, StorageError, is_local, join
 from slimeflow.io.tracking import Tracker
 from slimeflow.manifest import MANIFEST_DIR, Manifest, config_hash
@@ -74,7 +75,15 @@ def _still_committed(storage: Storage, manifest: Manifest) -> bool:
 
 def execute_stage(stage: str, config, settings: RunSettings, parent_run_id: str | None,
                   upstream: list[dict] | None = None) -> dict:
-    """Run one stage inside a nested MLflow run (or skip it when cached), write its manifest, link it in Prefect."""
+    """Run one stage inside a nested MLflow run (or skip it when cached), write its manifest, link it in Prefect.
+
+    The stage holds its work directory while it runs (io.locks): a second run on it is refused, not interleaved."""
+    with exclusive(settings.workdir, f"{stage} stage of run {settings.name!r}"):
+        return _execute(stage, config, settings, parent_run_id, upstream)
+
+
+def _execute(stage: str, config, settings: RunSettings, parent_run_id: str | None,
+             upstream: list[dict] | None) -> dict:
     storage = Storage(settings.infra.s3())
     workdir = Path(settings.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -95,17 +104,9 @@ def execute_stage(stage: str, config, settings: RunSettings, parent_run_id: str 
         tracker.log_metrics(run_id, {**{f"{stage}.{k}": v for k, v in manifest.counts.items()}, **manifest.metrics})
         tracker.set_tags(run_id, {"manifest_uri": uri, "manifest_sha256": record.sha256,
                                   **{f"output.{k}": v for k, v in manifest.outputs.items()}})
-    publish(stage, manifest, uri)
+    publish(stage, manifest, uri, storage, tracker, run_id)
     get_run_logger().info("%s: manifest %s", stage, uri)
     return manifest.model_dump(mode="json")
-
-
-def publish(stage: str, manifest: Manifest, uri: str) -> None:
-    """A Prefect artifact linking the manifest and listing the stage's outputs, counts and metrics."""
-    values = {**manifest.outputs, **manifest.counts, **manifest.metrics, **manifest.hashes}
-    rows = [f"| {k} | `{v}` |" for k, v in values.items()]
-    markdown = "\n".join([f"### {stage}", f"manifest: `{uri}`", "", "| | |", "|---|---|", *rows])
-    create_markdown_artifact(key=f"slimeflow-{stage}", markdown=markdown, description=f"{stage} manifest")
 
 
 @flow(name="slimeflow-model", log_prints=True)

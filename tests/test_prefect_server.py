@@ -6,6 +6,9 @@ pid (the group is killed) at the end of the module; the teardown asserts that no
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -102,7 +105,8 @@ def services(tmp_path_factory) -> Iterator[Services]:
     """The processes of this module; at teardown every one is stopped by pid and none may be left."""
     home = tmp_path_factory.mktemp("prefect-server")
     env = {**os.environ, "PREFECT_HOME": str(home / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_ENABLED": "false"}
+           "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_ENABLED": "false",
+           "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1"}
     env.pop("PREFECT_API_URL", None)
     found = Services(env, home)
     yield found
@@ -155,11 +159,14 @@ def first_deploy(prefect_server: str, services: Services, deploy_cwd: Path) -> s
     return _deploy(services, deploy_cwd)
 
 
+def _start_worker(services: Services, cwd: Path, name: str = "worker") -> subprocess.Popen:
+    return services.start(name, [*PREFECT, "worker", "start", "--pool", "slimeflow", "--type", "process"], cwd)
+
+
 @pytest.fixture(scope="module")
 def prefect_worker(first_deploy, services: Services, deploy_cwd: Path) -> subprocess.Popen:
     """A process worker polling the `slimeflow` pool (which the first deploy created) every second."""
-    return services.start("worker", [*PREFECT, "worker", "start", "--pool", "slimeflow", "--type", "process"],
-                          deploy_cwd)
+    return _start_worker(services, deploy_cwd)
 
 
 @pytest.fixture(scope="module")
@@ -281,3 +288,250 @@ def test_deploy_refuses_an_unknown_deployment_and_lists_the_known_ones(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "unknown deployment 'pipelin'" in err and "pipeline, model, convert" in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_S + 120)
+def test_an_interval_schedule_creates_runs_and_the_worker_runs_them(deployed, services):
+    """An hourly schedule on the model stage's deployment (its default parameters), as the UI's "Add schedule"
+    makes it; the scheduler creates the coming runs and the worker runs the first when it is due."""
+    from datetime import UTC, datetime, timedelta
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+    from prefect.client.schemas.schedules import IntervalSchedule
+
+    hour = timedelta(hours=1)
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("slimeflow-model/model")
+        anchor = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=15)
+        [schedule] = client.create_deployment_schedules(
+            deployment.id, [(IntervalSchedule(interval=hour, anchor_date=anchor), True)])
+
+        def scheduled():
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])))
+            return sorted(runs, key=lambda r: r.expected_start_time) if len(runs) >= 3 else None
+
+        runs = _wait_for("runs created by the schedule", scheduled, 60, services, poll_s=1)
+        starts = [r.expected_start_time for r in runs]
+        assert starts[:3] == [anchor, anchor + hour, anchor + 2 * hour]
+        assert all(r.auto_scheduled for r in runs)
+        state = _final_state(runs[0].id, services, timeout_s=RUN_S)
+        assert state.is_completed(), state
+        client.update_deployment_schedule(deployment.id, schedule.id, active=False)  # its coming runs go with it
+        remaining = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])))
+        assert [r.id for r in remaining] == [runs[0].id]
+
+
+# --- a training pipeline on the worker: cancelled, a second run on its workdir, killed and retried, artifacts ---
+
+TRAIN_S = 300
+
+
+def _train_pipeline(workdir: Path, num_rollout: int) -> dict:
+    """model -> preprocess -> train -> evaluate on the default tiny Llama and the demo's n+1 task, a checkpoint every
+    second rollout, in the parameters' canonical form."""
+    from slimeflow.config.pipeline import load_pipeline_config
+    from slimeflow.deployments.definitions import canonical
+
+    data = ROOT / "examples" / "data"
+    return canonical(load_pipeline_config({
+        "name": "orchestrated", "workdir": str(workdir), "hf_checkpoint": "tiny:llama?seed=0",
+        "stages": ["model", "preprocess", "train", "evaluate"],
+        "preprocess": {"input": [str(data / "increment-train.jsonl")],
+                       "eval_input": {"increment": str(data / "increment-eval.jsonl")},
+                       "input_key": "prompt", "label_key": "label"},
+        "train": {"rollout-batch-size": 4, "n-samples-per-prompt": 2, "num-rollout": num_rollout,
+                  "rollout-max-response-len": 1, "rm-type": "prefix_match", "lr": 1.0e-3, "save-interval": 2,
+                  "eval-interval": 2, "eval-temperature": 0.0, "eval-max-response-len": 1},
+        "evaluate": {"eval-temperature": 0.0, "eval-max-response-len": 1, "rm-type": "prefix_match"},
+    }))
+
+
+def _submit(config: dict):
+    """Create a flow run of the pipeline deployment and return at once (the UI's "Run", not waiting)."""
+    from prefect.deployments import run_deployment
+
+    return run_deployment("slimeflow-pipeline/pipeline", parameters={"config": config}, timeout=0)
+
+
+def _wait_for(what: str, check, timeout_s: float, services: Services, poll_s: float = 0.05):
+    """Poll `check()` until it returns something truthy; fail naming `what` (with the worker's log) after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = check()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"{log.name}:\n{_tail(log, 30)}" for log in sorted(services.logs.glob("worker*.log")))
+            pytest.fail(f"{what}: not after {timeout_s} s\n{logs}")
+        time.sleep(poll_s)
+
+
+def _state(flow_run_id):
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id).state
+
+
+def _final_state(flow_run_id, services: Services, timeout_s: float = TRAIN_S):
+    return _wait_for(f"flow run {flow_run_id} in a final state",
+                     lambda: (state := _state(flow_run_id)) is not None and state.is_final() and state,
+                     timeout_s, services, poll_s=0.5)
+
+
+def _flow_run_process(flow_run_id, services: Services) -> int | None:
+    """The pid of the process a worker started for `flow_run_id` (Prefect puts it in a session of its own)."""
+    import psutil
+
+    for worker in services.started:
+        try:
+            children = psutil.Process(worker.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+        for child in children:
+            try:
+                if child.environ().get("PREFECT__FLOW_RUN_ID") == str(flow_run_id) and os.getsid(child.pid) == child.pid:
+                    return child.pid
+            except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+                continue
+    return None
+
+
+def _session(sid: int) -> dict[int, str]:
+    """The live processes (zombies aside) of session `sid` by pid: the flow run's process, Ray's raylet, GCS and
+    actors."""
+    alive = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                alive[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes()[:100].decode(errors="replace")
+        except (OSError, ValueError):
+            continue  # exited while we looked
+    return alive
+
+
+def _until_gone(sid: int, services: Services, timeout_s: float = 60) -> None:
+    """Wait until session `sid` has no live process (Ray's actors exit a second or more after their raylet)."""
+    deadline = time.monotonic() + timeout_s
+    while _session(sid):
+        assert time.monotonic() < deadline, f"left after {timeout_s} s: {_session(sid)}"
+        time.sleep(0.5)
+
+
+def _tracker(workdir: Path) -> int | None:
+    path = workdir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * TRAIN_S)
+def test_a_second_run_on_a_busy_workdir_is_refused_and_a_cancelled_run_leaves_no_process(
+        deployed, services, tmp_path):
+    workdir = tmp_path / "run"
+    config = _train_pipeline(workdir, num_rollout=200)  # far more than the test lets it train
+    first = _submit(config)
+    _wait_for("the first run's first checkpoint", lambda: _tracker(workdir), TRAIN_S, services)
+    sid = _flow_run_process(first.id, services)
+    assert sid is not None, "the worker's process for the first run"
+
+    # The same config on the same workdir, while the first trains: refused at once, naming the workdir and who holds it.
+    second = _final_state(_submit(config).id, services)
+    assert second.is_failed(), second
+    message = second.message or ""
+    assert f"work directory {workdir} is in use by another slimeflow run (pipeline run 'orchestrated'" in message
+    assert "--workdir of its own" in message
+    # ... and the first is untouched: still running, still checkpointing.
+    reached = _tracker(workdir)
+    assert _state(first.id).is_running()
+    _wait_for("a checkpoint of the first run after the refusal", lambda: (_tracker(workdir) or 0) > reached,
+              TRAIN_S, services)
+
+    # Cancel as the UI's "Cancel" does; the worker stops the flow run's process group, and with it Ray's processes.
+    from prefect import get_client
+    from prefect.states import Cancelling
+
+    services.remember_descendants()
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(first.id, Cancelling(), force=True)
+    assert _final_state(first.id, services, timeout_s=120).is_cancelled()
+    _until_gone(sid, services)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * TRAIN_S)
+def test_a_run_whose_worker_died_mid_train_resumes_from_its_checkpoint_when_retried(
+        deployed, prefect_worker, services, deploy_cwd, tmp_path):
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
+    from prefect.states import AwaitingRetry, Crashed
+
+    workdir = tmp_path / "run"
+    run = _submit(_train_pipeline(workdir, num_rollout=6))
+    _wait_for("the first checkpoint", lambda: _tracker(workdir), TRAIN_S, services)
+    sid = _flow_run_process(run.id, services)
+    # The worker's machine is lost: the worker's process group and the flow run's session (Prefect starts each flow
+    # run in a session of its own: killing the worker alone would leave it training), every process at once.
+    services.remember_descendants()
+    os.killpg(prefect_worker.pid, signal.SIGKILL)
+    for pid in _session(sid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    prefect_worker.wait(timeout=30)
+    _until_gone(sid, services)
+    killed_at = _tracker(workdir)  # the checkpoint the kill left (one may have committed since it was seen)
+    assert killed_at < 5, "killed after the last checkpoint: the test no longer tests a resume"
+
+    # The server still sees the run Running. Marked Crashed (the UI's "Change state", or a zombie-run automation),
+    # then retried as the UI's "Retry" does; a new worker picks it up.
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(run.id, Crashed(message="worker lost"), force=True)
+        client.set_flow_run_state(run.id, AwaitingRetry(message="Retry from the UI"), force=True)
+    _start_worker(services, deploy_cwd, "worker-2")
+    state = _final_state(run.id, services)
+    assert state.is_completed(), f"{state}\n{_tail(services.logs / 'worker-2.log', 60)}"
+
+    # Finished stages reused, training resumed after the checkpoint the kill left, each rollout on record once.
+    reused = [f"{stage}: inputs, config and code unchanged; reusing" for stage in ("model", "preprocess")]
+    logs = _stage_logs(run.id, reused)
+    assert all(line in logs for line in reused), logs
+    trained = json.loads((workdir / "manifests" / "train.json").read_text())
+    assert trained["counts"]["start_rollout_id"] == killed_at + 1
+    assert trained["counts"]["rollouts_run"] == 6 - (killed_at + 1)
+    assert trained["outputs"]["checkpoint"].endswith("iter_0000005")
+    lines = [json.loads(line) for line in (workdir / "train" / "rollouts.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in lines if "rollout/reward_mean" in r]
+    # Each once, the resumed ones all there. The checkpointed rollout itself may lack its line: the loop reports a
+    # rollout after its save, weight update and eval, and the kill can land between the save and the report.
+    assert steps == sorted(set(steps)) and set(range(killed_at + 1, 6)) <= set(steps) <= set(range(6)), steps
+
+    # What the stages published: links to their manifests, the reward curve, the eval scores.
+    with get_client(sync_client=True) as client:
+        subflows = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
+        ids = [r.id for r in subflows if r.state is not None and r.state.is_completed()]
+        artifacts = {a.key: a for a in client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=ids)))}
+    manifest = workdir / "manifests" / "train.json"
+    assert artifacts["slimeflow-train-manifest"].data == f"[{manifest}]({manifest.resolve().as_uri()})"  # markdown
+    curve = artifacts["slimeflow-train-reward-curve"]
+    assert curve.type == "image" and curve.data.startswith("data:image/png;base64,")
+    assert base64.b64decode(curve.data.split(",", 1)[1]) == (workdir / "train" / "reward_curve.png").read_bytes()
+    table = artifacts["slimeflow-evaluate-eval"]
+    rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+    evaluated = json.loads((workdir / "manifests" / "evaluate.json").read_text())["metrics"]
+    assert {(r["set"], r["metric"]): r["score"] for r in rows} == {
+        tuple(key.split("/")[1:]): value for key, value in evaluated.items() if key.startswith("eval/")}
+    assert ("increment", "avg_at_1") in {(r["set"], r["metric"]) for r in rows}

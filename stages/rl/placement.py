@@ -11,7 +11,9 @@ on a CPU the cores are split between the trainer ranks and the engines.
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
+import threading
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -156,14 +158,23 @@ LOCAL_RAY_SYSTEM_CONFIG = {
 
 
 def init_ray(address: str | None) -> None:
-    """Join the Ray cluster at `address` (RAY_ADDRESS style), else start a local one for this process."""
+    """Join the Ray cluster at `address` (RAY_ADDRESS style), else start a local one for this process.
+
+    A SIGTERM handler the host installed (Prefect's, which turns a cancellation into a Cancelled run) stays in charge:
+    ray.init replaces it with one that calls sys.exit, and a cancelled flow run would be reported Crashed."""
     if ray.is_initialized():
         return
+    host_handler = signal.getsignal(signal.SIGTERM)
     if address:
         ray.init(address=address, log_to_driver=True)
-    else:  # "local": a new cluster even when another one runs on this machine (Ray would join the latest one)
+    else:
+        # "local": a cluster of its own, even where `ray start` left /tmp/ray/ray_current_cluster, which
+        # ray.init() would join (another user's cluster, and then num_cpus is refused). RAY_ADDRESS, read into
+        # the run's settings, still wins: it arrives here as `address`.
         ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True,
                  configure_logging=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
+    if callable(host_handler) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, host_handler)
 
 
 def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int, scratch: Path,

@@ -1,0 +1,29 @@
+"""init_ray in a process whose host handles SIGTERM (a Prefect flow run): the host's handler stays in charge."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+PROBE = """
+import signal, sys
+import ray
+from slimeflow.stages.rl.placement import init_ray
+
+def host(signum, frame):  # what Prefect's engine installs: a cancellation becomes a Cancelled run
+    raise KeyboardInterrupt
+signal.signal(signal.SIGTERM, host)
+init_ray(None)
+kept = signal.getsignal(signal.SIGTERM) is host
+ray.shutdown()
+print("kept" if kept else "replaced")
+"""
+
+
+@pytest.mark.slow  # a Ray cluster starts and stops: 13 s on 2 cores
+def test_a_hosts_sigterm_handler_survives_ray_init():
+    probe = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=180)
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    assert probe.stdout.splitlines()[-1] == "kept"
