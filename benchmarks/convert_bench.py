@@ -44,6 +44,19 @@ SHAPE = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 
          "vocab_size": 32000}
 
 
+def write_shards(path: Path, shards: list[dict[str, torch.Tensor]]) -> int:
+    """Each dict as one safetensors shard, with the index HF writes; returns the total bytes."""
+    weight_map, total = {}, 0
+    for n, tensors in enumerate(shards, start=1):
+        name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(path / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return total
+
+
 def write_synthetic_model(path: Path, layers: int) -> int:
     """A Llama-architecture HF directory with random bf16 weights, one safetensors shard per layer; its bytes."""
     path.mkdir(parents=True)
@@ -66,14 +79,7 @@ def write_synthetic_model(path: Path, layers: int) -> int:
                        p + "self_attn.o_proj.weight": rand(h, heads * head_dim),
                        p + "mlp.gate_proj.weight": rand(ffn, h), p + "mlp.up_proj.weight": rand(ffn, h),
                        p + "mlp.down_proj.weight": rand(h, ffn)})
-    weight_map, total = {}, 0
-    for n, tensors in enumerate(shards, start=1):
-        name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, str(path / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    total = write_shards(path, shards)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers,
               "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False,
               "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "head_dim": head_dim,
@@ -109,14 +115,7 @@ def write_synthetic_moe(path: Path, layers: int) -> int:
         shard = name.split(".")[2] if name.startswith("model.layers.") else "globals"
         dtype = torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16
         shards.setdefault(shard, {})[name] = (torch.randn(*shape, generator=generator) * 0.02).to(dtype)
-    weight_map, total = {}, 0
-    for n, tensors in enumerate(shards.values(), start=1):
-        name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, str(path / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    total = write_shards(path, list(shards.values()))
     (path / "config.json").write_text(json.dumps(config))
     build_tiny_tokenizer("deepseek_v3").save_pretrained(path)
     return total
