@@ -132,28 +132,24 @@ MEGATRON_NOT_BUILT = {
 """The Megatron parallelism/recompute flags the Megatron backend refuses, with the reason."""
 
 
+_REFUSED_BY: dict[str, dict[str, str]] = {
+    # torch_dist is resharded by whoever loads it; only TP shapes the vocabulary padding.
+    "convert": {field: "the converter writes one torch_dist checkpoint that any parallel layout loads (Megatron "
+                "reshards it), so it takes no parallel or recompute setting but --tensor-model-parallel-size (the "
+                "vocabulary padding): remove it" for field in MEGATRON_ONLY if field != "tensor_model_parallel_size"},
+    "megatron": {field: f"{reason}; remove it" for field, reason in MEGATRON_NOT_BUILT.items()},
+    "torch": dict.fromkeys(MEGATRON_ONLY, "Megatron parallelism/recompute, read only by --train-backend megatron; the "
+                           "torch backend trains data-parallel over --actor-num-nodes x --actor-num-gpus-per-node "
+                           "ranks: remove it"),
+}
+"""Per backend, the parallelism/recompute flags it refuses when set away from their defaults, with the reason."""
+
+
 def check_model_args(megatron: MegatronConfig, hf_config: Mapping[str, Any], backend: str) -> list[str]:
     """Problems with the Megatron flags for a run on `backend` with this HF config.json; empty when all is well."""
-    problems = []
     defaults = MegatronConfig()
-    if backend == "convert":  # torch_dist is resharded by whoever loads it; only TP shapes the vocabulary padding
-        for field in MEGATRON_ONLY:
-            value = getattr(megatron, field)
-            if field != "tensor_model_parallel_size" and value != getattr(defaults, field):
-                problems.append(f"{_flag(field)} {value}: the converter writes one torch_dist checkpoint that any "
-                                "parallel layout loads (Megatron reshards it), so it takes no parallel or recompute "
-                                "setting but --tensor-model-parallel-size (the vocabulary padding): remove it")
-    if backend == "megatron":
-        problems += [f"{_flag(field)} {getattr(megatron, field)}: {reason}; remove it"
-                     for field, reason in MEGATRON_NOT_BUILT.items()
-                     if getattr(megatron, field) != getattr(defaults, field)]
-    if backend == "torch":
-        for field in MEGATRON_ONLY:
-            value = getattr(megatron, field)
-            if value != getattr(defaults, field):
-                problems.append(f"{_flag(field)} {value}: Megatron parallelism/recompute, read only by "
-                                "--train-backend megatron; the torch backend trains "
-                                "data-parallel over --actor-num-nodes x --actor-num-gpus-per-node ranks: remove it")
+    problems = [f"{_flag(field)} {getattr(megatron, field)}: {reason}"
+                for field, reason in _REFUSED_BY[backend].items() if getattr(megatron, field) != getattr(defaults, field)]
     for field, (hf_field, read) in SHAPE.items():
         value = getattr(megatron, field)
         if value is None or value == getattr(defaults, field):
