@@ -234,6 +234,11 @@ class AlgorithmConfig(ConfigModel):
     """post_process(args, samples) -> (raw_rewards, rewards), on the rollout's samples (slime's contract); the
     estimators then take `rewards` as they are (no group normalisation, as in slime)."""
 
+    @property
+    def needs_reference(self) -> bool:
+        """The KL loss or a KL-penalised reward needs the reference model's log-probs."""
+        return self.use_kl_loss or self.kl_coef > 0
+
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
         if self.kl_coef and self.kl_loss_coef:

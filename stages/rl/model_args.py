@@ -200,7 +200,7 @@ def megatron_backend_problems(config: TrainConfig) -> list[str]:
     if ckpt.ref_load is None and not resumable:
         problems.append("--train-backend megatron starts from a torch_dist checkpoint, as slime's: pass --ref-load "
                         "(convert the HF checkpoint with `slimeflow convert --hf-checkpoint ... --save ...`)")
-    if (config.algorithm.use_kl_loss or config.algorithm.kl_coef > 0) and ckpt.ref_load is None:
+    if config.algorithm.needs_reference and ckpt.ref_load is None:
         problems.append("--use-kl-loss / --kl-coef with --train-backend megatron need --ref-load (the reference "
                         "model's torch_dist checkpoint)")
     ranks = placement.actor_num_nodes * placement.actor_num_gpus_per_node

@@ -96,7 +96,7 @@ class MegatronBackend:
     @property
     def needs_reference(self) -> bool:
         """The KL loss or a KL-penalised reward needs the reference model's log-probs."""
-        return self.algorithm.use_kl_loss or self.algorithm.kl_coef > 0
+        return self.algorithm.needs_reference
 
     def on_device(self):
         """The context every call into megatron runs in: the CPU shims when there is no GPU (none on a GPU)."""

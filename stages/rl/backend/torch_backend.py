@@ -104,7 +104,7 @@ class TorchBackend:
     @property
     def needs_reference(self) -> bool:
         """The KL loss or a KL-penalised reward needs the reference model's log-probs."""
-        return self.algorithm.use_kl_loss or self.algorithm.kl_coef > 0
+        return self.algorithm.needs_reference
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
