@@ -21,7 +21,7 @@ ROLLOUTS = [{"rollout/reward_mean": 0.25, "pg_loss": 0.5}, {"rollout/reward_mean
 EVAL = {"eval/math/avg_at_1": 0.5}
 
 
-def log_a_run(tmp_path: Path, *flags: str) -> list[dict[str, float]]:
+def log_a_run(tmp_path: Path, *flags: str) -> None:
     """Two rollouts and an evaluation through the train stage's reporter, with the sinks the flags ask for."""
     config = load_stage_config("train", None, [*BASE, *flags])
     mlflow_calls: list[tuple[dict[str, float], int]] = []
@@ -35,7 +35,6 @@ def log_a_run(tmp_path: Path, *flags: str) -> list[dict[str, float]]:
     finally:
         close_sinks(sinks)
     assert mlflow_calls == [(ROLLOUTS[0], 0), (ROLLOUTS[1], 1), (EVAL, 2)]  # MLflow still gets everything
-    return sinks
 
 
 def test_tensorboard_gets_every_metric_at_its_step(tmp_path, monkeypatch):

@@ -382,12 +382,6 @@ def _placed(shape: ModelShape, layers: Iterable[int] | None, globals_: Iterable[
     return placed
 
 
-def megatron_names(shape: ModelShape, layers: Iterable[int] | None = None,
-                   globals_: Iterable[str] | None = None) -> list[str]:
-    """The Megatron names of the chosen layers and globals (default: the whole model)."""
-    return [name for name, _, _ in _placed(shape, layers, globals_)]
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The conversion itself
 # ---------------------------------------------------------------------------------------------------------------
