@@ -42,24 +42,6 @@ _ABSENT = object()
 """What a shimmed attribute was when its module never defined it (it is deleted again on exit)."""
 
 
-def _torch_cuda() -> Any:
-    import torch
-
-    return torch.cuda
-
-
-def _megatron_random() -> Any:
-    from megatron.core.tensor_parallel import random
-
-    return random
-
-
-def _moe_utils() -> Any:
-    from megatron.core.transformer.moe import moe_utils
-
-    return moe_utils
-
-
 def _module(name: str) -> Callable[[], Any]:
     """An owner for Shim: the module `name`, imported when first asked for."""
     return functools.partial(importlib.import_module, name)
@@ -100,12 +82,6 @@ def _clip_grads_by_total_norm_on_cpu(parameters: Any, max_norm: float, total_nor
             grad.detach().mul_(coeff)
 
 
-def _multi_latent_attention() -> Any:
-    from megatron.core.transformer import multi_latent_attention
-
-    return multi_latent_attention
-
-
 def _no_sync() -> None:
     return None
 
@@ -127,16 +103,16 @@ def _set_cpu_rng_state(new_state: Any, device: int = -1, graph_safe: bool = Fals
 
 
 SHIMS: tuple[Shim, ...] = (
-    Shim(_torch_cuda, "synchronize", _no_sync,
+    Shim(_module("torch.cuda"), "synchronize", _no_sync,
          why="dist_checkpointing.save's FileSystemWriterAsync.preload_tensors calls torch.cuda.synchronize() "
              "after its (no-op on CPU) device-to-host copies; on a CPU-only torch that raises."),
-    Shim(_torch_cuda, "current_device", _cpu_device,
+    Shim(_module("torch.cuda"), "current_device", _cpu_device,
          why="RotaryEmbedding.forward moves inv_freq to torch.cuda.current_device(); on a CPU-only torch that "
              "raises. 'cpu' is a valid device argument at every call site."),
-    Shim(_megatron_random, "_get_cuda_rng_state", _get_cpu_rng_state,
+    Shim(_module("megatron.core.tensor_parallel.random"), "_get_cuda_rng_state", _get_cpu_rng_state,
          why="CudaRNGStatesTracker.fork (entered by attention around its dropout) saves the CUDA generator's "
              "state; with no CUDA generator the CPU generator stands in."),
-    Shim(_megatron_random, "_set_cuda_rng_state", _set_cpu_rng_state,
+    Shim(_module("megatron.core.tensor_parallel.random"), "_set_cuda_rng_state", _set_cpu_rng_state,
          why="CudaRNGStatesTracker.fork restores the CUDA generator's state on exit; see _get_cuda_rng_state."),
     Shim(_module("megatron.core.optimizer.optimizer"), "torch", CudaFactoriesOnCpu(),
          why="megatron.core.optimizer.optimizer's FP32Optimizer makes its loss scale with torch.tensor(..., "
@@ -153,10 +129,10 @@ SHIMS: tuple[Shim, ...] = (
     Shim(_module("megatron.core.pipeline_parallel.schedules"), "torch", CudaFactoriesOnCpu(),
          why="the forward-backward schedules count tokens in torch.zeros([], device='cuda'); on a CPU-only torch "
              "that raises."),
-    Shim(_moe_utils, "te_general_gemm", None,
+    Shim(_module("megatron.core.transformer.moe.moe_utils"), "te_general_gemm", None,
          why="megatron-core 0.16.1's MoE router (RouterGatingLinearFunction) tests `te_general_gemm is not None`, a "
              "name only imported with Transformer Engine: without it, NameError. None selects its torch.mm path."),
-    Shim(_multi_latent_attention, "HAVE_TE", False,
+    Shim(_module("megatron.core.transformer.multi_latent_attention"), "HAVE_TE", False,
          why="megatron-core 0.16.1's MLA imports Transformer Engine's names through a module that stands in "
              "placeholders when TE is absent, so it believes TE is there and `isinstance(linear_proj, TELinear)` "
              "raises TypeError while building MLASelfAttention. False skips its TE-only fp8 branch."),
