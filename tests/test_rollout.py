@@ -65,6 +65,19 @@ class ScriptedEngine:
         self.aborted.set()
 
 
+def right_on_even_samples_only(engine: ScriptedEngine, prompt: str) -> None:
+    """Make `engine` answer `prompt` wrongly ("0") on odd sample indexes, so its group's rewards are mixed."""
+    original = engine.generate
+
+    async def half_right(input_ids, params, return_logprob=True, rid=None):
+        out = await original(input_ids, params, return_logprob, rid)
+        if "".join(map(chr, input_ids)).startswith(prompt) and int(rid.split("-")[2]) % 2:
+            out["text"] = "0"
+        return out
+
+    engine.generate = half_right
+
+
 def config(**train) -> TrainConfig:
     base = {"batch": {"rollout_batch_size": 2, "n_samples_per_prompt": 2, "num_rollout": 3},
             "reward": {"rm_type": "prefix_match"}, "rollout": {"rollout_max_response_len": 4}}
@@ -121,16 +134,7 @@ def test_dynamic_sampling_over_samples_until_enough_groups_pass(make_ctx):
     cfg = config(rollout={"dynamic_sampling_filter_path": "slimeflow.stages.rl.filters:check_reward_nonzero_std",
                           "over_sampling_batch_size": 2}, batch={"rollout_batch_size": 1})
     source = DataSource(prompts("a1", "b2", "c3", "d4", "e5"), n_samples_per_prompt=2)
-    # Make one prompt's group mixed: the engine answers right on even sample indexes only.
-    original = engine.generate
-
-    async def half_right(input_ids, params, return_logprob=True, rid=None):
-        out = await original(input_ids, params, return_logprob, rid)
-        if "".join(map(chr, input_ids)).startswith("e5") and int(rid.split("-")[2]) % 2:
-            out["text"] = "0"
-        return out
-
-    engine.generate = half_right
+    right_on_even_samples_only(engine, "e5")  # that prompt's group is mixed
     result = run(make_ctx(engine, cfg), BufferedDataSource(source))
     assert len(result.groups) == 1 and result.groups[0][0].prompt == "e5"
     assert sorted(s.reward for s in result.groups[0]) == [0.0, 1.0]

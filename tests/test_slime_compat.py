@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_rollout import CharTokenizer, ScriptedEngine, config, prompts, run
+from test_rollout import CharTokenizer, ScriptedEngine, config, prompts, right_on_even_samples_only, run
 
 from slimeflow import slime_compat
 from slimeflow.stages.rl.data_source import BufferedDataSource, DataSource
@@ -188,15 +188,7 @@ def test_slimes_check_reward_nonzero_std_by_its_slime_path(make_ctx):
     engine = ScriptedEngine({"a1": "1", "b2": "2", "c3": "9"})  # c3 is always wrong: zero std, all 0
     cfg = config(rollout={"dynamic_sampling_filter_path": path, "over_sampling_batch_size": 3},
                  batch={"rollout_batch_size": 1})
-    original = engine.generate
-
-    async def half_right(input_ids, params, return_logprob=True, rid=None):
-        out = await original(input_ids, params, return_logprob, rid)
-        if "".join(map(chr, input_ids)).startswith("b2") and int(rid.split("-")[2]) % 2:
-            out["text"] = "0"
-        return out
-
-    engine.generate = half_right
+    right_on_even_samples_only(engine, "b2")
     result = run(make_ctx(engine, cfg), BufferedDataSource(DataSource(prompts("a1", "b2", "c3"),
                                                                       n_samples_per_prompt=2)))
     assert [g[0].prompt for g in result.groups] == ["b2"]
