@@ -140,10 +140,12 @@ class TorchBackend:
         layout = RowLayout.of(rows)
         cast = self.autocast_dtype
         with torch.autocast(self.device.type, dtype=cast) if cast is not None else contextlib.nullcontext():
-            # logits_to_keep (a boolean mask): the output layer runs on the kept positions only, flattened row by
-            # row into one [tokens, vocab] block, so one log-softmax serves the micro-batch.
-            selected = model(input_ids=layout.ids.to(self.device), attention_mask=layout.mask.to(self.device),
-                             logits_to_keep=layout.keep.to(self.device), use_cache=False).logits
+            # The output layer runs on the kept positions only, flattened row by row into one [tokens, vocab]
+            # block, so one log-softmax serves the micro-batch. The decoder and the output layer are called apart
+            # (what transformers >= 5.2x does for a boolean `logits_to_keep`; 5.17 rejects such a mask).
+            hidden = model.base_model(input_ids=layout.ids.to(self.device), attention_mask=layout.mask.to(self.device),
+                                      use_cache=False).last_hidden_state
+            selected = model.get_output_embeddings()(hidden[layout.keep.to(self.device)])
         return response_log_probs(selected, rows, layout, self.temperature, with_entropy)
 
     @torch.no_grad()
