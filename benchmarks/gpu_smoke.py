@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -165,14 +166,22 @@ def main() -> int:
         print("Transformer Engine: not installed (the Megatron backend uses megatron-core's local layer spec)")
     tmp = Path(tempfile.mkdtemp(prefix="gpu-smoke-"))
     batch = make_batch(args.samples, args.prompt, args.response)
-    for name in args.models:
-        smoke(name, MODELS[name], args.steps, tmp, batch, args.device)
+    parts = [(name, lambda name=name: smoke(name, MODELS[name], args.steps, tmp, batch, args.device))
+             for name in args.models]
     if args.qwen3_4b and args.device == "cuda":
-        qwen3_4b_memory(tmp, args.samples_4b, 2)
+        parts.append(("qwen3-4b", lambda: qwen3_4b_memory(tmp, args.samples_4b, 2)))
+    failed = []
+    for name, part in parts:  # each part runs whatever an earlier one did
+        try:
+            part()
+        except Exception:
+            traceback.print_exc()
+            print(f"{name}: FAILED (traceback above)")
+            failed.append(name)
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         print("TP 2: skipped, one GPU (NCCL refuses two ranks on one device); tests/test_megatron_backend.py runs "
               "TP 2 over gloo on CPU")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
