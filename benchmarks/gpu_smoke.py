@@ -11,7 +11,7 @@ tests/test_megatron_backend.py checks TP 2 over gloo on CPU. `--device cpu` runs
 (no memory figures): a check of the script itself. `--qwen3-4b` adds what examples/grpo-qwen3.yaml's trainer
 needs: a randomly initialised model of Qwen3-4B's shape (built here, nothing downloaded), the torch backend as
 that example runs it (fp32 weights and AdamW, the KL loss's reference model, --bf16 autocast), peak GPU memory of
-one step on its batch shape (--samples-4b samples of 512 + 1536 tokens, micro-batches of 1).
+one step on its batch shape (--samples-4b samples of 512 + --response-4b tokens, micro-batches of 1).
 
     python benchmarks/gpu_smoke.py [--steps 5]      (benchmarks/gpu_smoke.sh runs it with the gpu tests)
 """
@@ -110,7 +110,7 @@ QWEN3_4B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab
 """Qwen3-4B's config.json (the published model's shape)."""
 
 
-def qwen3_4b_memory(tmp: Path, samples: int, steps: int) -> None:
+def qwen3_4b_memory(tmp: Path, samples: int, response: int, steps: int) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from slimeflow.stages.rl.backend.torch_backend import TorchBackend
@@ -130,15 +130,15 @@ def qwen3_4b_memory(tmp: Path, samples: int, steps: int) -> None:
                         algorithm={"use_kl_loss": True, "kl_loss_coef": 0.001, "kl_loss_type": "low_var_kl"})
     backend = TorchBackend(tmp / "qwen3-4b", train.optimizer, train.algorithm, train.batch, seed=3, device="cuda")
     loaded = torch.cuda.memory_allocated()
-    batch = make_batch(samples, 512, 1536)
+    batch = make_batch(samples, 512, response)
     params = sum(p.numel() for p in backend.model.parameters())
     print(f"qwen3-4b shape: {params / 1e9:.2f}B parameters (built and saved in {built:.0f} s), torch backend, fp32 "
           f"weights + AdamW + reference model, bf16 autocast; after loading {loaded / 2**30:.1f} GiB")
     for step in range(steps):
         seconds, peak = timed_step(backend, batch, train)
         print(f"  step {step}: {seconds:.1f} s, peak {peak / 2**30:.1f} GiB allocated "
-              f"({torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved), {samples} samples of 512 + ~1536 "
-              f"tokens, micro-batches of 1")
+              f"({torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved), {samples} samples of 512 + up to "
+              f"{response} tokens, micro-batches of 1")
 
 
 def main() -> int:
@@ -151,6 +151,7 @@ def main() -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--qwen3-4b", action="store_true", help="also measure a Qwen3-4B-shaped trainer's memory")
     parser.add_argument("--samples-4b", type=int, default=8)
+    parser.add_argument("--response-4b", type=int, default=1536)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: the GPU smoke needs one (`--device cpu` checks the script; the CPU benchmark is "
@@ -169,7 +170,7 @@ def main() -> int:
     parts = [(name, lambda name=name: smoke(name, MODELS[name], args.steps, tmp, batch, args.device))
              for name in args.models]
     if args.qwen3_4b and args.device == "cuda":
-        parts.append(("qwen3-4b", lambda: qwen3_4b_memory(tmp, args.samples_4b, 2)))
+        parts.append(("qwen3-4b", lambda: qwen3_4b_memory(tmp, args.samples_4b, args.response_4b, 2)))
     failed = []
     for name, part in parts:  # each part runs whatever an earlier one did
         try:
