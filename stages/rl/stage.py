@@ -197,13 +197,19 @@ class RolloutLog:
         self.log_metrics = log_metrics
         path.parent.mkdir(parents=True, exist_ok=True)
 
-    def started(self, start_rollout_id: int, evaluates_first: bool) -> None:
+    def started(self, start_rollout_id: int, evaluates_first: bool, saved: dict[str, float] | None = None) -> None:
+        def is_eval(record: dict[str, Any]) -> bool:
+            return all(key.startswith("eval/") for key in record if key != "step")
+
         def kept(record: dict[str, Any]) -> bool:
             step = record["step"]
-            is_eval = all(key.startswith("eval/") for key in record if key != "step")
-            return step < start_rollout_id or (is_eval and step == start_rollout_id and not evaluates_first)
+            return step < start_rollout_id or (is_eval(record) and step == start_rollout_id and not evaluates_first)
 
         records = [r for r in _read_jsonl(self.path) if kept(r)]
+        last = start_rollout_id - 1
+        if saved and not any(r["step"] == last and not is_eval(r) for r in records):
+            # The killed run saved this rollout but died before its line: the metrics it had at the save.
+            records.append({"step": last, **saved})
         _rewrite(self.path, records)
         ids = self.path.with_name("row_ids.jsonl")
         _rewrite(ids, [r for r in _read_jsonl(ids) if r["rollout_id"] < start_rollout_id])
