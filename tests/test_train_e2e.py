@@ -148,8 +148,14 @@ run(config, StageContext(Storage(), Path(sys.argv[2]), sys.argv[2]))
 def launch(config, workdir: Path) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.model_dump_json())
-    return subprocess.Popen([sys.executable, "-c", RESUME, str(workdir / "config.json"), str(workdir)],
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with (workdir / "run.log").open("ab") as log:  # what a failed check shows (log_tail)
+        return subprocess.Popen([sys.executable, "-c", RESUME, str(workdir / "config.json"), str(workdir)],
+                                start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+
+
+def log_tail(workdir: Path, lines: int = 30) -> str:
+    path = workdir / "run.log"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no run.log)"
 
 
 def row_ids(workdir: Path) -> dict[int, list[str]]:
@@ -168,41 +174,51 @@ def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_data_order(tmp
     # resumed one from a thread of the RolloutManager (the default): the data order depends on neither.
     own_process = config.model_copy(update={"placement": config.placement.model_copy(
         update={"engine_in_process": False})})
-    straight = launch(own_process, tmp_path / "straight")
-    assert straight.wait(timeout=400) == 0
+    straight = launch(own_process, tmp_path / "straight")  # beside the killed run: a separate Ray cluster and workdir
+    launched = [straight]
+    try:
+        victim = launch(config, tmp_path / "resumed")
+        launched.append(victim)
+        root = tmp_path / "resumed" / "checkpoints"
+        tracker = root / "latest_checkpointed_iteration.txt"
+        deadline = time.time() + 300
+        while not tracker.exists() and time.time() < deadline and victim.poll() is None:
+            time.sleep(0.01)
+        # Kill the job in the middle of its second save (rollout 3): its staged directory is there, seconds before
+        # the commit.
+        while victim.poll() is None and time.time() < deadline and not list(root.glob(".iter_0000003.tmp-*")):
+            time.sleep(0.005)
+        assert tracker.exists() and tracker.read_text() == "1", (
+            f"the first checkpoint (rollout 1) should be committed before the kill; the run (exit {victim.poll()}) "
+            f"logged:\n{log_tail(tmp_path / 'resumed')}")
+        os.killpg(victim.pid, signal.SIGKILL)  # the driver, Ray's raylet and GCS, the engines
+        victim.wait()
+        # Ray's actors run in process groups of their own and die only once they notice their raylet's death, a second
+        # or more later; the TrainActor, finding its raylet gone, must not commit the save it was making
+        # (TrainActor.check_may_commit).
+        wait_until_gone(session=victim.pid, timeout=60)
+        assert tracker.read_text() == "1"
+        # What the kill interrupted may leave a conversion's staging (ours by name); the resumed run removes it.
+        left = sorted(p.name for p in root.iterdir() if not ABANDONED.match(p.name))
+        assert left == [".slimeflow-run", "iter_0000001", tracker.name]
+        assert straight.wait(timeout=400) == 0, log_tail(tmp_path / "straight")
+        resumed = launch(config, tmp_path / "resumed")
+        launched.append(resumed)
+        assert resumed.wait(timeout=400) == 0, log_tail(tmp_path / "resumed")
+        assert not [p.name for p in root.iterdir() if ABANDONED.match(p.name)]
 
-    victim = launch(config, tmp_path / "resumed")
-    root = tmp_path / "resumed" / "checkpoints"
-    tracker = root / "latest_checkpointed_iteration.txt"
-    deadline = time.time() + 300
-    while not tracker.exists() and time.time() < deadline and victim.poll() is None:
-        time.sleep(0.01)
-    # Kill the job in the middle of its second save (rollout 3): its staged directory is there, seconds before
-    # the commit.
-    while victim.poll() is None and time.time() < deadline and not list(root.glob(".iter_0000003.tmp-*")):
-        time.sleep(0.005)
-    assert tracker.read_text() == "1", "the first checkpoint (rollout 1) should be committed before the kill"
-    os.killpg(victim.pid, signal.SIGKILL)  # the driver, Ray's raylet and GCS, the engines
-    victim.wait()
-    # Ray's actors run in process groups of their own and die only once they notice their raylet's death, a second
-    # or more later; the TrainActor, finding its raylet gone, must not commit the save it was making
-    # (TrainActor.check_may_commit).
-    wait_until_gone(session=victim.pid, timeout=60)
-    assert tracker.read_text() == "1"
-    # What the kill interrupted may leave a conversion's staging (ours by name); the resumed run removes it.
-    left = sorted(p.name for p in root.iterdir() if not ABANDONED.match(p.name))
-    assert left == [".slimeflow-run", "iter_0000001", tracker.name]
-    resumed = launch(config, tmp_path / "resumed")
-    assert resumed.wait(timeout=400) == 0
-    assert not [p.name for p in root.iterdir() if ABANDONED.match(p.name)]
-
-    expected = row_ids(tmp_path / "straight")
-    assert sorted(expected) == list(range(6))
-    assert row_ids(tmp_path / "resumed") == expected
-    log = (tmp_path / "resumed" / "train" / "rollouts.jsonl").read_text().splitlines()
-    steps = [json.loads(line)["step"] for line in log]
-    assert steps == [0, 1, 2, 3, 4, 5]  # each once: the killed run's rollout 2, redone after checkpoint 1, replaced
-    assert tracker.read_text() == "5"
+        expected = row_ids(tmp_path / "straight")
+        assert sorted(expected) == list(range(6))
+        assert row_ids(tmp_path / "resumed") == expected
+        log = (tmp_path / "resumed" / "train" / "rollouts.jsonl").read_text().splitlines()
+        steps = [json.loads(line)["step"] for line in log]
+        assert steps == [0, 1, 2, 3, 4, 5]  # each once: the killed run's rollout 2, redone after checkpoint 1, replaced
+        assert tracker.read_text() == "5"
+    finally:
+        for process in launched:  # a failed check leaves none of the runs behind
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
 
 
 def wait_until_gone(session: int, timeout: float) -> None:

@@ -51,10 +51,9 @@ NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (
 _CRITIC = ("PPO with a critic is not built yet: slime trains a value model beside the actor for "
            "--advantage-estimator ppo (value loss clipped by --value-clip, --num-critic-only-steps warm-up); the "
            "trainer here has no value model, so use grpo, gspo, cispo or reinforce_plus_plus(_baseline)")
-_OPD = ("on-policy distillation is not built yet: slime takes a teacher's log-probs (an SGLang teacher engine, or a "
-        "Megatron teacher model) and adds -opd_kl_coef x (log pi - log pi_teacher) to the advantages")
 NOT_YET_SUPPORTED.update({flag: _CRITIC for flag in ("--use-critic", "--value-clip", "--num-critic-only-steps")})
-NOT_YET_SUPPORTED["--use-opd"] = _OPD
+NOT_YET_SUPPORTED["--opd-teacher-ckpt-step"] = ("picking the teacher checkpoint's step is not supported: name its "
+                                                 "iter_XXXXXXX/ directory in --opd-teacher-load")
 NOT_YET_SUPPORTED.update({flag: _MTP for flag in ("--mtp-num-layers", "--mtp-loss-scaling-factor", "--enable-mtp-training")})
 NOT_YET_SUPPORTED.update({
     "--post-self-attn-layernorm": _SANDWICH,
@@ -88,7 +87,6 @@ NOT_YET_SUPPORTED.update({
 NOT_YET_SUPPORTED_PREFIXES: dict[str, str] = {
     "--moe-": _MOE,
     "--critic-": _CRITIC,
-    "--opd-": _OPD,
     "--fsdp-": "the FSDP backend is not supported: use --train-backend torch or megatron",
 }
 

@@ -233,11 +233,28 @@ class AlgorithmConfig(ConfigModel):
     custom_reward_post_process_path: PluginPath = None
     """post_process(args, samples) -> (raw_rewards, rewards), on the rollout's samples (slime's contract); the
     estimators then take `rewards` as they are (no group normalisation, as in slime)."""
+    use_opd: bool = False
+    """On-policy distillation (slime's OPD): every response token's advantage gets -opd_kl_coef x (log pi_old -
+    log pi_teacher), the reverse KL to a teacher, on top of any estimator (before --normalize-advantages)."""
+    opd_type: Literal["sglang", "megatron"] | None = None
+    """Where the teacher's log-probs come from: "sglang", the samples' teacher_log_probs (set by a reward
+    post-process from a teacher server, as slime's on_policy_distillation plug-in does); "megatron", a teacher model
+    loaded from --opd-teacher-load and run by the trainer (the torch backend)."""
+    opd_kl_coef: float = Field(1.0, ge=0)
+    """Weight of the reverse KL to the teacher in the advantages."""
+    opd_teacher_load: str | None = None
+    """The teacher's torch_dist checkpoint (a root, iter_XXXXXXX/ or release/), for --opd-type megatron; the
+    teacher has the policy's architecture (HF config of --hf-checkpoint)."""
 
     @property
     def needs_reference(self) -> bool:
         """The KL loss or a KL-penalised reward needs the reference model's log-probs."""
         return self.use_kl_loss or self.kl_coef > 0
+
+    @property
+    def needs_teacher(self) -> bool:
+        """On-policy distillation with the teacher run by the trainer (--opd-type megatron)."""
+        return self.use_opd and self.opd_type == "megatron"
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
@@ -252,6 +269,15 @@ class AlgorithmConfig(ConfigModel):
         if self.tis_clip_low > self.tis_clip:
             raise ValueError(f"--tis-clip-low {self.tis_clip_low} is above --tis-clip {self.tis_clip}; "
                              "the TIS weight is clipped to [tis_clip_low, tis_clip]")
+        if self.use_opd and self.opd_type is None:
+            raise ValueError("--use-opd needs --opd-type: sglang (the samples' teacher_log_probs, from a teacher "
+                             "server) or megatron (a teacher model from --opd-teacher-load, run by the trainer)")
+        if self.use_opd and self.opd_type == "megatron" and self.opd_teacher_load is None:
+            raise ValueError("--opd-type megatron needs --opd-teacher-load: the teacher's torch_dist checkpoint")
+        if self.opd_teacher_load is not None and not (self.use_opd and self.opd_type == "megatron"):
+            raise ValueError(f"--opd-teacher-load {self.opd_teacher_load} is read only with --use-opd --opd-type "
+                             "megatron (with sglang the teacher's log-probs come with the samples): remove it or add "
+                             "those")
         if self.loss_type == "custom_loss" and self.custom_loss_function_path is None:
             raise ValueError("--loss-type custom_loss needs --custom-loss-function-path module:function")
         if self.eps_clip_high is None:

@@ -194,7 +194,7 @@ def run_rollout_function(function: Callable[..., Any], ctx: Any, data: Any, roll
     return RolloutResult(groups=groups, metrics=metrics)
 
 
-_TRAIN_DATA_USED = {"tokens", "response_lengths", "rewards", "loss_masks", "rollout_log_probs"}
+_TRAIN_DATA_USED = {"tokens", "response_lengths", "rewards", "loss_masks", "rollout_log_probs", "teacher_log_probs"}
 _TRAIN_DATA_INFO = {"raw_reward", "truncated", "sample_indices", "rollout_ids", "rollout_mask_sums", "total_lengths"}
 """slime train-data keys that only report (slimeflow computes total_lengths and the loss's denominators itself)."""
 
@@ -219,7 +219,7 @@ def train_batch(config: TrainConfig, args: Any, samples: list[Sample]) -> Any:
         raise ValueError(f"{where} returned keys {unread} that slimeflow's trainer does not read (remove them or "
                          f"train with slime)" if unread else f"{where} returned no {missing}; it needs tokens, "
                          "response_lengths, rewards and loss_masks (rollout_log_probs optional)")
-    logps = data.get("rollout_log_probs")
+    logps, teacher = data.get("rollout_log_probs"), data.get("teacher_log_probs")
     groups = [s.group_index for s in samples] if len(samples) == len(data["tokens"]) else []
     return TrainBatch(tokens=[torch.as_tensor(t, dtype=torch.long) for t in data["tokens"]],
                       response_lengths=[int(n) for n in data["response_lengths"]],
@@ -227,7 +227,9 @@ def train_batch(config: TrainConfig, args: Any, samples: list[Sample]) -> Any:
                       rewards=torch.as_tensor(data["rewards"], dtype=torch.float32),
                       rollout_log_probs=None if logps is None else [torch.as_tensor(lp, dtype=torch.float32)
                                                                     for lp in logps],
-                      group_indices=groups)
+                      group_indices=groups,
+                      teacher_log_probs=None if teacher is None else [torch.as_tensor(lp, dtype=torch.float32)
+                                                                      for lp in teacher])
 
 
 def run_eval_function(function: Callable[..., Any], ctx: Any, data: Any, rollout_id: int | None) -> dict[str, float]:

@@ -90,6 +90,8 @@ class MegatronBackend:
             self.optimizer = self._megatron_optimizer()
             self.scheduler = self._param_scheduler(total_steps)
             self.ref_model = self._reference(ref_load) if self.needs_reference else None
+            # on-policy distillation's teacher (--opd-type megatron): a frozen model of the policy's architecture
+            self.teacher_model = self._reference(algorithm.opd_teacher_load) if algorithm.needs_teacher else None
         self.custom_loss: CustomLoss | None = load_custom_loss(algorithm)
         self.custom_advantage: CustomAdvantage | None = load_custom_advantage(algorithm)
 
@@ -197,12 +199,14 @@ class MegatronBackend:
         return plan_micro_batches(self.batch, lengths)
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = False, reference: bool = False) -> LogProbs:
-        """log-probs (fp32, CPU) of every sample's response tokens under the policy (or the reference model), in
-        this backend's micro-batches; every rank of the model replica gets them."""
-        model = self.ref_model if reference else self.model
+    def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = False, reference: bool = False,
+                          teacher: bool = False) -> LogProbs:
+        """log-probs (fp32, CPU) of every sample's response tokens under the policy (or the reference model, or the
+        OPD teacher), in this backend's micro-batches; every rank of the model replica gets them."""
+        model = self.teacher_model if teacher else self.ref_model if reference else self.model
         if model is None:
-            raise ValueError("no reference model: it is loaded only with --use-kl-loss or --kl-coef > 0")
+            raise ValueError("no teacher model: it is loaded only with --use-opd --opd-type megatron" if teacher else
+                             "no reference model: it is loaded only with --use-kl-loss or --kl-coef > 0")
         out = LogProbs([None] * len(batch), [None] * len(batch) if with_entropy else None)  # type: ignore[list-item]
 
         def keep(indices: list[int], part: LogProbs) -> tuple[torch.Tensor, int, Any]:

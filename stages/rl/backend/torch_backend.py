@@ -98,6 +98,8 @@ class TorchBackend:
             fused=True)  # one kernel for all parameters: 0.7 ms a step against 1.5 ms with foreach (demo model, CPU)
         self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps)
         self.ref_model = self._load_reference(ref_load) if self.needs_reference else None
+        # on-policy distillation's teacher (--opd-type megatron): the policy's architecture, the teacher's weights
+        self.teacher_model = self._load_reference(algorithm.opd_teacher_load) if algorithm.needs_teacher else None
         self.custom_loss: CustomLoss | None = load_custom_loss(algorithm)
         self.custom_advantage: CustomAdvantage | None = load_custom_advantage(algorithm)
 
@@ -131,12 +133,14 @@ class TorchBackend:
         --use-dynamic-batch-size, else consecutive --micro-batch-size samples."""
         return plan_micro_batches(self.batch, lengths)
 
-    def forward(self, rows: TrainBatch, with_entropy: bool = False, reference: bool = False) -> LogProbs:
+    def forward(self, rows: TrainBatch, with_entropy: bool = False, reference: bool = False,
+                teacher: bool = False) -> LogProbs:
         """Response-token log-probs (and entropies) of every row, on this device, with autograd as the caller's
         grad mode sets it. One micro-batch: its distinct rows (`distinct_rows`) right-padded to the longest."""
-        model = self.ref_model if reference else self.model
+        model = self.teacher_model if teacher else self.ref_model if reference else self.model
         if model is None:
-            raise ValueError("no reference model: it is loaded only with --use-kl-loss or --kl-coef > 0")
+            raise ValueError("no teacher model: it is loaded only with --use-opd --opd-type megatron" if teacher else
+                             "no reference model: it is loaded only with --use-kl-loss or --kl-coef > 0")
         layout = RowLayout.of(rows)
         cast = self.autocast_dtype
         with torch.autocast(self.device.type, dtype=cast) if cast is not None else contextlib.nullcontext():
@@ -149,13 +153,14 @@ class TorchBackend:
         return response_log_probs(selected, rows, layout, self.temperature, with_entropy)
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = False, reference: bool = False) -> LogProbs:
-        """log-probs (fp32, CPU) of every sample's response tokens under the policy (or the reference model),
-        computed in this backend's micro-batches."""
+    def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = False, reference: bool = False,
+                          teacher: bool = False) -> LogProbs:
+        """log-probs (fp32, CPU) of every sample's response tokens under the policy (or the reference model, or the
+        OPD teacher), computed in this backend's micro-batches."""
         out = LogProbs([None] * len(batch), [None] * len(batch) if with_entropy else None)  # type: ignore[list-item]
         for micro in self.micro_batches(batch.total_lengths):
             rows = batch.select(micro)
-            part = self.forward(rows, with_entropy, reference)
+            part = self.forward(rows, with_entropy, reference, teacher)
             for values, into in ((part.log_probs, out.log_probs), (part.entropy, out.entropy)):
                 if values is not None and into is not None:  # one copy to the CPU per micro-batch, then views
                     flat = torch.cat(values).float().cpu()

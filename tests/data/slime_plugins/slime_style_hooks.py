@@ -134,7 +134,11 @@ def to_train_data(args, samples: list[Sample]) -> dict:
 
 
 def to_train_data_with_teacher(args, samples: list[Sample]) -> dict:
-    return {**to_train_data(args, samples), "teacher_log_probs": [[0.0]] * len(samples)}
+    return {**to_train_data(args, samples), "teacher_log_probs": [[-0.5]] * len(samples)}
+
+
+def to_train_data_with_values(args, samples: list[Sample]) -> dict:
+    return {**to_train_data(args, samples), "values": [[0.0]] * len(samples)}
 
 
 async def ground_truth_reward(args, sample, **kwargs) -> float:
