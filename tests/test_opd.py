@@ -151,3 +151,39 @@ def test_a_slime_post_process_storing_a_tensor_reaches_slimeflows_sample():
     theirs = to_slime(origin)
     theirs.teacher_log_probs = torch.tensor([-0.25, -1.5])
     assert from_slime(theirs, origin, "post-process").teacher_log_probs == [-0.25, -1.5]
+
+
+def test_the_teachers_answer_is_kept_for_the_post_process_which_sets_teacher_log_probs(monkeypatch):
+    """With --custom-reward-post-process-path a custom reward's dict answer stays whole until the post-process
+    (slime's on_policy_distillation.post_process_rewards) turns it into teacher_log_probs and 0 rewards."""
+    import asyncio
+
+    from slimeflow import slime_compat
+    from slimeflow.stages.rl.config import RewardConfig
+    from slimeflow.stages.rl.rewards import RewardScorer
+    from slimeflow.stages.rl.slime_rollout_hooks import post_process_rewards
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "data" / "slime_plugins"))
+    slime_compat.install()
+    from slime.rollout.on_policy_distillation import post_process_rewards as opd_post_process
+
+    samples = [Sample(group_index=0, index=i, prompt="p", tokens=[5, 6, 7, 8][: 2 + i], response_length=1 + i)
+               for i in range(2)]
+    scorer = RewardScorer(RewardConfig(custom_rm_path="slime_style_hooks:teacher_answer"), post_processed=True)
+    try:
+        asyncio.run(scorer.score_group(samples))
+    finally:
+        scorer.close()
+    assert all(isinstance(s.reward, dict) and s.status is not Status.FAILED for s in samples)
+    post_process_rewards(opd_post_process, None, [samples])
+    assert [s.reward for s in samples] == [0.0, 0.0]
+    assert samples[0].teacher_log_probs == [pytest.approx(-0.1)]
+    assert samples[1].teacher_log_probs == [pytest.approx(-0.1), pytest.approx(-0.2)]
+    # Without a post-process the dict must be a reward by itself: it has no reward/score key, so the sample fails.
+    alone = Sample(group_index=0, index=0, prompt="p", tokens=[5, 6], response_length=1)
+    unkept = RewardScorer(RewardConfig(custom_rm_path="slime_style_hooks:teacher_answer"))
+    try:
+        asyncio.run(unkept.score_group([alone]))
+    finally:
+        unkept.close()
+    assert alone.status is Status.FAILED and "teacher_answer" in alone.failure_reason

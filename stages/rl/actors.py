@@ -84,7 +84,8 @@ class RolloutManager:
                              if config.rollout.buffer_filter_path else pop_first)
             self.data = BufferedDataSource(source, buffer_filter)
             self.eval_sets = {name: _prompts(uri) for name, uri in setup.eval_prompt_data.items()}
-            self.scorer = RewardScorer(config.reward, seed=config.data.rollout_seed)
+            self.scorer = RewardScorer(config.reward, seed=config.data.rollout_seed, post_processed=bool(
+                config.algorithm.custom_reward_post_process_path))
             self.in_flight: InFlight | None = None
         except BaseException:
             launching.cancel()

@@ -13,7 +13,7 @@ from typing import Any
 from slimeflow.slime_compat.utils.types import Sample as SlimeSample
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.plugins import load_plugin
-from slimeflow.stages.rl.slime_plugins import from_slime, plugin_name, takes_keyword, to_slime
+from slimeflow.stages.rl.slime_plugins import floats, from_slime, plugin_name, takes_keyword, to_slime
 from slimeflow.stages.rl.types import Sample, Status
 
 
@@ -81,13 +81,16 @@ def post_process_rewards(function: Callable[..., Any], args: Any, groups: list[l
     metadata['raw_reward'])."""
     samples = [s for group in groups for s in group]
     where = f"--custom-reward-post-process-path {plugin_name(function)}"
-    raw, rewards = function(args, [to_slime(s) for s in samples])
+    views = [to_slime(s) for s in samples]
+    raw, rewards = function(args, views)
     if len(raw) != len(samples) or len(rewards) != len(samples):
         raise ValueError(f"{where} returned {len(raw)} raw rewards and {len(rewards)} rewards for {len(samples)} "
                          "samples; return one of each per sample")
-    for sample, raw_reward, reward in zip(samples, raw, rewards, strict=True):
+    for sample, view, raw_reward, reward in zip(samples, views, raw, rewards, strict=True):
         sample.metadata["raw_reward"] = float(raw_reward)
         sample.reward = float(reward)
+        # on-policy distillation's post-process sets them (slime's on_policy_distillation)
+        sample.teacher_log_probs = floats(view.teacher_log_probs)
 
 
 def process_all_samples(function: Callable[..., Any], args: Any, kept: list[list[Sample]],

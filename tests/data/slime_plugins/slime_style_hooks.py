@@ -146,3 +146,10 @@ async def ground_truth_reward(args, sample, **kwargs) -> float:
     if not isinstance(sample, Sample):
         raise TypeError("Sample must be an instance of Sample class.")
     return float(sample.response.strip() in sample.label["ground_truth"]["target"])
+
+
+async def teacher_answer(args, sample: Sample, **kwargs) -> dict:
+    """A teacher server's /generate answer (input-token log-probs of prompt + response), as on_policy_distillation's
+    reward_func returns it."""
+    return {"meta_info": {"input_token_logprobs": [[None, sample.tokens[0], None]] +
+                          [[-0.1 * i, token, None] for i, token in enumerate(sample.tokens[1:], start=1)]}}
