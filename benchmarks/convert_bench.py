@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, publish_release, read_hf_source
+from slimeflow.families.tiny import build_tiny_tokenizer
 from slimeflow.io.storage import Storage
-from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, publish_release, read_hf_source
-from slimeflow.stages.model.tiny import build_tiny_tokenizer
 
 SHAPE = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 4,
          "vocab_size": 32000}
@@ -103,8 +103,8 @@ MOE_CONFIG = {
 def write_synthetic_moe(path: Path, layers: int) -> int:
     """A DeepSeek-V3-architecture HF directory with random bf16 weights (the expert bias fp32, as DeepSeek ships
     it), every tensor the family's name map expects, one safetensors shard per layer; its bytes."""
+    from slimeflow.checkpoint.mapping import ModelShape, expected_hf_tensors
     from slimeflow.families import FAMILIES
-    from slimeflow.stages.convert.mapping import ModelShape, expected_hf_tensors
 
     path.mkdir(parents=True)
     config = {**MOE_CONFIG, "num_hidden_layers": layers}
@@ -124,7 +124,7 @@ def write_synthetic_moe(path: Path, layers: int) -> int:
 def baseline_rss() -> int:
     """Peak RSS of a fresh process that imports what a conversion rank imports, and nothing more."""
     code = ("from slimeflow._compat import eager_jit_fusions\nwith eager_jit_fusions():\n"
-            "    import megatron.core.dist_checkpointing\nfrom slimeflow.stages.convert import worker\n"
+            "    import megatron.core.dist_checkpointing\nfrom slimeflow.checkpoint import worker\n"
             "print(worker.peak_rss_bytes()['peak_rss'])")
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
                .stdout.split()[-1])

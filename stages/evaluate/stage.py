@@ -84,7 +84,7 @@ def _eval_sets(config: EvaluateConfig, ctx: StageContext) -> tuple[dict[str, lis
 
 def _model_dir(config: EvaluateConfig, ctx: StageContext) -> tuple[Path, str]:
     """The HF directory the engine serves, and what it came from."""
-    from slimeflow.stages.convert.export import write_hf
+    from slimeflow.checkpoint.hf_write import write_hf
 
     if config.hf_checkpoint is None or not Path(config.hf_checkpoint, "config.json").is_file():
         raise StageInputError("--hf-checkpoint", [f"{config.hf_checkpoint!r} is not an HF directory with config.json"],

@@ -15,18 +15,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from slimeflow.checkpoint.hf_source import fingerprint
+from slimeflow.cluster import init_ray, scratch_dir
+from slimeflow.config.model_args import check_model_args
 from slimeflow.io import checkpoints
 from slimeflow.io.storage import join
 from slimeflow.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.model.stage import fingerprint
 from slimeflow.stages.rl import async_loop, loop
 from slimeflow.stages.rl.actors import RolloutSetup
 from slimeflow.stages.rl.backend.ownership import claim_root
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.engine.sglang_launch import installed_server_args
-from slimeflow.stages.rl.model_args import check_model_args, megatron_backend_problems
-from slimeflow.stages.rl.placement import create_placement, init_ray, scratch_dir
+from slimeflow.stages.rl.model_args import megatron_backend_problems
+from slimeflow.stages.rl.placement import create_placement
 from slimeflow.stages.rl.placement_plan import flag_problems
 from slimeflow.stages.rl.plots import plot_curves
 from slimeflow.stages.rl.plugins import PluginError, load_plugin

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from slimeflow.stages.convert import safe_pickle
-from slimeflow.stages.convert.supervise import periodically
+from slimeflow.checkpoint import safe_pickle
+from slimeflow.checkpoint.supervise import periodically
 
 CHECKPOINT_VERSION = 3.0
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")

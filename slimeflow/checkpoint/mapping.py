@@ -2,7 +2,7 @@
 
 Megatron-side names are the names torch_dist checkpoints use, one layer at a time:
 `decoder.layers.<i>.self_attention.linear_qkv.weight` is layer i's shard of the stacked global tensor
-`decoder.layers.self_attention.linear_qkv.weight` (stages/convert/torch_dist.py does the stacking). Nothing here
+`decoder.layers.self_attention.linear_qkv.weight` (torch_dist.py does the stacking). Nothing here
 touches a file or a process group, so a training backend maps its HF-named state dict through the same code.
 """
 

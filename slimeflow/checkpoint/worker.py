@@ -1,4 +1,4 @@
-"""One rank of an HF -> torch_dist conversion: `python -m slimeflow.stages.convert.worker JOB.json RANK`.
+"""One rank of an HF -> torch_dist conversion: `python -m slimeflow.checkpoint.worker JOB.json RANK`.
 
 Every rank joins a process group (gloo; NCCL when it has a GPU) through the job's `init_method`, reads only the
 HF tensors of its share (lazily, one tensor at a time from memory-mapped safetensors), maps them to Megatron's
@@ -30,9 +30,9 @@ from typing import Any, NoReturn
 import torch
 
 from slimeflow._compat import eager_jit_fusions
-from slimeflow.stages.convert import supervise
-from slimeflow.stages.convert.diskspace import no_space_left, ran_out_of_space
-from slimeflow.stages.convert.mapping import ModelShape, hf_to_megatron, megatron_args
+from slimeflow.checkpoint import supervise
+from slimeflow.checkpoint.diskspace import no_space_left, ran_out_of_space
+from slimeflow.checkpoint.mapping import ModelShape, hf_to_megatron, megatron_args
 
 JOB_TIMEOUT = timedelta(minutes=60)
 
@@ -151,7 +151,7 @@ def import_in_background(module: str) -> threading.Thread:
 def convert_share(job: Job, rank: int, importing: threading.Thread | None = None) -> dict[str, float]:
     """Convert and save rank `rank`'s share; returns its tensor count and bytes, and when (Unix time) its
     tensors were read and when they were saved. `importing`: a background import to wait for before saving."""
-    from slimeflow.stages.convert.torch_dist import save_torch_dist
+    from slimeflow.checkpoint.torch_dist import save_torch_dist
 
     shape = ModelShape(**job.shape)
     dtype = getattr(torch, job.dtype)
@@ -189,7 +189,7 @@ def _writer_died(job: Job, rank: int, pid: int, returncode: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m slimeflow.stages.convert.worker")
+    parser = argparse.ArgumentParser(prog="python -m slimeflow.checkpoint.worker")
     parser.add_argument("job", type=Path)
     parser.add_argument("rank", type=int)
     parser.add_argument("--parent-pid", type=int, help="end this rank when that process (the launcher) ends")
