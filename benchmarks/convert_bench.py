@@ -4,7 +4,8 @@
 
 `--family deepseek_v3` writes a ~2 GB DeepSeek-V3-style mixture of experts instead (8 layers by default: MLA, one
 dense first layer, 16 experts of which each layer stores every one, a shared expert, the fp32 expert bias), whose
-experts the converter stacks per layer and whose layers it keys one by one.
+experts the converter stacks per layer and whose layers it keys one by one; with two processes each rank converts
+8 of every MoE layer's 16 experts (expert-sharded), and prints what it read and held.
 
 Prints, for 1 and 2 conversion processes: wall time as a ratio to `cp -r` + `sync` of the HF directory, timed
 after a `sync` so that it flushes only the copy (goal <= 2x); cp and the two conversions run interleaved for
@@ -165,6 +166,10 @@ def print_ranks(ranks: list[dict], size: int, base: int, goal: float) -> None:
         print(f"  rank {r['rank']}: peak RSS {r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / size:.2f} "
               f"of the model (goal <= {goal}); its largest writer {r['peak_rss_writers'] / 1e9:.2f} GB "
               f"= {r['peak_rss_writers'] / size:.2f}; net of the baseline {(r['peak_rss'] - base) / size:.2f}")
+        if r["experts"][1]:
+            print(f"    routed experts [{r['experts'][0]}, {r['experts'][1]}) of every MoE layer; read "
+                  f"{r['read_tensors']} HF tensors, {r['read_bytes'] / size:.2f} of the model; held and wrote "
+                  f"{r['bytes'] / size:.2f}")
         launched = r["launched"]
         print(f"    seconds from launch: start-up and imports {r['started_at'] - launched:.2f}, tensors "
               f"read and fused {r['read_at'] - launched:.2f}, saved {r['saved_at'] - launched:.2f}")

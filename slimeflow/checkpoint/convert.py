@@ -1,6 +1,7 @@
 """HF -> torch_dist: read and validate an HF checkpoint (read_hf_source), then write its torch_dist checkpoint
-with N cooperating worker processes (worker.py), each writing its share of the layers, into a claimed staging
-directory (write_torch_dist) that publish_release makes `<root>/release/`, setting the tracker last.
+with N cooperating worker processes (worker.py), each writing its share of the layers and of a MoE model's
+routed experts (assign_shares), into a claimed staging directory (write_torch_dist) that publish_release makes
+`<root>/release/`, setting the tracker last.
 
 The convert stage and the training backends (a start model given as HF) both call it.
 """
@@ -17,7 +18,7 @@ from slimeflow.checkpoint.diskspace import no_space_left, ran_out_of_space
 from slimeflow.checkpoint.hf_source import INDEX_FILE, inspect_hf_dir
 from slimeflow.checkpoint.hf_write import replace_dir
 from slimeflow.checkpoint.launch import Launcher, launch
-from slimeflow.checkpoint.mapping import ModelShape, expected_hf_tensors, global_rules
+from slimeflow.checkpoint.mapping import ModelShape, expected_hf_tensors, expert_hf_tensors, global_rules
 from slimeflow.checkpoint.staging import JOB_PREFIX, claimed_dir, remove_abandoned, staging_prefix
 from slimeflow.checkpoint.worker import Job, Share
 from slimeflow.families import FamilySpec, family_for, supported_architectures
@@ -131,22 +132,30 @@ def _tensor_problems(headers: dict[str, tuple[tuple[int, ...], str]], expected: 
 
 
 def assign_shares(source: HFSource, processes: int) -> list[Share]:
-    """Split layers and globals over `processes` ranks, balancing bytes (largest first onto the lightest rank)."""
+    """Split the model over `processes` ranks, as expert parallelism does: rank r converts the routed experts
+    [r*E/N, (r+1)*E/N) of every MoE layer (contiguous, sizes differing by at most one), and the rest (each
+    layer's other tensors, the globals) goes, largest first, to the rank with the fewest bytes so far."""
     shape = source.shape
+    bounds = [rank * shape.num_experts // processes for rank in range(processes + 1)]
+    experts = [(bounds[rank], bounds[rank + 1]) for rank in range(processes)]
+    loads = [sum(source.sizes[name] for layer in range(shape.num_layers)
+                 for name in expert_hf_tensors(shape, layer, range(*span))) for span in experts]
+    routed = {name for layer in range(shape.num_layers)
+              for name in expert_hf_tensors(shape, layer, range(shape.num_experts))}
     items: list[tuple[int, int | str]] = []
     for rule in global_rules(shape):
         items.append((sum(source.sizes[n] for n in rule.hf), rule.megatron))
     for layer in range(shape.num_layers):
         prefix = f"model.layers.{layer}."
-        items.append((sum(size for name, size in source.sizes.items() if name.startswith(prefix)), layer))
-    loads = [0] * processes
+        items.append((sum(size for name, size in source.sizes.items()
+                          if name.startswith(prefix) and name not in routed), layer))
     picked: list[list[int | str]] = [[] for _ in range(processes)]
     for size, item in sorted(items, key=lambda pair: -pair[0]):
         rank = loads.index(min(loads))
         loads[rank] += size
         picked[rank].append(item)
-    return [Share(tuple(sorted(i for i in p if isinstance(i, int))), tuple(i for i in p if isinstance(i, str)))
-            for p in picked]
+    return [Share(tuple(sorted(i for i in p if isinstance(i, int))), tuple(i for i in p if isinstance(i, str)),
+                  span) for p, span in zip(picked, experts, strict=True)]
 
 
 def convert_hf_to_torch_dist(source: HFSource, root: Path, processes: int = 1, make_vocab_size_divisible_by: int = 128,

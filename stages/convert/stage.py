@@ -2,7 +2,8 @@
 
 hf-to-torch-dist validates the HF directory against its family's spec (slimeflow/families/) before
 anything is written, converts with N cooperating worker processes (slimeflow/checkpoint/worker.py), each
-writing its share of the layers, into a staging directory that becomes `<save>/release/` only when complete;
+writing its share of the layers (of a MoE model: its slice of every layer's experts, as expert parallelism
+splits them), into a staging directory that becomes `<save>/release/` only when complete;
 the tracker is set last. torch-dist-to-hf reads a checkpoint (a root, release/ or iter_XXXXXXX/), strips the
 vocabulary padding and writes sharded safetensors with an index and the origin's config and tokenizer, again via
 a staging directory. The format code is the checkpoint library's (slimeflow/checkpoint/); this is the stage.
