@@ -13,10 +13,10 @@ import pytest
 from preprocess_helpers import write_jsonl
 from test_train_inputs import prompt_parquet
 
+from slimeflow.io.prompts import PromptDataset
 from slimeflow.io.storage import Storage
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.preprocess.inline import is_raw
-from slimeflow.stages.preprocess.reader import PromptDataset
 from slimeflow.stages.rl import stage
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.data_source import DataSource

@@ -38,7 +38,6 @@ def run(config: ConvertConfig, ctx: StageContext) -> Manifest:
     return run_to_hf(config, ctx)
 
 
-
 def _to_torch_dist(config: ConvertConfig, ctx: StageContext) -> Manifest:
     if config.hf_checkpoint is None:
         raise StageInputError("convert hf-to-torch-dist", ["no HF checkpoint given"],
@@ -75,15 +74,12 @@ def _to_torch_dist(config: ConvertConfig, ctx: StageContext) -> Manifest:
     )
 
 
-
-
 def check_model_flags(config: ConvertConfig, hf_config: Path, flag: str) -> None:
     """slime's MODEL_ARGS, when given, must describe the HF model being converted (refused before any work)."""
     problems = check_model_args(config.megatron, json.loads(hf_config.read_text(encoding="utf-8")), "convert")
     if problems:
         raise StageInputError(f"{flag} {hf_config.parent}", problems,
                               "Fix or drop the Megatron model flags (MODEL_ARGS) that disagree with the model.")
-
 
 
 def run_to_hf(config: ConvertConfig, ctx: StageContext) -> Manifest:
@@ -113,7 +109,6 @@ def run_to_hf(config: ConvertConfig, ctx: StageContext) -> Manifest:
     )
 
 
-
 def check_target_root(storage: Storage, root: str, overwrite: bool) -> None:
     """StageInputError when `root` already holds a checkpoint (or a tracker) and `overwrite` is off."""
     if overwrite:
@@ -124,5 +119,3 @@ def check_target_root(storage: Storage, root: str, overwrite: bool) -> None:
         names = [ref.uri for ref in present] or [join(root, checkpoints.TRACKER_FILENAME)]
         raise StageInputError(f"--save {root} already holds a checkpoint", names,
                               "Choose another --save directory, or pass --overwrite to replace it.")
-
-

@@ -28,5 +28,3 @@ def run(config: ModelConfig, ctx: StageContext) -> Manifest:
         facts=facts,
         config=config.model_dump(mode="json"),
     )
-
-

@@ -123,7 +123,7 @@ def replay_problems(config: TrainConfig) -> list[str]:
 def data_problems(config: TrainConfig, ctx: StageContext) -> list[str]:
     """--prompt-data and every --eval-prompt-data set (raw ones already preprocessed): there, readable, prompt
     parquet, not empty (before Ray, where a bad one would only show as a dead actor)."""
-    from slimeflow.stages.preprocess.reader import open_prompt_sets
+    from slimeflow.io.prompts import open_prompt_sets
 
     sets = {f"--eval-prompt-data {name}": uri for name, uri in config.eval.eval_prompt_data.items()}
     if config.data.prompt_data is not None:
@@ -178,7 +178,7 @@ def resolve_num_rollout(config: TrainConfig, prompt_data: str, ctx: StageContext
     """--num-rollout, else --num-epoch epochs over the prompts (as slime: ceil(prompts / rollout_batch_size))."""
     if config.batch.num_rollout is not None:
         return config.batch.num_rollout
-    from slimeflow.stages.preprocess.reader import PromptDataset
+    from slimeflow.io.prompts import PromptDataset
 
     prompts = len(PromptDataset(prompt_data, ctx.storage))
     return config.batch.num_epoch * math.ceil(prompts / config.batch.rollout_batch_size)
