@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from slimeflow.families import tiny
 from slimeflow.families.tiny import (
     FAMILIES,
     SPEC_PARAMS,
@@ -21,7 +22,6 @@ from slimeflow.families.tiny import (
     build_tiny_tokenizer,
     is_tiny_uri,
 )
-from slimeflow.stages.model import tiny
 
 FAMILY_NAMES = ["llama", "qwen2", "qwen3"]
 # What each family must look like, written out independently of the FAMILIES table.
