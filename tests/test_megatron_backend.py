@@ -13,14 +13,14 @@ import pytest
 import torch
 from megatron_steps import make_backend, make_batch, make_config, make_job, run_world, train_job, train_steps
 
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 
 LR = 1e-3
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> dict[str, Path]:
-    from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
+    from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, read_hf_source
 
     tmp = tmp_path_factory.mktemp("megatron")
     hf = build_tiny_model(tmp / "hf", TinyModelSpec(seed=7))
@@ -133,9 +133,9 @@ def test_a_saved_checkpoint_resumes_the_next_rollout_exactly(converted, one_proc
     """Save after rollout 0 (weights, optimizer, LR schedule, RNG, extra state through dist_checkpointing), train
     rollout 1; a new backend resumed from the save trains rollout 1 to the same metrics and weights, bit for bit.
     The checkpoint is Megatron's layout, and the torch backend's reader (what export uses) reads its weights."""
+    from slimeflow.checkpoint.torch_dist import read_common, tensor_metadata
     from slimeflow.io.checkpoints import read_tracker
     from slimeflow.io.storage import Storage
-    from slimeflow.stages.convert.torch_dist import read_common, tensor_metadata
     from slimeflow.stages.rl.backend.checkpoint import read_weights
     from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint, save_checkpoint
 

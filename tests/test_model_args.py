@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from slimeflow.config.model_args import check_model_args
 from slimeflow.config.pipeline import load_stage_config
 from slimeflow.io.storage import Storage
 from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.rl.model_args import check_model_args
 from slimeflow.stages.rl.stage import rollout_setup
 
 SEEDS = Path(__file__).parent / "data" / "seed_scripts"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from slimeflow.checkpoint.staging import ABANDONED
 from slimeflow.config.pipeline import load_pipeline_config
-from slimeflow.stages.convert.staging import ABANDONED
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "data"
@@ -87,9 +87,9 @@ def test_pipeline_trains_evaluates_exports_and_a_rerun_skips_every_stage(prefect
 
 def train_config(tmp_path: Path, **overrides):
     """A train-stage config over the demo data, prepared by the preprocess and model stages in `tmp_path`."""
+    from slimeflow.config.model import ModelConfig
     from slimeflow.io.storage import Storage
     from slimeflow.stages.base import StageContext
-    from slimeflow.stages.model.config import ModelConfig
     from slimeflow.stages.model.stage import run as model_run
     from slimeflow.stages.preprocess.config import PreprocessConfig
     from slimeflow.stages.preprocess.stage import run as preprocess_run

@@ -19,11 +19,11 @@ from slimeflow import stages
 from slimeflow.config.base import ConfigModel
 from slimeflow.config.flags import ConfigError, FlagIndex, merge, nest_keys, parse_flags, validate
 from slimeflow.config.infra import InfraConfig
+from slimeflow.config.model import ModelConfig
 from slimeflow.config.slime_flags import deferred, explain_unknown
 from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.evaluate.config import EvaluateConfig
 from slimeflow.stages.export.config import ExportConfig
-from slimeflow.stages.model.config import ModelConfig
 from slimeflow.stages.preprocess.config import PreprocessConfig
 from slimeflow.stages.rl.config import MegatronConfig, TrainConfig
 

@@ -409,6 +409,6 @@ def call(ref: Any, what: str) -> Any:
 
 
 def _prompts(uri: str) -> list[dict[str, Any]]:
-    from slimeflow.stages.preprocess.reader import PromptDataset
+    from slimeflow.io.prompts import PromptDataset
 
     return list(PromptDataset(uri))

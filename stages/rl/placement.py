@@ -10,10 +10,6 @@ on a CPU the cores are split between the trainer ranks and the engines.
 
 from __future__ import annotations
 
-import os
-import signal
-import tempfile
-import threading
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from slimeflow.cluster import cpu_threads, has_gpus
 from slimeflow.stages.rl.actors import LoopError, RolloutSetup, TrainActor, call, rollout_manager_class
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.engine_actor import sglang_installed
@@ -146,37 +143,6 @@ class Placement:
             self.group.remove()
 
 
-LOCAL_RAY_SYSTEM_CONFIG = {
-    # Ray runs workers at nice 15 by default; here the actors are the job itself, and at nice 15 training ran
-    # 10x slower whenever anything else used the CPU (measured: 3 s vs 0.27 s a step).
-    "worker_niceness": 0,
-    # Ray's own Prometheus metrics, for a dashboard this cluster does not run: the raylet's wait for its metrics
-    # exporter made ray.init take 3.32-3.33 s instead of 2.32-2.33 s (4 runs each). Our metrics go to MLflow.
-    "enable_metrics_collection": False,
-}
-"""The local cluster's Ray system config (a cluster joined by address keeps its own)."""
-
-
-def init_ray(address: str | None) -> None:
-    """Join the Ray cluster at `address` (RAY_ADDRESS style), else start a local one for this process.
-
-    A SIGTERM handler the host installed (Prefect's, which turns a cancellation into a Cancelled run) stays in charge:
-    ray.init replaces it with one that calls sys.exit, and a cancelled flow run would be reported Crashed."""
-    if ray.is_initialized():
-        return
-    host_handler = signal.getsignal(signal.SIGTERM)
-    if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        # "local": a cluster of its own, even where `ray start` left /tmp/ray/ray_current_cluster, which
-        # ray.init() would join (another user's cluster, and then num_cpus is refused). RAY_ADDRESS, read into
-        # the run's settings, still wins: it arrives here as `address`.
-        ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True,
-                 configure_logging=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
-    if callable(host_handler) and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, host_handler)
-
-
 def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int, scratch: Path,
                      run_token: str | None = None) -> Placement:
     """The RolloutManager and `actor_num_nodes x actor_num_gpus_per_node` TrainActors; `run_token` is the run's
@@ -184,7 +150,7 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
     --debug-rollout-only creates no TrainActor, --debug-train-only replays saved rollouts without an engine."""
     placement = config.placement
     world = placement.actor_num_nodes * placement.actor_num_gpus_per_node
-    group = _placement_group(config) if _has_gpus() else None
+    group = _placement_group(config) if has_gpus() else None
     # Synchronous: trainers and engines take turns, each may use the machine. Async: they compute at once.
     at_once = world + setup.num_engines if placement.async_ else world
     threads = None if group else cpu_threads(at_once)
@@ -223,27 +189,3 @@ def _placement_group(config: TrainConfig) -> PlacedGroup:
     plan = plan_placement(config.placement, debug_rollout_only=config.debug.debug_rollout_only,
                           debug_train_only=config.debug.debug_train_only, external_engines=bool(external))
     return create_placement_group(plan)
-
-
-def cpu_threads(processes: int, *, spare: int = 1) -> int:
-    """torch threads for each of `processes` computing at once on this machine's CPU, `spare` cores left over.
-
-    Engines and trainers alike keep one core spare for what runs beside their compute (the HTTP servers, the
-    rollout manager's event loop, Ray's own processes, other jobs on the machine): a torch thread that waits for a
-    core stalls its op's other threads at every barrier. On the demo's loop on a loaded 2-core machine (loop_bench
-    --seed 7, 80 steps, two runs each) the train step took a median 0.019 s with 1 thread against 0.16-0.29 s with
-    2; its fastest steps were 0.017 s against 0.018-0.019 s, so one thread also loses nothing on a quiet machine
-    now that the step's forward runs once per distinct row.
-    """
-    return max(1, ((os.cpu_count() or 1) - spare) // processes)
-
-
-def _has_gpus() -> bool:
-    return bool(ray.cluster_resources().get("GPU", 0))
-
-
-def scratch_dir(workdir: Path | None) -> Path:
-    base = workdir if workdir is not None else Path(tempfile.gettempdir())
-    path = base / ".ray-scratch"
-    path.mkdir(parents=True, exist_ok=True)
-    return path

@@ -58,7 +58,7 @@ class MegatronBackend:
                  ref_load: str | None = None, temperature: float = 1.0):
         from megatron.core import parallel_state
 
-        from slimeflow.stages.convert.torch_dist import read_common
+        from slimeflow.checkpoint.torch_dist import read_common
 
         if temperature <= 0:
             raise ValueError(f"temperature {temperature}: the trainer's log-probs need a sampling temperature > 0")
@@ -313,9 +313,9 @@ class MegatronBackend:
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The policy's full HF-named weights (vocabulary padding cut) on global rank 0, {} on the others.
         Collective: every rank calls it; each sends its shards (one copy of each, megatron's main replicas)."""
-        from slimeflow.stages.convert.export import origin_family
-        from slimeflow.stages.convert.mapping import ModelShape, megatron_to_hf
-        from slimeflow.stages.convert.torch_dist import unstack_layers
+        from slimeflow.checkpoint.hf_write import origin_family
+        from slimeflow.checkpoint.mapping import ModelShape, megatron_to_hf
+        from slimeflow.checkpoint.torch_dist import unstack_layers
 
         with self.on_device():
             tensors = gather_global_tensors(self.module)
