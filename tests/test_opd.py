@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.advantages import AdvantageInputs, compute_advantages
 from slimeflow.stages.rl.backend.torch_backend import TorchBackend
 from slimeflow.stages.rl.config import AlgorithmConfig, TrainConfig
@@ -22,7 +22,7 @@ LENGTHS = [(7, 3), (9, 4), (5, 2), (12, 5)]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     """The student (HF) and two torch_dist teachers: the student's own weights, and another model's."""
-    from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
+    from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, read_hf_source
 
     tmp = tmp_path_factory.mktemp("opd")
     out = {"student": build_tiny_model(tmp / "student", TinyModelSpec(seed=7))}
