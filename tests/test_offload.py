@@ -1,0 +1,104 @@
+"""--offload-train / --offload-rollout (colocated mode): the flags as slime resolves them, the trainer's state moved
+off the device and back bit for bit (both backends), and a colocated run on Ray in which the trainer's and the
+engine's resident memory drop by what they hand over."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from slimeflow.config.flags import ConfigError
+from slimeflow.config.pipeline import load_stage_config
+from slimeflow.stages.rl.offload import StateOffload, module_tensors, optimizer_tensors, resident_bytes
+
+TRAIN = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "2"]
+
+
+def offloads(*flags: str) -> tuple[bool, bool]:
+    placement = load_stage_config("train", None, [*TRAIN, *flags]).placement
+    return placement.offload_train, placement.offload_rollout
+
+
+def test_the_offload_flags_resolve_as_slimes():
+    assert offloads() == (False, False)
+    assert offloads("--colocate") == (True, True)  # slime: colocate turns both on
+    assert offloads("--offload") == (True, True)
+    assert offloads("--offload-rollout") == (False, True)
+    assert offloads("--colocate", "--no-offload-train") == (False, True)
+    assert offloads("--colocate", "--no-offload-rollout") == (True, False)
+    assert offloads("--colocate", "--offload-train", "false") == (False, True)
+    assert offloads("--colocate", "--debug-rollout-only") == (False, False)  # as slime: no trainer to make room for
+    with pytest.raises(ConfigError, match="--async with --offload-train/--offload-rollout: the trainer and the engines"):
+        load_stage_config("train", None, [*TRAIN, "--async", "--offload-train"])
+
+
+def test_an_offload_frees_the_resident_memory_and_restores_every_byte(tmp_path):
+    """64 MiB of state in tensors that share storage (a tied weight, a view), as modules and optimizers hold it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048))
+    model[1].weight = model[0].weight  # tied: one storage, offloaded once
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    model(torch.randn(2, 2048)).sum().backward()
+    optimizer.step()
+    view = model[0].weight[:16]  # a view into an offloaded storage stays a view into it
+    before = [t.clone() for t in [*module_tensors(model), *optimizer_tensors(optimizer)]]
+
+    offload = StateOffload(tmp_path / "offload")
+    report = offload.offload([*module_tensors(model), *optimizer_tensors(optimizer)])
+    # The weight and two biases, their gradients and Adam's two moments (4 copies, fp32), and Adam's three steps.
+    assert report.moved_bytes == 4 * (2048 * 2048 + 2 * 2048) * 4 + 3 * 4
+    assert report.rss_before - report.rss_after >= 0.9 * report.moved_bytes
+    assert model[0].weight.untyped_storage().nbytes() == 0 and list(model[0].weight.shape) == [2048, 2048]
+    assert list((tmp_path / "offload").iterdir()) == []  # the file is unlinked while it holds the bytes
+
+    offload.onload()
+    after = [*module_tensors(model), *optimizer_tensors(optimizer)]
+    assert all(torch.equal(want, got) for want, got in zip(before, after, strict=True))
+    assert model[1].weight is model[0].weight and view.data_ptr() == model[0].weight.data_ptr()
+    assert not offload.offloaded
+    rss = resident_bytes()
+    assert rss - report.rss_after >= 0.9 * report.moved_bytes  # really back in memory
+    offload.offload(module_tensors(model))
+    with pytest.raises(RuntimeError, match="offloaded already"):
+        offload.offload(module_tensors(model))
+    offload.onload()
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "hf", TinyModelSpec(seed=7))
+
+
+def train_twice(backend, config, offload_dir: Path | None) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
+    """Two rollouts' training, with the backend's state offloaded and restored in between when `offload_dir` is set
+    (what a colocated rollout does to it); each rollout's metrics and the final weights."""
+    from test_torch_backend import make_batch
+
+    from slimeflow.stages.rl.train_step import train_on_rollout
+
+    metrics = [train_on_rollout(backend, make_batch(seed=0), config)]
+    if offload_dir is not None:
+        offload = StateOffload(offload_dir)
+        report = offload.offload(backend.state_tensors())
+        # the policy, Adam's two moments and the reference model: four copies of the weights at least
+        weight_bytes = sum(p.numel() * 4 for p in backend.model.parameters())
+        assert report.moved_bytes >= 4 * weight_bytes
+        assert all(p.untyped_storage().nbytes() == 0 for p in backend.model.parameters())
+        offload.onload()
+    metrics.append(train_on_rollout(backend, make_batch(seed=1), config))
+    return metrics, {k: v.clone() for k, v in backend.named_weights().items()}
+
+
+def test_the_torch_backend_trains_after_an_offload_exactly_as_without(hf_dir, tmp_path):
+    from test_torch_backend import make_backend, make_config
+
+    config = make_config(optimizer={"lr": 1e-3}, algorithm={"use_kl_loss": True, "kl_loss_coef": 0.1})
+    plain = train_twice(make_backend(hf_dir, config), config, None)
+    offloaded = train_twice(make_backend(hf_dir, config), config, tmp_path)
+    for got, want in zip(offloaded[0], plain[0], strict=True):  # every loss and metric, to the bit
+        assert {k: v for k, v in got.items() if "per_s" not in k} == {k: v for k, v in want.items() if "per_s" not in k}
+    assert all(torch.equal(offloaded[1][k], v) for k, v in plain[1].items())
