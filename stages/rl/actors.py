@@ -189,8 +189,10 @@ class RolloutManager:
         self._control_engines("/resume_memory_occupation", {"tags": tags})
 
     def _control_engines(self, path: str, body: dict[str, Any]) -> None:
-        workers = self.engines.client().workers
-        self._run(asyncio.gather(*(worker.control(path, body) for worker in workers)))
+        async def every_engine() -> None:
+            await asyncio.gather(*(worker.control(path, body) for worker in self.engines.client().workers))
+
+        self._run(every_engine())
 
     def _engine_pids(self) -> list[int]:
         """The processes of the engines this actor runs: its own for an in-process engine, each engine process's."""
