@@ -110,6 +110,10 @@ class FlagIndex:
         self.passthrough = _passthrough_path(model)
         self.router_passthrough = ("sglang", "router") if self.passthrough else None
 
+    def takes(self, flag: str) -> bool:
+        """Whether `flag` is one of this tree's flags (a --no-X negation included)."""
+        return flag in self.by_flag or flag in self.negations
+
     def flag_for(self, loc: Sequence[Any]) -> str | None:
         """The flag of a pydantic error location, or None for a model-level error."""
         leaf = self.by_path.get(tuple(str(p) for p in loc if isinstance(p, str)))
