@@ -173,3 +173,43 @@ def test_on_a_gpu_the_state_goes_to_pinned_host_memory_and_the_device_memory_is_
     offload.onload()
     assert torch.cuda.memory_allocated() == allocated
     assert all(torch.equal(want, got.cpu()) for want, got in zip(before, tensors, strict=True))
+
+
+@pytest.mark.slow
+def test_the_megatron_backend_trains_after_an_offload_exactly_as_without(tmp_path, one_thread):
+    """Megatron's state: the policy shard, DDP's gradient buffer (the parameters' main_grad are views into it, and
+    stay so), megatron's optimizer and the reference model; two rollouts' steps bit for bit as without an offload."""
+    from megatron_steps import make_backend, make_job, train_steps
+    from test_megatron_backend import rollout_batch, two_step_config
+
+    from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
+    from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+
+    hf = build_tiny_model(tmp_path / "hf", TinyModelSpec(seed=7))
+    staged, _ = convert_hf_to_torch_dist(read_hf_source(hf), tmp_path / "ckpt")
+    release = staged.rename(tmp_path / "ckpt" / "release")
+    batch, config = rollout_batch(hf), two_step_config()
+    runs = []
+    for offload in (None, StateOffload(tmp_path / "offload")):
+        backend = make_backend(make_job(tmp_path, "offload", hf, release, batch, config))
+        try:
+            load_checkpoint(backend, str(release), weights_only=True)
+            steps = train_steps(backend, batch, config, 0, 1)
+            if offload is not None:
+                grad_buffer = backend.model.buffers[0].grad_data
+                report = offload.offload(backend.state_tensors())
+                weight_bytes = sum(p.numel() * 4 for p in backend.module.parameters())
+                assert report.moved_bytes >= 5 * weight_bytes  # weights, gradients, Adam's moments, reference
+                assert grad_buffer.untyped_storage().nbytes() == 0
+                offload.onload()
+                param = next(backend.module.parameters())
+                assert param.main_grad.untyped_storage().data_ptr() == grad_buffer.untyped_storage().data_ptr()
+            steps += train_steps(backend, batch, config, 0, 1)
+            runs.append((steps, backend.named_weights()))
+        finally:
+            backend.close()
+    (plain_steps, plain_weights), (steps, weights) = runs
+    for got, want in zip(steps, plain_steps, strict=True):
+        assert {k: v for k, v in got.items() if "per_s" not in k} == {k: v for k, v in want.items() if "per_s" not in k}
+    assert all(torch.equal(weights[k], v) for k, v in plain_weights.items())

@@ -48,7 +48,7 @@ def module_tensors(module: torch.nn.Module | None) -> Iterator[torch.Tensor]:
         for grad in (param.grad, getattr(param, "main_grad", None)):
             if isinstance(grad, torch.Tensor):
                 yield grad
-    yield from module.buffers()
+    yield from torch.nn.Module.buffers(module)  # Megatron's DDP wrapper shadows `buffers` with its grad buffers
 
 
 def optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
