@@ -103,6 +103,7 @@ class StateOffload:
         """Copy out and free every distinct storage of `tensors`."""
         if self._moved:
             raise RuntimeError("the state is offloaded already: onload() it first")
+        trim_heap()  # what was freed before is not this offload's to report
         rss_before = resident_bytes()
         storages = _distinct_storages(tensors)
         on_cpu = any(s.device.type == "cpu" for s in storages)
