@@ -699,7 +699,8 @@ def check_async(config: TrainConfig) -> None:
                            "training"),
             "--debug-rollout-only": (config.debug.debug_rollout_only, "there is no trainer to overlap generation with"),
             "--debug-train-only": (config.debug.debug_train_only, "there is no engine: saved rollouts are replayed"),
-            "--offload-train/--offload-rollout": (placement.offload_train or placement.offload_rollout,
+            "--offload-train/--offload-rollout": ((placement.offload_train or placement.offload_rollout)
+                                                  and not placement.colocate,  # else refused as --colocate
                                                   "the trainer and the engines compute at once, so neither can give its "
                                                   "memory to the other; leave offload to colocated runs"),
             "--partial-rollout": (config.rollout.partial_rollout, "a continued sample's first tokens come from the "
