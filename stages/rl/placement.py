@@ -48,26 +48,35 @@ class Colocation:
         self.offload_train, self.offload_rollout = offload_train, offload_rollout
         self.interval = update_weights_interval
         self.metrics: dict[str, float] = {}
+        from slimeflow.stages.rl.loop import Timer
+
+        self.timer = Timer()
 
     def for_rollout(self) -> None:
-        if self.offload_train and self.trainers:
-            self.metrics.update(call([a.offload.remote() for a in self.trainers], "offloading the trainer")[0])
-        if self.offload_rollout:
-            call(self.manager.resume_memory.remote(), "resuming the engines' memory")
+        with self.timer("handover_to_rollout"):
+            if self.offload_train and self.trainers:
+                self.metrics.update(call([a.offload.remote() for a in self.trainers], "offloading the trainer")[0])
+            if self.offload_rollout:
+                call(self.manager.resume_memory.remote(), "resuming the engines' memory")
 
     def for_training(self, rollout_id: int) -> None:
         from slimeflow.stages.rl.loop import should_push
 
         if self.offload_rollout:
             tags = None if should_push(self.interval, rollout_id) else ["kv_cache"]
-            self.metrics.update(call(self.manager.release_memory.remote(tags), "releasing the engines' memory"))
+            with self.timer("handover_to_train"):
+                self.metrics.update(call(self.manager.release_memory.remote(tags), "releasing the engines' memory"))
 
     def for_weight_push(self) -> None:
         if self.offload_rollout:
             call(self.manager.resume_memory.remote(["weights"]), "resuming the engines' weights")
 
     def take_metrics(self) -> dict[str, float]:
-        metrics, self.metrics = self.metrics, {}
+        """What the hand-overs since the last call freed, and their seconds (time/handover_*, inside time/generate)."""
+        from slimeflow.stages.rl.loop import Timer
+
+        metrics, self.metrics = {**self.metrics, **self.timer.seconds}, {}
+        self.timer = Timer()
         return metrics
 
 
