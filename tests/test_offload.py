@@ -168,6 +168,7 @@ def test_on_a_gpu_the_state_goes_to_pinned_host_memory_and_the_device_memory_is_
     # Handed back to the device, not kept in PyTorch's cache: all but the biases and steps, which share 2 MB blocks
     # with other small tensors (measured on an H200: 536870912 of 537002000 bytes).
     assert reserved - torch.cuda.memory_reserved() >= 0.99 * report.moved_bytes
+    assert report.device_freed_bytes == reserved - torch.cuda.memory_reserved()
     assert list(tmp_path.iterdir()) == []  # nothing written to disk on a GPU
 
     offload.onload()

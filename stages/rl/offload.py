@@ -74,16 +74,18 @@ class _Moved:
 
 @dataclass
 class OffloadReport:
-    """What one offload did: bytes moved off the device, and the process's resident memory before and after (on a
-    GPU the bytes are device memory, and the resident memory grows by them instead)."""
+    """What one offload did: bytes moved off the device, the process's resident memory before and after (on a GPU
+    it grows by the pinned copies instead), and the GPU memory PyTorch gave back to the device (None on a CPU)."""
 
     moved_bytes: int
     rss_before: int
     rss_after: int
+    device_freed_bytes: int | None = None
 
     def metrics(self, prefix: str) -> dict[str, float]:
+        freed = {} if self.device_freed_bytes is None else {f"{prefix}/device_freed_bytes": float(self.device_freed_bytes)}
         return {f"{prefix}/offloaded_bytes": float(self.moved_bytes),
-                f"{prefix}/rss_drop_bytes": float(self.rss_before - self.rss_after)}
+                f"{prefix}/rss_drop_bytes": float(self.rss_before - self.rss_after), **freed}
 
 
 @dataclass
@@ -106,6 +108,8 @@ class StateOffload:
         trim_heap()  # what was freed before is not this offload's to report
         rss_before = resident_bytes()
         storages = _distinct_storages(tensors)
+        on_gpu = any(s.device.type == "cuda" for s in storages)
+        reserved = torch.cuda.memory_reserved() if on_gpu else 0
         on_cpu = any(s.device.type == "cpu" for s in storages)
         if on_cpu:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -124,10 +128,11 @@ class StateOffload:
                 host.copy_(_bytes_of(storage))
                 self._moved.append(_Moved(storage, nbytes, 0, host))
             storage.resize_(0)
-        if torch.cuda.is_available():
+        if on_gpu:
             torch.cuda.empty_cache()
         trim_heap()
-        return OffloadReport(sum(m.nbytes for m in self._moved), rss_before, resident_bytes())
+        freed = reserved - torch.cuda.memory_reserved() if on_gpu else None
+        return OffloadReport(sum(m.nbytes for m in self._moved), rss_before, resident_bytes(), freed)
 
     def onload(self) -> None:
         """Allocate every offloaded storage again and copy its bytes back (a no-op when nothing is offloaded)."""
