@@ -146,6 +146,7 @@ def test_a_colocated_run_hands_the_memory_over_between_trainer_and_engine(tmp_pa
         assert moved >= copies * 0.95 * weight_bytes
         assert record["offload/train/rss_drop_bytes"] >= 0.8 * moved
         assert record["offload/rollout_rss_drop_bytes"] >= 0.8 * weight_bytes
+        assert 0 < record["time/handover_to_rollout"] < record["time/generate"]
     assert manifest.outputs["checkpoint"].endswith("iter_0000001")
 
 
