@@ -215,3 +215,58 @@ def test_the_megatron_backend_trains_after_an_offload_exactly_as_without(tmp_pat
     for got, want in zip(steps, plain_steps, strict=True):
         assert {k: v for k, v in got.items() if "per_s" not in k} == {k: v for k, v in want.items() if "per_s" not in k}
     assert all(torch.equal(weights[k], v) for k, v in plain_weights.items())
+
+
+
+class _Recorder:
+    """A fake actor: `x.method.remote(*args)` logs (name, method, *args) and returns `answers[method]` (with
+    placement.call made the identity, that is what the caller gets; generate's three returns are one tuple)."""
+
+    def __init__(self, name: str, log: list, answers: dict):
+        self.name, self.log, self.answers = name, log, answers
+
+    def __getattr__(self, method: str):
+        recorder = self
+
+        class _Method:
+            def options(self, **_):
+                return self
+
+            def remote(self, *args):
+                recorder.log.append((recorder.name, method, *args))
+                return recorder.answers.get(method)
+
+        return _Method()
+
+
+def test_the_devices_are_handed_over_as_slimes_train_py_does(monkeypatch):
+    """Interval 2: after rollout 0 (no push follows) the engines keep their weights and release the KV cache; after
+    rollout 1 they release both, and take their weights back before the push; the trainer offloads before each
+    rollout and evaluation (it reloads its state itself when it trains or pushes)."""
+    from slimeflow.stages.rl import placement
+
+    log: list = []
+    monkeypatch.setattr(placement, "call", lambda ref, what: ref)
+    manager = _Recorder("manager", log, {"release_memory": {"offload/rollout_rss_drop_bytes": 5.0},
+                                         "generate": ({}, {"rollout/reward_mean": 1.0}, [])})
+    trainer = _Recorder("trainer", log, {"offload": {"offload/train/offloaded_bytes": 7.0}})
+    colocation = placement.Colocation(manager, [trainer], True, True, update_weights_interval=2)
+    rollouts = placement.RolloutManagerHandle(manager, colocation)
+    trainers = placement.ActorGroup([trainer], colocation=colocation)
+
+    _, metrics, _ = rollouts.generate(0)
+    trainers.train(0, None)
+    _, later, _ = rollouts.generate(1)
+    trainers.train(1, None)
+    trainers.update_weights(2)
+    rollouts.evaluate("2")
+    assert log == [
+        ("trainer", "offload"), ("manager", "resume_memory"), ("manager", "generate", 0),
+        ("manager", "release_memory", ["kv_cache"]), ("trainer", "train", 0, None),
+        ("trainer", "offload"), ("manager", "resume_memory"), ("manager", "generate", 1),
+        ("manager", "release_memory", None), ("trainer", "train", 1, None),
+        ("manager", "resume_memory", ["weights"]), ("trainer", "update_weights", "2"),
+        ("trainer", "offload"), ("manager", "resume_memory"), ("manager", "evaluate", "2")]
+    assert metrics["offload/train/offloaded_bytes"] == 7.0 and metrics["offload/rollout_rss_drop_bytes"] == 5.0
+    assert {"time/handover_to_rollout", "time/handover_to_train"} <= set(later)
+
