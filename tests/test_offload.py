@@ -1,6 +1,7 @@
 """--offload-train / --offload-rollout (colocated mode): the flags as slime resolves them, the trainer's state moved
-off the device and back bit for bit (both backends), and a colocated run on Ray in which the trainer's and the
-engine's resident memory drop by what they hand over."""
+off the device and back bit for bit (CPU file, GPU pinned memory; both backends train on exactly as without), the
+order of the hand-overs, and a colocated run on Ray in which the trainer's and the engine's resident memory drop by
+what they hand over."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_the_offload_flags_resolve_as_slimes():
         load_stage_config("train", None, [*TRAIN, "--async", "--offload-train"])
 
 
-def test_an_offload_frees_the_resident_memory_and_restores_every_byte(tmp_path):
+def test_an_offload_frees_the_resident_memory_and_restores_every_byte(tmp_path, one_thread):
     """64 MiB of state in tensors that share storage (a tied weight, a view), as modules and optimizers hold it."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048))
