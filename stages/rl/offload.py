@@ -83,9 +83,10 @@ class OffloadReport:
     device_freed_bytes: int | None = None
 
     def metrics(self, prefix: str) -> dict[str, float]:
-        freed = {} if self.device_freed_bytes is None else {f"{prefix}/device_freed_bytes": float(self.device_freed_bytes)}
-        return {f"{prefix}/offloaded_bytes": float(self.moved_bytes),
-                f"{prefix}/rss_drop_bytes": float(self.rss_before - self.rss_after), **freed}
+        """The bytes moved and the memory they freed: the process's (rss_drop) on a CPU, the GPU's on a GPU."""
+        freed = ({f"{prefix}/rss_drop_bytes": float(self.rss_before - self.rss_after)} if self.device_freed_bytes is None
+                 else {f"{prefix}/device_freed_bytes": float(self.device_freed_bytes)})
+        return {f"{prefix}/offloaded_bytes": float(self.moved_bytes), **freed}
 
 
 @dataclass
