@@ -85,8 +85,9 @@ def test_pipeline_trains_evaluates_exports_and_a_rerun_skips_every_stage(prefect
         {stage: m["created_at"] for stage, m in manifests.items()}  # every stage reused, nothing rerun
 
 
-def train_config(tmp_path: Path, **overrides):
-    """A train-stage config over the demo data, prepared by the preprocess and model stages in `tmp_path`."""
+def train_config(tmp_path: Path, model: str = MODEL, **overrides):
+    """A train-stage config over the demo data, prepared by the preprocess and model stages in `tmp_path` (the
+    model stage builds `model`)."""
     from slimeflow.config.model import ModelConfig
     from slimeflow.io.storage import Storage
     from slimeflow.stages.base import StageContext
@@ -96,7 +97,7 @@ def train_config(tmp_path: Path, **overrides):
     from slimeflow.stages.rl.config import TrainConfig
 
     ctx = StageContext(Storage(), tmp_path, str(tmp_path))
-    hf = model_run(ModelConfig(hf_checkpoint=MODEL), ctx).outputs["hf_checkpoint"]
+    hf = model_run(ModelConfig(hf_checkpoint=model), ctx).outputs["hf_checkpoint"]
     pre = preprocess_run(PreprocessConfig(input=[str(DATA / "increment-train.jsonl")], input_key="prompt",
                                           eval_input={"increment": str(DATA / "increment-eval.jsonl")},
                                           label_key="label"), ctx)

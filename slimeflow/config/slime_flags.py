@@ -19,9 +19,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--rollout-health-check-interval": _FAULT_TOLERANCE,
     "--rollout-health-check-timeout": _FAULT_TOLERANCE,
     "--rollout-health-check-first-wait": _FAULT_TOLERANCE,
-    "--offload": "offloading the trainer's state around rollouts (colocated mode) is not supported yet",
-    "--offload-train": "offloading the trainer's state around rollouts (colocated mode) is not supported yet",
-    "--offload-rollout": "releasing the engines' memory during training (colocated mode) is not supported yet",
     "--save-hf": "HF weights are not written at each save yet: export a checkpoint with `slimeflow export`",
     "--eval-config": "per-dataset eval settings from a YAML file are not supported yet: use the --eval-* flags",
     "--use-distributed-optimizer": "the Megatron backend's distributed optimizer is not built yet (it keeps the "
@@ -59,8 +56,6 @@ NOT_YET_SUPPORTED.update({
     "--post-self-attn-layernorm": _SANDWICH,
     "--post-mlp-layernorm": _SANDWICH,
     "--prefill-num-servers": "prefill/decode disaggregation is not supported yet",
-    "--no-offload-train": "offload is not supported yet",
-    "--no-offload-rollout": "offload is not supported yet",
 })
 
 _MEGATRON_HOOK = ("a hook into slime's Megatron actor, called only by the Megatron training backend, which is not in "

@@ -373,7 +373,15 @@ class PlacementConfig(ConfigModel):
     rollout_num_gpus_per_engine: PositiveInt = 1
     """Devices per engine (SGLang tp_size)."""
     colocate: bool = False
-    """Share devices between training and rollout."""
+    """Share devices between training and rollout (turns --offload-train and --offload-rollout on, as slime)."""
+    offload: bool = False
+    """--offload-train and --offload-rollout together."""
+    offload_train: bool | None = None
+    """Move the trainer's weights, gradients and optimizer state off its devices while the engines generate (to host
+    memory on a GPU, to a file in the run's scratch on a CPU). Default: on with --colocate."""
+    offload_rollout: bool | None = None
+    """The engines release their weights and KV cache while the trainer trains (SGLang's memory saver) and take
+    the new weights back before the next rollout. Default: on with --colocate."""
     num_gpus_per_node: PositiveInt = 8
     """GPUs of each node (logical GPUs on a CPU cluster): an engine's GPUs are on one node."""
     rollout_external_engine_addrs: list[str] | None = None
@@ -390,6 +398,10 @@ class PlacementConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _colocate(self) -> PlacementConfig:
+        # As slime: --offload is both; --colocate turns on whichever is not given; otherwise both are off.
+        for name in ("offload_train", "offload_rollout"):
+            value = True if self.offload else getattr(self, name)
+            self.__dict__[name] = self.colocate if value is None else value
         if self.colocate:
             # As slime: colocated rollout uses exactly the training devices.
             self.__dict__["rollout_num_gpus"] = self.actor_num_nodes * self.actor_num_gpus_per_node
@@ -574,6 +586,11 @@ class TrainConfig(ConfigModel):
                 f"global batch ({self.batch.global_batch_size} samples over {ranks} ranks = {share}); choose at most "
                 f"{max(share, 1)}")
         check_async(self)
+        placement = self.placement
+        if self.debug.debug_rollout_only or self.debug.debug_train_only:
+            # As slime for --debug-rollout-only (no trainer: nothing to make room for); --debug-train-only has no engine.
+            placement.__dict__["offload_rollout"] = False
+            placement.__dict__["offload_train"] = placement.offload_train and not self.debug.debug_rollout_only
         if self.batch.n_samples_per_prompt == 1 and self.algorithm.advantage_estimator in ("grpo", "gspo", "cispo"):
             # As slime: the std of a one-sample group is undefined, so std normalisation is switched off.
             self.algorithm.__dict__["disable_grpo_std_normalization"] = True
@@ -596,6 +613,10 @@ def check_async(config: TrainConfig) -> None:
                            "training"),
             "--debug-rollout-only": (config.debug.debug_rollout_only, "there is no trainer to overlap generation with"),
             "--debug-train-only": (config.debug.debug_train_only, "there is no engine: saved rollouts are replayed"),
+            "--offload-train/--offload-rollout": ((placement.offload_train or placement.offload_rollout)
+                                                  and not placement.colocate,  # else refused as --colocate
+                                                  "the trainer and the engines compute at once, so neither can give its "
+                                                  "memory to the other; leave offload to colocated runs"),
             "--partial-rollout": (config.rollout.partial_rollout, "a continued sample's first tokens come from the "
                                   "policy of an earlier rollout, so its staleness is not bounded by "
                                   "--update-weights-interval; not built yet"),

@@ -91,7 +91,7 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
 
 
 class Timer:
-    """Seconds per phase of one rollout, as metrics `time/<phase>`."""
+    """Seconds per phase of one rollout, as metrics `time/<phase>` (a phase timed twice adds up)."""
 
     def __init__(self) -> None:
         self.seconds: Metrics = {}
@@ -102,7 +102,8 @@ class Timer:
         try:
             yield
         finally:
-            self.seconds[f"time/{phase}"] = time.perf_counter() - started
+            key = f"time/{phase}"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - started
 
 
 def should_run(interval: int | None, rollout_id: int, num_rollout: int) -> bool:

@@ -39,6 +39,7 @@ from slimeflow.stages.rl.backend.torch_backend import (
 )
 from slimeflow.stages.rl.config import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig
 from slimeflow.stages.rl.loss import CustomLoss, LossOutput, load_custom_loss
+from slimeflow.stages.rl.offload import module_tensors, optimizer_tensors
 from slimeflow.stages.rl.types import TrainBatch
 
 LossOf = Callable[[list[int], LogProbs], LossOutput]
@@ -309,6 +310,14 @@ class MegatronBackend:
         return {"grad_norm": float(grad_norm if grad_norm is not None else unclipped), "lr": float(lr)}
 
     # -- weights ------------------------------------------------------------------------------------------------
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor this rank holds on its device (what --offload-train moves off it): the policy shard's
+        weights and buffers, DDP's gradient buffer (through each parameter's main_grad view), megatron's optimizer
+        (its parameters and Adam state), and the reference model."""
+        yield from module_tensors(self.model)
+        yield from optimizer_tensors(self.optimizer)
+        yield from module_tensors(self.ref_model)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The policy's full HF-named weights (vocabulary padding cut) on global rank 0, {} on the others.

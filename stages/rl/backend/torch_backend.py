@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantag
 from slimeflow.stages.rl.backend.schedule import build_scheduler
 from slimeflow.stages.rl.config import AlgorithmConfig, BatchConfig, OptimizerConfig
 from slimeflow.stages.rl.loss import CustomLoss, LossOutput, load_custom_loss
+from slimeflow.stages.rl.offload import module_tensors, optimizer_tensors
 from slimeflow.stages.rl.packing import pack_micro_batches
 from slimeflow.stages.rl.types import TrainBatch
 
@@ -229,6 +230,13 @@ class TorchBackend:
     def load_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
         """Replace the policy's weights by HF-named `weights` (from `source`, named in errors)."""
         assign_weights(self.model, weights, source)
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor this rank holds on its device (what --offload-train moves off it): the policy's weights,
+        gradients and buffers, the optimizer's state, and the reference model."""
+        yield from module_tensors(self.model)
+        yield from optimizer_tensors(self.optimizer)
+        yield from module_tensors(self.ref_model)
 
     def training_state(self) -> dict[str, Any]:
         """Optimizer and scheduler state (torch-saveable), identical on every data-parallel rank."""
