@@ -69,7 +69,7 @@ def test_an_offload_frees_the_resident_memory_and_restores_every_byte(tmp_path, 
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> Path:
-    from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+    from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "hf", TinyModelSpec(seed=7))
 
@@ -185,8 +185,8 @@ def test_the_megatron_backend_trains_after_an_offload_exactly_as_without(tmp_pat
     from megatron_steps import make_backend, make_job, train_steps
     from test_megatron_backend import rollout_batch, two_step_config
 
-    from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
-    from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+    from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, read_hf_source
+    from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
     from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
 
     hf = build_tiny_model(tmp_path / "hf", TinyModelSpec(seed=7))
