@@ -196,3 +196,24 @@ def test_data_parallel_2_equals_one_process(converted, one_process, tmp_path):
     run = run_world(2, "dp2", tmp_path, converted["hf"], converted["release"], one_process["batch"],
                     two_step_config())
     _compare_with_one_process(run, one_process)
+
+
+def test_the_opd_teacher_is_loaded_and_run_like_the_reference(converted):
+    """--use-opd --opd-type megatron on the Megatron backend: the teacher from --opd-teacher-load (here the policy's
+    own checkpoint) gives the policy's log-probs, and the reverse KL in the advantages is exactly 0."""
+    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+    from slimeflow.stages.rl.train_step import prepare
+
+    config = make_config(algorithm={"use_opd": True, "opd_type": "megatron",
+                                    "opd_teacher_load": str(converted["release"])})
+    batch = rollout_batch(converted["hf"])
+    backend = make_backend(make_job(converted["tmp"], "opd", converted["hf"], converted["release"], batch, config))
+    try:
+        load_checkpoint(backend, converted["release"], weights_only=True)
+        teacher = backend.compute_log_probs(batch, teacher=True).log_probs
+        policy = backend.compute_log_probs(batch).log_probs
+        prepared = prepare(backend, batch, config, list(range(len(batch))), 1)
+    finally:
+        backend.close()
+    assert all(torch.equal(t, p) for t, p in zip(teacher, policy, strict=True))
+    assert all(torch.equal(kl, torch.zeros_like(kl)) for kl in prepared.opd_reverse_kl)
