@@ -64,7 +64,6 @@ _LOSS_HOOK = ("called inside slime's Megatron policy loss on packed sequences; s
               "this hook yet")
 # slime's `*-path` plug-in flags that slimeflow does not call (yet). The ones it calls are config fields.
 NOT_YET_SUPPORTED.update({
-    "--custom-tis-function-path": f"a custom TIS function is {_LOSS_HOOK}; use --use-tis with --tis-clip",
     "--custom-pg-loss-reducer-function-path": f"a custom pg-loss reducer is {_LOSS_HOOK}",
     "--rollout-data-postprocess-path": _MEGATRON_HOOK,
     "--custom-megatron-init-path": _MEGATRON_HOOK,

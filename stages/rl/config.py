@@ -231,6 +231,11 @@ class AlgorithmConfig(ConfigModel):
     custom_convert_samples_to_train_data_path: PluginPath = None
     """convert(args, samples) -> dict (tokens, response_lengths, rewards, loss_masks[, rollout_log_probs]), the
     train data in slime's form; its rewards are taken as they are (slime's contract)."""
+    custom_tis_function_path: PluginPath = None
+    """slime's TIS contract, fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
+    response_lengths) -> (pg_loss reweighted, loss masks (tokens rejected: 0), metrics), called in the policy loss
+    with --use-tis or --get-mismatch-metrics instead of the vanilla TIS (`args`: this algorithm config, which has
+    tis_clip and tis_clip_low)."""
     custom_reward_post_process_path: PluginPath = None
     """post_process(args, samples) -> (raw_rewards, rewards), on the rollout's samples (slime's contract); the
     estimators then take `rewards` as they are (no group normalisation, as in slime)."""

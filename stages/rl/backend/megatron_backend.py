@@ -38,7 +38,7 @@ from slimeflow.stages.rl.backend.torch_backend import (
     sum_over_ranks,
 )
 from slimeflow.stages.rl.config import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig
-from slimeflow.stages.rl.loss import CustomLoss, LossOutput, load_custom_loss
+from slimeflow.stages.rl.loss import CustomLoss, LossOutput, TisFunction, load_custom_loss, load_custom_tis
 from slimeflow.stages.rl.offload import module_tensors, optimizer_tensors
 from slimeflow.stages.rl.types import TrainBatch
 
@@ -95,6 +95,7 @@ class MegatronBackend:
             self.teacher_model = self._reference(algorithm.opd_teacher_load) if algorithm.needs_teacher else None
         self.custom_loss: CustomLoss | None = load_custom_loss(algorithm)
         self.custom_advantage: CustomAdvantage | None = load_custom_advantage(algorithm)
+        self.custom_tis: TisFunction | None = load_custom_tis(algorithm)
 
     @property
     def needs_reference(self) -> bool:

@@ -23,7 +23,7 @@ from slimeflow.stages.rl import algorithms as alg
 from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantage
 from slimeflow.stages.rl.backend.schedule import build_scheduler
 from slimeflow.stages.rl.config import AlgorithmConfig, BatchConfig, OptimizerConfig
-from slimeflow.stages.rl.loss import CustomLoss, LossOutput, load_custom_loss
+from slimeflow.stages.rl.loss import CustomLoss, LossOutput, TisFunction, load_custom_loss, load_custom_tis
 from slimeflow.stages.rl.offload import module_tensors, optimizer_tensors
 from slimeflow.stages.rl.packing import pack_micro_batches
 from slimeflow.stages.rl.types import TrainBatch
@@ -103,6 +103,7 @@ class TorchBackend:
         self.teacher_model = self._load_reference(algorithm.opd_teacher_load) if algorithm.needs_teacher else None
         self.custom_loss: CustomLoss | None = load_custom_loss(algorithm)
         self.custom_advantage: CustomAdvantage | None = load_custom_advantage(algorithm)
+        self.custom_tis: TisFunction | None = load_custom_tis(algorithm)
 
     @property
     def needs_reference(self) -> bool:
