@@ -57,7 +57,7 @@ def scripted_engine(tokenizer, turns: list[tuple[str, str]], seen: list[list[int
     return post
 
 
-def run_generate(module, monkeypatch, turns, label):
+def run_generate(module, monkeypatch, turns, label, budget=512):
     from slimeflow.slime_compat.utils.types import Sample
     from slimeflow.stages.model.tiny import build_tiny_tokenizer
 
@@ -69,7 +69,7 @@ def run_generate(module, monkeypatch, turns, label):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Question: capital of Australia?"}],
                                            tokenize=False, add_generation_prompt=True)
     sample = Sample(prompt=prompt, label={"ground_truth": {"target": label}})
-    out = asyncio.run(module.generate(args, sample, {"max_new_tokens": 512, "stop": None, "temperature": 1.0}))
+    out = asyncio.run(module.generate(args, sample, {"max_new_tokens": budget, "stop": None, "temperature": 1.0}))
     return out, tokenizer, seen
 
 
@@ -101,6 +101,15 @@ def test_a_turn_without_an_action_gets_the_invalid_action_note_masked_out(search
     first, second = (len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t, _ in turns)
     assert sample.loss_mask == [1] * first + [0] * len(note) + [1] * second
     assert asyncio.run(search_r1.reward_func(None, sample)) == 1.0  # normalised: case, article, punctuation
+
+
+def test_results_that_do_not_fit_the_response_budget_end_the_trajectory_truncated(search_r1, monkeypatch):
+    turns = [("<search> capital of Australia </search>", "stop")]
+    sample, tokenizer, seen = run_generate(search_r1, monkeypatch, turns, ["Canberra"], budget=64)
+
+    first = tokenizer(turns[0][0], add_special_tokens=False)["input_ids"]
+    assert len(seen) == 1 and sample.status is sample.Status.TRUNCATED
+    assert sample.response == turns[0][0] and sample.loss_mask == [1] * len(first)
 
 
 @pytest.fixture()
