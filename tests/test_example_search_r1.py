@@ -58,8 +58,8 @@ def scripted_engine(tokenizer, turns: list[tuple[str, str]], seen: list[list[int
 
 
 def run_generate(module, monkeypatch, turns, label, budget=512):
+    from slimeflow.families.tiny import build_tiny_tokenizer
     from slimeflow.slime_compat.utils.types import Sample
-    from slimeflow.stages.model.tiny import build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer("qwen2")
     seen: list[list[int]] = []

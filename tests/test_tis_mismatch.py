@@ -11,7 +11,7 @@ import torch
 
 from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.backend.torch_backend import TorchBackend
 from slimeflow.stages.rl.config import AlgorithmConfig, TrainConfig
 from slimeflow.stages.rl.loss import LossInputs, LossNormalizer, compute_loss
