@@ -41,6 +41,10 @@ class FakeActors(Recorder):
         super().__init__(start, saved)
         self.engine_versions = engine_versions or {}  # engines that kept other weights
 
+    def state_dict(self, trained=None):
+        self.calls.append(("state", trained))
+        return {"offset": len(self.calls)}
+
     def start_generate(self, rollout_id, version):
         self.calls.append(("generate", rollout_id, version))
         return Pending(self, rollout_id, self.engine_versions.get(rollout_id, version))
@@ -79,7 +83,7 @@ def test_the_next_rollout_is_asked_for_before_training_and_weights_wait_for_it()
         ("update", 0), ("generate", 0, 0),
         ("result", 0), ("generate", 1, 0), ("train", 0, "batch-0"), ("wait", 1), ("update", 1),
         ("result", 1), ("generate", 2, 1), ("train", 1, "batch-1"), ("wait", 2), ("update", 2),
-        ("result", 2), ("train", 2, "batch-2"), ("save", 2), ("wait", 2), ("update", 3),
+        ("result", 2), ("train", 2, "batch-2"), ("state", 2), ("save", 2), ("update", 3),
     ]
 
 
@@ -91,6 +95,39 @@ def test_staleness_is_recorded_for_every_rollout_and_stays_within_the_interval(i
     assert staleness[0] == 0 and max(staleness) == interval and min(staleness[1:]) == 1
     pushes = [c[1] for c in actors.calls if c[0] == "update"]
     assert pushes == [0, *range(interval, 14, interval), *([13] if 13 % interval else [])]  # and after the last
+
+
+@pytest.mark.parametrize("ahead", [1, 2, 3])
+@pytest.mark.parametrize("interval", [1, 2, 3])
+def test_with_a_deeper_buffer_staleness_stays_within_it_and_the_data_order_is_the_sync_loops(ahead, interval):
+    actors, reports = FakeActors(), Reports()
+    placement = FakePlacement(actors, weight_sync={"update_weights_interval": interval},
+                              placement={"async_buffer_size": ahead})
+    async_loop.train(placement, 13, reports)
+    staleness = [reports.rollouts[k]["async/staleness_max"] for k in range(13)]
+    assert max(staleness) == ahead + interval - 1 and min(staleness[ahead:]) >= ahead  # reached, never exceeded
+    # Each rollout asked for once, in order (the rollout manager generates them in turn: the sync loop's data order),
+    # with `ahead` of them asked for before the one being trained.
+    asked = [c for c in actors.calls if c[0] == "generate"]
+    assert [c[1] for c in asked] == list(range(13))
+    trains = [c[1] for c in actors.calls if c[0] == "train"]
+    assert trains == list(range(13))
+    for k in range(13 - ahead):
+        assert actors.calls.index(asked[k + ahead]) < actors.calls.index(("train", k, f"batch-{k}"))
+    # No push while a rollout asked for is not yet generated (waited for, or its result taken).
+    for position, call in enumerate(actors.calls):
+        if call[0] == "update":
+            done = {c[1] for c in actors.calls[:position] if c[0] in ("wait", "result")}
+            assert {c[1] for c in actors.calls[:position] if c[0] == "generate"} <= done
+
+
+def test_a_resumed_loop_with_a_deeper_buffer_takes_every_saved_rollout_in_flight_first():
+    saved = {"data_source": {"offset": 9, "in_flight": [{"rollout_id": 2}, {"rollout_id": 3}]}}
+    actors = FakeActors(start=2, saved=saved)
+    result = async_loop.train(FakePlacement(actors, placement={"async_buffer_size": 2}), 5, Reports())
+    assert actors.calls[:4] == [("restore", saved["data_source"]), ("update", 2), ("generate", 2, 2),
+                                ("generate", 3, 2)]
+    assert sorted(result.row_ids) == [2, 3, 4]
 
 
 def test_a_rollout_older_than_the_bound_stops_the_run_with_the_versions():
@@ -112,14 +149,14 @@ def test_a_resumed_async_loop_restores_the_rollout_in_flight_and_starts_after_th
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--async", "--colocate"], "--async with --colocate: slime refuses it too"),
-    (["--async", "--partial-rollout"], "--async with --partial-rollout: a continued sample's first tokens"),
     (["--async", "--debug-rollout-only"], "--async with --debug-rollout-only: there is no trainer"),
     (["--async", "--update-weights-interval", "3", "--max-staleness", "2"],
-     "--update-weights-interval 3 lets the async loop train on samples up to 3 policy versions old, more than "
-     "--max-staleness 2"),
+     "--update-weights-interval 3 with --async-buffer-size 1 lets the async loop train on samples up to 3 policy "
+     "versions old (interval + buffer size - 1), more than --max-staleness 2"),
+    (["--async", "--async-buffer-size", "3", "--max-staleness", "2"],
+     "--update-weights-interval 1 with --async-buffer-size 3 lets the async loop train on samples up to 3"),
     (["--max-staleness", "1"], "--max-staleness 1 needs --async"),
-    (["--async-buffer-size", "4"], "--async-buffer-size: not supported yet (--async (slime's train_async.py) "
-                                   "generates one rollout ahead"),
+    (["--async-buffer-size", "4"], "--async-buffer-size 4 needs --async (only the asynchronous loop generates"),
 ])
 def test_what_the_async_loop_cannot_do_is_refused_with_the_reason(flags, message):
     with pytest.raises(ConfigError) as err:
