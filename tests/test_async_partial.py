@@ -116,3 +116,18 @@ def test_a_buffered_sample_that_finished_as_the_stragglers_were_aborted_is_not_g
     result = run(make_ctx(engine, cfg, version="1"), data, rollout_id=1)
     assert result.groups == [[done]] and engine.requests == []
     assert done.response == "2" and done.loss_mask == [0] and done.reward == 1.0  # all its tokens off-policy
+
+
+def test_groups_still_waiting_for_a_slot_when_the_stragglers_are_aborted_are_buffered_unsent(make_ctx):
+    engine = ScriptedEngine({"a1": "1", "b2": "2", "c3": "3"}, hang={"b2"})
+    data = BufferedDataSource(DataSource(prompts("a1", "b2", "c3"), n_samples_per_prompt=1))
+    cfg = config(batch={"rollout_batch_size": 1, "n_samples_per_prompt": 1},
+                 rollout={"over_sampling_batch_size": 3, "partial_rollout": True})
+    ctx = make_ctx(engine, cfg)
+    ctx.concurrency = 1  # one group at a time: b2 holds the slot until aborted, c3 waits for it
+    result = run(ctx, data)
+    assert [g[0].prompt for g in result.groups] == ["a1"] and not ctx.aborting
+    assert [prompt for prompt, _ in engine.requests] == ["a1", "b2"]  # c3 never sent
+    buffered = {g[0].prompt: g[0] for g in data.buffer}
+    assert buffered["b2"].response == "…" and buffered["c3"].response == ""
+    assert {s.status for s in buffered.values()} == {Status.ABORTED}

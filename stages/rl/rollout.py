@@ -112,6 +112,8 @@ class RolloutContext:
                              for path in self.config.rollout.rollout_sample_hook_path or []]
         self._in_flight = 0
         self._freed = asyncio.Condition()
+        self.aborting = False
+        """Set while the stragglers are aborted: a group that gets its slots then is aborted unsent (slime's)."""
 
     @asynccontextmanager
     async def slots(self, n: int) -> AsyncIterator[None]:
@@ -291,7 +293,10 @@ async def generate_group(ctx: RolloutContext, group: Group, params: dict[str, An
     if ctx.generate_fn is None and ctx.batch_groups:
         async with ctx.slots(len(group)):
             try:
-                await default_generate_group(ctx, group, params)
+                if ctx.aborting:
+                    mark_aborted(group)
+                else:
+                    await default_generate_group(ctx, group, params)
             except _FATAL:
                 raise
             except Exception as exc:  # an engine error fails the group's samples with the reason; the rollout goes on
@@ -301,6 +306,8 @@ async def generate_group(ctx: RolloutContext, group: Group, params: dict[str, An
         async def one(sample: Sample) -> list[Sample]:
             async with ctx.slots(1):
                 try:
+                    if ctx.aborting:
+                        return mark_aborted([sample])
                     if ctx.generate_fn is None:
                         return [await default_generate(ctx, sample, params)]
                     continue_partial(ctx, sample)
@@ -391,12 +398,25 @@ async def abort_stragglers(ctx: RolloutContext, pending: set[asyncio.Task]) -> l
     """Abort every request still in flight and collect their groups (partial responses included)."""
     if not pending:
         return []
-    await ctx.client.abort()
-    done, _ = await asyncio.wait(pending, timeout=60)
+    ctx.aborting = True  # those still waiting for a slot: not sent at all
+    try:
+        await ctx.client.abort()
+        done, _ = await asyncio.wait(pending, timeout=60)
+    finally:
+        ctx.aborting = False
     groups = [t.result() for t in done if not t.cancelled() and t.exception() is None]
     for task in pending - done:
         task.cancel()
     return [g for g in groups if all(s.status is not Status.FAILED for s in g)]
+
+
+def mark_aborted(samples: list[Sample]) -> list[Sample]:
+    """Samples that the abort of the stragglers reached before they were sent: aborted, as they are (a buffered
+    sample that had finished stays finished)."""
+    for sample in samples:
+        if sample.status not in _FINISHED:
+            sample.status = Status.ABORTED
+    return samples
 
 
 def reset_group(group: Group) -> Group:
