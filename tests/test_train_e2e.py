@@ -145,11 +145,13 @@ run(config, StageContext(Storage(), Path(sys.argv[2]), sys.argv[2]))
 """
 
 
-def launch(config, workdir: Path) -> subprocess.Popen:
+def launch(config, workdir: Path, log: Path | None = None) -> subprocess.Popen:
+    """The train stage on `config` in a process (and session) of its own; its output goes to `log` if given."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.model_dump_json())
+    out = subprocess.DEVNULL if log is None else log.open("ab")
     return subprocess.Popen([sys.executable, "-c", RESUME, str(workdir / "config.json"), str(workdir)],
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
 
 
 def row_ids(workdir: Path) -> dict[int, list[str]]:
