@@ -11,6 +11,7 @@ where the time goes (per-rollout phases: time/generate is the sync loop's genera
 loop's wait for a rollout generated while it trained; rollout/completions_per_s the engine side's own rate).
 
     .venv/bin/python benchmarks/async_vs_sync.py [--rounds 3] [--seed 7] [--target 0.8] [--interval 1] \
+        [--async-buffer-size 1] \
         [--sides sync,async,async-thread,async-tis]
 """
 
@@ -33,12 +34,13 @@ def side_config(args, side: str, hf: str, train: str, held_out: str):
         return config
     # "async": the engine in a process of its own (--async's default on a CPU); "async-thread": served from a thread
     # of the RolloutManager's process (--engine-in-process true), one process fewer competing for the cores.
-    placement = config.placement.model_copy(update={"async_": True, "engine_in_process": side == "async-thread"})
-    rollout = config.rollout.model_copy(update={"update_weights_interval": args.interval})
+    placement = config.placement.model_copy(update={"async_": True, "engine_in_process": side == "async-thread",
+                                                    "async_buffer_size": args.async_buffer_size})
+    weight_sync = config.weight_sync.model_copy(update={"update_weights_interval": args.interval})
     # "async-tis": --use-tis, the engine's log-probs of the stale policy weighing each token (slime's TIS).
     algorithm = config.algorithm.model_copy(update={"use_tis": side == "async-tis"})
     return config.model_validate({**config.model_dump(), "placement": placement.model_dump(),
-                                  "rollout": rollout.model_dump(), "algorithm": algorithm.model_dump()})
+                                  "weight_sync": weight_sync.model_dump(), "algorithm": algorithm.model_dump()})
 
 
 def run_side(args, side: str, paths: tuple[str, str, str], workdir: Path) -> SideResult:
@@ -67,6 +69,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--interval", type=int, default=1, help="--update-weights-interval of the async side")
+    parser.add_argument("--async-buffer-size", type=int, default=1, help="rollouts generated ahead (async sides)")
     parser.add_argument("--sides", default="sync,async,async-thread",
                         help="which of sync, async, async-thread, async-tis to run (in this order in even rounds)")
     parser.add_argument("--eval-interval", type=int, default=10)

@@ -16,7 +16,7 @@ from test_train_e2e import launch, row_ids, train_config, wait_until_gone
 from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config
 from slimeflow.stages.rl import async_loop
-from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.stages.rl.config import TrainConfig, staleness_bound
 
 
 class Pending:
@@ -40,6 +40,10 @@ class FakeActors(Recorder):
     def __init__(self, start=0, saved=None, engine_versions=None):
         super().__init__(start, saved)
         self.engine_versions = engine_versions or {}  # engines that kept other weights
+
+    def state_dict(self, trained=None):
+        self.calls.append(("state", trained))
+        return {"offset": len(self.calls)}
 
     def start_generate(self, rollout_id, version):
         self.calls.append(("generate", rollout_id, version))
@@ -79,7 +83,7 @@ def test_the_next_rollout_is_asked_for_before_training_and_weights_wait_for_it()
         ("update", 0), ("generate", 0, 0),
         ("result", 0), ("generate", 1, 0), ("train", 0, "batch-0"), ("wait", 1), ("update", 1),
         ("result", 1), ("generate", 2, 1), ("train", 1, "batch-1"), ("wait", 2), ("update", 2),
-        ("result", 2), ("train", 2, "batch-2"), ("save", 2), ("wait", 2), ("update", 3),
+        ("result", 2), ("train", 2, "batch-2"), ("state", 2), ("save", 2), ("update", 3),
     ]
 
 
@@ -91,6 +95,39 @@ def test_staleness_is_recorded_for_every_rollout_and_stays_within_the_interval(i
     assert staleness[0] == 0 and max(staleness) == interval and min(staleness[1:]) == 1
     pushes = [c[1] for c in actors.calls if c[0] == "update"]
     assert pushes == [0, *range(interval, 14, interval), *([13] if 13 % interval else [])]  # and after the last
+
+
+@pytest.mark.parametrize("ahead", [1, 2, 3])
+@pytest.mark.parametrize("interval", [1, 2, 3])
+def test_with_a_deeper_buffer_staleness_stays_within_it_and_the_data_order_is_the_sync_loops(ahead, interval):
+    actors, reports = FakeActors(), Reports()
+    placement = FakePlacement(actors, weight_sync={"update_weights_interval": interval},
+                              placement={"async_buffer_size": ahead})
+    async_loop.train(placement, 13, reports)
+    staleness = [reports.rollouts[k]["async/staleness_max"] for k in range(13)]
+    assert max(staleness) == ahead + interval - 1 and min(staleness[ahead:]) >= ahead  # reached, never exceeded
+    # Each rollout asked for once, in order (the rollout manager generates them in turn: the sync loop's data order),
+    # with `ahead` of them asked for before the one being trained.
+    asked = [c for c in actors.calls if c[0] == "generate"]
+    assert [c[1] for c in asked] == list(range(13))
+    trains = [c[1] for c in actors.calls if c[0] == "train"]
+    assert trains == list(range(13))
+    for k in range(13 - ahead):
+        assert actors.calls.index(asked[k + ahead]) < actors.calls.index(("train", k, f"batch-{k}"))
+    # No push while a rollout asked for is not yet generated (waited for, or its result taken).
+    for position, call in enumerate(actors.calls):
+        if call[0] == "update":
+            done = {c[1] for c in actors.calls[:position] if c[0] in ("wait", "result")}
+            assert {c[1] for c in actors.calls[:position] if c[0] == "generate"} <= done
+
+
+def test_a_resumed_loop_with_a_deeper_buffer_takes_every_saved_rollout_in_flight_first():
+    saved = {"data_source": {"offset": 9, "in_flight": [{"rollout_id": 2}, {"rollout_id": 3}]}}
+    actors = FakeActors(start=2, saved=saved)
+    result = async_loop.train(FakePlacement(actors, placement={"async_buffer_size": 2}), 5, Reports())
+    assert actors.calls[:4] == [("restore", saved["data_source"]), ("update", 2), ("generate", 2, 2),
+                                ("generate", 3, 2)]
+    assert sorted(result.row_ids) == [2, 3, 4]
 
 
 def test_a_rollout_older_than_the_bound_stops_the_run_with_the_versions():
@@ -112,14 +149,14 @@ def test_a_resumed_async_loop_restores_the_rollout_in_flight_and_starts_after_th
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--async", "--colocate"], "--async with --colocate: slime refuses it too"),
-    (["--async", "--partial-rollout"], "--async with --partial-rollout: a continued sample's first tokens"),
     (["--async", "--debug-rollout-only"], "--async with --debug-rollout-only: there is no trainer"),
     (["--async", "--update-weights-interval", "3", "--max-staleness", "2"],
-     "--update-weights-interval 3 lets the async loop train on samples up to 3 policy versions old, more than "
-     "--max-staleness 2"),
+     "--update-weights-interval 3 with --async-buffer-size 1 lets the async loop train on samples up to 3 policy "
+     "versions old (interval + buffer size - 1), more than --max-staleness 2"),
+    (["--async", "--async-buffer-size", "3", "--max-staleness", "2"],
+     "--update-weights-interval 1 with --async-buffer-size 3 lets the async loop train on samples up to 3"),
     (["--max-staleness", "1"], "--max-staleness 1 needs --async"),
-    (["--async-buffer-size", "4"], "--async-buffer-size: not supported yet (--async (slime's train_async.py) "
-                                   "generates one rollout ahead"),
+    (["--async-buffer-size", "4"], "--async-buffer-size 4 needs --async (only the asynchronous loop generates"),
 ])
 def test_what_the_async_loop_cannot_do_is_refused_with_the_reason(flags, message):
     with pytest.raises(ConfigError) as err:
@@ -134,41 +171,81 @@ def test_async_is_spelled_as_a_flag_and_in_yaml_and_gives_the_engine_its_own_pro
     kept = load_stage_config("train", {"rollout-batch-size": 2, "num-rollout": 2, "async": True,
                                        "engine-in-process": True})
     assert kept.placement.engine_in_process  # given explicitly: honoured
+    # The seeds' async workflow (slime-skill-en.md, Workflow 2): a buffer of 4 rollouts, weights every 2.
+    seeds = load_stage_config("train", {"rollout-batch-size": 2, "num-rollout": 2},
+                              ["--async", "--async-buffer-size", "4", "--update-weights-interval", "2"])
+    assert seeds.placement.async_buffer_size == 4 and staleness_bound(seeds) == 5
 
 
 @pytest.mark.slow
-def test_sigkill_mid_async_run_then_resume_trains_every_rollouts_rows_exactly_once_in_the_sync_order(tmp_path):
-    from slimeflow.stages.rl.data_source import DataSource
+def test_sigkill_mid_async_run_with_partial_rollouts_then_resume_loses_and_repeats_nothing(tmp_path):
+    from slimeflow.stages.rl.data_source import START_ROLLOUT_ID, DataSource
+    from slimeflow.stages.rl.debug_data import load_rollout
 
-    config, _ = train_config(tmp_path / "prep", **{"num-rollout": 4, "save-interval": 2, "eval-interval": None,
-                                                   "rollout-batch-size": 4, "n-samples-per-prompt": 2,
-                                                   "async": True, "update-weights-interval": 2, "use-tis": True})
-    # The sync loop's data order: rollout k takes the data source's next rollout_batch_size groups.
-    source = DataSource.from_prompt_data(config.data.prompt_data, shuffle=config.data.rollout_shuffle,
-                                         seed=config.data.rollout_seed)
-    expected = {k: [g[0].metadata["row_id"] for g in source.get_groups(4)] for k in range(4)}
-
+    # Two rollouts generated ahead; 8 groups asked for, two at a time, 4 kept: the others are aborted (unsent or
+    # halfway) and continued later. (Responses stop at random on an eighth of the bytes: their lengths differ.)
+    config, _ = train_config(tmp_path / "prep", **{
+        "num-rollout": 5, "save-interval": 2, "eval-interval": None, "rollout-batch-size": 4,
+        "n-samples-per-prompt": 2, "async": True, "async-buffer-size": 2, "use-tis": True,
+        "partial-rollout": True, "over-sampling-batch-size": 8, "rollout-max-response-len": 16,
+        "rollout-stop-token-ids": list(range(0, 256, 8)),
+        "save-debug-rollout-data": str(tmp_path / "trained" / "{rollout_id}.pt")})
+    config.sglang.args["server_concurrency"] = 4
     victim = launch(config, tmp_path / "run")
-    tracker = tmp_path / "run" / "checkpoints" / "latest_checkpointed_iteration.txt"
+    root = tmp_path / "run" / "checkpoints"
+    tracker = root / "latest_checkpointed_iteration.txt"
     deadline = time.time() + 300
     while not tracker.exists() and time.time() < deadline and victim.poll() is None:
         time.sleep(0.01)
-    os.killpg(victim.pid, signal.SIGKILL)  # after the first checkpoint, with rollout 2 generated, not yet trained
+    os.killpg(victim.pid, signal.SIGKILL)  # after the first checkpoint: rollouts 2 and 3 generated, not trained
     victim.wait()
     wait_until_gone(session=victim.pid, timeout=60)
     assert tracker.read_text() == "1", "the kill should come before the second checkpoint (rollout 3)"
-    resumed = launch(config, tmp_path / "run")
-    assert resumed.wait(timeout=400) == 0
+    carried = json.loads((root / "iter_0000001" / "slimeflow" / "extra_state.json").read_text())["data_source"]
+    resumed = launch(config, tmp_path / "run", log=tmp_path / "resumed.log")
+    assert resumed.wait(timeout=400) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
 
-    assert row_ids(tmp_path / "run") == expected  # each rollout once, in the sync loop's order
-    # (A kill between a checkpoint's commit and its rollout's metrics line loses that line, as in the sync loop: the
-    # metrics are reported after the save. The row ids above are reported before it.)
+    trained = {k: load_rollout(str(tmp_path / "trained" / "{rollout_id}.pt"), k, 2) for k in range(5)}
+    rows = row_ids(tmp_path / "run")
+    assert rows == {k: [g[0].metadata["row_id"] for g in _groups(samples)] for k, samples in trained.items()}
+    # Repeats nothing: every group trained once. The rollouts in flight at the kill are trained as checkpoint 1
+    # carried them, not generated again.
+    indices = [g[0].group_index for samples in trained.values() for g in _groups(samples)]
+    assert len(indices) == len(set(indices)) == 20
+    assert [[s["metadata"]["row_id"] for s in r["samples"][::2]] for r in carried["in_flight"]] == [rows[2], rows[3]]
+    # The sync loop's data order: group g is the data source's g-th.
+    source = DataSource.from_prompt_data(config.data.prompt_data, shuffle=config.data.rollout_shuffle,
+                                         seed=config.data.rollout_seed)
+    order = [g[0].metadata["row_id"] for g in source.get_groups(carried["source"]["group_index"] + 8)]
+    assert all(g[0].metadata["row_id"] == order[g[0].group_index] for s in trained.values() for g in _groups(s))
+    # Loses nothing: each group buffered at the kill (partial ones included) is continued by the resumed run, its
+    # earlier tokens kept, or is still buffered in the last checkpoint (or was finished beyond the batch: surplus).
+    final = json.loads((root / "iter_0000004" / "slimeflow" / "extra_state.json").read_text())["data_source"]
+    later = {s.index: {"response": s.response, "metadata": s.metadata} for s in trained[4]}
+    later |= {s["index"]: s for g in final["buffer"] for s in g}
+    assert carried["buffer"], "no aborted group to carry"
+    missing = {g[0]["group_index"] for g in carried["buffer"] if g[0]["index"] not in later}
     records = {r["step"]: r for line in (tmp_path / "run" / "train" / "rollouts.jsonl").read_text().splitlines()
                for r in [json.loads(line)]}
-    assert {2, 3} <= set(records) <= {0, 1, 2, 3}
-    # Rollout 2 is the killed run's, carried by checkpoint 1: generated with weights 0 (pushed every 2 rollouts, and
-    # only once rollout 2 was generated), not again by the resumed run, whose engines hold version 2 from its start.
-    assert records[2]["rollout/weight_version_max"] == 0 and records[2]["async/staleness_max"] == 2
-    assert all(0 <= r["async/staleness_min"] <= r["async/staleness_max"] <= 2 for r in records.values())
-    # --use-tis weighs by the trainer's over the engine's probabilities: here of the policy 0 to 2 versions old.
+    assert len(missing) <= records[4]["rollout/surplus_groups"]
+    for sample in (s for g in carried["buffer"] for s in g if s["group_index"] not in missing):
+        after = later[sample["index"]]
+        assert after["response"].startswith(sample["response"])
+        assert after["metadata"][START_ROLLOUT_ID] == sample["metadata"][START_ROLLOUT_ID]
+
+    assert {2, 3, 4} <= set(records) <= set(range(5))  # (a kill after a commit loses that rollout's metrics line)
+    # Rollouts 2 and 3 were generated by the killed run with weights 0 and 1, while the resumed run's engines held 2.
+    assert records[2]["rollout/weight_version_max"] == 0 and records[3]["rollout/weight_version_max"] == 1
+    # Staleness within buffer 2 + interval 1 - 1, one more for a continued sample's earlier tokens.
+    assert all(0 <= r["async/staleness_min"] <= r["async/staleness_max"] <= 3 for r in records.values())
+    assert max(r["async/staleness_max"] for r in records.values() if r["step"] >= 2) >= 2
+    # --use-tis weighs by the trainer's over the engine's probabilities: here of the policy 0 to 3 versions old.
     assert all(0.5 < r["tis"] < 2.0 for r in records.values()), [r["tis"] for r in records.values()]
+
+
+def _groups(samples):
+    """Samples (a rollout's, in group order) as groups."""
+    groups = {}
+    for sample in samples:
+        groups.setdefault(sample.group_index, []).append(sample)
+    return list(groups.values())

@@ -146,12 +146,14 @@ run(config, StageContext(Storage(), Path(sys.argv[2]), sys.argv[2]))
 """
 
 
-def launch(config, workdir: Path) -> subprocess.Popen:
+def launch(config, workdir: Path, log: Path | None = None) -> subprocess.Popen:
+    """The train stage on `config` in a process (and session) of its own; its output goes to `log` (default
+    <workdir>/run.log, what log_tail shows)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.model_dump_json())
-    with (workdir / "run.log").open("ab") as log:  # what a failed check shows (log_tail)
+    with (log or workdir / "run.log").open("ab") as out:  # what a failed check shows (log_tail)
         return subprocess.Popen([sys.executable, "-c", RESUME, str(workdir / "config.json"), str(workdir)],
-                                start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+                                start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
 
 
 def log_tail(workdir: Path, lines: int = 30) -> str:

@@ -14,7 +14,6 @@ _FAULT_TOLERANCE = ("engine health checks and restarts (--use-fault-tolerance) a
                     "process ends the run with an error naming it and its log tail")
 
 NOT_YET_SUPPORTED: dict[str, str] = {
-    "--async-buffer-size": "--async (slime's train_async.py) generates one rollout ahead; a deeper buffer is not built",
     "--use-fault-tolerance": _FAULT_TOLERANCE,
     "--rollout-health-check-interval": _FAULT_TOLERANCE,
     "--rollout-health-check-timeout": _FAULT_TOLERANCE,

@@ -87,7 +87,8 @@ class RolloutManager:
             self.eval_sets = {name: _prompts(uri) for name, uri in setup.eval_prompt_data.items()}
             self.scorer = RewardScorer(config.reward, seed=config.data.rollout_seed, post_processed=bool(
                 config.algorithm.custom_reward_post_process_path))
-            self.in_flight: InFlight | None = None
+            self.in_flight: dict[int, InFlight] = {}
+            """With --async: the rollouts generated and not yet trained (up to --async-buffer-size + 1), by id."""
         except BaseException:
             launching.cancel()
             raise
@@ -99,20 +100,21 @@ class RolloutManager:
         freeze_startup_heap()
 
     def _context(self, version: str | None) -> RolloutContext:
+        from slimeflow.stages.rl.config import staleness_bound
         from slimeflow.stages.rl.rollout import RolloutContext
 
         return RolloutContext(self.config, self.tokenizer, self.engines.client(), self.scorer,
                               concurrency=self.setup.concurrency, weight_version=version,
                               batch_groups=not self.engines.routed, router_url=self.engines.rollout_url,
-                              api_key=self.engines.api_key)
+                              api_key=self.engines.api_key, max_staleness=staleness_bound(self.config))
 
     def generate(self, rollout_id: int, weight_version: int | None = None
                  ) -> tuple[PackedBatch, dict[str, float], list[list[str]]]:
         """Rollout `rollout_id` with the weights of `weight_version` (default: those the engines serve, version
         `rollout_id` or the last pushed with --update-weights-interval): (train batch, metrics, row ids per group).
-        With --async the rollout is kept until the next one is asked for (it is in flight: generated, not yet
-        trained) and goes into `state_dict`; a rollout restored from a checkpoint by `load_state_dict` is handed
-        out as it was generated, without touching the data source."""
+        With --async the rollout is kept while it may be in flight (generated, not yet trained: until rollout
+        `rollout_id` + --async-buffer-size + 1 is asked for) and goes into `state_dict`; a rollout restored from a
+        checkpoint by `load_state_dict` is handed out as it was generated, without touching the data source."""
         from slimeflow.stages.rl.debug_data import row_ids, save_rollout
         from slimeflow.stages.rl.loop import served_version
         from slimeflow.stages.rl.rollout import generate_rollout
@@ -124,8 +126,8 @@ class RolloutManager:
         version = (served_version(rollout_id, self.first_rollout_id, self.config.weight_sync.update_weights_interval)
                    if weight_version is None else weight_version)
         ctx = self._context(None if self.config.debug.debug_rollout_only else str(version))
-        if self.in_flight is not None and self.in_flight.rollout_id == rollout_id:
-            samples, metrics = self.in_flight.samples, self.in_flight.metrics
+        if rollout_id in self.in_flight:
+            samples, metrics = self.in_flight[rollout_id].samples, self.in_flight[rollout_id].metrics
         else:
             if self.config.rollout.rollout_function_path is None:
                 result = self._run(generate_rollout(ctx, self.data, rollout_id))
@@ -142,7 +144,11 @@ class RolloutManager:
             if self.config.debug.save_debug_rollout_data is not None:
                 save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, samples,
                              self.config.batch.n_samples_per_prompt)
-        self.in_flight = InFlight(rollout_id, samples, metrics) if self.config.placement.async_ else None
+        if self.config.placement.async_:
+            # While rollout k is generated, the loop trains k - N at the earliest (N = --async-buffer-size).
+            oldest = rollout_id - self.config.placement.async_buffer_size
+            self.in_flight = {k: kept for k, kept in self.in_flight.items() if k >= oldest}
+            self.in_flight[rollout_id] = InFlight(rollout_id, samples, metrics)
         return PackedBatch.pack(train_batch(self.config, ctx.args, samples)), metrics, row_ids(samples)
 
     def evaluate(self, version: str | None) -> dict[str, float]:
@@ -212,17 +218,21 @@ class RolloutManager:
         routers = [p.command for p in self.engines.processes if getattr(p, "kind", "") == "router"]
         return {"engines": ray.get([a.where.remote() for a in actors]), "router": routers[0] if routers else None}
 
-    def state_dict(self) -> dict[str, Any]:
-        """The data position and the buffer (saved with every checkpoint), and with --async the rollout in flight:
-        its prompts are past the data position, so a resume that lost it would skip them."""
+    def state_dict(self, trained: int | None = None) -> dict[str, Any]:
+        """The data position and the buffer (partial samples included; saved with every checkpoint), and with --async
+        the rollouts in flight after rollout `trained`: their prompts are past the data position, so a resume that
+        lost them would skip them."""
         state = self.data.state_dict()
-        if self.in_flight is not None:
-            state["in_flight"] = self.in_flight.to_dict()
+        kept = [self.in_flight[k].to_dict() for k in sorted(self.in_flight) if trained is None or k > trained]
+        if kept:
+            state["in_flight"] = kept
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.data.load_state_dict(state)
-        self.in_flight = InFlight.from_dict(state["in_flight"]) if state.get("in_flight") else None
+        saved = state.get("in_flight") or []
+        saved = [saved] if isinstance(saved, Mapping) else saved  # one rollout: before --async-buffer-size
+        self.in_flight = {int(data["rollout_id"]): InFlight.from_dict(data) for data in saved}
 
     def shutdown(self) -> None:
         self.scorer.close()
@@ -232,7 +242,7 @@ class RolloutManager:
 
 @dataclass
 class InFlight:
-    """The async loop's rollout generated but not yet trained: what a checkpoint must carry besides the data
+    """One of the async loop's rollouts generated but not yet trained: what a checkpoint must carry besides the data
     position (which is already past its prompts)."""
 
     rollout_id: int
@@ -251,13 +261,17 @@ class InFlight:
 
 
 def weight_versions(samples: list[Sample]) -> dict[str, float]:
-    """The oldest and newest policy version that generated the rollout's samples, as the engines reported it
-    (the async loop's staleness is the trained version minus these); none when an engine reports no version."""
-    versions = [s.metadata.get("weight_version") for s in samples]
-    if not versions or any(v is None or not str(v).isdigit() for v in versions):
+    """The oldest and newest policy version that generated the rollout's trained tokens, as the engines reported
+    them (a continued partial sample's oldest is its first part's, unless masked out of the loss); the async loop's
+    staleness is the trained version minus these. None when an engine reports no version."""
+    from slimeflow.stages.rl.rollout import OLDEST_WEIGHT_VERSION
+
+    newest = [s.metadata.get("weight_version") for s in samples]
+    oldest = [s.metadata.get(OLDEST_WEIGHT_VERSION, s.metadata.get("weight_version")) for s in samples]
+    if not newest or any(v is None or not str(v).isdigit() for v in newest + oldest):
         return {}
-    numbers = [int(v) for v in versions]
-    return {"rollout/weight_version_min": float(min(numbers)), "rollout/weight_version_max": float(max(numbers))}
+    return {"rollout/weight_version_min": float(min(int(v) for v in oldest)),
+            "rollout/weight_version_max": float(max(int(v) for v in newest))}
 
 
 class ReplayRolloutManager:
@@ -289,7 +303,7 @@ class ReplayRolloutManager:
     def weight_targets(self) -> WeightTargets | None:
         return None  # no engine: the trainer pushes its weights nowhere
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, trained: int | None = None) -> dict[str, Any]:
         return {}  # the files are the data: a resumed replay reads rollout k from rollout k's file
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -202,8 +202,10 @@ class AlgorithmConfig(ConfigModel):
     calculate_per_token_loss: bool = False
     """Average over all tokens of the batch instead of per sample."""
     max_staleness: OptionalPositiveInt = None
-    """With --async: the most policy versions a trained sample may lag the trainer (default: the loop's own bound,
-    --update-weights-interval); a config whose loop could exceed it is refused, and a sample over it stops the run."""
+    """With --async: the most policy versions a trained token may lag the trainer (default: the loop's own bound,
+    --update-weights-interval + --async-buffer-size - 1, one more with --partial-rollout unless the continued samples'
+    earlier tokens are masked); a config whose loop could exceed it is refused, a buffered partial sample that would
+    exceed it is generated again from its prompt, and a sample over it stops the run."""
     use_tis: bool = False
     """Truncated importance sampling between the rollout engine's and the trainer's probabilities."""
     tis_clip: float = Field(2.0, gt=0)
@@ -395,6 +397,10 @@ class PlacementConfig(ConfigModel):
     """slime's train_async.py loop: rollout k+1 is generated while the trainer trains on rollout k (needs
     the engines on devices of their own: refused with --colocate); on a CPU the engine then defaults to a process of
     its own."""
+    async_buffer_size: PositiveInt = 1
+    """With --async: rollouts generated ahead of the one being trained (1: slime's train_async.py, rollout k+1 while
+    training on k; N: k+1..k+N, so the samples may lag the trainer by up to N + --update-weights-interval - 1
+    versions)."""
     engine_in_process: bool = True
     """One embedded engine is served from a thread of the RolloutManager's process (no process of its own, which
     saves its interpreter's imports: 2-3 CPU seconds of start-up); false gives it its own process, for a rollout
@@ -605,12 +611,14 @@ class TrainConfig(ConfigModel):
 def check_async(config: TrainConfig) -> None:
     """--async and its flags: what the asynchronous loop cannot do is refused with the reason (slime's where it has
     one). On a CPU an async run's engine gets a process of its own unless --engine-in-process is given."""
-    placement, interval = config.placement, config.weight_sync.update_weights_interval
-    bound = config.algorithm.max_staleness
+    placement, bound = config.placement, config.algorithm.max_staleness
     if not placement.async_:
-        problems = [] if bound is None else [
-            f"--max-staleness {bound} needs --async (the synchronous loop generates each rollout with the weights it "
-            "last pushed, so its staleness is bounded by --update-weights-interval alone)"]
+        needs = {"--max-staleness": (bound, "the synchronous loop generates each rollout with the weights it last "
+                                            "pushed, so its staleness is bounded by --update-weights-interval alone"),
+                 "--async-buffer-size": (None if placement.async_buffer_size == 1 else placement.async_buffer_size,
+                                         "only the asynchronous loop generates rollouts ahead of training")}
+        problems = [f"{flag} {value} needs --async ({reason})" for flag, (value, reason) in needs.items()
+                    if value is not None]
     else:
         refused = {
             "--colocate": (placement.colocate, "slime refuses it too ('Colocation is not supported for async "
@@ -622,16 +630,35 @@ def check_async(config: TrainConfig) -> None:
                                                   and not placement.colocate,  # else refused as --colocate
                                                   "the trainer and the engines compute at once, so neither can give its "
                                                   "memory to the other; leave offload to colocated runs"),
-            "--partial-rollout": (config.rollout.partial_rollout, "a continued sample's first tokens come from the "
-                                  "policy of an earlier rollout, so its staleness is not bounded by "
-                                  "--update-weights-interval; not built yet"),
         }
         problems = [f"--async with {flag}: {reason}" for flag, (given, reason) in refused.items() if given]
-        if bound is not None and interval > bound:
-            problems.append(f"--update-weights-interval {interval} lets the async loop train on samples up to {interval} "
-                            f"policy versions old, more than --max-staleness {bound}; lower the interval to at most "
-                            f"{bound} or raise --max-staleness")
+        ahead = loop_staleness(config)
+        if bound is not None and ahead > bound:
+            problems.append(f"--update-weights-interval {config.weight_sync.update_weights_interval} with "
+                            f"--async-buffer-size {placement.async_buffer_size} lets the async loop train on samples up "
+                            f"to {ahead} policy versions old (interval + buffer size - 1), more than --max-staleness "
+                            f"{bound}; lower either or raise --max-staleness")
     if problems:
         raise ValueError("; ".join(problems))
     if placement.async_ and "engine_in_process" not in placement.model_fields_set:
         placement.__dict__["engine_in_process"] = False  # overlap: engine and rollout loop need not share one GIL
+
+
+def loop_staleness(config: TrainConfig) -> int:
+    """The most policy versions the async loop's own rollouts lag the trainer: rollout k is asked for while rollout
+    k - N trains (N = --async-buffer-size), from the weights pushed last, at most interval - 1 rollouts earlier."""
+    return config.placement.async_buffer_size + config.weight_sync.update_weights_interval - 1
+
+
+def staleness_bound(config: TrainConfig) -> int | None:
+    """The most policy versions a trained token may lag the trainer (None: not bounded, the synchronous loop).
+
+    --max-staleness, else the loop's own lag; with --partial-rollout (and the continued samples' earlier tokens not
+    masked by --mask-offpolicy-in-partial-rollout) one more, so that a sample aborted in one rollout and continued in
+    the next still trains. A buffered partial sample that would exceed it is generated again from its prompt."""
+    if not config.placement.async_:
+        return None
+    if config.algorithm.max_staleness is not None:
+        return config.algorithm.max_staleness
+    rollout = config.rollout
+    return loop_staleness(config) + int(rollout.partial_rollout and not rollout.mask_offpolicy_in_partial_rollout)

@@ -104,8 +104,9 @@ class RolloutManagerHandle:
             self.colocation.for_rollout()
         return call(self.actor.evaluate.remote(version), f"evaluation with weights {version}")
 
-    def state_dict(self) -> dict[str, Any]:
-        return call(self.actor.state_dict.remote(), "reading the data-source state")
+    def state_dict(self, trained: int | None = None) -> dict[str, Any]:
+        """The data-source state to save after rollout `trained` (with --async, the rollouts generated past it)."""
+        return call(self.actor.state_dict.remote(trained), "reading the data-source state")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         call(self.actor.load_state_dict.remote(state), "restoring the data-source state")

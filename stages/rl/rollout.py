@@ -4,8 +4,10 @@ It speaks only HTTP to an engine URL (the embedded engine, sglang-router or real
 `concurrency` requests in flight. Groups are requested `over_sampling_batch_size` at a time until
 `rollout_batch_size` groups pass the dynamic-sampling filter; the stragglers are then aborted and, with
 `--partial-rollout`, put back into the buffer to be continued next rollout (their generated tokens kept, the
-first rollout id recorded in metadata). A custom generate function (`--custom-generate-function-path`,
-`async generate(args, sample, sampling_params) -> Sample`) replaces the single-turn default; `args` is the
+first rollout id recorded in metadata; a continued sample's earlier tokens masked out of the loss with
+`--mask-offpolicy-in-partial-rollout`, else the version of the oldest recorded, and with --async a buffered group
+that would train on tokens older than the staleness bound generated again from its prompt). A custom generate
+function (`--custom-generate-function-path`, `async generate(args, sample, sampling_params) -> Sample`) replaces the single-turn default; `args` is the
 `RolloutContext` (its `client`, `tokenizer` and `config`).
 """
 
@@ -32,7 +34,11 @@ from slimeflow.stages.rl.slime_rollout_hooks import apply_sample_hooks, finish_r
 from slimeflow.stages.rl.types import Sample, Status
 
 GenerateFn = Callable[[Any, Sample, dict[str, Any]], Awaitable[Sample]]
+OLDEST_WEIGHT_VERSION = "oldest_weight_version"
+"""metadata key of a continued partial sample: the weight version that generated its oldest token that trains
+("weight_version" is the newest's)."""
 _FINISH = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+_FINISHED = (Status.COMPLETED, Status.TRUNCATED)
 
 
 class WeightVersionError(RuntimeError):
@@ -83,6 +89,9 @@ class RolloutContext:
     """What plug-ins get as `args` (slime_plugins.slime_args; built from the rest when not given)."""
     rollout_id: int | None = None
     """The rollout being generated (set by generate_rollout; slime's sample hooks get it)."""
+    max_staleness: int | None = None
+    """With --async: a buffered partial group whose tokens would lag rollout `rollout_id`'s trained policy by more
+    versions is generated again from its prompt (config.staleness_bound; None: never)."""
 
     def __post_init__(self) -> None:
         path = self.config.rollout.custom_generate_function_path
@@ -103,6 +112,8 @@ class RolloutContext:
                              for path in self.config.rollout.rollout_sample_hook_path or []]
         self._in_flight = 0
         self._freed = asyncio.Condition()
+        self.aborting = False
+        """Set while the stragglers are aborted: a group that gets its slots then is aborted unsent (slime's)."""
 
     @asynccontextmanager
     async def slots(self, n: int) -> AsyncIterator[None]:
@@ -202,14 +213,39 @@ def _prepare(ctx: RolloutContext, sample: Sample, params: dict[str, Any]) -> dic
     """The sample's prompt tokens and its sampling params for what is left of its budget (None: nothing left)."""
     if not sample.tokens:
         sample.tokens = prompt_ids(ctx, sample)
+    continue_partial(ctx, sample)
+    if sample.status in _FINISHED:
+        return None  # a buffered sample that finished as the stragglers were aborted: nothing to generate (slime's)
     done = sample.response_length
-    if done and ctx.config.rollout.mask_offpolicy_in_partial_rollout and sample.loss_mask is None:
-        sample.loss_mask = [0] * done  # a partial sample's earlier tokens came from an older policy
     if params["max_new_tokens"] - done <= 0:
         sample.status = Status.TRUNCATED
         return None
     return dict(params, max_new_tokens=params["max_new_tokens"] - done,
                 sampling_seed=sample_seed(ctx.config.data.rollout_seed, sample))
+
+
+def continue_partial(ctx: RolloutContext, sample: Sample) -> None:
+    """Before a partial sample (aborted in an earlier rollout) is continued: with --mask-offpolicy-in-partial-rollout
+    all its earlier tokens leave the loss (as slime: an older policy generated them, even those of an earlier
+    continuation); else the version that generated the oldest of them is kept, for the staleness accounting."""
+    done = sample.response_length
+    if not done:
+        return
+    if ctx.config.rollout.mask_offpolicy_in_partial_rollout:
+        sample.loss_mask = [0] * done
+        sample.metadata.pop(OLDEST_WEIGHT_VERSION, None)
+    elif sample.metadata.get("weight_version") is not None:
+        sample.metadata.setdefault(OLDEST_WEIGHT_VERSION, sample.metadata["weight_version"])
+
+
+def too_stale(ctx: RolloutContext, group: Group, rollout_id: int) -> bool:
+    """Whether continuing buffered `group` in rollout `rollout_id` would train tokens older than ctx.max_staleness
+    versions (never when its earlier tokens are masked out of the loss)."""
+    if ctx.max_staleness is None or ctx.config.rollout.mask_offpolicy_in_partial_rollout:
+        return False
+    versions = [s.metadata.get(OLDEST_WEIGHT_VERSION, s.metadata.get("weight_version"))
+                for s in group if s.response_length]
+    return any(str(v).isdigit() and rollout_id - int(v) > ctx.max_staleness for v in versions)
 
 
 def _rid(sample: Sample, suffix: str | None = None) -> str:
@@ -257,7 +293,10 @@ async def generate_group(ctx: RolloutContext, group: Group, params: dict[str, An
     if ctx.generate_fn is None and ctx.batch_groups:
         async with ctx.slots(len(group)):
             try:
-                await default_generate_group(ctx, group, params)
+                if ctx.aborting:
+                    mark_aborted(group)
+                else:
+                    await default_generate_group(ctx, group, params)
             except _FATAL:
                 raise
             except Exception as exc:  # an engine error fails the group's samples with the reason; the rollout goes on
@@ -267,8 +306,13 @@ async def generate_group(ctx: RolloutContext, group: Group, params: dict[str, An
         async def one(sample: Sample) -> list[Sample]:
             async with ctx.slots(1):
                 try:
+                    if ctx.aborting:
+                        return mark_aborted([sample])
                     if ctx.generate_fn is None:
                         return [await default_generate(ctx, sample, params)]
+                    continue_partial(ctx, sample)
+                    if sample.status in _FINISHED:
+                        return [sample]
                     samples = await call_generate(ctx.generate_fn, ctx.args, sample, params, evaluation)
                     for produced in samples:  # the versions slime's Sample recorded from the engine's answers
                         if produced.metadata.get("weight_version") is not None:
@@ -309,8 +353,12 @@ async def generate_rollout(ctx: RolloutContext, data: BufferedDataSource, rollou
     pending: set[asyncio.Task] = set()
     order: dict[asyncio.Task, int] = {}
     offered: list[Group] = []  # kept or not (slime's --rollout-all-samples-process-path sees them all)
+    restarted = 0
     while not sampler.done:
         for group in data.get_groups(sampler.groups_to_request()):
+            if too_stale(ctx, group, rollout_id):
+                reset_group(group)
+                restarted += 1
             task = asyncio.ensure_future(generate_group(ctx, group, params))
             order[task] = group[0].group_index
             pending.add(task)
@@ -333,7 +381,8 @@ async def generate_rollout(ctx: RolloutContext, data: BufferedDataSource, rollou
     kept, surplus = sampler.result()
     kept.sort(key=lambda g: g[0].group_index)
     metrics = rollout_metrics(kept, sampler.stats(), time.perf_counter() - started)
-    metrics.update({"rollout/aborted_groups": len(aborted), "rollout/surplus_groups": len(surplus)})
+    metrics.update({"rollout/aborted_groups": len(aborted), "rollout/surplus_groups": len(surplus),
+                    "rollout/partial_restarted_groups": restarted})
     return RolloutResult(groups=kept, metrics=finish_rollout(ctx, kept, metrics, offered, data))
 
 
@@ -349,20 +398,35 @@ async def abort_stragglers(ctx: RolloutContext, pending: set[asyncio.Task]) -> l
     """Abort every request still in flight and collect their groups (partial responses included)."""
     if not pending:
         return []
-    await ctx.client.abort()
-    done, _ = await asyncio.wait(pending, timeout=60)
+    ctx.aborting = True  # those still waiting for a slot: not sent at all
+    try:
+        await ctx.client.abort()
+        done, _ = await asyncio.wait(pending, timeout=60)
+    finally:
+        ctx.aborting = False
     groups = [t.result() for t in done if not t.cancelled() and t.exception() is None]
     for task in pending - done:
         task.cancel()
     return [g for g in groups if all(s.status is not Status.FAILED for s in g)]
 
 
+def mark_aborted(samples: list[Sample]) -> list[Sample]:
+    """Samples that the abort of the stragglers reached before they were sent: aborted, as they are (a buffered
+    sample that had finished stays finished)."""
+    for sample in samples:
+        if sample.status not in _FINISHED:
+            sample.status = Status.ABORTED
+    return samples
+
+
 def reset_group(group: Group) -> Group:
-    """A group whose generation was cut by a weight update, ready to be generated again from its prompt."""
+    """A group to generate again from its prompt: its generation was cut from outside, or (a partial one) it would
+    train on tokens too stale."""
     for sample in group:
         sample.tokens, sample.response, sample.response_length = [], "", 0
-        sample.rollout_log_probs, sample.reward, sample.status = None, None, Status.PENDING
-        sample.metadata.pop(START_ROLLOUT_ID, None)
+        sample.rollout_log_probs, sample.reward, sample.status, sample.loss_mask = None, None, Status.PENDING, None
+        for key in (START_ROLLOUT_ID, OLDEST_WEIGHT_VERSION, "weight_version"):
+            sample.metadata.pop(key, None)
     return group
 
 
