@@ -36,6 +36,11 @@ class Shim:
     attribute: str
     replacement: Any
     why: str
+    wraps: bool = False
+    """`replacement` is called with the original (as the owner holds it) and returns the stand-in."""
+
+    def stand_in(self, original: Any) -> Any:
+        return self.replacement(original) if self.wraps else self.replacement
 
 
 _ABSENT = object()
@@ -45,6 +50,11 @@ _ABSENT = object()
 def _module(name: str) -> Callable[[], Any]:
     """An owner for Shim: the module `name`, imported when first asked for."""
     return functools.partial(importlib.import_module, name)
+
+
+def _class(module: str, name: str) -> Callable[[], Any]:
+    """An owner for Shim: the class `name` of the module `module`, imported when first asked for."""
+    return lambda: getattr(importlib.import_module(module), name)
 
 
 class CudaFactoriesOnCpu:
@@ -80,6 +90,32 @@ def _clip_grads_by_total_norm_on_cpu(parameters: Any, max_norm: float, total_nor
         grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
         if grad is not None:
             grad.detach().mul_(coeff)
+
+
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+def _type_names_as_cuda(method: classmethod) -> classmethod:
+    """`method` (a classmethod) run while a CPU tensor's `type()` names the CUDA type of its dtype."""
+    import torch
+
+    function = method.__func__
+
+    def run(cls: type, *args: Any, **kwargs: Any) -> Any:
+        own_type = torch.Tensor.type
+
+        def type_(tensor: Any, *type_args: Any, **type_kwargs: Any) -> Any:
+            name = own_type(tensor, *type_args, **type_kwargs)
+            return _CUDA_TYPE_NAMES.get(name, name) if not type_args and not type_kwargs else name
+
+        torch.Tensor.type = type_
+        try:
+            return function(cls, *args, **kwargs)
+        finally:
+            torch.Tensor.type = own_type
+
+    return classmethod(run)
 
 
 def _no_sync() -> None:
@@ -120,6 +156,11 @@ SHIMS: tuple[Shim, ...] = (
     Shim(_module("megatron.core.optimizer.optimizer"), "clip_grad_by_total_norm_fp32", _clip_grads_by_total_norm_on_cpu,
          why="megatron's clip_grad_by_total_norm_fp32 asserts every gradient's type() is 'torch.cuda.FloatTensor' "
              "(a CPU gradient is 'torch.FloatTensor'); the stand-in scales them as it does."),
+    Shim(_class("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"),
+         "_build_model_and_main_param_groups", _type_names_as_cuda, wraps=True,
+         why="DistributedOptimizer sorts the parameters it shards by `param.type()`, accepting only the names "
+             "'torch.cuda.FloatTensor', 'torch.cuda.HalfTensor' and 'torch.cuda.BFloat16Tensor' (a CPU parameter's "
+             "is 'torch.FloatTensor': TypeError); while it builds them, a CPU tensor's type() names the CUDA type."),
     Shim(_module("megatron.core.optimizer.clip_grads"), "torch", CudaFactoriesOnCpu(),
          why="get_grad_norm_fp32 puts the norm in torch.tensor(..., device='cuda') to all-reduce it; on a "
              "CPU-only torch that raises."),
@@ -158,12 +199,13 @@ def megatron_on_cpu(seed: int = 1234) -> Iterator[None]:
     import torch
     from megatron.core import tensor_parallel
 
-    saved = [(shim, getattr(shim.owner(), shim.attribute, _ABSENT)) for shim in SHIMS]
+    # As the owner holds it (vars: a class's classmethod itself, not a method bound to the class).
+    saved = [(shim, vars(shim.owner()).get(shim.attribute, _ABSENT)) for shim in SHIMS]
     tracker = tensor_parallel.get_cuda_rng_tracker()
     saved_states = tracker.get_states()
     try:
-        for shim, _ in saved:
-            setattr(shim.owner(), shim.attribute, shim.replacement)
+        for shim, original in saved:
+            setattr(shim.owner(), shim.attribute, shim.stand_in(original))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             tracker.set_states({MODEL_PARALLEL_RNG: torch.get_rng_state()})
