@@ -118,6 +118,36 @@ def _type_names_as_cuda(method: classmethod) -> classmethod:
     return classmethod(run)
 
 
+def _with_adam_state(method: Callable[..., Any]) -> Callable[..., Any]:
+    """DistributedOptimizer.state_dict, first giving a fresh optimizer the per-parameter Adam state a step would
+    (zeros, step 0; what a load then overwrites)."""
+    import torch
+
+    def state_dict(self: Any) -> Any:
+        if not self.optimizer.state:
+            self.init_state_fn(self.optimizer, self.config)
+            for state in self.optimizer.state.values():
+                state.setdefault("step", torch.tensor(0.0))
+        return method(self)
+
+    return state_dict
+
+
+def _own_step(method: Callable[..., Any]) -> Callable[..., Any]:
+    """DistributedOptimizer._set_main_param_and_optimizer_states, giving the parameter a step count of its own
+    (load_state_dict set one tensor as every parameter's) and passing it along when the loaded tensors lack it."""
+
+    def set_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> Any:
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+        if "step" in state:
+            state["step"] = state["step"].clone()
+            tensors = {"step": state["step"], **tensors}
+        return method(self, model_param, tensors)
+
+    return set_states
+
+
 def _no_sync() -> None:
     return None
 
@@ -161,6 +191,18 @@ SHIMS: tuple[Shim, ...] = (
          why="DistributedOptimizer sorts the parameters it shards by `param.type()`, accepting only the names "
              "'torch.cuda.FloatTensor', 'torch.cuda.HalfTensor' and 'torch.cuda.BFloat16Tensor' (a CPU parameter's "
              "is 'torch.FloatTensor': TypeError); while it builds them, a CPU tensor's type() names the CUDA type."),
+    Shim(_class("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"), "state_dict", _with_adam_state,
+         wraps=True,
+         why="without Apex or Transformer Engine (torch's Adam), DistributedOptimizer.state_dict asserts that every "
+             "parameter's Adam state holds one step count, which only a step creates: the loading state dict of a "
+             "fresh optimizer (a resume) fails. The stand-in first allocates the state as a step would, at step 0."),
+    Shim(_class("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"),
+         "_set_main_param_and_optimizer_states", _own_step, wraps=True,
+         why="without Apex or Transformer Engine, DistributedOptimizer.load_state_dict sets one step tensor as every "
+             "parameter's Adam step (torch's Adam then adds 1 to it once per parameter per step: a wrong bias "
+             "correction after a resume), and loading the fully_reshardable state copies every entry of the Adam "
+             "state from loaded tensors that lack the step: KeyError 'step'. The stand-in gives each parameter a "
+             "copy of the step and passes it along."),
     Shim(_module("megatron.core.optimizer.clip_grads"), "torch", CudaFactoriesOnCpu(),
          why="get_grad_norm_fp32 puts the norm in torch.tensor(..., device='cuda') to all-reduce it; on a "
              "CPU-only torch that raises."),
