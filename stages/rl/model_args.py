@@ -127,7 +127,7 @@ MEGATRON_NOT_BUILT = {
     "expert_model_parallel_size": "expert parallelism (MoE): " + _NOT_BUILT,
     "expert_tensor_parallel_size": "expert tensor parallelism (MoE): " + _NOT_BUILT,
 }
-"""The Megatron parallelism/recompute flags the Megatron backend refuses, with the reason."""
+"""The Megatron parallelism flags the Megatron backend refuses, with the reason."""
 
 
 _REFUSED_BY: dict[str, dict[str, str]] = {
