@@ -4,7 +4,8 @@
 
 `--family deepseek_v3` writes a ~2 GB DeepSeek-V3-style mixture of experts instead (8 layers by default: MLA, one
 dense first layer, 16 experts of which each layer stores every one, a shared expert, the fp32 expert bias), whose
-experts the converter stacks per layer and whose layers it keys one by one.
+experts the converter stacks per layer and whose layers it keys one by one; with two processes each rank converts
+8 of every MoE layer's 16 experts (expert-sharded), and prints what it read and held.
 
 Prints, for 1 and 2 conversion processes: wall time as a ratio to `cp -r` + `sync` of the HF directory, timed
 after a `sync` so that it flushes only the copy (goal <= 2x); cp and the two conversions run interleaved for
@@ -36,9 +37,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, publish_release, read_hf_source
+from slimeflow.families.tiny import build_tiny_tokenizer
 from slimeflow.io.storage import Storage
-from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, publish_release, read_hf_source
-from slimeflow.stages.model.tiny import build_tiny_tokenizer
 
 SHAPE = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16, "num_key_value_heads": 4,
          "vocab_size": 32000}
@@ -103,8 +104,8 @@ MOE_CONFIG = {
 def write_synthetic_moe(path: Path, layers: int) -> int:
     """A DeepSeek-V3-architecture HF directory with random bf16 weights (the expert bias fp32, as DeepSeek ships
     it), every tensor the family's name map expects, one safetensors shard per layer; its bytes."""
+    from slimeflow.checkpoint.mapping import ModelShape, expected_hf_tensors
     from slimeflow.families import FAMILIES
-    from slimeflow.stages.convert.mapping import ModelShape, expected_hf_tensors
 
     path.mkdir(parents=True)
     config = {**MOE_CONFIG, "num_hidden_layers": layers}
@@ -124,7 +125,7 @@ def write_synthetic_moe(path: Path, layers: int) -> int:
 def baseline_rss() -> int:
     """Peak RSS of a fresh process that imports what a conversion rank imports, and nothing more."""
     code = ("from slimeflow._compat import eager_jit_fusions\nwith eager_jit_fusions():\n"
-            "    import megatron.core.dist_checkpointing\nfrom slimeflow.stages.convert import worker\n"
+            "    import megatron.core.dist_checkpointing\nfrom slimeflow.checkpoint import worker\n"
             "print(worker.peak_rss_bytes()['peak_rss'])")
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
                .stdout.split()[-1])
@@ -165,6 +166,10 @@ def print_ranks(ranks: list[dict], size: int, base: int, goal: float) -> None:
         print(f"  rank {r['rank']}: peak RSS {r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / size:.2f} "
               f"of the model (goal <= {goal}); its largest writer {r['peak_rss_writers'] / 1e9:.2f} GB "
               f"= {r['peak_rss_writers'] / size:.2f}; net of the baseline {(r['peak_rss'] - base) / size:.2f}")
+        if r["experts"][1]:
+            print(f"    routed experts [{r['experts'][0]}, {r['experts'][1]}) of every MoE layer; read "
+                  f"{r['read_tensors']} HF tensors, {r['read_bytes'] / size:.2f} of the model; held and wrote "
+                  f"{r['bytes'] / size:.2f}")
         launched = r["launched"]
         print(f"    seconds from launch: start-up and imports {r['started_at'] - launched:.2f}, tensors "
               f"read and fused {r['read_at'] - launched:.2f}, saved {r['saved_at'] - launched:.2f}")

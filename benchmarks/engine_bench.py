@@ -39,7 +39,7 @@ import psutil
 import torch
 from transformers import AutoModelForCausalLM
 
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
 from slimeflow.stages.rl.engine.client import EngineClient
 from slimeflow.stages.rl.engine.launch import new_api_key, start_engine

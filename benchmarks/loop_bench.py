@@ -92,9 +92,9 @@ class SideResult:
 
 def prepare(workdir: Path) -> tuple[str, str, str]:
     """The factory model and the demo's prompt parquets (train, held-out), as the pipeline's stages make them."""
+    from slimeflow.config.model import ModelConfig
     from slimeflow.io.storage import Storage
     from slimeflow.stages.base import StageContext
-    from slimeflow.stages.model.config import ModelConfig
     from slimeflow.stages.model.stage import run as model_run
     from slimeflow.stages.preprocess.config import PreprocessConfig
     from slimeflow.stages.preprocess.stage import run as preprocess_run
@@ -140,7 +140,7 @@ def run_slimeflow(args, hf: str, train: str, held_out: str, workdir: Path, confi
             result = tail_rollouts(args, proc, log, started)
         finally:
             stop_group(proc)
-    from slimeflow.stages.rl.placement import cpu_threads
+    from slimeflow.cluster import cpu_threads
 
     result.notes.insert(0, f"1-min load average at start {load:.2f}, at end {os.getloadavg()[0]:.2f}; "
                            f"torch threads: trainer {cpu_threads(1)}, engine {cpu_threads(1)}")

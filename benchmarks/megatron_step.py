@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.types import TrainBatch
 
@@ -119,7 +119,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
+    from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, read_hf_source
     from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend
     from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
     from slimeflow.stages.rl.backend.torch_backend import TorchBackend

@@ -2,7 +2,7 @@
 
 The transformation: JSONL rows (a prompt, a label, a metadata dict and two extra columns) -> the prompt parquet
 (row_id = hash of the source row, extras packed into the metadata JSON, empty and duplicate prompts dropped),
-measured twice: with prompt token counts (the tiny byte-level tokenizer of stages/model/tiny.py, one token per
+measured twice: with prompt token counts (the tiny byte-level tokenizer of slimeflow/families/tiny.py, one token per
 byte, so the Rust tokenizer's time is large and the same for both) and without a tokenizer. Each run is a
 subprocess, so its peak RSS is its own; times include imports.
 
@@ -119,7 +119,7 @@ def main() -> None:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="preprocess-bench-"))
     work.mkdir(parents=True, exist_ok=True)
 
-    from slimeflow.stages.model.tiny import build_tiny_tokenizer
+    from slimeflow.families.tiny import build_tiny_tokenizer
 
     tokenizer_dir = work / "tokenizer"
     build_tiny_tokenizer("qwen3").save_pretrained(tokenizer_dir)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.engine.launch import new_api_key, start_engine
 from slimeflow.stages.rl.engines import WeightTargets
 from slimeflow.stages.rl.loop import should_push

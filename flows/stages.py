@@ -16,6 +16,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from slimeflow import code_version
+from slimeflow.config.model import ModelConfig
 from slimeflow.config.pipeline import RunSettings
 from slimeflow.flows.artifacts import publish
 from slimeflow.io.locks import exclusive
@@ -27,7 +28,6 @@ from slimeflow.stages.base import StageContext
 from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.evaluate.config import EvaluateConfig
 from slimeflow.stages.export.config import ExportConfig
-from slimeflow.stages.model.config import ModelConfig
 from slimeflow.stages.preprocess.config import PreprocessConfig
 from slimeflow.stages.rl.config import TrainConfig
 

@@ -50,7 +50,7 @@ class Reports:
     def __init__(self):
         self.rollouts = {}
 
-    def started(self, start_rollout_id, evaluates_first):
+    def started(self, start_rollout_id, evaluates_first, saved=None):
         pass
 
     def generated(self, rollout_id, row_ids):

@@ -11,14 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from slimeflow.checkpoint.mapping import ModelShape
+from slimeflow.checkpoint.torch_dist import read_common
 from slimeflow.families import FAMILIES
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.io.storage import Storage
 from slimeflow.stages.base import StageContext
 from slimeflow.stages.convert.config import ConvertConfig
-from slimeflow.stages.convert.mapping import ModelShape
 from slimeflow.stages.convert.stage import run
-from slimeflow.stages.convert.torch_dist import read_common
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 
 
 def context(tmp: Path) -> StageContext:
@@ -92,8 +92,8 @@ def test_common_pt_is_a_valid_zip_with_crcs(release):
 
 def test_a_converted_release_carries_checksums_that_its_readers_verify(release, tmp_path):
     """convert writes the release's sha256 once (also the manifest's records); a flipped byte is then refused."""
+    from slimeflow.checkpoint.hf_write import write_hf
     from slimeflow.io.checkpoints import CheckpointError
-    from slimeflow.stages.convert.export import write_hf
 
     hf, directory = release
     assert (directory / "slimeflow" / "checksums.json").is_file()
@@ -108,7 +108,7 @@ def test_a_converted_release_carries_checksums_that_its_readers_verify(release, 
 
 
 def test_an_export_removes_the_staging_a_killed_export_left_beside_its_output(release, tmp_path):
-    from slimeflow.stages.convert.export import write_hf
+    from slimeflow.checkpoint.hf_write import write_hf
 
     hf, directory = release
     left, foreign = tmp_path / ".back.tmp-0123abcd", tmp_path / ".back.tmp-keepme"

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
+from slimeflow.checkpoint import safe_pickle
+from slimeflow.checkpoint.integrity import CHECKSUMS
+from slimeflow.checkpoint.torch_dist import read_common, tensor_metadata
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.io.checkpoints import CheckpointError
-from slimeflow.stages.convert import safe_pickle
-from slimeflow.stages.convert.integrity import CHECKSUMS
-from slimeflow.stages.convert.torch_dist import read_common, tensor_metadata
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.backend import checkpoint as ckpt
 from slimeflow.stages.rl.backend.checkpoint import (
     load_checkpoint,
@@ -132,7 +132,7 @@ def test_a_common_pt_with_a_malicious_reduce_is_read_without_running_it(copy, tm
 
 
 def test_a_malicious_dcp_metadata_is_read_without_running_it(copy, tmp_path):
-    from slimeflow.stages.convert.torch_dist import read_dcp_metadata
+    from slimeflow.checkpoint.torch_dist import read_dcp_metadata
 
     _, _, directory = copy
     marker = tmp_path / "pwned"
@@ -181,7 +181,7 @@ def test_rng_states_are_saved_for_weights_only_loading_and_old_pickled_ones_stil
 
 
 def test_export_and_evaluate_refuse_a_damaged_checkpoint_before_writing(copy, tmp_path):
-    from slimeflow.stages.convert.export import write_hf
+    from slimeflow.checkpoint.hf_write import write_hf
 
     hf_dir, _, directory = copy
     (directory / "slimeflow" / "extra_state.json").write_text("{}")  # same size is not enough: the hash differs

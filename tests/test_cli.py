@@ -89,7 +89,7 @@ def test_run_the_example_pipeline(prefect_harness, tmp_path, mlflow_uri, capsys)
 
 @pytest.mark.slow
 def test_a_broken_checkpoint_fails_with_its_problems_named(prefect_harness, tmp_path, mlflow_uri, capsys):
-    from slimeflow.stages.model.tiny import build_tiny_model
+    from slimeflow.families.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "m")
     weights = model / "model.safetensors"

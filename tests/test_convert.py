@@ -15,12 +15,12 @@ import torch
 from megatron_helpers import declared_shapes, load_and_compare_logits
 from safetensors.torch import load_file, save_file
 
+from slimeflow.checkpoint.torch_dist import load_torch_dist, read_common, tensor_metadata
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.io.storage import Storage
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.convert.stage import run
-from slimeflow.stages.convert.torch_dist import load_torch_dist, read_common, tensor_metadata
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 
 CASES = {
     "llama-bf16-gqa-1p": ("tiny:llama?dtype=bfloat16&num_hidden_layers=3&seed=1", 1),
@@ -133,8 +133,8 @@ def test_gpt_model_loads_the_checkpoint_and_its_logits_equal_hf(converted, megat
 
 
 def _shape(uri: str):
+    from slimeflow.checkpoint.mapping import ModelShape
     from slimeflow.families import FAMILIES
-    from slimeflow.stages.convert.mapping import ModelShape
 
     spec = TinyModelSpec.from_uri(uri)
     config = {"num_hidden_layers": spec.num_hidden_layers, "hidden_size": spec.hidden_size,
@@ -145,7 +145,7 @@ def _shape(uri: str):
 
 
 def test_qkv_is_grouped_by_kv_group_and_fc1_is_gate_then_up():
-    from slimeflow.stages.convert.mapping import hf_to_megatron
+    from slimeflow.checkpoint.mapping import hf_to_megatron
 
     shape = _shape("tiny:qwen2?num_hidden_layers=1&hidden_size=8&num_attention_heads=4&num_key_value_heads=2")
     head_dim = 2
@@ -172,7 +172,7 @@ def test_qkv_is_grouped_by_kv_group_and_fc1_is_gate_then_up():
 @pytest.mark.parametrize("uri", ["tiny:llama?num_key_value_heads=1", "tiny:qwen2", "tiny:qwen3?head_dim=24",
                                  "tiny:llama?tie_word_embeddings=true"])
 def test_megatron_to_hf_inverts_hf_to_megatron_and_pads_with_zero_rows(uri):
-    from slimeflow.stages.convert.mapping import expected_hf_tensors, hf_to_megatron, megatron_to_hf
+    from slimeflow.checkpoint.mapping import expected_hf_tensors, hf_to_megatron, megatron_to_hf
 
     shape = _shape(uri)
     generator = torch.Generator().manual_seed(0)
@@ -186,7 +186,7 @@ def test_megatron_to_hf_inverts_hf_to_megatron_and_pads_with_zero_rows(uri):
 
 
 def test_vocab_padding_follows_megatron():
-    from slimeflow.stages.convert.mapping import padded_vocab_size
+    from slimeflow.checkpoint.mapping import padded_vocab_size
 
     assert padded_vocab_size(259, 128) == 384
     assert padded_vocab_size(256, 128) == 256
@@ -195,7 +195,7 @@ def test_vocab_padding_follows_megatron():
 
 
 def test_shares_balance_bytes_and_cover_every_layer_once(tmp_path):
-    from slimeflow.stages.convert.stage import assign_shares, read_hf_source
+    from slimeflow.checkpoint.convert import assign_shares, read_hf_source
 
     hf = build_tiny_model(tmp_path / "hf", TinyModelSpec.from_uri("tiny:llama?num_hidden_layers=5"))
     source = read_hf_source(hf)
@@ -208,8 +208,8 @@ def test_shares_balance_bytes_and_cover_every_layer_once(tmp_path):
 
 @pytest.mark.parametrize("uri", ["tiny:qwen3?dtype=bfloat16&max_shard_size=100KB", "tiny:qwen2?dtype=float16"])
 def test_lazy_safetensors_are_exact_views_that_own_only_their_bytes(tmp_path, uri):
-    from slimeflow.stages.convert.stage import read_hf_source
-    from slimeflow.stages.convert.worker import LazySafetensors
+    from slimeflow.checkpoint.convert import read_hf_source
+    from slimeflow.checkpoint.worker import LazySafetensors
 
     hf = build_tiny_model(tmp_path / "hf", TinyModelSpec.from_uri(uri))
     expected = hf_tensors(hf)
@@ -328,7 +328,7 @@ def test_write_behind_starts_writeback_of_the_matching_files_while_they_are_writ
     import os
     import time
 
-    from slimeflow.stages.convert.torch_dist import write_behind
+    from slimeflow.checkpoint.torch_dist import write_behind
 
     started: list[str] = []
 
@@ -355,7 +355,7 @@ def test_write_behind_starts_writeback_of_the_matching_files_while_they_are_writ
 
 
 def test_write_behind_with_the_real_syscall_leaves_the_files_intact(tmp_path):
-    from slimeflow.stages.convert.torch_dist import _start_writeback_syscall, write_behind
+    from slimeflow.checkpoint.torch_dist import _start_writeback_syscall, write_behind
 
     call = _start_writeback_syscall()
     assert call is not None  # Linux
@@ -372,7 +372,7 @@ def test_write_behind_with_the_real_syscall_leaves_the_files_intact(tmp_path):
 def test_a_failed_rank_leaves_no_checkpoint(good_hf, tmp_path):
     from dataclasses import replace
 
-    from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
+    from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, read_hf_source
 
     source = read_hf_source(good_hf)
     hf = broken_copy(good_hf, tmp_path)
@@ -431,8 +431,8 @@ def local_ray():
 def test_ray_launcher_round_trip_is_bit_exact_and_a_rank_error_surfaces(good_hf, tmp_path, local_ray):
     from dataclasses import replace
 
-    from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
-    from slimeflow.stages.rl.placement import LOCAL_RAY_SYSTEM_CONFIG
+    from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, read_hf_source
+    from slimeflow.cluster import LOCAL_RAY_SYSTEM_CONFIG
 
     forward = run(ConvertConfig(hf_checkpoint=str(good_hf), save=str(tmp_path / "ckpt"), processes=2,
                                 launcher="ray"), context(tmp_path))

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from slimeflow.stages.convert import stage
-from slimeflow.stages.convert.diskspace import NoSpaceLeft
-from slimeflow.stages.convert.stage import HFSource, read_hf_source
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.checkpoint import convert as stage
+from slimeflow.checkpoint.convert import HFSource, read_hf_source
+from slimeflow.checkpoint.diskspace import NoSpaceLeft
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 
 FIX = "Free space there, or convert into a --save directory on a larger disk"
 

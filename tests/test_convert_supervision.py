@@ -21,11 +21,11 @@ from typing import TypeVar
 import psutil
 import pytest
 
-from slimeflow.stages.convert.launch import launch
-from slimeflow.stages.convert.stage import assign_shares, convert_hf_to_torch_dist, read_hf_source
-from slimeflow.stages.convert.staging import claimed_dir
-from slimeflow.stages.convert.worker import Job
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.checkpoint.convert import assign_shares, convert_hf_to_torch_dist, read_hf_source
+from slimeflow.checkpoint.launch import launch
+from slimeflow.checkpoint.staging import claimed_dir
+from slimeflow.checkpoint.worker import Job
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 
 T = TypeVar("T")
 SOON_S = 5.0
@@ -173,7 +173,7 @@ def test_a_killed_rank_fails_the_conversion_naming_it_and_takes_its_writer_along
 MAIN = """
 import sys
 from pathlib import Path
-from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
+from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, read_hf_source
 convert_hf_to_torch_dist(read_hf_source(Path(sys.argv[1])), Path(sys.argv[2]), processes=2)
 """
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
 from slimeflow.stages.rl.engine.launch import free_port, new_api_key, start_engine, start_router
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
 from slimeflow.stages.rl.engine.launch import new_api_key, start_engine
 from slimeflow.stages.rl.engines import EngineDiedError, EngineSet, WeightTargets
@@ -204,3 +204,54 @@ def test_an_engine_killed_mid_rollout_is_named_with_its_log_tail(tmp_path):
         assert "--use-fault-tolerance" in message and f"serving {model}" in message  # the engine's own log line
     finally:
         engines.stop()
+
+
+def test_input_token_logprobs_as_sglang_returns_them_for_a_teacher_scoring_a_sequence(engine, reference):
+    """max_new_tokens 0 with return_logprob and logprob_start_len: the input tokens' log-probs at the request's
+    temperature, first one None (what slime's on-policy distillation asks a teacher server for)."""
+    tokens = PROMPT + [33, 44, 55]
+    body = {"input_ids": tokens, "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"temperature": 0.7, "max_new_tokens": 0}}
+    answer = call(engine, "/generate", body).json()
+    entries = answer["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == tokens and entries[0][0] is None and answer["output_ids"] == []
+    with torch.no_grad():
+        logits = reference(torch.tensor([tokens])).logits[0, :-1] / 0.7
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([e[0] for e in entries[1:]]), expected, atol=1e-4, rtol=1e-4)
+    later = call(engine, "/generate", {**body, "logprob_start_len": 3}).json()["meta_info"]["input_token_logprobs"]
+    assert later == entries[3:]
+    refused = call(engine, "/generate", {**body, "sampling_params": {"max_new_tokens": 4}})
+    assert refused.status_code == 400 and "only with max_new_tokens 0" in refused.text
+
+
+def test_slimes_on_policy_distillation_reward_pair_runs_against_the_engine_as_teacher(engine, reference):
+    """slime.rollout.on_policy_distillation (the compat namespace's): reward_func asks the teacher at --rm-url,
+    post_process_rewards keeps the response's teacher log-probs and scores 0."""
+    from types import SimpleNamespace
+
+    from slimeflow import slime_compat
+    from slimeflow.slime_compat.utils.http_utils import init_http_client
+
+    slime_compat.install()
+    from slime.rollout.on_policy_distillation import post_process_rewards, reward_func
+    from slime.utils.types import Sample
+
+    host, port = engine.url.removeprefix("http://").split(":")
+    args = SimpleNamespace(rm_url=engine.url + "/generate", rollout_temperature=1.0, reward_key=None,
+                           sglang_api_key=KEY, sglang_router_ip=host, sglang_router_port=int(port))
+    init_http_client(args)
+    samples = [Sample(index=i, tokens=PROMPT + response, response_length=len(response))
+               for i, response in enumerate([[33, 44], [60, 61, 62]])]
+
+    async def score():
+        for sample in samples:
+            sample.reward = await reward_func(args, sample)
+    asyncio.run(score())
+    raw, rewards = post_process_rewards(args, samples)
+    assert raw == rewards == [0.0, 0.0]
+    for sample in samples:
+        with torch.no_grad():
+            logits = reference(torch.tensor([sample.tokens])).logits[0, :-1]
+        logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample.tokens[1:])[:, None])[:, 0]
+        torch.testing.assert_close(sample.teacher_log_probs, logp[-sample.response_length:], atol=1e-4, rtol=1e-4)

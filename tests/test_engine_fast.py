@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.engine import kv_batch, native
 from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
 from slimeflow.stages.rl.engine.decode_kernel import load_decode_attention

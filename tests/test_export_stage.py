@@ -10,15 +10,15 @@ import pytest
 import torch
 from test_convert import hf_tensors
 
+from slimeflow.config.model import ModelConfig
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.io.storage import ArtifactRecord, Storage, join
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.convert.stage import run as convert
 from slimeflow.stages.export.config import ExportConfig, parse_size
 from slimeflow.stages.export.stage import run as export
-from slimeflow.stages.model.config import ModelConfig
 from slimeflow.stages.model.stage import run as run_model
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_s3_export_replaces_its_own_export_only_with_overwrite(release, tmp_path
     first = _export(release, storage, tmp_path, target, max_shard_size="100KB")
     with pytest.raises(StageInputError, match=r"holds an earlier export[\s\S]*--overwrite true"):
         _export(release, storage, tmp_path, target, overwrite=False)
-    from slimeflow.stages.export.publish import MARKER, committed
+    from slimeflow.checkpoint.publish import MARKER, committed
 
     second = _export(release, storage, tmp_path, target, max_shard_size="5GB")  # fewer shards than the first
     assert _files(storage, target) == sorted([MARKER, *(r.path for r in second.artifacts)])  # old shards gone
@@ -211,14 +211,14 @@ def test_a_kill_while_uploading_leaves_the_old_export_whole_and_committed(releas
     old = _export(release, storage, tmp_path, target, max_shard_size="5GB")
     _killed_export(release, tmp_path, s3_config, target, {"open_write": 3})
     storage.verify_tree(target, old.artifacts)  # every old file in place, unchanged
-    from slimeflow.stages.export.publish import committed
+    from slimeflow.checkpoint.publish import committed
 
     assert committed(storage, target, old.hashes["content"])
 
 
 def test_a_kill_while_copying_into_place_reports_the_target_incomplete_and_a_rerun_completes_it(
         release, tmp_path, s3_bucket, s3_config):
-    from slimeflow.stages.export.publish import MARKER, STAGING, committed, read_marker
+    from slimeflow.checkpoint.publish import MARKER, STAGING, committed, read_marker
 
     storage, target = Storage(s3_config), f"{s3_bucket}/models/exported"
     old = _export(release, storage, tmp_path, target, max_shard_size="5GB")

@@ -18,14 +18,14 @@ import torch
 from megatron_helpers import declared_shapes, load_and_compare_logits
 from safetensors.torch import load_file
 
+from slimeflow.checkpoint.mapping import ModelShape, expected_hf_tensors
+from slimeflow.checkpoint.torch_dist import load_torch_dist, read_common, tensor_metadata
 from slimeflow.families import FAMILIES, family_for
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.io.storage import Storage
 from slimeflow.stages.base import StageContext
 from slimeflow.stages.convert.config import ConvertConfig
-from slimeflow.stages.convert.mapping import ModelShape, expected_hf_tensors
 from slimeflow.stages.convert.stage import run
-from slimeflow.stages.convert.torch_dist import load_torch_dist, read_common, tensor_metadata
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 
 GLM4_CASES = {
     # unequal head counts, head_dim not hidden/heads (rotary on 12 of 24 dims), odd vocabulary (263)
@@ -343,8 +343,8 @@ def test_gpt_model_of_our_layer_spec_declares_and_loads_the_checkpoint_and_match
 @pytest.mark.parametrize("factor", [0.5, 0.25])
 def test_rotary_percent_is_checked_against_partial_rotary_factor_wherever_the_config_keeps_it(glm4_dir, factor):
     """transformers 5 writes it into rope_parameters (the tiny model's config); GLM-Z1's config.json at the top."""
+    from slimeflow.config.model_args import check_model_args
     from slimeflow.config.pipeline import load_stage_config
-    from slimeflow.stages.rl.model_args import check_model_args
 
     megatron = load_stage_config("train", None, ["--rollout-batch-size", "8", "--num-rollout", "1",
                                                  "--rotary-percent", str(factor)]).megatron
@@ -395,7 +395,7 @@ def test_deepseek_v3_checkpoint_uses_the_names_and_args_slime_reads(converted):
     ("glm4_moe", {"use_qk_norm": True}, "use_qk_norm is True: per-head query/key norms of GLM4-MoE"),
 ])
 def test_configs_megatron_would_compute_differently_are_refused_by_name(family, change, message):
-    from slimeflow.stages.model.tiny import _model_config, build_tiny_tokenizer
+    from slimeflow.families.tiny import _model_config, build_tiny_tokenizer
 
     spec = TinyModelSpec(family=family)
     config = {**_model_config(spec, build_tiny_tokenizer(family)).to_dict(), **change}
@@ -425,8 +425,8 @@ def test_kimi_k2s_model_type_is_read_as_deepseek_v3(new_family_dirs, tmp_path):
 
     from transformers import AutoModelForCausalLM
 
+    from slimeflow.checkpoint.hf_source import inspect_hf_dir
     from slimeflow.families.hf import load_causal_lm
-    from slimeflow.stages.model.stage import inspect_hf_dir
     from slimeflow.stages.rl.engine.weights import load_model
 
     kimi = Path(shutil.copytree(new_family_dirs["deepseek_v3"], tmp_path / "kimi"))

@@ -47,7 +47,7 @@ class Reports:
     def __init__(self, recorder=None):
         self.rollouts, self.evals, self.recorder, self.starts = [], [], recorder, []
 
-    def started(self, start_rollout_id, evaluates_first):
+    def started(self, start_rollout_id, evaluates_first, saved=None):
         self.starts.append((start_rollout_id, evaluates_first))
 
     def generated(self, rollout_id, row_ids):
@@ -184,3 +184,38 @@ def test_a_resumed_run_keeps_each_rollout_once_in_its_record_and_its_mlflow_run(
     assert len(second_run) == len(set(second_run))
     assert {s for s, k in second_run if k == "rollout/reward_mean"} == {0, 1, 2, 3}
     assert {s for s, k in second_run if k == "eval/x/avg_at_1"} == {0, 2, 4}
+
+
+def test_a_run_killed_between_a_save_and_its_report_keeps_the_saved_rollouts_line(tmp_path):
+    """The checkpoint of rollout 1 is committed, then the run dies before rollout 1's line: the resumed run (which
+    starts at 2) writes that line from the metrics the checkpoint carries, once, and logs it to its MLflow run."""
+    from slimeflow.stages.rl.stage import RolloutLog
+
+    path = tmp_path / "train" / "rollouts.jsonl"
+    saves = {}
+
+    class DiesAfterSave1(Recorder):
+        def save(self, rollout_id, extra):
+            saves[rollout_id] = json.loads(json.dumps(extra))  # as the checkpoint's extra_state.json holds it
+            if rollout_id == 1:
+                raise Killed
+            return super().save(rollout_id, extra)
+
+    try:
+        loop.train(FakePlacement(DiesAfterSave1()), 4, RolloutLog(path))
+    except Killed:
+        pass
+    assert [r["step"] for r in RolloutLog(path).read() if "rollout/reward_mean" in r] == [0]
+    assert saves[1]["report"]["pg_loss"] == 0.1 and "time/train" in saves[1]["report"]
+
+    logged = []
+    resumed = Recorder(start=2, saved={"data_source": {"offset": 9}, "rollout_id": 1, "report": saves[1]["report"]})
+    loop.train(FakePlacement(resumed), 4, RolloutLog(path, lambda m, s: logged.append((s, sorted(m)))))
+    rollouts = [r for r in RolloutLog(path).read() if "rollout/reward_mean" in r]
+    assert [r["step"] for r in rollouts] == [0, 1, 2, 3]
+    assert rollouts[1]["pg_loss"] == 0.1 and "time/save" not in rollouts[1]  # as it stood at the save
+    assert (1, sorted(saves[1]["report"])) in logged
+
+    # Started again from the same checkpoint (killed once more, later): the line is not written twice.
+    RolloutLog(path).started(2, evaluates_first=True, saved=saves[1]["report"])
+    assert [r["step"] for r in RolloutLog(path).read() if "rollout/reward_mean" in r] == [0, 1]

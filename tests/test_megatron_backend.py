@@ -13,14 +13,14 @@ import pytest
 import torch
 from megatron_steps import make_backend, make_batch, make_config, make_job, run_world, train_job, train_steps
 
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 
 LR = 1e-3
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> dict[str, Path]:
-    from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
+    from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, read_hf_source
 
     tmp = tmp_path_factory.mktemp("megatron")
     hf = build_tiny_model(tmp / "hf", TinyModelSpec(seed=7))
@@ -133,9 +133,9 @@ def test_a_saved_checkpoint_resumes_the_next_rollout_exactly(converted, one_proc
     """Save after rollout 0 (weights, optimizer, LR schedule, RNG, extra state through dist_checkpointing), train
     rollout 1; a new backend resumed from the save trains rollout 1 to the same metrics and weights, bit for bit.
     The checkpoint is Megatron's layout, and the torch backend's reader (what export uses) reads its weights."""
+    from slimeflow.checkpoint.torch_dist import read_common, tensor_metadata
     from slimeflow.io.checkpoints import read_tracker
     from slimeflow.io.storage import Storage
-    from slimeflow.stages.convert.torch_dist import read_common, tensor_metadata
     from slimeflow.stages.rl.backend.checkpoint import read_weights
     from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint, save_checkpoint
 
@@ -196,3 +196,24 @@ def test_data_parallel_2_equals_one_process(converted, one_process, tmp_path):
     run = run_world(2, "dp2", tmp_path, converted["hf"], converted["release"], one_process["batch"],
                     two_step_config())
     _compare_with_one_process(run, one_process)
+
+
+def test_the_opd_teacher_is_loaded_and_run_like_the_reference(converted):
+    """--use-opd --opd-type megatron on the Megatron backend: the teacher from --opd-teacher-load (here the policy's
+    own checkpoint) gives the policy's log-probs, and the reverse KL in the advantages is exactly 0."""
+    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+    from slimeflow.stages.rl.train_step import prepare
+
+    config = make_config(algorithm={"use_opd": True, "opd_type": "megatron",
+                                    "opd_teacher_load": str(converted["release"])})
+    batch = rollout_batch(converted["hf"])
+    backend = make_backend(make_job(converted["tmp"], "opd", converted["hf"], converted["release"], batch, config))
+    try:
+        load_checkpoint(backend, converted["release"], weights_only=True)
+        teacher = backend.compute_log_probs(batch, teacher=True).log_probs
+        policy = backend.compute_log_probs(batch).log_probs
+        prepared = prepare(backend, batch, config, list(range(len(batch))), 1)
+    finally:
+        backend.close()
+    assert all(torch.equal(t, p) for t, p in zip(teacher, policy, strict=True))
+    assert all(torch.equal(kl, torch.zeros_like(kl)) for kl in prepared.opd_reverse_kl)

@@ -91,7 +91,7 @@ def test_distributed_optimizer_checkpoint_resumes_the_next_rollout_exactly(conve
     """DP2 with the distributed optimizer: the ranks' shards of the Adam state are saved through dist_checkpointing
     with the weights, schedule and RNG, and a resumed world trains the next rollout (two steps, the LR schedule
     moving) to the same metrics and weights, bit for bit."""
-    from slimeflow.stages.convert.torch_dist import tensor_metadata
+    from slimeflow.checkpoint.torch_dist import tensor_metadata
 
     config = make_config(batch={"micro_batch_size": 2, "global_batch_size": 4},
                          optimizer={"lr": base.LR, "lr_warmup_iters": 1, "lr_decay_style": "linear",

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from slimeflow.config.model_args import check_model_args
 from slimeflow.config.pipeline import load_stage_config
 from slimeflow.io.storage import Storage
 from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.rl.model_args import check_model_args
 from slimeflow.stages.rl.stage import rollout_setup
 
 SEEDS = Path(__file__).parent / "data" / "seed_scripts"
@@ -168,11 +168,11 @@ def test_a_config_that_went_through_json_checks_only_what_was_given():
 
 
 def test_flags_that_nothing_reads_are_refused_not_accepted():
-    """--offload, --save-hf and --eval-config did nothing: refused by name; so are SGLang server arguments, which
-    no server slimeflow starts would get."""
+    """--save-hf and --eval-config did nothing: refused by name; so are SGLang server arguments, which no server
+    slimeflow starts would get."""
     from slimeflow.config.flags import ConfigError
 
-    for flags, reason in ((["--offload"], "is not supported yet"), (["--save-hf", "/x"], "slimeflow export"),
+    for flags, reason in ((["--save-hf", "/x"], "slimeflow export"),
                           (["--eval-config", "e.yaml"], "use the --eval-")):
         with pytest.raises(ConfigError, match=reason):
             train_config(*flags)

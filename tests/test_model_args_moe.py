@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from slimeflow.config.flags import ConfigError
+from slimeflow.config.model_args import check_model_args, moe_layer_freq
 from slimeflow.config.pipeline import load_stage_config
-from slimeflow.stages.rl.model_args import check_model_args, moe_layer_freq
 
 # DeepSeek-V3's config.json (the fields MODEL_ARGS describe), as published with the model.
 DEEPSEEK_V3 = {

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from slimeflow.config.model import ModelConfig
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.io.storage import Storage, UnsafePathError
 from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.model.config import ModelConfig
 from slimeflow.stages.model.stage import run
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 
 
 def context(tmp_path: Path, storage: Storage | None = None) -> StageContext:

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import ray
 
+from slimeflow.cluster import LOCAL_RAY_SYSTEM_CONFIG
 from slimeflow.config.pipeline import load_stage_config
 from slimeflow.stages.rl.engine_actor import ENGINE_ACTOR_ENV, engine_actor_options
-from slimeflow.stages.rl.placement import LOCAL_RAY_SYSTEM_CONFIG
 from slimeflow.stages.rl.placement_group import PlacedGroup, create_placement_group
 from slimeflow.stages.rl.placement_plan import plan_placement
 

@@ -10,11 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 from preprocess_helpers import messages, quarantine, reasons, run_stage, write_jsonl
 
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.io.prompts import PromptDataset, iter_prompts
 from slimeflow.io.storage import Storage
 from slimeflow.manifest import Manifest
 from slimeflow.stages.base import StageInputError
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.preprocess.reader import PromptDataset, iter_prompts
 
 DAPO = [{"prompt": messages(f"Compute {a} * {a + 3}. Answer in \\boxed{{}}."), "label": str(a * (a + 3)),
          "metadata": {"source": "dapo", "level": a % 5}} for a in range(40)]

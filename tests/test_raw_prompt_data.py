@@ -13,10 +13,10 @@ import pytest
 from preprocess_helpers import write_jsonl
 from test_train_inputs import prompt_parquet
 
+from slimeflow.io.prompts import PromptDataset
 from slimeflow.io.storage import Storage
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.preprocess.inline import is_raw
-from slimeflow.stages.preprocess.reader import PromptDataset
 from slimeflow.stages.rl import stage
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.data_source import DataSource
@@ -159,8 +159,8 @@ def own_ray():
 
 @pytest.mark.slow
 def test_train_on_a_raw_jsonl_trains_and_reports_the_quarantined_row(tmp_path, own_ray):
+    from slimeflow.config.model import ModelConfig
     from slimeflow.config.pipeline import load_stage_config
-    from slimeflow.stages.model.config import ModelConfig
     from slimeflow.stages.model.stage import run as model_run
 
     ctx = StageContext(Storage(), tmp_path / "work", str(tmp_path / "out"))
@@ -207,7 +207,7 @@ def test_evaluate_preprocesses_a_raw_eval_set_with_its_own_keys(tmp_path):
 def test_the_chat_template_and_the_length_filter_use_the_runs_hf_checkpoint(tmp_path):
     from transformers import AutoTokenizer
 
-    from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+    from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 
     hf = build_tiny_model(tmp_path / "qwen3", TinyModelSpec.from_uri("tiny:qwen3?seed=0"))
     tokenizer = AutoTokenizer.from_pretrained(hf)

@@ -10,7 +10,7 @@ import pytest
 PROBE = """
 import signal, sys
 import ray
-from slimeflow.stages.rl.placement import init_ray
+from slimeflow.cluster import init_ray
 
 def host(signum, frame):  # what Prefect's engine installs: a cancellation becomes a Cancelled run
     raise KeyboardInterrupt

@@ -418,8 +418,11 @@ def test_convert_samples_to_train_data_builds_the_train_batch(make_ctx):
     assert [a.item() for a in compute_advantages(cfg.algorithm, inputs, 2).advantages] == [0.5, 0.5, -0.5, -0.5]
     teacher = config(algorithm={"custom_convert_samples_to_train_data_path":
                                 "slime_style_hooks:to_train_data_with_teacher"})
-    with pytest.raises(ValueError, match=r"returned keys \['teacher_log_probs'\] that slimeflow's trainer does not"):
-        train_batch(teacher, slime_args(teacher), result.samples)
+    assert [t.tolist() for t in train_batch(teacher, slime_args(teacher), result.samples).teacher_log_probs] == \
+        [[-0.5]] * 4  # on-policy distillation's (--use-opd --opd-type sglang)
+    values = config(algorithm={"custom_convert_samples_to_train_data_path": "slime_style_hooks:to_train_data_with_values"})
+    with pytest.raises(ValueError, match=r"returned keys \['values'\] that slimeflow's trainer does not"):
+        train_batch(values, slime_args(values), result.samples)
 
 
 def test_an_args_attribute_slimeflow_lacks_says_why():

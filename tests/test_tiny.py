@@ -13,8 +13,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from slimeflow.stages.model import tiny
-from slimeflow.stages.model.tiny import (
+from slimeflow.families import tiny
+from slimeflow.families.tiny import (
     FAMILIES,
     SPEC_PARAMS,
     TinyModelSpec,

@@ -1,5 +1,5 @@
 """TIS with --tis-clip-low, --get-mismatch-metrics and --use-rollout-logprobs as slime's policy loss computes them,
-and the critic / OPD flags refused by name."""
+a custom TIS function, and the critic flags refused by name."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.backend.torch_backend import TorchBackend
 from slimeflow.stages.rl.config import AlgorithmConfig, TrainConfig
 from slimeflow.stages.rl.loss import LossInputs, LossNormalizer, compute_loss
@@ -120,12 +120,9 @@ def test_the_flags_parse_and_bad_combinations_are_refused():
     (["--value-clip", "0.2"], "value loss clipped by --value-clip"),
     (["--num-critic-only-steps", "2"], "PPO with a critic is not built yet"),
     (["--critic-lr", "1e-5"], "PPO with a critic is not built yet"),
-    (["--use-opd"], "on-policy distillation is not built yet"),
-    (["--opd-type", "sglang"], "on-policy distillation is not built yet"),
-    (["--opd-kl-coef", "1.0"], "on-policy distillation is not built yet"),
-    (["--opd-teacher-load", "/ckpt"], "on-policy distillation is not built yet"),
+    (["--opd-teacher-ckpt-step", "3"], "name its iter_XXXXXXX/ directory in --opd-teacher-load"),
 ])
-def test_critic_and_opd_flags_are_refused_by_name_at_parse(flag, reason):
+def test_critic_flags_are_refused_by_name_at_parse(flag, reason):
     with pytest.raises(ConfigError) as err:
         load_stage_config("train", None, [*TRAIN, *flag])
     assert f"{flag[0]}: not supported yet" in str(err.value) and reason in str(err.value)
@@ -170,3 +167,18 @@ def test_torch_backend_trains_with_the_engines_log_probs_and_reports_the_mismatc
     assert metrics["tis"] == pytest.approx(math.exp(0.1), abs=1e-5)
     assert metrics["tis_abs"] == pytest.approx(math.exp(0.1) - 1, abs=1e-5)
     assert metrics["ois"] == pytest.approx(1.0, abs=1e-6) and metrics["tis_clipfrac"] == 0
+    # --custom-tis-function-path (slime's contract) replaces the vanilla TIS in the backend's train step
+    metrics, _ = train(use_tis=True, custom_tis_function_path="test_tis_mismatch:halve_and_count")
+    assert metrics["halved"] == 1.0 and [n for lengths in HALVED for n in lengths] == [3, 4, 2, 4]  # a call a micro-batch
+    assert metrics["pg_loss"] == pytest.approx(0.5 * train(use_tis=True, tis_clip=10.0)[0]["pg_loss"] / math.exp(0.1),
+                                               rel=1e-4)
+
+
+HALVED: list[list[int]] = []
+
+
+def halve_and_count(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
+                    response_lengths):
+    """A custom TIS function (slime's keywords): weight 0.5 on every token, its calls recorded."""
+    HALVED.append(list(response_lengths))
+    return pg_loss * 0.5, loss_masks, {"halved": torch.ones_like(pg_loss)}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.backend.schedule import build_scheduler, lr_at
 from slimeflow.stages.rl.backend.torch_backend import TorchBackend
 from slimeflow.stages.rl.config import OptimizerConfig, TrainConfig

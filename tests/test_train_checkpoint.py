@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from slimeflow.checkpoint.hf_write import write_hf
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.io import checkpoints
 from slimeflow.io.storage import Storage
-from slimeflow.stages.convert.export import write_hf
-from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.backend import checkpoint as ckpt
 from slimeflow.stages.rl.backend import ownership
 from slimeflow.stages.rl.backend.checkpoint import load_checkpoint, resolve_start, save_checkpoint
@@ -185,7 +185,7 @@ def test_a_train_actor_whose_ray_node_died_or_whose_root_was_claimed_refuses_to_
 def test_a_run_claiming_its_root_removes_the_staging_killed_saves_left_and_keeps_a_live_ones(tmp_path):
     """A SIGKILL mid-save leaves `.hf-weights-*` (the HF weights being converted) and `.iter_XXXXXXX.tmp-*` (the
     staged checkpoint); they are ours by name, their owner is gone, and the next run on the root removes them."""
-    from slimeflow.stages.convert.staging import claimed_dir
+    from slimeflow.checkpoint.staging import claimed_dir
 
     root = tmp_path / "ckpt"
     left = [root / ".hf-weights-0a1b2c3d", root / ".iter_0000003.tmp-4e5f6a7b"]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from slimeflow.checkpoint.staging import ABANDONED
 from slimeflow.config.pipeline import load_pipeline_config
-from slimeflow.stages.convert.staging import ABANDONED
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "data"
@@ -85,18 +85,19 @@ def test_pipeline_trains_evaluates_exports_and_a_rerun_skips_every_stage(prefect
         {stage: m["created_at"] for stage, m in manifests.items()}  # every stage reused, nothing rerun
 
 
-def train_config(tmp_path: Path, **overrides):
-    """A train-stage config over the demo data, prepared by the preprocess and model stages in `tmp_path`."""
+def train_config(tmp_path: Path, model: str = MODEL, **overrides):
+    """A train-stage config over the demo data, prepared by the preprocess and model stages in `tmp_path` (the
+    model stage builds `model`)."""
+    from slimeflow.config.model import ModelConfig
     from slimeflow.io.storage import Storage
     from slimeflow.stages.base import StageContext
-    from slimeflow.stages.model.config import ModelConfig
     from slimeflow.stages.model.stage import run as model_run
     from slimeflow.stages.preprocess.config import PreprocessConfig
     from slimeflow.stages.preprocess.stage import run as preprocess_run
     from slimeflow.stages.rl.config import TrainConfig
 
     ctx = StageContext(Storage(), tmp_path, str(tmp_path))
-    hf = model_run(ModelConfig(hf_checkpoint=MODEL), ctx).outputs["hf_checkpoint"]
+    hf = model_run(ModelConfig(hf_checkpoint=model), ctx).outputs["hf_checkpoint"]
     pre = preprocess_run(PreprocessConfig(input=[str(DATA / "increment-train.jsonl")], input_key="prompt",
                                           eval_input={"increment": str(DATA / "increment-eval.jsonl")},
                                           label_key="label"), ctx)
@@ -148,8 +149,14 @@ run(config, StageContext(Storage(), Path(sys.argv[2]), sys.argv[2]))
 def launch(config, workdir: Path) -> subprocess.Popen:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(config.model_dump_json())
-    return subprocess.Popen([sys.executable, "-c", RESUME, str(workdir / "config.json"), str(workdir)],
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with (workdir / "run.log").open("ab") as log:  # what a failed check shows (log_tail)
+        return subprocess.Popen([sys.executable, "-c", RESUME, str(workdir / "config.json"), str(workdir)],
+                                start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+
+
+def log_tail(workdir: Path, lines: int = 30) -> str:
+    path = workdir / "run.log"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no run.log)"
 
 
 def row_ids(workdir: Path) -> dict[int, list[str]]:
@@ -168,41 +175,51 @@ def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_data_order(tmp
     # resumed one from a thread of the RolloutManager (the default): the data order depends on neither.
     own_process = config.model_copy(update={"placement": config.placement.model_copy(
         update={"engine_in_process": False})})
-    straight = launch(own_process, tmp_path / "straight")
-    assert straight.wait(timeout=400) == 0
+    straight = launch(own_process, tmp_path / "straight")  # beside the killed run: a separate Ray cluster and workdir
+    launched = [straight]
+    try:
+        victim = launch(config, tmp_path / "resumed")
+        launched.append(victim)
+        root = tmp_path / "resumed" / "checkpoints"
+        tracker = root / "latest_checkpointed_iteration.txt"
+        deadline = time.time() + 300
+        while not tracker.exists() and time.time() < deadline and victim.poll() is None:
+            time.sleep(0.01)
+        # Kill the job in the middle of its second save (rollout 3): its staged directory is there, seconds before
+        # the commit.
+        while victim.poll() is None and time.time() < deadline and not list(root.glob(".iter_0000003.tmp-*")):
+            time.sleep(0.005)
+        assert tracker.exists() and tracker.read_text() == "1", (
+            f"the first checkpoint (rollout 1) should be committed before the kill; the run (exit {victim.poll()}) "
+            f"logged:\n{log_tail(tmp_path / 'resumed')}")
+        os.killpg(victim.pid, signal.SIGKILL)  # the driver, Ray's raylet and GCS, the engines
+        victim.wait()
+        # Ray's actors run in process groups of their own and die only once they notice their raylet's death, a second
+        # or more later; the TrainActor, finding its raylet gone, must not commit the save it was making
+        # (TrainActor.check_may_commit).
+        wait_until_gone(session=victim.pid, timeout=60)
+        assert tracker.read_text() == "1"
+        # What the kill interrupted may leave a conversion's staging (ours by name); the resumed run removes it.
+        left = sorted(p.name for p in root.iterdir() if not ABANDONED.match(p.name))
+        assert left == [".slimeflow-run", "iter_0000001", tracker.name]
+        assert straight.wait(timeout=400) == 0, log_tail(tmp_path / "straight")
+        resumed = launch(config, tmp_path / "resumed")
+        launched.append(resumed)
+        assert resumed.wait(timeout=400) == 0, log_tail(tmp_path / "resumed")
+        assert not [p.name for p in root.iterdir() if ABANDONED.match(p.name)]
 
-    victim = launch(config, tmp_path / "resumed")
-    root = tmp_path / "resumed" / "checkpoints"
-    tracker = root / "latest_checkpointed_iteration.txt"
-    deadline = time.time() + 300
-    while not tracker.exists() and time.time() < deadline and victim.poll() is None:
-        time.sleep(0.01)
-    # Kill the job in the middle of its second save (rollout 3): its staged directory is there, seconds before
-    # the commit.
-    while victim.poll() is None and time.time() < deadline and not list(root.glob(".iter_0000003.tmp-*")):
-        time.sleep(0.005)
-    assert tracker.read_text() == "1", "the first checkpoint (rollout 1) should be committed before the kill"
-    os.killpg(victim.pid, signal.SIGKILL)  # the driver, Ray's raylet and GCS, the engines
-    victim.wait()
-    # Ray's actors run in process groups of their own and die only once they notice their raylet's death, a second
-    # or more later; the TrainActor, finding its raylet gone, must not commit the save it was making
-    # (TrainActor.check_may_commit).
-    wait_until_gone(session=victim.pid, timeout=60)
-    assert tracker.read_text() == "1"
-    # What the kill interrupted may leave a conversion's staging (ours by name); the resumed run removes it.
-    left = sorted(p.name for p in root.iterdir() if not ABANDONED.match(p.name))
-    assert left == [".slimeflow-run", "iter_0000001", tracker.name]
-    resumed = launch(config, tmp_path / "resumed")
-    assert resumed.wait(timeout=400) == 0
-    assert not [p.name for p in root.iterdir() if ABANDONED.match(p.name)]
-
-    expected = row_ids(tmp_path / "straight")
-    assert sorted(expected) == list(range(6))
-    assert row_ids(tmp_path / "resumed") == expected
-    log = (tmp_path / "resumed" / "train" / "rollouts.jsonl").read_text().splitlines()
-    steps = [json.loads(line)["step"] for line in log]
-    assert steps == [0, 1, 2, 3, 4, 5]  # each once: the killed run's rollout 2, redone after checkpoint 1, replaced
-    assert tracker.read_text() == "5"
+        expected = row_ids(tmp_path / "straight")
+        assert sorted(expected) == list(range(6))
+        assert row_ids(tmp_path / "resumed") == expected
+        log = (tmp_path / "resumed" / "train" / "rollouts.jsonl").read_text().splitlines()
+        steps = [json.loads(line)["step"] for line in log]
+        assert steps == [0, 1, 2, 3, 4, 5]  # each once: the killed run's rollout 2, redone after checkpoint 1, replaced
+        assert tracker.read_text() == "5"
+    finally:
+        for process in launched:  # a failed check leaves none of the runs behind
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
 
 
 def wait_until_gone(session: int, timeout: float) -> None:

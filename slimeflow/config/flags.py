@@ -103,8 +103,16 @@ class FlagIndex:
                 raise TypeError(f"{model.__name__}: {leaf.flag} is defined twice ({self.by_flag[leaf.flag].path}, {leaf.path})")
             self.by_flag[leaf.flag] = leaf
         self.by_path = {leaf.path: leaf for leaf in self.by_flag.values()}
+        # A bool that defaults to None (decided by other flags, as slime's BooleanOptionalAction flags) is also
+        # spelled --no-X, which sets it false.
+        self.negations = {"--no-" + leaf.flag[2:]: leaf for leaf in self.by_flag.values()
+                          if leaf.kind == "bool" and leaf.default is None}
         self.passthrough = _passthrough_path(model)
         self.router_passthrough = ("sglang", "router") if self.passthrough else None
+
+    def takes(self, flag: str) -> bool:
+        """Whether `flag` is one of this tree's flags (a --no-X negation included)."""
+        return flag in self.by_flag or flag in self.negations
 
     def flag_for(self, loc: Sequence[Any]) -> str | None:
         """The flag of a pydantic error location, or None for a model-level error."""
@@ -148,6 +156,10 @@ def add_flags(parser: argparse.ArgumentParser, index: FlagIndex, dest_prefix: st
         else:
             kwargs["metavar"] = _metavar(leaf)
         groups[key].add_argument(leaf.flag, **kwargs)
+    for flag, leaf in index.negations.items():
+        if leaf.flag not in skip:
+            groups[leaf.path[:-1]].add_argument(flag, dest=dest_prefix + ".".join(leaf.path), default=argparse.SUPPRESS,
+                                                action="store_const", const="false", help=f"{leaf.flag} false")
     if index.passthrough:
         parser.add_argument_group("sglang pass-through", "--sglang-X VALUE is passed to the SGLang servers slimeflow "
                                   "launches as --X VALUE, --router-X VALUE to its sglang-router as --X VALUE")

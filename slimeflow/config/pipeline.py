@@ -19,11 +19,11 @@ from slimeflow import stages
 from slimeflow.config.base import ConfigModel
 from slimeflow.config.flags import ConfigError, FlagIndex, merge, nest_keys, parse_flags, validate
 from slimeflow.config.infra import InfraConfig
+from slimeflow.config.model import ModelConfig
 from slimeflow.config.slime_flags import deferred, explain_unknown
 from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.evaluate.config import EvaluateConfig
 from slimeflow.stages.export.config import ExportConfig
-from slimeflow.stages.model.config import ModelConfig
 from slimeflow.stages.preprocess.config import PreprocessConfig
 from slimeflow.stages.rl.config import MegatronConfig, TrainConfig
 
@@ -264,7 +264,7 @@ def _targets(flag: str, tree: Mapping[str, Any], only_stage: str | None) -> list
         return [(stage, "--" + bare)]
     if only_stage is not None:  # a stage subcommand: the stage's own flag wins (preprocess --output)
         own = STAGE_INDEX[only_stage]
-        if flag in own.by_flag or (flag.startswith(("--sglang-", "--router-")) and own.passthrough):
+        if own.takes(flag) or (flag.startswith(("--sglang-", "--router-")) and own.passthrough):
             return [(only_stage, flag)]
         if flag in TOP_INDEX.by_flag:
             return [("", flag)]
@@ -275,7 +275,7 @@ def _targets(flag: str, tree: Mapping[str, Any], only_stage: str | None) -> list
         return [(PIPELINE_OWNED[flag], flag)]
     if flag.startswith(("--sglang-", "--router-")):
         return [("train", flag)]
-    owners = [name for name, index in STAGE_INDEX.items() if flag in index.by_flag]
+    owners = [name for name, index in STAGE_INDEX.items() if index.takes(flag)]
     if len(owners) == 1:
         return [(owners[0], flag)]
     if not owners:

@@ -19,9 +19,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--rollout-health-check-interval": _FAULT_TOLERANCE,
     "--rollout-health-check-timeout": _FAULT_TOLERANCE,
     "--rollout-health-check-first-wait": _FAULT_TOLERANCE,
-    "--offload": "offloading the trainer's state around rollouts (colocated mode) is not supported yet",
-    "--offload-train": "offloading the trainer's state around rollouts (colocated mode) is not supported yet",
-    "--offload-rollout": "releasing the engines' memory during training (colocated mode) is not supported yet",
     "--save-hf": "HF weights are not written at each save yet: export a checkpoint with `slimeflow export`",
     "--eval-config": "per-dataset eval settings from a YAML file are not supported yet: use the --eval-* flags",
     "--custom-config-path": "custom YAML args for plug-ins are not supported yet",
@@ -49,17 +46,14 @@ NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (
 _CRITIC = ("PPO with a critic is not built yet: slime trains a value model beside the actor for "
            "--advantage-estimator ppo (value loss clipped by --value-clip, --num-critic-only-steps warm-up); the "
            "trainer here has no value model, so use grpo, gspo, cispo or reinforce_plus_plus(_baseline)")
-_OPD = ("on-policy distillation is not built yet: slime takes a teacher's log-probs (an SGLang teacher engine, or a "
-        "Megatron teacher model) and adds -opd_kl_coef x (log pi - log pi_teacher) to the advantages")
 NOT_YET_SUPPORTED.update({flag: _CRITIC for flag in ("--use-critic", "--value-clip", "--num-critic-only-steps")})
-NOT_YET_SUPPORTED["--use-opd"] = _OPD
+NOT_YET_SUPPORTED["--opd-teacher-ckpt-step"] = ("picking the teacher checkpoint's step is not supported: name its "
+                                                 "iter_XXXXXXX/ directory in --opd-teacher-load")
 NOT_YET_SUPPORTED.update({flag: _MTP for flag in ("--mtp-num-layers", "--mtp-loss-scaling-factor", "--enable-mtp-training")})
 NOT_YET_SUPPORTED.update({
     "--post-self-attn-layernorm": _SANDWICH,
     "--post-mlp-layernorm": _SANDWICH,
     "--prefill-num-servers": "prefill/decode disaggregation is not supported yet",
-    "--no-offload-train": "offload is not supported yet",
-    "--no-offload-rollout": "offload is not supported yet",
 })
 
 _MEGATRON_HOOK = ("a hook into slime's Megatron actor, called only by the Megatron training backend, which is not in "
@@ -68,7 +62,6 @@ _LOSS_HOOK = ("called inside slime's Megatron policy loss on packed sequences; s
               "this hook yet")
 # slime's `*-path` plug-in flags that slimeflow does not call (yet). The ones it calls are config fields.
 NOT_YET_SUPPORTED.update({
-    "--custom-tis-function-path": f"a custom TIS function is {_LOSS_HOOK}; use --use-tis with --tis-clip",
     "--custom-pg-loss-reducer-function-path": f"a custom pg-loss reducer is {_LOSS_HOOK}",
     "--rollout-data-postprocess-path": _MEGATRON_HOOK,
     "--custom-megatron-init-path": _MEGATRON_HOOK,
@@ -86,7 +79,6 @@ NOT_YET_SUPPORTED.update({
 NOT_YET_SUPPORTED_PREFIXES: dict[str, str] = {
     "--moe-": _MOE,
     "--critic-": _CRITIC,
-    "--opd-": _OPD,
     "--fsdp-": "the FSDP backend is not supported: use --train-backend torch or megatron",
 }
 

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from slimeflow.config.base import ConfigModel, PositiveInt
-from slimeflow.stages.rl.config import MegatronConfig
+from slimeflow.config.megatron import MegatronConfig
 
 
 class ConvertConfig(ConfigModel):

@@ -65,7 +65,7 @@ async def _evaluate(config: EvaluateConfig, model_dir: str, client: EngineClient
 
 def _eval_sets(config: EvaluateConfig, ctx: StageContext) -> tuple[dict[str, list], dict[str, PreparedSet]]:
     """The prompts of each eval set (a raw set preprocessed first, as in training), and the prepared raw sets."""
-    from slimeflow.stages.preprocess.reader import open_prompt_sets
+    from slimeflow.io.prompts import open_prompt_sets
 
     if not config.eval_prompt_data:
         raise StageInputError("the evaluate stage has no eval set", ["--eval-prompt-data is empty"],
@@ -84,7 +84,7 @@ def _eval_sets(config: EvaluateConfig, ctx: StageContext) -> tuple[dict[str, lis
 
 def _model_dir(config: EvaluateConfig, ctx: StageContext) -> tuple[Path, str]:
     """The HF directory the engine serves, and what it came from."""
-    from slimeflow.stages.convert.export import write_hf
+    from slimeflow.checkpoint.hf_write import write_hf
 
     if config.hf_checkpoint is None or not Path(config.hf_checkpoint, "config.json").is_file():
         raise StageInputError("--hf-checkpoint", [f"{config.hf_checkpoint!r} is not an HF directory with config.json"],

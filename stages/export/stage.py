@@ -12,14 +12,14 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
+from slimeflow.checkpoint.hf_source import fingerprint
+from slimeflow.checkpoint.hf_write import write_hf
+from slimeflow.checkpoint.publish import MARKER, check_target, publish, write_marker
 from slimeflow.io import checkpoints
 from slimeflow.io.storage import is_local, join, local_path
 from slimeflow.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.convert.export import write_hf
 from slimeflow.stages.export.config import ExportConfig, parse_size
-from slimeflow.stages.export.publish import MARKER, check_target, publish, write_marker
-from slimeflow.stages.model.stage import fingerprint
 
 
 def run(config: ExportConfig, ctx: StageContext) -> Manifest:

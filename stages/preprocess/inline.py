@@ -16,11 +16,11 @@ from typing import Any
 
 import orjson
 
+from slimeflow.io.prompts import COLUMNS
 from slimeflow.io.storage import Storage, StorageError, join
 from slimeflow.manifest import Manifest
 from slimeflow.stages.base import StageInputError
 from slimeflow.stages.preprocess.config import PreprocessConfig
-from slimeflow.stages.preprocess.reader import COLUMNS
 from slimeflow.stages.preprocess.sources import file_format, resolve
 from slimeflow.stages.preprocess.stage import MANIFEST, preprocess
 

@@ -14,18 +14,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-PROMPT_FORMAT_KEY = b"slimeflow.prompt_format"
-LABEL_FORMAT_KEY = b"slimeflow.label_format"
-"""'json' when the label column holds JSON (object labels); absent: labels are plain text."""
-SCHEMA = pa.schema([
-    pa.field("row_id", pa.string(), nullable=False),
-    pa.field("prompt", pa.string(), nullable=False),
-    pa.field("label", pa.string()),
-    pa.field("metadata", pa.string(), nullable=False),
-    pa.field("tools", pa.string()),
-    pa.field("prompt_tokens", pa.int64()),
-])
-"""The prompt-parquet contract shared with the RL core's data source."""
+from slimeflow.io.prompts import LABEL_FORMAT_KEY, PROMPT_FORMAT_KEY, SCHEMA
+
 PARQUET_OPTIONS: dict[str, Any] = {"compression": "zstd", "use_dictionary": ["label", "tools"]}
 """Dictionary-encode only the columns that repeat: ids, prompts (deduplicated) and metadata rarely do, and trying
 costs time for no smaller file."""

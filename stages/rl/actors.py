@@ -15,6 +15,7 @@ import gc
 import os
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
@@ -84,7 +85,8 @@ class RolloutManager:
                              if config.rollout.buffer_filter_path else pop_first)
             self.data = BufferedDataSource(source, buffer_filter)
             self.eval_sets = {name: _prompts(uri) for name, uri in setup.eval_prompt_data.items()}
-            self.scorer = RewardScorer(config.reward, seed=config.data.rollout_seed)
+            self.scorer = RewardScorer(config.reward, seed=config.data.rollout_seed, post_processed=bool(
+                config.algorithm.custom_reward_post_process_path))
             self.in_flight: InFlight | None = None
         except BaseException:
             launching.cancel()
@@ -171,6 +173,33 @@ class RolloutManager:
         except Exception:
             self.engines.check_alive()
             raise
+
+    def release_memory(self, tags: list[str] | None = None) -> dict[str, float]:
+        """--offload-rollout, while the trainer trains: every engine releases the memory of `tags` ("weights",
+        "kv_cache"; None: both) through SGLang's /release_memory_occupation. Returns the resident memory that the
+        engines run here gave back (none for engines on other nodes), as a metric."""
+        pids = self._engine_pids()
+        before = _resident(pids)
+        self._control_engines("/release_memory_occupation", {"tags": tags})
+        return {"offload/rollout_rss_drop_bytes": float(before - _resident(pids))} if pids else {}
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """The engines take back the memory of `tags` (None: all) through /resume_memory_occupation; a no-op for what
+        is not released. Resumed weights are those the engine last loaded from disk: the trainer pushes its own
+        next."""
+        self._control_engines("/resume_memory_occupation", {"tags": tags})
+
+    def _control_engines(self, path: str, body: dict[str, Any]) -> None:
+        async def every_engine() -> None:
+            await asyncio.gather(*(worker.control(path, body) for worker in self.engines.client().workers))
+
+        self._run(every_engine())
+
+    def _engine_pids(self) -> list[int]:
+        """The processes of the engines this actor runs: its own for an in-process engine, each engine process's."""
+        engines = [p for p in self.engines.processes if getattr(p, "kind", "") != "router"]
+        return sorted({p.process.pid if hasattr(p, "process") else os.getpid() for p in engines
+                       if hasattr(p, "process") or hasattr(p, "state")})
 
     def weight_targets(self) -> WeightTargets:
         """Where the trainer pushes its weights (every engine; see TrainActor.connect_engines)."""
@@ -279,8 +308,14 @@ class TrainActor:
     """One data-parallel rank: a training backend, its checkpoints and its share of every global batch."""
 
     def __init__(self, config: TrainConfig, hf_checkpoint: str, rank: int, world_size: int, init_method: str,
-                 total_steps: int, num_threads: int | None = None, run_token: str | None = None):
+                 total_steps: int, num_threads: int | None = None, run_token: str | None = None,
+                 offload_dir: str | None = None):
+        """`offload_dir`: where --offload-train writes this rank's state on a CPU (the run's scratch)."""
+        import tempfile
+
         import torch
+
+        from slimeflow.stages.rl.offload import StateOffload
 
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -288,7 +323,20 @@ class TrainActor:
         self.parent_pid = os.getppid()  # under Ray: this node's raylet (see check_may_commit)
         self.run_token = run_token  # the run's claim on --save (see check_may_commit)
         self.backend, self.checkpoints = _backend(config, hf_checkpoint, rank, world_size, init_method, total_steps)
+        self.state_offload = StateOffload(Path(offload_dir or tempfile.gettempdir()))
         freeze_startup_heap()
+
+    def offload(self) -> dict[str, float]:
+        """--offload-train, before a rollout: move this rank's weights, gradients and optimizer state off its device
+        (slime's actor sleep) until it next loads, trains, saves or pushes weights; what it moved and the resident
+        memory it gave back, as metrics (none when it was offloaded already)."""
+        if self.state_offload.offloaded:
+            return {}
+        return self.state_offload.offload(self.backend.state_tensors()).metrics("offload/train")
+
+    def _onload(self) -> None:
+        """Bring the offloaded state back, bit for bit, before anything reads it (a no-op when none is offloaded)."""
+        self.state_offload.onload()
 
     def load(self) -> tuple[int, dict[str, Any]]:
         """slime's start: the latest checkpoint of --load, else --ref-load's weights, else the HF weights.
@@ -296,6 +344,7 @@ class TrainActor:
         from slimeflow.stages.rl.backend.checkpoint import resolve_start
 
         ckpt = self.config.checkpoint
+        self._onload()
         start = resolve_start(ckpt.load, ckpt.ref_load)
         extra = (self.checkpoints.load_checkpoint(self.backend, start.ref, start.weights_only)
                  if start.ref is not None else {})
@@ -305,6 +354,7 @@ class TrainActor:
     def train(self, rollout_id: int, batch: PackedBatch) -> dict[str, float]:
         from slimeflow.stages.rl.train_step import train_on_rollout
 
+        self._onload()
         return train_on_rollout(self.backend, batch.unpack(), self.config, rank=self.backend.dp_rank,
                                 world_size=self.backend.dp_size)
 
@@ -322,12 +372,14 @@ class TrainActor:
     def update_weights(self, version: str) -> str:
         """Push the current weights to every engine as `version` (rank 0, after connect_engines); returns the
         version. Every rank calls it: the Megatron backend gathers its TP/PP shards onto rank 0 first."""
+        self._onload()
         weights = self.backend.named_weights()
         if self.rank != 0:
             return version
         return self.loop.run_until_complete(self.weight_sync.push(weights, version))
 
     def save(self, rollout_id: int, extra_state: dict[str, Any]) -> str:
+        self._onload()
         ref = self.checkpoints.save_checkpoint(self.backend, self.config.checkpoint.save, rollout_id,
                               {**extra_state, "rollout_id": rollout_id}, before_commit=self.check_may_commit)
         return ref.uri
@@ -407,7 +459,14 @@ def call(ref: Any, what: str) -> Any:
         raise LoopError(f"{what} failed: the actor died ({type(err).__name__}: {last}); see its log above") from None
 
 
+def _resident(pids: list[int]) -> int:
+    """The resident memory (RSS) of the processes `pids`, in bytes."""
+    import psutil
+
+    return sum(psutil.Process(pid).memory_info().rss for pid in pids)
+
+
 def _prompts(uri: str) -> list[dict[str, Any]]:
-    from slimeflow.stages.preprocess.reader import PromptDataset
+    from slimeflow.io.prompts import PromptDataset
 
     return list(PromptDataset(uri))

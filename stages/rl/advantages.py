@@ -29,6 +29,8 @@ class AdvantageInputs:
     log_probs: list[torch.Tensor] | None = None
     ref_log_probs: list[torch.Tensor] | None = None
     values: list[torch.Tensor] | None = None
+    teacher_log_probs: list[torch.Tensor] | None = None
+    """A teacher's log-probs (on-policy distillation, --use-opd), None without one."""
 
     @property
     def response_lengths(self) -> list[int]:
@@ -104,12 +106,23 @@ def compute_advantages(config: AlgorithmConfig, inputs: AdvantageInputs, n_sampl
         advantages, returns = alg.unpad_rows(padded_advantages, lengths), alg.unpad_rows(padded_returns, lengths)
     else:
         raise ValueError(f"unknown --advantage-estimator {estimator!r}")
+    if config.use_opd:
+        advantages = distill(advantages, inputs, config.opd_kl_coef)
     if returns is None:  # a copy, so whitening or a caller's in-place edit of one leaves the other
         returns = _copy(advantages)
     whiten = config.normalize_advantages or (custom is None and estimator.startswith("reinforce_plus_plus"))
     if whiten:
         advantages = whiten_batch(advantages, inputs.loss_masks)
     return Advantages(advantages=advantages, returns=returns)
+
+
+def distill(advantages: Sequence[torch.Tensor], inputs: AdvantageInputs, coef: float) -> list[torch.Tensor]:
+    """On-policy distillation (slime's OPD): advantage - coef x (log pi_old - log pi_teacher) per token, the reverse
+    KL to the teacher as a penalty on top of any estimator."""
+    if inputs.log_probs is None or inputs.teacher_log_probs is None:
+        raise ValueError("--use-opd needs the policy's and the teacher's log-probs of every response token")
+    return [a - coef * (lp - t) for a, lp, t in zip(advantages, inputs.log_probs, inputs.teacher_log_probs,
+                                                     strict=True)]
 
 
 def whiten_batch(advantages: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:

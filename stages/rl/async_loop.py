@@ -29,7 +29,7 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
     start_rollout_id, saved_state = actor_group.load()
     result = LoopResult(start_rollout_id, num_rollout)
     evaluate_first = start_rollout_id < num_rollout and bool(eval_interval) and not config.eval.skip_eval_before_train
-    report.started(start_rollout_id, evaluate_first)
+    report.started(start_rollout_id, evaluate_first, saved_state.get("report"))
     if start_rollout_id >= num_rollout:
         return result  # a finished run, started again: nothing left to do
     if saved_state.get("data_source"):
@@ -54,7 +54,9 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
 
         if should_save(config.checkpoint.save_interval, rollout_id, num_rollout):
             with timer("save"):  # waits for the rollout in flight: the checkpoint carries it
-                result.checkpoint = actor_group.save(rollout_id, {"data_source": rollout_manager.state_dict()})
+                result.checkpoint = actor_group.save(rollout_id, {"data_source": rollout_manager.state_dict(),
+                                                                  "report": {**rollout_metrics, **staleness,
+                                                                             **train_metrics, **timer.seconds}})
 
         evaluates = should_run(eval_interval, rollout_id, num_rollout)
         if (rollout_id + 1) % interval == 0 or evaluates or rollout_id + 1 == num_rollout:

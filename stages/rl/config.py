@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from slimeflow.config.base import ConfigModel, OptionalPositiveInt, PluginPath, PositiveInt
+from slimeflow.config.megatron import MegatronConfig
 
 
 class BatchConfig(ConfigModel):
@@ -230,14 +231,36 @@ class AlgorithmConfig(ConfigModel):
     custom_convert_samples_to_train_data_path: PluginPath = None
     """convert(args, samples) -> dict (tokens, response_lengths, rewards, loss_masks[, rollout_log_probs]), the
     train data in slime's form; its rewards are taken as they are (slime's contract)."""
+    custom_tis_function_path: PluginPath = None
+    """slime's TIS contract, fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
+    response_lengths) -> (pg_loss reweighted, loss masks (tokens rejected: 0), metrics), called in the policy loss
+    with --use-tis or --get-mismatch-metrics instead of the vanilla TIS (`args`: this algorithm config, which has
+    tis_clip and tis_clip_low)."""
     custom_reward_post_process_path: PluginPath = None
     """post_process(args, samples) -> (raw_rewards, rewards), on the rollout's samples (slime's contract); the
     estimators then take `rewards` as they are (no group normalisation, as in slime)."""
+    use_opd: bool = False
+    """On-policy distillation (slime's OPD): every response token's advantage gets -opd_kl_coef x (log pi_old -
+    log pi_teacher), the reverse KL to a teacher, on top of any estimator (before --normalize-advantages)."""
+    opd_type: Literal["sglang", "megatron"] | None = None
+    """Where the teacher's log-probs come from: "sglang", the samples' teacher_log_probs (set by a reward
+    post-process from a teacher server, as slime's on_policy_distillation plug-in does); "megatron", a teacher model
+    loaded from --opd-teacher-load and run by the trainer (the torch backend)."""
+    opd_kl_coef: float = Field(1.0, ge=0)
+    """Weight of the reverse KL to the teacher in the advantages."""
+    opd_teacher_load: str | None = None
+    """The teacher's torch_dist checkpoint (a root, iter_XXXXXXX/ or release/), for --opd-type megatron; the
+    teacher has the policy's architecture (HF config of --hf-checkpoint)."""
 
     @property
     def needs_reference(self) -> bool:
         """The KL loss or a KL-penalised reward needs the reference model's log-probs."""
         return self.use_kl_loss or self.kl_coef > 0
+
+    @property
+    def needs_teacher(self) -> bool:
+        """On-policy distillation with the teacher run by the trainer (--opd-type megatron)."""
+        return self.use_opd and self.opd_type == "megatron"
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
@@ -252,6 +275,15 @@ class AlgorithmConfig(ConfigModel):
         if self.tis_clip_low > self.tis_clip:
             raise ValueError(f"--tis-clip-low {self.tis_clip_low} is above --tis-clip {self.tis_clip}; "
                              "the TIS weight is clipped to [tis_clip_low, tis_clip]")
+        if self.use_opd and self.opd_type is None:
+            raise ValueError("--use-opd needs --opd-type: sglang (the samples' teacher_log_probs, from a teacher "
+                             "server) or megatron (a teacher model from --opd-teacher-load, run by the trainer)")
+        if self.use_opd and self.opd_type == "megatron" and self.opd_teacher_load is None:
+            raise ValueError("--opd-type megatron needs --opd-teacher-load: the teacher's torch_dist checkpoint")
+        if self.opd_teacher_load is not None and not (self.use_opd and self.opd_type == "megatron"):
+            raise ValueError(f"--opd-teacher-load {self.opd_teacher_load} is read only with --use-opd --opd-type "
+                             "megatron (with sglang the teacher's log-probs come with the samples): remove it or add "
+                             "those")
         if self.loss_type == "custom_loss" and self.custom_loss_function_path is None:
             raise ValueError("--loss-type custom_loss needs --custom-loss-function-path module:function")
         if self.eps_clip_high is None:
@@ -346,7 +378,15 @@ class PlacementConfig(ConfigModel):
     rollout_num_gpus_per_engine: PositiveInt = 1
     """Devices per engine (SGLang tp_size)."""
     colocate: bool = False
-    """Share devices between training and rollout."""
+    """Share devices between training and rollout (turns --offload-train and --offload-rollout on, as slime)."""
+    offload: bool = False
+    """--offload-train and --offload-rollout together."""
+    offload_train: bool | None = None
+    """Move the trainer's weights, gradients and optimizer state off its devices while the engines generate (to host
+    memory on a GPU, to a file in the run's scratch on a CPU). Default: on with --colocate."""
+    offload_rollout: bool | None = None
+    """The engines release their weights and KV cache while the trainer trains (SGLang's memory saver) and take
+    the new weights back before the next rollout. Default: on with --colocate."""
     num_gpus_per_node: PositiveInt = 8
     """GPUs of each node (logical GPUs on a CPU cluster): an engine's GPUs are on one node."""
     rollout_external_engine_addrs: list[str] | None = None
@@ -363,6 +403,10 @@ class PlacementConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _colocate(self) -> PlacementConfig:
+        # As slime: --offload is both; --colocate turns on whichever is not given; otherwise both are off.
+        for name in ("offload_train", "offload_rollout"):
+            value = True if self.offload else getattr(self, name)
+            self.__dict__[name] = self.colocate if value is None else value
         if self.colocate:
             # As slime: colocated rollout uses exactly the training devices.
             self.__dict__["rollout_num_gpus"] = self.actor_num_nodes * self.actor_num_gpus_per_node
@@ -386,141 +430,6 @@ class WeightSyncConfig(ConfigModel):
     update_weight_transport: Literal["nccl", "disk"] | None = None
     """nccl: broadcast in a process group of trainer rank 0 and the embedded engines (gloo on CPU); disk: through
     --sglang-weights-dir (external servers). Default: HTTP tensors to embedded engines, disk for external servers."""
-
-
-class MegatronConfig(ConfigModel):
-    """Megatron parallelism and model-shape flags (slime's MODEL_ARGS); checked against the HF config."""
-
-    tensor_model_parallel_size: PositiveInt = 1
-    """Tensor parallel size."""
-    pipeline_model_parallel_size: PositiveInt = 1
-    """Pipeline parallel size."""
-    context_parallel_size: PositiveInt = 1
-    """Context parallel size."""
-    expert_model_parallel_size: PositiveInt = 1
-    """Expert parallel size."""
-    expert_tensor_parallel_size: PositiveInt = 1
-    """Expert tensor parallel size."""
-    sequence_parallel: bool = False
-    """Sequence parallelism (with tensor parallelism)."""
-    recompute_granularity: Literal["full", "selective"] | None = None
-    """Activation recomputation granularity."""
-    recompute_method: Literal["uniform", "block"] | None = None
-    """Activation recomputation method."""
-    recompute_num_layers: OptionalPositiveInt = None
-    """Layers per recomputation unit."""
-    use_distributed_optimizer: bool = False
-    """Shard the optimizer state over the data-parallel ranks (megatron's DistributedOptimizer)."""
-    num_layers: OptionalPositiveInt = None
-    """Transformer layers."""
-    hidden_size: OptionalPositiveInt = None
-    """Hidden size."""
-    ffn_hidden_size: OptionalPositiveInt = None
-    """MLP intermediate size."""
-    num_attention_heads: OptionalPositiveInt = None
-    """Attention heads."""
-    group_query_attention: bool = False
-    """Grouped-query attention."""
-    num_query_groups: OptionalPositiveInt = None
-    """KV heads with group_query_attention."""
-    kv_channels: OptionalPositiveInt = None
-    """Head dimension."""
-    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
-    """Normalisation layer."""
-    norm_epsilon: float | None = Field(None, gt=0)
-    """Normalisation epsilon."""
-    swiglu: bool = False
-    """SwiGLU MLP."""
-    disable_bias_linear: bool = False
-    """No bias in linear layers."""
-    add_qkv_bias: bool = False
-    """Bias on QKV (Qwen2)."""
-    qk_layernorm: bool = False
-    """Norm on q and k (Qwen3)."""
-    untie_embeddings_and_output_weights: bool = False
-    """Separate output layer."""
-    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
-    """Position embedding."""
-    use_rotary_position_embeddings: bool = False
-    """Rotary embeddings (Megatron's older spelling of position_embedding_type rope)."""
-    rotary_base: float | None = Field(None, gt=0)
-    """RoPE theta."""
-    rotary_percent: float = Field(1.0, gt=0, le=1)
-    """Fraction of the head dimension that is rotated."""
-    vocab_size: OptionalPositiveInt = None
-    """True vocabulary size (before padding)."""
-    make_vocab_size_divisible_by: PositiveInt = 128
-    """Pad the vocabulary to a multiple of this times the tensor parallel size."""
-    seq_length: OptionalPositiveInt = None
-    """Sequence length."""
-    max_position_embeddings: OptionalPositiveInt = None
-    """Maximum positions."""
-    attention_dropout: float = Field(0.0, ge=0, lt=1)
-    """Attention dropout."""
-    hidden_dropout: float = Field(0.0, ge=0, lt=1)
-    """Hidden dropout."""
-    # Mixture of experts and multi-latent attention (slime's Qwen3-MoE, DeepSeek-V3, GLM-4.5 scripts); checked
-    # against the HF config like the fields above (stages/rl/model_args.py).
-    num_experts: OptionalPositiveInt = None
-    """Routed experts per MoE layer."""
-    moe_ffn_hidden_size: OptionalPositiveInt = None
-    """Each expert's MLP intermediate size."""
-    moe_router_topk: OptionalPositiveInt = None
-    """Experts per token."""
-    moe_layer_freq: str | None = None
-    """Which layers are MoE layers: an integer N (every N-th) or a list such as [0]*3+[1]*58 (0: dense)."""
-    moe_shared_expert_intermediate_size: OptionalPositiveInt = None
-    """Shared experts' MLP intermediate size."""
-    moe_router_score_function: Literal["softmax", "sigmoid"] | None = None
-    """Router score."""
-    moe_router_pre_softmax: bool = False
-    """Score all experts before the top-k."""
-    moe_router_enable_expert_bias: bool = False
-    """Expert-score correction bias (sigmoid routers)."""
-    moe_router_num_groups: OptionalPositiveInt = None
-    """Expert groups for group-limited routing."""
-    moe_router_group_topk: OptionalPositiveInt = None
-    """Groups chosen per token."""
-    moe_router_topk_scaling_factor: float | None = Field(None, gt=0)
-    """Routed experts' weight scale."""
-    multi_latent_attention: bool = False
-    """Multi-latent attention (DeepSeek)."""
-    q_lora_rank: OptionalPositiveInt = None
-    """MLA query LoRA rank."""
-    kv_lora_rank: OptionalPositiveInt = None
-    """MLA key/value LoRA rank."""
-    qk_head_dim: OptionalPositiveInt = None
-    """MLA query/key head part without RoPE."""
-    qk_pos_emb_head_dim: OptionalPositiveInt = None
-    """MLA query/key head part with RoPE."""
-    v_head_dim: OptionalPositiveInt = None
-    """MLA value head dimension."""
-    rotary_scaling_factor: float | None = Field(None, gt=0)
-    """YaRN RoPE scaling factor (1: none)."""
-    mscale: float | None = Field(None, gt=0)
-    """YaRN mscale."""
-    mscale_all_dim: float | None = Field(None, ge=0)
-    """YaRN mscale_all_dim."""
-
-    @model_validator(mode="after")
-    def _check_recompute(self) -> MegatronConfig:
-        """megatron-core's rules for the recompute flags, at parse time: full recomputation names its method and
-        unit, selective neither; neither without a granularity (it would be ignored)."""
-        granularity, method, layers = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
-        problems = []
-        if granularity == "full" and (method is None or layers is None):
-            problems.append("--recompute-granularity full needs --recompute-method (uniform or block) and "
-                            "--recompute-num-layers N (layers per recomputed unit, or recomputed per pipeline stage)")
-        if granularity != "full" and (method is not None or layers is not None):
-            given = " and ".join(flag for flag, value in (("--recompute-method", method),
-                                                          ("--recompute-num-layers", layers)) if value is not None)
-            problems.append(f"{given} without --recompute-granularity full: they choose which layers full "
-                            "recomputation recomputes" + ("; selective recomputation recomputes the core attention "
-                                                          "of every layer" if granularity else "")
-                            + f"; add --recompute-granularity full or drop {given}")
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
 
 
 class SglangConfig(ConfigModel):
@@ -682,6 +591,11 @@ class TrainConfig(ConfigModel):
                 f"global batch ({self.batch.global_batch_size} samples over {ranks} ranks = {share}); choose at most "
                 f"{max(share, 1)}")
         check_async(self)
+        placement = self.placement
+        if self.debug.debug_rollout_only or self.debug.debug_train_only:
+            # As slime for --debug-rollout-only (no trainer: nothing to make room for); --debug-train-only has no engine.
+            placement.__dict__["offload_rollout"] = False
+            placement.__dict__["offload_train"] = placement.offload_train and not self.debug.debug_rollout_only
         if self.batch.n_samples_per_prompt == 1 and self.algorithm.advantage_estimator in ("grpo", "gspo", "cispo"):
             # As slime: the std of a one-sample group is undefined, so std normalisation is switched off.
             self.algorithm.__dict__["disable_grpo_std_normalization"] = True
@@ -704,6 +618,10 @@ def check_async(config: TrainConfig) -> None:
                            "training"),
             "--debug-rollout-only": (config.debug.debug_rollout_only, "there is no trainer to overlap generation with"),
             "--debug-train-only": (config.debug.debug_train_only, "there is no engine: saved rollouts are replayed"),
+            "--offload-train/--offload-rollout": ((placement.offload_train or placement.offload_rollout)
+                                                  and not placement.colocate,  # else refused as --colocate
+                                                  "the trainer and the engines compute at once, so neither can give its "
+                                                  "memory to the other; leave offload to colocated runs"),
             "--partial-rollout": (config.rollout.partial_rollout, "a continued sample's first tokens come from the "
                                   "policy of an earlier rollout, so its staleness is not bounded by "
                                   "--update-weights-interval; not built yet"),

@@ -55,7 +55,7 @@ class DataSource:
         The rows stay in the parquet (memory-mapped locally), decoded a row group at a time as groups are handed
         out; `options` are __init__'s (n_samples_per_prompt, shuffle, seed).
         """
-        from slimeflow.stages.preprocess.reader import PromptDataset
+        from slimeflow.io.prompts import PromptDataset
 
         return cls(PromptDataset(uri, storage), **options)
 

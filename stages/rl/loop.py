@@ -20,10 +20,11 @@ Metrics = dict[str, float]
 
 
 class Reporter(Protocol):
-    def started(self, start_rollout_id: int, evaluates_first: bool) -> None:
+    def started(self, start_rollout_id: int, evaluates_first: bool, saved: Metrics | None = None) -> None:
         """Before anything else: the loop starts at `start_rollout_id` (after the loaded checkpoint) and, when
         `evaluates_first`, evaluates weights version `start_rollout_id` first. What was reported for later rollouts
-        (by a killed run) is redone and must not be kept twice."""
+        (by a killed run) is redone and must not be kept twice. `saved`: the metrics of the checkpoint's rollout
+        (`start_rollout_id - 1`) as they stood at its save, for a run killed between the save and the report."""
 
     def generated(self, rollout_id: int, row_ids: list[list[str]]) -> None: ...
 
@@ -52,7 +53,7 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
     result = LoopResult(start_rollout_id, num_rollout)
     evaluate_first = (start_rollout_id < num_rollout and bool(config.eval.eval_interval)
                       and not config.eval.skip_eval_before_train)
-    report.started(start_rollout_id, evaluate_first)
+    report.started(start_rollout_id, evaluate_first, saved_state.get("report"))
     if start_rollout_id >= num_rollout:
         return result  # a finished run, started again: nothing left to do
     if saved_state.get("data_source"):
@@ -72,7 +73,9 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
 
         if should_save(config.checkpoint.save_interval, rollout_id, num_rollout):
             with timer("save"):
-                result.checkpoint = actor_group.save(rollout_id, {"data_source": rollout_manager.state_dict()})
+                result.checkpoint = actor_group.save(rollout_id, {"data_source": rollout_manager.state_dict(),
+                                                                  "report": {**rollout_metrics, **train_metrics,
+                                                                             **timer.seconds}})
 
         if should_push(config.weight_sync.update_weights_interval, rollout_id):
             with timer("update_weights"):
@@ -88,7 +91,7 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
 
 
 class Timer:
-    """Seconds per phase of one rollout, as metrics `time/<phase>`."""
+    """Seconds per phase of one rollout, as metrics `time/<phase>` (a phase timed twice adds up)."""
 
     def __init__(self) -> None:
         self.seconds: Metrics = {}
@@ -99,7 +102,8 @@ class Timer:
         try:
             yield
         finally:
-            self.seconds[f"time/{phase}"] = time.perf_counter() - started
+            key = f"time/{phase}"
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - started
 
 
 def should_run(interval: int | None, rollout_id: int, num_rollout: int) -> bool:

@@ -119,6 +119,12 @@ def vanilla_tis(args: AlgorithmConfig, *, pg_loss: torch.Tensor, train_log_probs
     return pg_loss * weights, loss_masks, metrics
 
 
+def load_custom_tis(config: AlgorithmConfig) -> TisFunction | None:
+    """The function at --custom-tis-function-path, or None (vanilla_tis)."""
+    path = config.custom_tis_function_path
+    return None if path is None else load_plugin(path, "custom-tis-function-path")
+
+
 CustomLoss = Callable[[AlgorithmConfig, LossInputs, Reduce], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """(config, inputs, reduce) -> (loss, metrics); use `reduce` for every aggregate so packing does not change it."""
 

@@ -10,10 +10,6 @@ on a CPU the cores are split between the trainer ranks and the engines.
 
 from __future__ import annotations
 
-import os
-import signal
-import tempfile
-import threading
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from slimeflow.cluster import cpu_threads, has_gpus
 from slimeflow.stages.rl.actors import LoopError, RolloutSetup, TrainActor, call, rollout_manager_class
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.engine_actor import sglang_installed
@@ -32,15 +29,70 @@ if TYPE_CHECKING:
     from slimeflow.stages.rl.types import TrainBatch
 
 
+class Colocation:
+    """Who holds the shared devices (--offload-train, --offload-rollout), as slime's train.py hands them over.
+
+    A rollout or an evaluation runs with the trainer's state offloaded and the engines' memory resumed; training
+    with the engines' weights and KV cache released (only the KV cache when no weight push follows the rollout:
+    between pushes, with --update-weights-interval N, the engines must keep serving the weights they have); a
+    weight push with the engines' weights resumed first. The trainer brings its own state back when it next needs
+    it (TrainActor.offload). What each hand-over freed is reported with the rollout's metrics.
+    """
+
+    def __init__(self, manager: Any, trainers: list[Any], offload_train: bool, offload_rollout: bool,
+                 update_weights_interval: int):
+        self.manager, self.trainers = manager, trainers
+        self.offload_train, self.offload_rollout = offload_train, offload_rollout
+        self.interval = update_weights_interval
+        self.metrics: dict[str, float] = {}
+        from slimeflow.stages.rl.loop import Timer
+
+        self.timer = Timer()
+
+    def for_rollout(self) -> None:
+        with self.timer("handover_to_rollout"):
+            if self.offload_train and self.trainers:
+                self.metrics.update(call([a.offload.remote() for a in self.trainers], "offloading the trainer")[0])
+            if self.offload_rollout:
+                call(self.manager.resume_memory.remote(), "resuming the engines' memory")
+
+    def for_training(self, rollout_id: int) -> None:
+        from slimeflow.stages.rl.loop import should_push
+
+        if self.offload_rollout:
+            tags = None if should_push(self.interval, rollout_id) else ["kv_cache"]
+            with self.timer("handover_to_train"):
+                self.metrics.update(call(self.manager.release_memory.remote(tags), "releasing the engines' memory"))
+
+    def for_weight_push(self) -> None:
+        if self.offload_rollout:
+            call(self.manager.resume_memory.remote(["weights"]), "resuming the engines' weights")
+
+    def take_metrics(self) -> dict[str, float]:
+        """What the hand-overs since the last call freed, and their seconds (time/handover_*, inside time/generate)."""
+        from slimeflow.stages.rl.loop import Timer
+
+        metrics, self.metrics = {**self.metrics, **self.timer.seconds}, {}
+        self.timer = Timer()
+        return metrics
+
+
 class RolloutManagerHandle:
     """The loop's view of the RolloutManager actor: blocking calls, the train batch kept as a Ray object."""
 
-    def __init__(self, actor: Any):
+    def __init__(self, actor: Any, colocation: Colocation | None = None):
         self.actor = actor
+        self.colocation = colocation
 
     def generate(self, rollout_id: int) -> tuple[Any, dict[str, float], list[list[str]]]:
+        if self.colocation is not None:
+            self.colocation.for_rollout()
         batch_ref, metrics_ref, rows_ref = self.actor.generate.options(num_returns=3).remote(rollout_id)
-        return batch_ref, call(metrics_ref, f"rollout {rollout_id}"), call(rows_ref, f"rollout {rollout_id}")
+        metrics, rows = call(metrics_ref, f"rollout {rollout_id}"), call(rows_ref, f"rollout {rollout_id}")
+        if self.colocation is not None:
+            self.colocation.for_training(rollout_id)
+            metrics = {**metrics, **self.colocation.take_metrics()}
+        return batch_ref, metrics, rows
 
     def start_generate(self, rollout_id: int, weight_version: int) -> PendingRollout:
         """Ask for rollout `rollout_id` (with the engines' weights `weight_version`) and return at once."""
@@ -48,6 +100,8 @@ class RolloutManagerHandle:
         return PendingRollout(rollout_id, *refs)
 
     def evaluate(self, version: str) -> dict[str, float]:
+        if self.colocation is not None:
+            self.colocation.for_rollout()
         return call(self.actor.evaluate.remote(version), f"evaluation with weights {version}")
 
     def state_dict(self) -> dict[str, Any]:
@@ -81,10 +135,11 @@ class PendingRollout:
 class ActorGroup:
     """The TrainActors (one per data-parallel rank), called together."""
 
-    def __init__(self, actors: list[Any], pushes_weights: bool = True):
+    def __init__(self, actors: list[Any], pushes_weights: bool = True, colocation: Colocation | None = None):
         self.actors = actors
         self.pushes_weights = pushes_weights
         """False with --debug-train-only: there is no engine to push to."""
+        self.colocation = colocation
 
     def _all(self, method: str, *args: Any, what: str) -> list[Any]:
         return call([getattr(a, method).remote(*args) for a in self.actors], what)
@@ -101,6 +156,8 @@ class ActorGroup:
     def update_weights(self, version: int) -> None:
         """Rank 0 pushes the policy (gathered from the ranks' shards, if sharded) to every engine as `version`."""
         if self.pushes_weights:
+            if self.colocation is not None:
+                self.colocation.for_weight_push()
             self._all("update_weights", str(version), what=f"pushing weights {version}")
 
 
@@ -146,37 +203,6 @@ class Placement:
             self.group.remove()
 
 
-LOCAL_RAY_SYSTEM_CONFIG = {
-    # Ray runs workers at nice 15 by default; here the actors are the job itself, and at nice 15 training ran
-    # 10x slower whenever anything else used the CPU (measured: 3 s vs 0.27 s a step).
-    "worker_niceness": 0,
-    # Ray's own Prometheus metrics, for a dashboard this cluster does not run: the raylet's wait for its metrics
-    # exporter made ray.init take 3.32-3.33 s instead of 2.32-2.33 s (4 runs each). Our metrics go to MLflow.
-    "enable_metrics_collection": False,
-}
-"""The local cluster's Ray system config (a cluster joined by address keeps its own)."""
-
-
-def init_ray(address: str | None) -> None:
-    """Join the Ray cluster at `address` (RAY_ADDRESS style), else start a local one for this process.
-
-    A SIGTERM handler the host installed (Prefect's, which turns a cancellation into a Cancelled run) stays in charge:
-    ray.init replaces it with one that calls sys.exit, and a cancelled flow run would be reported Crashed."""
-    if ray.is_initialized():
-        return
-    host_handler = signal.getsignal(signal.SIGTERM)
-    if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        # "local": a cluster of its own, even where `ray start` left /tmp/ray/ray_current_cluster, which
-        # ray.init() would join (another user's cluster, and then num_cpus is refused). RAY_ADDRESS, read into
-        # the run's settings, still wins: it arrives here as `address`.
-        ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=True,
-                 configure_logging=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
-    if callable(host_handler) and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, host_handler)
-
-
 def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int, scratch: Path,
                      run_token: str | None = None) -> Placement:
     """The RolloutManager and `actor_num_nodes x actor_num_gpus_per_node` TrainActors; `run_token` is the run's
@@ -184,7 +210,7 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
     --debug-rollout-only creates no TrainActor, --debug-train-only replays saved rollouts without an engine."""
     placement = config.placement
     world = placement.actor_num_nodes * placement.actor_num_gpus_per_node
-    group = _placement_group(config) if _has_gpus() else None
+    group = _placement_group(config) if has_gpus() else None
     # Synchronous: trainers and engines take turns, each may use the machine. Async: they compute at once.
     at_once = world + setup.num_engines if placement.async_ else world
     threads = None if group else cpu_threads(at_once)
@@ -192,15 +218,17 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
         engines = setup.num_engines if group else (at_once if placement.async_ else 1)
         setup = replace(setup, engine_threads=cpu_threads(max(1, engines)))
     if group is not None:
+        memory_saver = {"enable_memory_saver": True} if placement.offload_rollout else {}  # as slime
         setup = replace(setup, engines_on=group.engine_placement(
             "sglang" if sglang_installed() else "embedded", config.seed, placement.num_gpus_per_node,
-            config.sglang.server_args()))
+            {**config.sglang.server_args(), **memory_saver}))
     init_method = (scratch / f"dist-{uuid.uuid4().hex[:8]}").resolve().as_uri() if world > 1 else ""
     manager = ray.remote(num_cpus=0)(hosted(rollout_manager_class(config))).remote(config, setup)
     ranks = 0 if config.debug.debug_rollout_only else world
     pinned = group.trainer_options if group else (lambda rank: {"num_cpus": 0, "num_gpus": 0})
     actors = [ray.remote(hosted(TrainActor)).options(**pinned(rank)).remote(
-        config, setup.hf_checkpoint, rank, world, init_method, total_steps, threads, run_token)
+        config, setup.hf_checkpoint, rank, world, init_method, total_steps, threads, run_token,
+        str(scratch / "offload"))
         for rank in range(ranks)]
     try:
         targets = call(manager.weight_targets.remote(), "starting the rollout manager (engines)")
@@ -212,9 +240,13 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
         if group is not None:
             group.remove()
         raise
-    trainers = ActorGroup(actors, pushes_weights=targets is not None) if actors else NoTrainer(
+    colocation = None
+    if placement.offload_train or placement.offload_rollout:
+        colocation = Colocation(manager, actors, placement.offload_train, placement.offload_rollout and targets is not None,
+                                config.weight_sync.update_weights_interval)
+    trainers = ActorGroup(actors, pushes_weights=targets is not None, colocation=colocation) if actors else NoTrainer(
         config.checkpoint.start_rollout_id)
-    return Placement(config, RolloutManagerHandle(manager), trainers, group)
+    return Placement(config, RolloutManagerHandle(manager, colocation), trainers, group)
 
 
 def _placement_group(config: TrainConfig) -> PlacedGroup:
@@ -223,27 +255,3 @@ def _placement_group(config: TrainConfig) -> PlacedGroup:
     plan = plan_placement(config.placement, debug_rollout_only=config.debug.debug_rollout_only,
                           debug_train_only=config.debug.debug_train_only, external_engines=bool(external))
     return create_placement_group(plan)
-
-
-def cpu_threads(processes: int, *, spare: int = 1) -> int:
-    """torch threads for each of `processes` computing at once on this machine's CPU, `spare` cores left over.
-
-    Engines and trainers alike keep one core spare for what runs beside their compute (the HTTP servers, the
-    rollout manager's event loop, Ray's own processes, other jobs on the machine): a torch thread that waits for a
-    core stalls its op's other threads at every barrier. On the demo's loop on a loaded 2-core machine (loop_bench
-    --seed 7, 80 steps, two runs each) the train step took a median 0.019 s with 1 thread against 0.16-0.29 s with
-    2; its fastest steps were 0.017 s against 0.018-0.019 s, so one thread also loses nothing on a quiet machine
-    now that the step's forward runs once per distinct row.
-    """
-    return max(1, ((os.cpu_count() or 1) - spare) // processes)
-
-
-def _has_gpus() -> bool:
-    return bool(ray.cluster_resources().get("GPU", 0))
-
-
-def scratch_dir(workdir: Path | None) -> Path:
-    base = workdir if workdir is not None else Path(tempfile.gettempdir())
-    path = base / ".ray-scratch"
-    path.mkdir(parents=True, exist_ok=True)
-    return path

@@ -88,8 +88,11 @@ class RewardScorer:
     """
 
     def __init__(self, config: RewardConfig, judge: MathJudge | None = None, remote: RemoteReward | None = None,
-                 seed: int = 0, args: Any = None):
-        self.config, self.seed = config, seed
+                 seed: int = 0, args: Any = None, post_processed: bool = False):
+        """`post_processed`: a --custom-reward-post-process-path turns the rewards into numbers afterwards, so a
+        custom reward's dict answer is kept as it is for it (slime's on-policy distillation returns the teacher
+        server's whole answer)."""
+        self.config, self.seed, self.post_processed = config, seed, post_processed
         self.args = args
         """slime's `args` for --custom-rm-path (slime_plugins.slime_args; the rollout sets it when None)."""
         self._owns_judge = judge is None
@@ -148,6 +151,9 @@ class RewardScorer:
             source = self._source(sample)
             if self.custom is not None:
                 value = await _maybe_await(self.custom(self._args(), to_slime(sample)))
+                if self.post_processed and isinstance(value, dict) and self.reward_key(sample) is None:
+                    sample.reward = value  # for the post-process, which returns the numbers
+                    return
             elif source == "remote_rm":
                 value = await self.remote(sample, self.reward_key(sample))
             else:

@@ -83,7 +83,15 @@ def to_slime(sample: Sample) -> SlimeSample:
                        label=sample.label, reward=sample.reward,
                        loss_mask=None if sample.loss_mask is None else list(sample.loss_mask),
                        rollout_log_probs=None if sample.rollout_log_probs is None else list(sample.rollout_log_probs),
+                       teacher_log_probs=floats(sample.teacher_log_probs),
                        status=sample.status, metadata=sample.metadata)
+
+
+def floats(values: Any) -> list[float] | None:
+    """A list of floats from a list or a tensor (slime's OPD post-process stores a tensor), None kept."""
+    if values is None:
+        return None
+    return [float(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
 
 
 def from_slime(sample: Any, origin: Sample, where: str) -> Sample:
@@ -97,6 +105,7 @@ def from_slime(sample: Any, origin: Sample, where: str) -> Sample:
                     response=sample.response, response_length=sample.response_length, reward=sample.reward,
                     loss_mask=None if sample.loss_mask is None else list(sample.loss_mask),
                     rollout_log_probs=None if sample.rollout_log_probs is None else list(sample.rollout_log_probs),
+                    teacher_log_probs=floats(getattr(sample, "teacher_log_probs", None)),
                     status=Status(sample.status.value), failure_reason=getattr(sample, "failure_reason", None))
     versions = getattr(sample, "weight_versions", None)
     if versions:

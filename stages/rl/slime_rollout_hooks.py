@@ -13,7 +13,7 @@ from typing import Any
 from slimeflow.slime_compat.utils.types import Sample as SlimeSample
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.plugins import load_plugin
-from slimeflow.stages.rl.slime_plugins import from_slime, plugin_name, takes_keyword, to_slime
+from slimeflow.stages.rl.slime_plugins import floats, from_slime, plugin_name, takes_keyword, to_slime
 from slimeflow.stages.rl.types import Sample, Status
 
 
@@ -81,13 +81,16 @@ def post_process_rewards(function: Callable[..., Any], args: Any, groups: list[l
     metadata['raw_reward'])."""
     samples = [s for group in groups for s in group]
     where = f"--custom-reward-post-process-path {plugin_name(function)}"
-    raw, rewards = function(args, [to_slime(s) for s in samples])
+    views = [to_slime(s) for s in samples]
+    raw, rewards = function(args, views)
     if len(raw) != len(samples) or len(rewards) != len(samples):
         raise ValueError(f"{where} returned {len(raw)} raw rewards and {len(rewards)} rewards for {len(samples)} "
                          "samples; return one of each per sample")
-    for sample, raw_reward, reward in zip(samples, raw, rewards, strict=True):
+    for sample, view, raw_reward, reward in zip(samples, views, raw, rewards, strict=True):
         sample.metadata["raw_reward"] = float(raw_reward)
         sample.reward = float(reward)
+        # on-policy distillation's post-process sets them (slime's on_policy_distillation)
+        sample.teacher_log_probs = floats(view.teacher_log_probs)
 
 
 def process_all_samples(function: Callable[..., Any], args: Any, kept: list[list[Sample]],
@@ -194,7 +197,7 @@ def run_rollout_function(function: Callable[..., Any], ctx: Any, data: Any, roll
     return RolloutResult(groups=groups, metrics=metrics)
 
 
-_TRAIN_DATA_USED = {"tokens", "response_lengths", "rewards", "loss_masks", "rollout_log_probs"}
+_TRAIN_DATA_USED = {"tokens", "response_lengths", "rewards", "loss_masks", "rollout_log_probs", "teacher_log_probs"}
 _TRAIN_DATA_INFO = {"raw_reward", "truncated", "sample_indices", "rollout_ids", "rollout_mask_sums", "total_lengths"}
 """slime train-data keys that only report (slimeflow computes total_lengths and the loss's denominators itself)."""
 
@@ -219,7 +222,7 @@ def train_batch(config: TrainConfig, args: Any, samples: list[Sample]) -> Any:
         raise ValueError(f"{where} returned keys {unread} that slimeflow's trainer does not read (remove them or "
                          f"train with slime)" if unread else f"{where} returned no {missing}; it needs tokens, "
                          "response_lengths, rewards and loss_masks (rollout_log_probs optional)")
-    logps = data.get("rollout_log_probs")
+    logps, teacher = data.get("rollout_log_probs"), data.get("teacher_log_probs")
     groups = [s.group_index for s in samples] if len(samples) == len(data["tokens"]) else []
     return TrainBatch(tokens=[torch.as_tensor(t, dtype=torch.long) for t in data["tokens"]],
                       response_lengths=[int(n) for n in data["response_lengths"]],
@@ -227,7 +230,9 @@ def train_batch(config: TrainConfig, args: Any, samples: list[Sample]) -> Any:
                       rewards=torch.as_tensor(data["rewards"], dtype=torch.float32),
                       rollout_log_probs=None if logps is None else [torch.as_tensor(lp, dtype=torch.float32)
                                                                     for lp in logps],
-                      group_indices=groups)
+                      group_indices=groups,
+                      teacher_log_probs=None if teacher is None else [torch.as_tensor(lp, dtype=torch.float32)
+                                                                      for lp in teacher])
 
 
 def run_eval_function(function: Callable[..., Any], ctx: Any, data: Any, rollout_id: int | None) -> dict[str, float]:

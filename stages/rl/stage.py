@@ -15,18 +15,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from slimeflow.checkpoint.hf_source import fingerprint
+from slimeflow.cluster import init_ray, scratch_dir
+from slimeflow.config.model_args import check_model_args
 from slimeflow.io import checkpoints
 from slimeflow.io.storage import join
 from slimeflow.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.model.stage import fingerprint
 from slimeflow.stages.rl import async_loop, loop
 from slimeflow.stages.rl.actors import RolloutSetup
 from slimeflow.stages.rl.backend.ownership import claim_root
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.engine.sglang_launch import installed_server_args
-from slimeflow.stages.rl.model_args import check_model_args, megatron_backend_problems
-from slimeflow.stages.rl.placement import create_placement, init_ray, scratch_dir
+from slimeflow.stages.rl.model_args import megatron_backend_problems
+from slimeflow.stages.rl.placement import create_placement
 from slimeflow.stages.rl.placement_plan import flag_problems
 from slimeflow.stages.rl.plots import plot_curves
 from slimeflow.stages.rl.plugins import PluginError, load_plugin
@@ -121,7 +123,7 @@ def replay_problems(config: TrainConfig) -> list[str]:
 def data_problems(config: TrainConfig, ctx: StageContext) -> list[str]:
     """--prompt-data and every --eval-prompt-data set (raw ones already preprocessed): there, readable, prompt
     parquet, not empty (before Ray, where a bad one would only show as a dead actor)."""
-    from slimeflow.stages.preprocess.reader import open_prompt_sets
+    from slimeflow.io.prompts import open_prompt_sets
 
     sets = {f"--eval-prompt-data {name}": uri for name, uri in config.eval.eval_prompt_data.items()}
     if config.data.prompt_data is not None:
@@ -176,7 +178,7 @@ def resolve_num_rollout(config: TrainConfig, prompt_data: str, ctx: StageContext
     """--num-rollout, else --num-epoch epochs over the prompts (as slime: ceil(prompts / rollout_batch_size))."""
     if config.batch.num_rollout is not None:
         return config.batch.num_rollout
-    from slimeflow.stages.preprocess.reader import PromptDataset
+    from slimeflow.io.prompts import PromptDataset
 
     prompts = len(PromptDataset(prompt_data, ctx.storage))
     return config.batch.num_epoch * math.ceil(prompts / config.batch.rollout_batch_size)
@@ -197,13 +199,19 @@ class RolloutLog:
         self.log_metrics = log_metrics
         path.parent.mkdir(parents=True, exist_ok=True)
 
-    def started(self, start_rollout_id: int, evaluates_first: bool) -> None:
+    def started(self, start_rollout_id: int, evaluates_first: bool, saved: dict[str, float] | None = None) -> None:
+        def is_eval(record: dict[str, Any]) -> bool:
+            return all(key.startswith("eval/") for key in record if key != "step")
+
         def kept(record: dict[str, Any]) -> bool:
             step = record["step"]
-            is_eval = all(key.startswith("eval/") for key in record if key != "step")
-            return step < start_rollout_id or (is_eval and step == start_rollout_id and not evaluates_first)
+            return step < start_rollout_id or (is_eval(record) and step == start_rollout_id and not evaluates_first)
 
         records = [r for r in _read_jsonl(self.path) if kept(r)]
+        last = start_rollout_id - 1
+        if saved and not any(r["step"] == last and not is_eval(r) for r in records):
+            # The killed run saved this rollout but died before its line: the metrics it had at the save.
+            records.append({"step": last, **saved})
         _rewrite(self.path, records)
         ids = self.path.with_name("row_ids.jsonl")
         _rewrite(ids, [r for r in _read_jsonl(ids) if r["rollout_id"] < start_rollout_id])

@@ -29,6 +29,8 @@ class Prepared:
     """None when on-policy with one step: the training forward's detached log-probs serve."""
     advantages: list[torch.Tensor]
     ref_log_probs: list[torch.Tensor] | None
+    opd_reverse_kl: list[torch.Tensor] | None = None
+    """log pi_old - log pi_teacher per response token (--use-opd), None without a teacher."""
 
 
 def plan_steps(batch: TrainBatch, global_batch_size: int, rank: int, world_size: int,
@@ -53,7 +55,8 @@ def train_on_rollout(backend: TorchBackend, batch: TrainBatch, config: TrainConf
 
     Runs len(batch) / global_batch_size optimizer steps. Returns metrics averaged over the steps, each the
     global batch's value (summed over micro-batches and ranks): pg_loss, pg_clipfrac, ppo_kl, entropy, kl_loss
-    (--use-kl-loss), tis, tis_clipfrac, tis_abs and ois (--use-tis, --get-mismatch-metrics), grad_norm, lr (of each step), and train_tokens_per_s
+    (--use-kl-loss), tis, tis_clipfrac, tis_abs and ois (--use-tis, --get-mismatch-metrics), grad_norm, lr (of each step),
+    opd_reverse_kl (--use-opd), and train_tokens_per_s
     (prompt + response tokens of the rollout over the wall time of the steps, all ranks together).
     """
     plan = plan_steps(batch, config.batch.global_batch_size, rank, world_size, config.batch.balance_data)
@@ -67,6 +70,10 @@ def train_on_rollout(backend: TorchBackend, batch: TrainBatch, config: TrainConf
     seconds = time.perf_counter() - started
     metrics = {key: sum(m[key] for m in per_step) / len(per_step) for key in per_step[0]}
     metrics["train_tokens_per_s"] = sum(batch.total_lengths) / max(seconds, 1e-9)
+    if prepared.opd_reverse_kl is not None:  # slime's opd_reverse_kl: the mean over samples of each one's token mean
+        means = [(kl * mask).sum() / mask.sum().clamp(min=1) for kl, mask in zip(prepared.opd_reverse_kl,
+                                                                               batch.loss_masks, strict=True)]
+        metrics["opd_reverse_kl"] = float(torch.stack(means).mean()) if means else 0.0
     return metrics
 
 
@@ -92,11 +99,24 @@ def prepare(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, own: 
     if backend.needs_reference:
         ref = _gather(own, backend.compute_log_probs(mine, reference=True).log_probs, len(batch), world_size,
                       backend.data_parallel_group)
+    teacher = None
+    if algo.needs_teacher:
+        teacher = _gather(own, backend.compute_log_probs(mine, teacher=True).log_probs, len(batch), world_size,
+                          backend.data_parallel_group)
+    elif algo.use_opd:
+        if batch.teacher_log_probs is None:
+            raise ValueError("--use-opd --opd-type sglang needs every sample's teacher_log_probs, which this rollout "
+                             "lacks: set them in --custom-reward-post-process-path (slime's "
+                             "slime.rollout.on_policy_distillation.post_process_rewards, with its reward_func as "
+                             "--custom-rm-path and the teacher server as --rm-url)")
+        teacher = batch.teacher_log_probs
     policy = batch.rollout_log_probs if algo.use_rollout_logprobs else old
-    inputs = AdvantageInputs(rewards=batch.rewards, loss_masks=batch.loss_masks, log_probs=policy, ref_log_probs=ref)
+    inputs = AdvantageInputs(rewards=batch.rewards, loss_masks=batch.loss_masks, log_probs=policy, ref_log_probs=ref,
+                             teacher_log_probs=teacher)
     advantages = compute_advantages(algo, inputs, group_size(batch, config.batch.n_samples_per_prompt),
                                     backend.custom_advantage)
-    return Prepared(old_log_probs=old, advantages=advantages.advantages, ref_log_probs=ref)
+    return Prepared(old_log_probs=old, advantages=advantages.advantages, ref_log_probs=ref,
+                    opd_reverse_kl=None if teacher is None else [p - t for p, t in zip(policy, teacher, strict=True)])
 
 
 def group_size(batch: TrainBatch, n_samples_per_prompt: int) -> int:
@@ -111,7 +131,8 @@ def group_size(batch: TrainBatch, n_samples_per_prompt: int) -> int:
 
 def _advantages_need_no_log_probs(config: TrainConfig, backend: TorchBackend) -> bool:
     """GRPO-style estimators read only the rewards; the KL-shaped ones and custom functions read log-probs."""
-    return backend.custom_advantage is None and config.algorithm.advantage_estimator in ("grpo", "gspo", "cispo")
+    return (backend.custom_advantage is None and config.algorithm.advantage_estimator in ("grpo", "gspo", "cispo")
+            and not config.algorithm.use_opd)  # OPD's penalty reads the old policy's log-probs
 
 
 def _gather(own: list[int], values: list[torch.Tensor], total: int, world_size: int,
@@ -155,6 +176,6 @@ def accumulate_gradients(backend: TorchBackend, batch: TrainBatch, indices: list
                             ref_log_probs=pick(prepared.ref_log_probs) if algo.use_kl_loss else None,
                             rollout_log_probs=pick(batch.rollout_log_probs),
                             entropy=entropy, total_lengths=[lengths[i] for i in rows])
-        return compute_loss(algo, inputs, normalizer, backend.custom_loss)
+        return compute_loss(algo, inputs, normalizer, backend.custom_loss, getattr(backend, "custom_tis", None))
 
     return backend.forward_backward(batch, micros, loss_of)

@@ -28,8 +28,9 @@ class Sample:
 
     `tokens` is prompt + response token ids; `response_length` counts the response part, and `loss_mask` (when set)
     has exactly `response_length` entries: 1 for tokens the model generated, 0 for tool or environment tokens.
-    `rollout_log_probs` are the rollout engine's log-probs of the response tokens. A reward that raised leaves
-    `status` FAILED and the reason in `failure_reason`.
+    `rollout_log_probs` are the rollout engine's log-probs of the response tokens, `teacher_log_probs` a teacher's
+    (on-policy distillation: set by a reward post-process, as slime's). A reward that raised leaves `status` FAILED
+    and the reason in `failure_reason`.
     """
 
     group_index: int
@@ -44,6 +45,7 @@ class Sample:
     reward: float | None = None
     loss_mask: list[int] | None = None
     rollout_log_probs: list[float] | None = None
+    teacher_log_probs: list[float] | None = None
     status: Status = Status.PENDING
     failure_reason: str | None = None
 
@@ -78,6 +80,8 @@ class TrainBatch:
     rewards: torch.Tensor
     rollout_log_probs: list[torch.Tensor] | None = None
     group_indices: list[int] = field(default_factory=list)
+    teacher_log_probs: list[torch.Tensor] | None = None
+    """A teacher's log-probs of the response tokens (on-policy distillation with --opd-type sglang)."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -87,6 +91,8 @@ class TrainBatch:
             sizes["rollout_log_probs"] = len(self.rollout_log_probs)
         if self.group_indices:
             sizes["group_indices"] = len(self.group_indices)
+        if self.teacher_log_probs is not None:
+            sizes["teacher_log_probs"] = len(self.teacher_log_probs)
         wrong = {name: size for name, size in sizes.items() if size != n}
         if wrong:
             raise ValueError(f"TrainBatch has {n} token sequences but field sizes {wrong}; every field needs {n}")
@@ -98,6 +104,10 @@ class TrainBatch:
                     f"TrainBatch sample {i}: loss_mask has {mask.numel()} entries, response_length is {length}, "
                     f"tokens has {toks.numel()}; the mask must cover exactly the response"
                 )
+            if self.teacher_log_probs is not None and self.teacher_log_probs[i].numel() != length:
+                raise ValueError(f"TrainBatch sample {i}: teacher_log_probs has {self.teacher_log_probs[i].numel()} "
+                                 f"entries, response_length is {length}; a teacher's log-probs must cover exactly "
+                                 "the response (a reward post-process keeps the last response_length of them)")
             if logp is not None and logp.numel() != length:
                 raise ValueError(
                     f"TrainBatch sample {i}: rollout_log_probs has {logp.numel()} entries, response_length is "
@@ -123,6 +133,7 @@ class TrainBatch:
             rewards=self.rewards[pick] if pick else self.rewards[:0],
             rollout_log_probs=None if self.rollout_log_probs is None else [self.rollout_log_probs[i] for i in pick],
             group_indices=[self.group_indices[i] for i in pick] if self.group_indices else [],
+            teacher_log_probs=None if self.teacher_log_probs is None else [self.teacher_log_probs[i] for i in pick],
         )
 
     @classmethod
@@ -132,6 +143,7 @@ class TrainBatch:
         if bad:
             raise ValueError(f"samples {bad[:10]} have no reward or failed; drop them before building a TrainBatch")
         has_logp = all(s.rollout_log_probs is not None for s in samples)
+        has_teacher = bool(samples) and all(s.teacher_log_probs is not None for s in samples)
         return cls(
             tokens=_split_rows([s.tokens for s in samples], torch.long),
             response_lengths=[s.response_length for s in samples],
@@ -141,6 +153,8 @@ class TrainBatch:
             rollout_log_probs=_split_rows([s.rollout_log_probs for s in samples], torch.float32)
             if has_logp and samples else None,
             group_indices=[s.group_index for s in samples],
+            teacher_log_probs=_split_rows([s.teacher_log_probs for s in samples], torch.float32)
+            if has_teacher else None,
         )
 
 
@@ -167,6 +181,7 @@ class PackedBatch:
     rewards: torch.Tensor
     rollout_log_probs: torch.Tensor | None
     group_indices: list[int]
+    teacher_log_probs: torch.Tensor | None = None
 
     @classmethod
     def pack(cls, batch: TrainBatch) -> PackedBatch:
@@ -176,7 +191,8 @@ class PackedBatch:
         logp = batch.rollout_log_probs
         return cls(flat(batch.tokens, torch.long), batch.total_lengths, list(batch.response_lengths),
                    flat(batch.loss_masks, torch.float32), batch.rewards,
-                   None if logp is None else flat(logp, torch.float32), list(batch.group_indices))
+                   None if logp is None else flat(logp, torch.float32), list(batch.group_indices),
+                   None if batch.teacher_log_probs is None else flat(batch.teacher_log_probs, torch.float32))
 
     def unpack(self) -> TrainBatch:
         per_response = self.response_lengths
@@ -185,4 +201,6 @@ class PackedBatch:
             loss_masks=list(torch.split(self.loss_masks, per_response)), rewards=self.rewards,
             rollout_log_probs=None if self.rollout_log_probs is None
             else list(torch.split(self.rollout_log_probs, per_response)),
-            group_indices=list(self.group_indices))
+            group_indices=list(self.group_indices),
+            teacher_log_probs=None if self.teacher_log_probs is None
+            else list(torch.split(self.teacher_log_probs, per_response)))

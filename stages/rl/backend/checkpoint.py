@@ -29,17 +29,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from slimeflow.checkpoint import safe_pickle
+from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, read_hf_source
+from slimeflow.checkpoint.hf_source import TOKENIZER_FILES
+from slimeflow.checkpoint.hf_write import origin_family, replace_dir
+from slimeflow.checkpoint.integrity import verify_checkpoint, write_checksums
+from slimeflow.checkpoint.mapping import ModelShape, megatron_to_hf
+from slimeflow.checkpoint.staging import claimed_dir, held
+from slimeflow.checkpoint.torch_dist import load_torch_dist, unstack_layers
 from slimeflow.io import checkpoints
 from slimeflow.io.checkpoints import RELEASE, CheckpointError, CheckpointRef
 from slimeflow.io.storage import Storage, local_path
-from slimeflow.stages.convert import safe_pickle
-from slimeflow.stages.convert.export import origin_family, replace_dir
-from slimeflow.stages.convert.integrity import verify_checkpoint, write_checksums
-from slimeflow.stages.convert.mapping import ModelShape, megatron_to_hf
-from slimeflow.stages.convert.stage import convert_hf_to_torch_dist, read_hf_source
-from slimeflow.stages.convert.staging import claimed_dir, held
-from slimeflow.stages.convert.torch_dist import load_torch_dist, unstack_layers
-from slimeflow.stages.model.stage import TOKENIZER_FILES
 from slimeflow.stages.rl.backend.ownership import local_root
 from slimeflow.stages.rl.backend.torch_backend import rng_state, set_rng_state
 

@@ -38,7 +38,8 @@ from slimeflow.stages.rl.backend.torch_backend import (
     sum_over_ranks,
 )
 from slimeflow.stages.rl.config import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig
-from slimeflow.stages.rl.loss import CustomLoss, LossOutput, load_custom_loss
+from slimeflow.stages.rl.loss import CustomLoss, LossOutput, TisFunction, load_custom_loss, load_custom_tis
+from slimeflow.stages.rl.offload import module_tensors, optimizer_tensors
 from slimeflow.stages.rl.types import TrainBatch
 
 LossOf = Callable[[list[int], LogProbs], LossOutput]
@@ -58,7 +59,7 @@ class MegatronBackend:
                  ref_load: str | None = None, temperature: float = 1.0):
         from megatron.core import parallel_state
 
-        from slimeflow.stages.convert.torch_dist import read_common
+        from slimeflow.checkpoint.torch_dist import read_common
 
         if temperature <= 0:
             raise ValueError(f"temperature {temperature}: the trainer's log-probs need a sampling temperature > 0")
@@ -90,8 +91,11 @@ class MegatronBackend:
             self.optimizer = self._megatron_optimizer()
             self.scheduler = self._param_scheduler(total_steps)
             self.ref_model = self._reference(ref_load) if self.needs_reference else None
+            # on-policy distillation's teacher (--opd-type megatron): a frozen model of the policy's architecture
+            self.teacher_model = self._reference(algorithm.opd_teacher_load) if algorithm.needs_teacher else None
         self.custom_loss: CustomLoss | None = load_custom_loss(algorithm)
         self.custom_advantage: CustomAdvantage | None = load_custom_advantage(algorithm)
+        self.custom_tis: TisFunction | None = load_custom_tis(algorithm)
 
     @property
     def needs_reference(self) -> bool:
@@ -212,12 +216,14 @@ class MegatronBackend:
         return plan_micro_batches(self.batch, lengths)
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = False, reference: bool = False) -> LogProbs:
-        """log-probs (fp32, CPU) of every sample's response tokens under the policy (or the reference model), in
-        this backend's micro-batches; every rank of the model replica gets them."""
-        model = self.ref_model if reference else self.model
+    def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = False, reference: bool = False,
+                          teacher: bool = False) -> LogProbs:
+        """log-probs (fp32, CPU) of every sample's response tokens under the policy (or the reference model, or the
+        OPD teacher), in this backend's micro-batches; every rank of the model replica gets them."""
+        model = self.teacher_model if teacher else self.ref_model if reference else self.model
         if model is None:
-            raise ValueError("no reference model: it is loaded only with --use-kl-loss or --kl-coef > 0")
+            raise ValueError("no teacher model: it is loaded only with --use-opd --opd-type megatron" if teacher else
+                             "no reference model: it is loaded only with --use-kl-loss or --kl-coef > 0")
         out = LogProbs([None] * len(batch), [None] * len(batch) if with_entropy else None)  # type: ignore[list-item]
 
         def keep(indices: list[int], part: LogProbs) -> tuple[torch.Tensor, int, Any]:
@@ -328,12 +334,20 @@ class MegatronBackend:
 
     # -- weights ------------------------------------------------------------------------------------------------
 
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor this rank holds on its device (what --offload-train moves off it): the policy shard's
+        weights and buffers, DDP's gradient buffer (through each parameter's main_grad view), megatron's optimizer
+        (its parameters and Adam state), and the reference model."""
+        yield from module_tensors(self.model)
+        yield from optimizer_tensors(self.optimizer)
+        yield from module_tensors(self.ref_model)
+
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The policy's full HF-named weights (vocabulary padding cut) on global rank 0, {} on the others.
         Collective: every rank calls it; each sends its shards (one copy of each, megatron's main replicas)."""
-        from slimeflow.stages.convert.export import origin_family
-        from slimeflow.stages.convert.mapping import ModelShape, megatron_to_hf
-        from slimeflow.stages.convert.torch_dist import unstack_layers
+        from slimeflow.checkpoint.hf_write import origin_family
+        from slimeflow.checkpoint.mapping import ModelShape, megatron_to_hf
+        from slimeflow.checkpoint.torch_dist import unstack_layers
 
         with self.on_device():
             tensors = gather_global_tensors(self.module)

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from slimeflow.checkpoint.hf_write import replace_dir
+from slimeflow.checkpoint.integrity import verify_checkpoint, write_checksums
+from slimeflow.checkpoint.staging import claimed_dir, staging_prefix
+from slimeflow.checkpoint.torch_dist import CHECKPOINT_VERSION, tensor_metadata
 from slimeflow.io import checkpoints
 from slimeflow.io.checkpoints import RELEASE, CheckpointError, CheckpointRef
 from slimeflow.io.storage import Storage
-from slimeflow.stages.convert.export import replace_dir
-from slimeflow.stages.convert.integrity import verify_checkpoint, write_checksums
-from slimeflow.stages.convert.staging import claimed_dir, staging_prefix
-from slimeflow.stages.convert.torch_dist import CHECKPOINT_VERSION, tensor_metadata
 from slimeflow.stages.rl.backend.checkpoint import EXTRA_STATE, SIDE_DIR, reading
 from slimeflow.stages.rl.backend.ownership import local_root
 from slimeflow.stages.rl.backend.torch_backend import rng_state, set_rng_state

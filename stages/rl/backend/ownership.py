@@ -7,8 +7,8 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
+from slimeflow.checkpoint.staging import remove_abandoned
 from slimeflow.io.storage import Storage, is_local, local_path
-from slimeflow.stages.convert.staging import remove_abandoned
 
 OWNER_FILENAME = ".slimeflow-run"
 """The token of the run that may commit checkpoints under a root (claim_root / check_owner)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,8 @@ from slimeflow.stages.rl import algorithms as alg
 from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantage
 from slimeflow.stages.rl.backend.schedule import build_scheduler
 from slimeflow.stages.rl.config import AlgorithmConfig, BatchConfig, OptimizerConfig
-from slimeflow.stages.rl.loss import CustomLoss, LossOutput, load_custom_loss
+from slimeflow.stages.rl.loss import CustomLoss, LossOutput, TisFunction, load_custom_loss, load_custom_tis
+from slimeflow.stages.rl.offload import module_tensors, optimizer_tensors
 from slimeflow.stages.rl.packing import pack_micro_batches
 from slimeflow.stages.rl.types import TrainBatch
 
@@ -98,8 +99,11 @@ class TorchBackend:
             fused=True)  # one kernel for all parameters: 0.7 ms a step against 1.5 ms with foreach (demo model, CPU)
         self.scheduler = build_scheduler(self.optimizer, optimizer, total_steps)
         self.ref_model = self._load_reference(ref_load) if self.needs_reference else None
+        # on-policy distillation's teacher (--opd-type megatron): the policy's architecture, the teacher's weights
+        self.teacher_model = self._load_reference(algorithm.opd_teacher_load) if algorithm.needs_teacher else None
         self.custom_loss: CustomLoss | None = load_custom_loss(algorithm)
         self.custom_advantage: CustomAdvantage | None = load_custom_advantage(algorithm)
+        self.custom_tis: TisFunction | None = load_custom_tis(algorithm)
 
     @property
     def needs_reference(self) -> bool:
@@ -131,29 +135,34 @@ class TorchBackend:
         --use-dynamic-batch-size, else consecutive --micro-batch-size samples."""
         return plan_micro_batches(self.batch, lengths)
 
-    def forward(self, rows: TrainBatch, with_entropy: bool = False, reference: bool = False) -> LogProbs:
+    def forward(self, rows: TrainBatch, with_entropy: bool = False, reference: bool = False,
+                teacher: bool = False) -> LogProbs:
         """Response-token log-probs (and entropies) of every row, on this device, with autograd as the caller's
         grad mode sets it. One micro-batch: its distinct rows (`distinct_rows`) right-padded to the longest."""
-        model = self.ref_model if reference else self.model
+        model = self.teacher_model if teacher else self.ref_model if reference else self.model
         if model is None:
-            raise ValueError("no reference model: it is loaded only with --use-kl-loss or --kl-coef > 0")
+            raise ValueError("no teacher model: it is loaded only with --use-opd --opd-type megatron" if teacher else
+                             "no reference model: it is loaded only with --use-kl-loss or --kl-coef > 0")
         layout = RowLayout.of(rows)
         cast = self.autocast_dtype
         with torch.autocast(self.device.type, dtype=cast) if cast is not None else contextlib.nullcontext():
-            # logits_to_keep (a boolean mask): the output layer runs on the kept positions only, flattened row by
-            # row into one [tokens, vocab] block, so one log-softmax serves the micro-batch.
-            selected = model(input_ids=layout.ids.to(self.device), attention_mask=layout.mask.to(self.device),
-                             logits_to_keep=layout.keep.to(self.device), use_cache=False).logits
+            # The output layer runs on the kept positions only, flattened row by row into one [tokens, vocab]
+            # block, so one log-softmax serves the micro-batch. The decoder and the output layer are called apart
+            # (what transformers >= 5.2x does for a boolean `logits_to_keep`; 5.17 rejects such a mask).
+            hidden = model.base_model(input_ids=layout.ids.to(self.device), attention_mask=layout.mask.to(self.device),
+                                      use_cache=False).last_hidden_state
+            selected = model.get_output_embeddings()(hidden[layout.keep.to(self.device)])
         return response_log_probs(selected, rows, layout, self.temperature, with_entropy)
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = False, reference: bool = False) -> LogProbs:
-        """log-probs (fp32, CPU) of every sample's response tokens under the policy (or the reference model),
-        computed in this backend's micro-batches."""
+    def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = False, reference: bool = False,
+                          teacher: bool = False) -> LogProbs:
+        """log-probs (fp32, CPU) of every sample's response tokens under the policy (or the reference model, or the
+        OPD teacher), computed in this backend's micro-batches."""
         out = LogProbs([None] * len(batch), [None] * len(batch) if with_entropy else None)  # type: ignore[list-item]
         for micro in self.micro_batches(batch.total_lengths):
             rows = batch.select(micro)
-            part = self.forward(rows, with_entropy, reference)
+            part = self.forward(rows, with_entropy, reference, teacher)
             for values, into in ((part.log_probs, out.log_probs), (part.entropy, out.entropy)):
                 if values is not None and into is not None:  # one copy to the CPU per micro-batch, then views
                     flat = torch.cat(values).float().cpu()
@@ -222,6 +231,13 @@ class TorchBackend:
     def load_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
         """Replace the policy's weights by HF-named `weights` (from `source`, named in errors)."""
         assign_weights(self.model, weights, source)
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor this rank holds on its device (what --offload-train moves off it): the policy's weights,
+        gradients and buffers, the optimizer's state, and the reference model."""
+        yield from module_tensors(self.model)
+        yield from optimizer_tensors(self.optimizer)
+        yield from module_tensors(self.ref_model)
 
     def training_state(self) -> dict[str, Any]:
         """Optimizer and scheduler state (torch-saveable), identical on every data-parallel rank."""

@@ -57,6 +57,9 @@ class GenerateRequest:
     rid: str
     input_ids: list[int]
     params: SamplingParams
+    logprob_start_len: int | None = None
+    """Return the log-probs of the input tokens from this position (SGLang's input_token_logprobs); only with
+    max_new_tokens 0 here: a teacher scoring a sequence, as slime's on-policy distillation asks."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,9 @@ class GenerateResult:
     text: str
     finish_reason: dict[str, Any]
     weight_version: str
+    input_token_logprobs: list[list[Any]] | None = None
+    """SGLang's [[logprob, token id, None], ...] of the input tokens from logprob_start_len (the first token's
+    logprob None), under the logits over the request's temperature; None unless asked for."""
 
 
 class _Batch:
@@ -125,6 +131,7 @@ class _Sequence:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict[str, Any] | None = None
+    input_token_logprobs: list[list[Any]] | None = None
 
 
 class Batcher:
@@ -370,6 +377,8 @@ class Batcher:
         self.admission_rounds += 1
         newcomers, self._probes = [*self._probes, *self._waiting.take(room)], []
         for seq in [s for s in newcomers if s.request.params.max_new_tokens == 0]:
+            if seq.request.logprob_start_len is not None:
+                seq.input_token_logprobs = self._input_logprobs(seq.request)
             self._finish(seq, {"type": "length", "length": 0})
         newcomers = [s for s in newcomers if s.finish is None]
         if not newcomers:
@@ -381,6 +390,19 @@ class Batcher:
                 if not seq.future.done():
                     seq.future.set_exception(RuntimeError("the engine's prefill failed; see the engine log"))
             raise
+
+    def _input_logprobs(self, request: GenerateRequest) -> list[list[Any]]:
+        """log p(token i | tokens before it) for i >= logprob_start_len, over the request's temperature (greedy: 1),
+        from one forward over the whole input (no cache kept)."""
+        ids = request.input_ids
+        logits = self._loaded.model(input_ids=torch.tensor([ids], device=self._loaded.device),
+                                    use_cache=False).logits[0, :-1].float()
+        temperature = request.params.temperature or 1.0
+        targets = torch.tensor(ids[1:], device=logits.device)[:, None]
+        chosen = torch.log_softmax(logits / temperature, -1).gather(-1, targets)[:, 0].tolist()
+        logprobs = [None, *chosen]
+        start = request.logprob_start_len or 0
+        return [[logprobs[i], ids[i], None] for i in range(start, len(ids))]
 
     def _prefill(self, newcomers: list[_Sequence]) -> None:
         """Prefill and sample the newcomers' first tokens; those not finished join the running batch."""
@@ -472,7 +494,7 @@ class Batcher:
         return GenerateResult(
             rid=seq.request.rid, prompt_tokens=len(seq.request.input_ids), output_ids=list(seq.output_ids),
             output_logprobs=list(seq.logprobs), text=text, finish_reason=dict(seq.finish),
-            weight_version=self._weight_version,
+            weight_version=self._weight_version, input_token_logprobs=seq.input_token_logprobs,
         )
 
 

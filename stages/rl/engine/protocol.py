@@ -21,8 +21,8 @@ _NEUTRAL_FIELDS = {"stream": False, "return_text_in_logprobs": False, "top_logpr
                    "return_hidden_states": False, "background": False, "return_bytes": False,
                    "return_entropy": False}
 # Fields that only steer logging, routing or input logprobs (not returned here): any value is fine.
-_INFORMATIONAL_FIELDS = {"model", "log_metrics", "no_logs", "logprob_start_len"}
-_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "rid"}
+_INFORMATIONAL_FIELDS = {"model", "log_metrics", "no_logs"}
+_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "logprob_start_len"}
 # No token of a vocabulary is this many times longer than its vocabulary entry: a margin for normalisers (NFC
 # composes two or three characters into one) in the bound on a text's length below.
 _NORMALISER_MARGIN = 4
@@ -70,6 +70,7 @@ def parse_generate(body: Any, *, tokenizer: PreTrainedTokenizerBase,
     rids = _per_item(body.get("rid"), len(prompts), "rid", str)
     if is_batch and isinstance(body.get("rid"), str):
         rids = _distinct(body["rid"], len(prompts))
+    start = _logprob_start(body)
     requests = []
     parsed: dict[tuple, SamplingParams] = {}  # a batch's items mostly differ in their seed only: check once
     for prompt, raw, rid in zip(prompts, params, rids, strict=True):
@@ -79,9 +80,24 @@ def parse_generate(body: Any, *, tokenizer: PreTrainedTokenizerBase,
                 f"the prompt has {len(prompt)} tokens, at or beyond the engine's context length ({max_positions}: "
                 "--context-length, at most the model's max_position_embeddings); shorten it"
             )
-        requests.append(GenerateRequest(rid=rid or uuid.uuid4().hex, input_ids=prompt,
-                                        params=_sampling(raw, room, vocab_size, parsed)))
+        sampling = _sampling(raw, room, vocab_size, parsed)
+        if start is not None and (sampling.max_new_tokens != 0 or start >= len(prompt)):
+            raise BadRequestError(
+                f"logprob_start_len {start} with return_logprob: the embedded engine returns input-token log-probs "
+                "only with max_new_tokens 0 (a teacher scoring a sequence, as slime's on-policy distillation asks) "
+                f"and a start inside the prompt ({len(prompt)} tokens); send max_new_tokens 0, or logprob_start_len -1")
+        requests.append(GenerateRequest(rid=rid or uuid.uuid4().hex, input_ids=prompt, params=sampling,
+                                        logprob_start_len=start))
     return requests, is_batch
+
+
+def _logprob_start(body: dict) -> int | None:
+    """The position input-token log-probs start at, or None: SGLang returns them with return_logprob and a
+    logprob_start_len >= 0 (-1, its default, asks for none)."""
+    start = body.get("logprob_start_len")
+    if start is not None and (type(start) is not int or start < -1):
+        raise BadRequestError(f"logprob_start_len must be an integer >= -1, got {start!r}")
+    return start if body.get("return_logprob") and start is not None and start >= 0 else None
 
 
 def _sampling(raw: dict | None, room: int, vocab_size: int, parsed: dict[tuple, SamplingParams]) -> SamplingParams:
@@ -162,4 +178,6 @@ def to_response(result: GenerateResult, *, return_logprob: bool) -> dict[str, An
     if return_logprob:
         meta["output_token_logprobs"] = [[lp, tok, None]
                                          for lp, tok in zip(result.output_logprobs, result.output_ids, strict=True)]
+        if result.input_token_logprobs is not None:
+            meta["input_token_logprobs"] = result.input_token_logprobs
     return {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}

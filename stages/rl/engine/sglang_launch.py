@@ -40,7 +40,7 @@ SET_BY_SLIMEFLOW: dict[str, str] = {
     "dist_init_addr": "engines spanning several nodes are not supported yet",
     "trust_remote_code": f"{_FROM}: always on, as slime",
     "skip_server_warmup": f"{_FROM}: always on, as slime",
-    "enable_memory_saver": "set by --offload-rollout in slime, which is not supported yet",
+    "enable_memory_saver": f"{_FROM} from --offload-rollout, as slime",
     "enable_return_routed_experts": "rollout routing replay is not supported yet",
     "config": "slime's --sglang-config (server groups from a YAML file) is not supported yet; give the server "
               "arguments as --sglang-* flags",

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from slimeflow.families.hf import load_causal_lm
 from slimeflow.stages.rl.engine.sampling import BadRequestError
+from slimeflow.stages.rl.offload import trim_heap
 
 DTYPES = ("float32", "bfloat16")
 
@@ -138,7 +139,7 @@ def free_weights(model: PreTrainedModel) -> dict[str, tuple[torch.Size, torch.dt
     for name, param in model.named_parameters():  # a tied parameter is listed once
         shapes[name] = (param.shape, param.dtype)
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-    _trim_heap()
+    trim_heap()
     return shapes
 
 
@@ -169,13 +170,3 @@ def read_own_checkpoint(model_path: str | Path) -> dict[str, torch.Tensor]:
         tensors.update(load_file(file))
     return tensors
 
-
-def _trim_heap() -> None:
-    """glibc keeps freed heap pages for reuse; malloc_trim hands them back, so the process's resident memory drops."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)

@@ -134,7 +134,11 @@ def to_train_data(args, samples: list[Sample]) -> dict:
 
 
 def to_train_data_with_teacher(args, samples: list[Sample]) -> dict:
-    return {**to_train_data(args, samples), "teacher_log_probs": [[0.0]] * len(samples)}
+    return {**to_train_data(args, samples), "teacher_log_probs": [[-0.5]] * len(samples)}
+
+
+def to_train_data_with_values(args, samples: list[Sample]) -> dict:
+    return {**to_train_data(args, samples), "values": [[0.0]] * len(samples)}
 
 
 async def ground_truth_reward(args, sample, **kwargs) -> float:
@@ -142,3 +146,10 @@ async def ground_truth_reward(args, sample, **kwargs) -> float:
     if not isinstance(sample, Sample):
         raise TypeError("Sample must be an instance of Sample class.")
     return float(sample.response.strip() in sample.label["ground_truth"]["target"])
+
+
+async def teacher_answer(args, sample: Sample, **kwargs) -> dict:
+    """A teacher server's /generate answer (input-token log-probs of prompt + response), as on_policy_distillation's
+    reward_func returns it."""
+    return {"meta_info": {"input_token_logprobs": [[None, sample.tokens[0], None]] +
+                          [[-0.1 * i, token, None] for i, token in enumerate(sample.tokens[1:], start=1)]}}

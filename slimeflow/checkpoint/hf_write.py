@@ -13,56 +13,16 @@ from pathlib import Path
 
 import torch
 
+from slimeflow.checkpoint.hf_source import INDEX_FILE
+from slimeflow.checkpoint.integrity import verify_checkpoint
+from slimeflow.checkpoint.mapping import ModelShape, global_rules, megatron_to_hf
+from slimeflow.checkpoint.staging import claimed_dir, remove_abandoned
+from slimeflow.checkpoint.torch_dist import load_torch_dist, read_common, tensor_metadata, unstack_layers
 from slimeflow.families import FamilySpec, family_for, supported_architectures
-from slimeflow.io import checkpoints
-from slimeflow.io.storage import local_path
-from slimeflow.manifest import Manifest, content_hash
-from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.convert.config import ConvertConfig
-from slimeflow.stages.convert.integrity import verify_checkpoint
-from slimeflow.stages.convert.mapping import ModelShape, global_rules, megatron_to_hf
-from slimeflow.stages.convert.staging import claimed_dir, remove_abandoned
-from slimeflow.stages.convert.torch_dist import load_torch_dist, read_common, tensor_metadata, unstack_layers
-from slimeflow.stages.model.stage import INDEX_FILE, fingerprint
-from slimeflow.stages.rl.model_args import check_model_args
+from slimeflow.stages.base import StageInputError
 
 MAX_SHARD_BYTES = 4 * 1024**3
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-
-
-def check_model_flags(config: ConvertConfig, hf_config: Path, flag: str) -> None:
-    """slime's MODEL_ARGS, when given, must describe the HF model being converted (refused before any work)."""
-    problems = check_model_args(config.megatron, json.loads(hf_config.read_text(encoding="utf-8")), "convert")
-    if problems:
-        raise StageInputError(f"{flag} {hf_config.parent}", problems,
-                              "Fix or drop the Megatron model flags (MODEL_ARGS) that disagree with the model.")
-
-
-def run_to_hf(config: ConvertConfig, ctx: StageContext) -> Manifest:
-    """The stage's torch-dist-to-hf direction (config validation guarantees the three paths are set)."""
-    assert config.input_dir and config.output_dir and config.origin_hf_dir
-    try:
-        ref = checkpoints.resolve(ctx.storage, config.input_dir)
-    except checkpoints.CheckpointError as err:
-        raise StageInputError(f"--input-dir {config.input_dir}", [str(err)],
-                              "Point it at a checkpoint root, release/ or an iter_XXXXXXX/ directory.") from None
-    origin = local_path(config.origin_hf_dir)
-    check_model_flags(config, origin / "config.json", "--origin-hf-dir")
-    output = local_path(config.output_dir)
-    if output.exists() and any(output.iterdir()) and not config.overwrite:
-        raise StageInputError(f"--output-dir {output}", ["exists and is not empty"],
-                              "Choose another --output-dir, or pass --overwrite to replace it.")
-    weights = write_hf(local_path(ref.uri), output, origin, config.megatron.vocab_size)
-    records = fingerprint(output, ctx.storage)
-    return Manifest(
-        stage="convert",
-        outputs={"hf_checkpoint": str(output), "checkpoint": ref.uri},
-        artifacts=records, artifact_root=str(output),
-        counts={"files": len(records), "bytes": sum(r.size for r in records), "tensors": weights},
-        hashes={"content": content_hash(records)},
-        facts={"iteration": str(ref.iteration)},
-        config=config.model_dump(mode="json"),
-    )
 
 
 def origin_family(origin: Path) -> tuple[dict, FamilySpec]:

@@ -2,7 +2,7 @@
 
 Megatron-side names are the names torch_dist checkpoints use, one layer at a time:
 `decoder.layers.<i>.self_attention.linear_qkv.weight` is layer i's shard of the stacked global tensor
-`decoder.layers.self_attention.linear_qkv.weight` (stages/convert/torch_dist.py does the stacking). Nothing here
+`decoder.layers.self_attention.linear_qkv.weight` (torch_dist.py does the stacking). Nothing here
 touches a file or a process group, so a training backend maps its HF-named state dict through the same code.
 """
 
@@ -359,6 +359,22 @@ def expected_hf_tensors(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     return expected
 
 
+def expert_rules(shape: ModelShape) -> tuple[str, ...]:
+    """Megatron names of the per-layer rules that hold the routed experts (one row per expert)."""
+    return tuple(r.megatron for r in shape.info.layer_rules if r.per_expert)
+
+
+def dense_rules(shape: ModelShape) -> tuple[str, ...]:
+    """Megatron names of every other per-layer rule (attention, norms, router, shared experts, dense MLPs)."""
+    return tuple(r.megatron for r in shape.info.layer_rules if not r.per_expert)
+
+
+def expert_hf_tensors(shape: ModelShape, layer: int, experts: Iterable[int]) -> list[str]:
+    """The HF names of routed experts `experts` of `layer` (none for a dense layer or model)."""
+    rules = [r for r in shape.info.layer_rules if r.per_expert and shape.applies(r, layer)]
+    return [HF_LAYER.format(layer) + name.format(e=e) for e in experts for r in rules for name in r.hf]
+
+
 def _hf_names(rule: Rule, shape: ModelShape) -> list[tuple[str, ...]]:
     """A rule's HF names: once, or for a per-expert rule once per expert (in expert order)."""
     if not rule.per_expert:
@@ -388,17 +404,21 @@ def _placed(shape: ModelShape, layers: Iterable[int] | None, globals_: Iterable[
 
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape, layers: Iterable[int] | None = None,
-                   globals_: Iterable[str] | None = None, rules: Iterable[str] | None = None
-                   ) -> dict[str, torch.Tensor]:
+                   globals_: Iterable[str] | None = None, rules: Iterable[str] | None = None,
+                   experts: range | None = None) -> dict[str, torch.Tensor]:
     """HF tensors -> Megatron tensors for the chosen layers and globals (default: all), vocabulary padded.
 
     `hf` is read one tensor at a time (`hf[name]`), so a lazy mapping over safetensors files keeps only the
-    tensors of the returned dict in memory. `rules` limits the per-layer tensors to those Megatron names.
+    tensors of the returned dict in memory. `rules` limits the per-layer tensors to those Megatron names;
+    `experts` the per-expert tensors to those routed experts (default: all), stacked in that order: a rank's
+    slice [experts.start, experts.stop) of the expert axis.
     """
     out = {}
     for name, rule, prefix in _placed(shape, layers, globals_, rules):
         if rule.per_expert:
-            tensor = _stacked_experts(rule, [[hf[prefix + part] for part in names] for names in _hf_names(rule, shape)])
+            per_expert = _hf_names(rule, shape)
+            chosen = per_expert if experts is None else [per_expert[e] for e in experts]
+            tensor = _stacked_experts(rule, [[hf[prefix + part] for part in names] for names in chosen])
         else:
             tensor = _fuse(rule, [hf[prefix + part] for part in rule.hf], shape)
         out[name] = _pad_vocab(tensor, shape.padded_vocab_size) if rule.megatron in VOCAB_PADDED else tensor

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from slimeflow.stages.convert.supervise import exit_description
+from slimeflow.checkpoint.supervise import exit_description
 
 Launcher = Literal["local", "ray"]
 LAUNCHERS: tuple[str, ...] = ("local", "ray")
@@ -28,7 +28,7 @@ POLL_INTERVAL_S = 0.05
 # `-c`, not `-m`: megatron-core's writer starts a spawn-context multiprocessing manager, and a spawned child
 # re-imports a `-m` main module (the worker: torch, megatron) before it serves; with `-c` it imports nothing.
 # The collector is off from the first import on (worker.process_main says why).
-_WORKER = "import gc; gc.disable(); from slimeflow.stages.convert.worker import process_main; process_main()"
+_WORKER = "import gc; gc.disable(); from slimeflow.checkpoint.worker import process_main; process_main()"
 
 
 def launch(job_path: Path, processes: int, launcher: Launcher = "local", ray_address: str | None = None) -> None:
@@ -115,7 +115,7 @@ def _launch_ray(job_path: Path, processes: int, ray_address: str | None) -> None
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from slimeflow.stages.rl.placement import init_ray
+    from slimeflow.cluster import init_ray
 
     init_ray(ray_address)
     gpus = 1 if ray.cluster_resources().get("GPU", 0) >= processes else 0

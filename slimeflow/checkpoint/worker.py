@@ -1,9 +1,11 @@
-"""One rank of an HF -> torch_dist conversion: `python -m slimeflow.stages.convert.worker JOB.json RANK`.
+"""One rank of an HF -> torch_dist conversion: `python -m slimeflow.checkpoint.worker JOB.json RANK`.
 
 Every rank joins a process group (gloo; NCCL when it has a GPU) through the job's `init_method`, reads only the
-HF tensors of its share (lazily, one tensor at a time from memory-mapped safetensors), maps them to Megatron's
-names and fusions, and writes them with megatron-core's dist_checkpointing; rank 0's common.pt carries the args. Each
-rank leaves `rank-<r>.json` with its peak RSS next to the job file. Run as its own process (never imported
+HF tensors of its share (lazily, one tensor at a time from memory-mapped safetensors): its layers, and of a MoE
+model its slice of every MoE layer's routed experts, as expert parallelism splits them. It maps them to Megatron's
+names and fusions, and writes them with megatron-core's dist_checkpointing, its experts as its slice of the
+expert axis; rank 0's common.pt carries the args. Each rank leaves `rank-<r>.json` next to the job file: what it
+read (tensors, bytes, which experts), what it held and wrote, and its peak RSS. Run as its own process (never imported
 into a caller's process): dist_checkpointing forks writers and a process group is process-global. A rank dies
 with its launcher, its writers die with it, and a writer that dies ends the rank at once (supervise.py).
 """
@@ -30,19 +32,29 @@ from typing import Any, NoReturn
 import torch
 
 from slimeflow._compat import eager_jit_fusions
-from slimeflow.stages.convert import supervise
-from slimeflow.stages.convert.diskspace import no_space_left, ran_out_of_space
-from slimeflow.stages.convert.mapping import ModelShape, hf_to_megatron, megatron_args
+from slimeflow.checkpoint import supervise
+from slimeflow.checkpoint.diskspace import no_space_left, ran_out_of_space
+from slimeflow.checkpoint.mapping import (
+    ModelShape,
+    dense_rules,
+    expert_hf_tensors,
+    expert_rules,
+    hf_to_megatron,
+    megatron_args,
+)
+from slimeflow.checkpoint.torch_dist import ExpertSlice, save_torch_dist
 
 JOB_TIMEOUT = timedelta(minutes=60)
 
 
 @dataclass(frozen=True)
 class Share:
-    """What one rank converts: its layers and its global (non-layer) Megatron tensors."""
+    """What one rank converts: its layers (their tensors other than the routed experts), its global (non-layer)
+    Megatron tensors, and its slice [start, stop) of the routed experts, in every MoE layer."""
 
     layers: tuple[int, ...]
     globals_: tuple[str, ...]
+    experts: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -68,7 +80,7 @@ class Job:
     @classmethod
     def read(cls, path: Path) -> Job:
         data = json.loads(path.read_text(encoding="utf-8"))
-        shares = [Share(tuple(s["layers"]), tuple(s["globals_"])) for s in data.pop("shares")]
+        shares = [Share(tuple(s["layers"]), tuple(s["globals_"]), tuple(s["experts"])) for s in data.pop("shares")]
         return cls(**data, shares=shares)
 
 
@@ -85,6 +97,8 @@ class LazySafetensors(Mapping[str, torch.Tensor]):
         self._directory = Path(directory)
         self._weight_map = dict(weight_map)
         self._headers: dict[str, tuple[int, dict[str, Any]]] = {}
+        self.read: dict[str, int] = {}
+        """Bytes of each tensor handed out so far, by name: what this rank loaded."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
         path = self._directory / self._weight_map[name]
@@ -92,6 +106,7 @@ class LazySafetensors(Mapping[str, torch.Tensor]):
         entry = header[name]
         dtype, shape = _DTYPES[entry["dtype"]], entry["shape"]
         begin, end = (data_start + offset for offset in entry["data_offsets"])
+        self.read[name] = self.read.get(name, 0) + end - begin
         if begin == end:
             return torch.empty(shape, dtype=dtype)
         aligned = begin - begin % mmap.ALLOCATIONGRANULARITY  # a map starts on a page boundary
@@ -148,22 +163,27 @@ def import_in_background(module: str) -> threading.Thread:
     return thread
 
 
-def convert_share(job: Job, rank: int, importing: threading.Thread | None = None) -> dict[str, float]:
-    """Convert and save rank `rank`'s share; returns its tensor count and bytes, and when (Unix time) its
-    tensors were read and when they were saved. `importing`: a background import to wait for before saving."""
-    from slimeflow.stages.convert.torch_dist import save_torch_dist
-
+def convert_share(job: Job, rank: int, importing: threading.Thread | None = None) -> dict[str, Any]:
+    """Convert and save rank `rank`'s share; returns the count and bytes of the tensors it held and wrote, its
+    expert slice, what it read (HF tensors, bytes, the experts among them), and when (Unix time) its tensors
+    were read and when they were saved. `importing`: a background import to wait for before saving."""
     shape = ModelShape(**job.shape)
     dtype = getattr(torch, job.dtype)
     share = job.shares[rank]
-    tensors = hf_to_megatron(LazySafetensors(job.hf_dir, job.weight_map), shape, share.layers, share.globals_)
+    hf = LazySafetensors(job.hf_dir, job.weight_map)
+    tensors = hf_to_megatron(hf, shape, share.layers, share.globals_, dense_rules(shape))
+    if share.experts[1] > share.experts[0]:  # its slice of every MoE layer's routed experts
+        tensors.update(hf_to_megatron(hf, shape, None, (), expert_rules(shape), range(*share.experts)))
     args = megatron_args(shape, dtype, job.make_vocab_size_divisible_by, job.tensor_model_parallel_size)
-    counts = {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+    counts = {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+              "experts": list(share.experts), "read_tensors": len(hf.read), "read_bytes": sum(hf.read.values()),
+              "read_experts": [e for e in range(shape.num_experts) if any(
+                  name in hf.read for layer in range(shape.num_layers) for name in expert_hf_tensors(shape, layer, [e]))]}
     read = time.time()
     if importing is not None:
         importing.join()
     try:
-        save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration)
+        save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration, expert_slice(job.shares, rank))
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # a failed save raises torch's CheckpointException, a BaseException
@@ -171,6 +191,15 @@ def convert_share(job: Job, rank: int, importing: threading.Thread | None = None
             raise no_space_left(Path(job.checkpoint_dir), f"rank {rank}'s share", counts["bytes"]) from err
         raise
     return {**counts, "read_at": read, "saved_at": time.time()}
+
+
+def expert_slice(shares: list[Share], rank: int) -> ExpertSlice | None:
+    """Rank `rank`'s slice of the routed experts, when several ranks split them (None: one rank holds them all)."""
+    spans = [share.experts for share in shares if share.experts[1] > share.experts[0]]
+    if len(spans) < 2:
+        return None
+    equal = len({stop - start for start, stop in spans}) == 1
+    return ExpertSlice(shares[rank].experts[0], spans[-1][1], len(spans) if equal else None)
 
 
 def _backend(rank: int) -> str:
@@ -189,7 +218,7 @@ def _writer_died(job: Job, rank: int, pid: int, returncode: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m slimeflow.stages.convert.worker")
+    parser = argparse.ArgumentParser(prog="python -m slimeflow.checkpoint.worker")
     parser.add_argument("job", type=Path)
     parser.add_argument("rank", type=int)
     parser.add_argument("--parent-pid", type=int, help="end this rank when that process (the launcher) ends")

@@ -19,12 +19,13 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from slimeflow.stages.convert import safe_pickle
-from slimeflow.stages.convert.supervise import periodically
+from slimeflow.checkpoint import safe_pickle
+from slimeflow.checkpoint.supervise import periodically
 
 CHECKPOINT_VERSION = 3.0
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -39,11 +40,24 @@ def _has_extra_state(module: str, leaf: str) -> bool:
     return leaf == "weight" and module.rsplit(".", 1)[-1].startswith("linear_")
 
 
-def sharded_state_dict(tensors: Mapping[str, torch.Tensor], num_layers: int, stacked: bool = True) -> dict:
+@dataclass(frozen=True)
+class ExpertSlice:
+    """This rank's routed experts when the ranks split them (expert parallelism): rows [start, start + rows) of
+    the expert axis of `total`; `fragments`: how many equal slices there are (None: unequal slices, which
+    dist_checkpointing keeps as an irregular grid)."""
+
+    start: int
+    total: int
+    fragments: int | None
+
+
+def sharded_state_dict(tensors: Mapping[str, torch.Tensor], num_layers: int, stacked: bool = True,
+                       experts: ExpertSlice | None = None) -> dict:
     """megatron-core ShardedTensors (and `_extra_state` ShardedObjects) for this rank's tensors.
 
     `stacked`: layer i's tensor is shard [i] of `decoder.layers.<name>` [num_layers, ...]; else (layers that differ,
-    megatron-core's non-homogeneous layers) it is the whole of `decoder.layers.<i>.<name>`."""
+    megatron-core's non-homogeneous layers) it is the whole of `decoder.layers.<i>.<name>`. `experts`: the routed
+    experts' tensors hold only this rank's slice of the expert axis (None: all of it)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     out: dict = {}
@@ -54,17 +68,27 @@ def sharded_state_dict(tensors: Mapping[str, torch.Tensor], num_layers: int, sta
             continue
         layer, inner = int(match.group(1)), match.group(2)
         prefix, layer_axis = ("decoder.layers.", ((0, layer, num_layers),)) if stacked else (f"decoder.layers.{layer}.", ())
-        out[name] = ShardedTensor.from_rank_offsets(prefix + inner, tensor, *layer_axis, replica_id=_REPLICA,
-                                                    prepend_axis_num=len(layer_axis))
         module, leaf = inner.rsplit(".", 1)
         extra = f"{prefix}{module}._extra_state"
         outer, offsets = ((num_layers,), (layer,)) if stacked else ((), ())
+        if module in _EXPERT_LINEARS and experts is not None:
+            # The layer axis as a real one (a view), not prepended: torch's planner misreads a prepended axis
+            # of a tensor sharded unevenly.
+            data = tensor.unsqueeze(0) if stacked else tensor
+            out[name] = ShardedTensor(
+                prefix + inner, data, data.dtype, tuple(data.shape),
+                (*outer, experts.total, *tensor.shape[1:]), (*offsets, experts.start, *[0] * (tensor.ndim - 1)),
+                (*outer, experts.fragments, *[1] * (tensor.ndim - 1)) if experts.fragments else None,
+                replica_id=_REPLICA)
+        else:
+            out[name] = ShardedTensor.from_rank_offsets(prefix + inner, tensor, *layer_axis, replica_id=_REPLICA,
+                                                        prepend_axis_num=len(layer_axis))
         if module in _EXPERT_LINEARS:
             if leaf == "weight":
-                experts = tensor.shape[0]
+                first, total = (experts.start, experts.total) if experts else (0, tensor.shape[0])
                 out.update({f"decoder.layers.{layer}.{module}.{expert}._extra_state": ShardedObject(
-                    extra, None, (*outer, experts), (*offsets, expert), replica_id=_REPLICA)
-                    for expert in range(experts)})
+                    extra, None, (*outer, total), (*offsets, expert), replica_id=_REPLICA)
+                    for expert in range(first, first + tensor.shape[0])})
         elif _has_extra_state(module, leaf):
             # megatron-core gives an object with no sharded axis the shape (1,)
             out[f"decoder.layers.{layer}.{module}._extra_state"] = ShardedObject(
@@ -73,8 +97,9 @@ def sharded_state_dict(tensors: Mapping[str, torch.Tensor], num_layers: int, sta
 
 
 def save_torch_dist(tensors: Mapping[str, torch.Tensor], args: argparse.Namespace, checkpoint_dir: str | Path,
-                    iteration: int = 1) -> None:
-    """Write this rank's share of a torch_dist checkpoint into `checkpoint_dir` (collective over all ranks).
+                    iteration: int = 1, experts: ExpertSlice | None = None) -> None:
+    """Write this rank's share of a torch_dist checkpoint into `checkpoint_dir` (collective over all ranks);
+    `experts`: its routed experts are that slice of the expert axis (sharded_state_dict).
 
     `checkpoint_dir` is the checkpoint directory itself (e.g. <root>/iter_0000001); committing it (the tracker)
     is the caller's job, after every rank has returned: slimeflow.io.checkpoints.commit.
@@ -86,7 +111,8 @@ def save_torch_dist(tensors: Mapping[str, torch.Tensor], args: argparse.Namespac
     from slimeflow._compat import in_process_write_results, megatron_on_cpu
 
     # megatron-core keys each layer on its own when MoE and dense layers alternate (moe_layer_freq a list).
-    state = sharded_state_dict(tensors, args.num_layers, not isinstance(getattr(args, "moe_layer_freq", 1), list))
+    state = sharded_state_dict(tensors, args.num_layers, not isinstance(getattr(args, "moe_layer_freq", 1), list),
+                               experts)
     state.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration)
     Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

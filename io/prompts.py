@@ -1,4 +1,5 @@
-"""Reading the prompt parquet back as slime-style prompt dicts.
+"""The prompt parquet, the contract between the preprocess stage (which writes it: its writer.py) and its readers
+(train, evaluate): the schema, and reading it back as slime-style prompt dicts.
 
 `PromptDataset(uri)` is a Sequence over a parquet file or a directory of them (the files in name order): it
 holds only the row-group layout and decodes one row group at a time on access (a small cache makes sequential
@@ -20,8 +21,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from slimeflow.io.storage import Storage, is_local, local_path
-from slimeflow.stages.preprocess.writer import LABEL_FORMAT_KEY, PROMPT_FORMAT_KEY, SCHEMA
 
+PROMPT_FORMAT_KEY = b"slimeflow.prompt_format"
+LABEL_FORMAT_KEY = b"slimeflow.label_format"
+"""'json' when the label column holds JSON (object labels); absent: labels are plain text."""
+SCHEMA = pa.schema([
+    pa.field("row_id", pa.string(), nullable=False),
+    pa.field("prompt", pa.string(), nullable=False),
+    pa.field("label", pa.string()),
+    pa.field("metadata", pa.string(), nullable=False),
+    pa.field("tools", pa.string()),
+    pa.field("prompt_tokens", pa.int64()),
+])
+"""The prompt-parquet contract shared with the RL core's data source."""
 COLUMNS = [f.name for f in SCHEMA]
 CACHED_ROW_GROUPS = 4
 

@@ -89,7 +89,7 @@ def _checksum_problems(directory: Path) -> list[str]:
 
 def _structure_problems(directory: Path) -> list[str]:
     """Data files that `.metadata` names but that are missing or shorter than the byte ranges it records."""
-    from slimeflow.stages.convert.torch_dist import read_dcp_metadata
+    from slimeflow.checkpoint.torch_dist import read_dcp_metadata
 
     try:
         metadata = read_dcp_metadata(directory)

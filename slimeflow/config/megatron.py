@@ -1,0 +1,146 @@
+"""slime's Megatron flags (model shape, parallelism, recompute): read by convert and by both training backends,
+so it lives beside the stages' configs rather than inside one of them. `TrainConfig.megatron` is this group.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from slimeflow.config.base import ConfigModel, OptionalPositiveInt, PositiveInt
+
+
+class MegatronConfig(ConfigModel):
+    """Megatron parallelism and model-shape flags (slime's MODEL_ARGS); checked against the HF config."""
+
+    tensor_model_parallel_size: PositiveInt = 1
+    """Tensor parallel size."""
+    pipeline_model_parallel_size: PositiveInt = 1
+    """Pipeline parallel size."""
+    context_parallel_size: PositiveInt = 1
+    """Context parallel size."""
+    expert_model_parallel_size: PositiveInt = 1
+    """Expert parallel size."""
+    expert_tensor_parallel_size: PositiveInt = 1
+    """Expert tensor parallel size."""
+    sequence_parallel: bool = False
+    """Sequence parallelism (with tensor parallelism)."""
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """Activation recomputation granularity."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """Activation recomputation method."""
+    recompute_num_layers: OptionalPositiveInt = None
+    """Layers per recomputation unit."""
+    use_distributed_optimizer: bool = False
+    """Shard the optimizer state over the data-parallel ranks (megatron's DistributedOptimizer)."""
+    num_layers: OptionalPositiveInt = None
+    """Transformer layers."""
+    hidden_size: OptionalPositiveInt = None
+    """Hidden size."""
+    ffn_hidden_size: OptionalPositiveInt = None
+    """MLP intermediate size."""
+    num_attention_heads: OptionalPositiveInt = None
+    """Attention heads."""
+    group_query_attention: bool = False
+    """Grouped-query attention."""
+    num_query_groups: OptionalPositiveInt = None
+    """KV heads with group_query_attention."""
+    kv_channels: OptionalPositiveInt = None
+    """Head dimension."""
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    """Normalisation layer."""
+    norm_epsilon: float | None = Field(None, gt=0)
+    """Normalisation epsilon."""
+    swiglu: bool = False
+    """SwiGLU MLP."""
+    disable_bias_linear: bool = False
+    """No bias in linear layers."""
+    add_qkv_bias: bool = False
+    """Bias on QKV (Qwen2)."""
+    qk_layernorm: bool = False
+    """Norm on q and k (Qwen3)."""
+    untie_embeddings_and_output_weights: bool = False
+    """Separate output layer."""
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
+    """Position embedding."""
+    use_rotary_position_embeddings: bool = False
+    """Rotary embeddings (Megatron's older spelling of position_embedding_type rope)."""
+    rotary_base: float | None = Field(None, gt=0)
+    """RoPE theta."""
+    rotary_percent: float = Field(1.0, gt=0, le=1)
+    """Fraction of the head dimension that is rotated."""
+    vocab_size: OptionalPositiveInt = None
+    """True vocabulary size (before padding)."""
+    make_vocab_size_divisible_by: PositiveInt = 128
+    """Pad the vocabulary to a multiple of this times the tensor parallel size."""
+    seq_length: OptionalPositiveInt = None
+    """Sequence length."""
+    max_position_embeddings: OptionalPositiveInt = None
+    """Maximum positions."""
+    attention_dropout: float = Field(0.0, ge=0, lt=1)
+    """Attention dropout."""
+    hidden_dropout: float = Field(0.0, ge=0, lt=1)
+    """Hidden dropout."""
+    # Mixture of experts and multi-latent attention (slime's Qwen3-MoE, DeepSeek-V3, GLM-4.5 scripts); checked
+    # against the HF config like the fields above (slimeflow/config/model_args.py).
+    num_experts: OptionalPositiveInt = None
+    """Routed experts per MoE layer."""
+    moe_ffn_hidden_size: OptionalPositiveInt = None
+    """Each expert's MLP intermediate size."""
+    moe_router_topk: OptionalPositiveInt = None
+    """Experts per token."""
+    moe_layer_freq: str | None = None
+    """Which layers are MoE layers: an integer N (every N-th) or a list such as [0]*3+[1]*58 (0: dense)."""
+    moe_shared_expert_intermediate_size: OptionalPositiveInt = None
+    """Shared experts' MLP intermediate size."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] | None = None
+    """Router score."""
+    moe_router_pre_softmax: bool = False
+    """Score all experts before the top-k."""
+    moe_router_enable_expert_bias: bool = False
+    """Expert-score correction bias (sigmoid routers)."""
+    moe_router_num_groups: OptionalPositiveInt = None
+    """Expert groups for group-limited routing."""
+    moe_router_group_topk: OptionalPositiveInt = None
+    """Groups chosen per token."""
+    moe_router_topk_scaling_factor: float | None = Field(None, gt=0)
+    """Routed experts' weight scale."""
+    multi_latent_attention: bool = False
+    """Multi-latent attention (DeepSeek)."""
+    q_lora_rank: OptionalPositiveInt = None
+    """MLA query LoRA rank."""
+    kv_lora_rank: OptionalPositiveInt = None
+    """MLA key/value LoRA rank."""
+    qk_head_dim: OptionalPositiveInt = None
+    """MLA query/key head part without RoPE."""
+    qk_pos_emb_head_dim: OptionalPositiveInt = None
+    """MLA query/key head part with RoPE."""
+    v_head_dim: OptionalPositiveInt = None
+    """MLA value head dimension."""
+    rotary_scaling_factor: float | None = Field(None, gt=0)
+    """YaRN RoPE scaling factor (1: none)."""
+    mscale: float | None = Field(None, gt=0)
+    """YaRN mscale."""
+    mscale_all_dim: float | None = Field(None, ge=0)
+    """YaRN mscale_all_dim."""
+
+    @model_validator(mode="after")
+    def _check_recompute(self) -> MegatronConfig:
+        """megatron-core's rules for the recompute flags, at parse time: full recomputation names its method and
+        unit, selective neither; neither without a granularity (it would be ignored)."""
+        granularity, method, layers = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        problems = []
+        if granularity == "full" and (method is None or layers is None):
+            problems.append("--recompute-granularity full needs --recompute-method (uniform or block) and "
+                            "--recompute-num-layers N (layers per recomputed unit, or recomputed per pipeline stage)")
+        if granularity != "full" and (method is not None or layers is not None):
+            given = " and ".join(flag for flag, value in (("--recompute-method", method),
+                                                          ("--recompute-num-layers", layers)) if value is not None)
+            problems.append(f"{given} without --recompute-granularity full: they choose which layers full "
+                            "recomputation recomputes" + ("; selective recomputation recomputes the core attention "
+                                                          "of every layer" if granularity else "")
+                            + f"; add --recompute-granularity full or drop {given}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
