@@ -7,12 +7,17 @@ every micro-batch, the optimizer step. Printed: each backend's median and spread
 wall and CPU time of this process (on a loaded machine the wall time mostly measures the wait for a core), the
 ratio of medians (Megatron / torch; goal <= 1.15), and the load average before and after.
 
-    .venv/bin/python benchmarks/megatron_step.py [--rounds 5] [--hidden-size 256] [--layers 4]
+With --parallel, the Megatron backend alone in worlds of two processes (one thread each), one layout after another
+on the same model and batch: TP2, TP2 with sequence parallelism, DP2, DP2 with the distributed optimizer. Printed:
+each layout's median wall seconds per step (rank 0's) and the ratios TP2+SP / TP2 and DP2+distopt / DP2.
+
+    .venv/bin/python benchmarks/megatron_step.py [--rounds 5] [--hidden-size 256] [--layers 4] [--parallel]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -46,6 +51,62 @@ def timed_step(backend, batch: TrainBatch, config: TrainConfig) -> tuple[float, 
     return time.perf_counter() - started, time.process_time() - cpu
 
 
+LAYOUTS = {"tp2": {"tensor_model_parallel_size": 2},
+           "tp2+sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+           "dp2": {}, "dp2+distopt": {"use_distributed_optimizer": True}}
+"""The --parallel layouts, each a world of two ranks: its Megatron flags (MegatronConfig fields)."""
+
+
+def _rank_steps(rank: int, world: int, job: dict) -> None:
+    """One rank of a --parallel world: load, one warm-up step, `rounds` timed steps; rank 0 writes its walls."""
+    from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend
+    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+
+    torch.set_num_threads(1)
+    config = job["config"]
+    backend = MegatronBackend(job["hf"], job["release"], config.optimizer, config.algorithm, config.batch,
+                              config.megatron, rank=rank, world_size=world, init_method=job["init"])
+    try:
+        load_checkpoint(backend, job["release"], weights_only=True)
+        timed_step(backend, job["batch"], config)
+        walls = [timed_step(backend, job["batch"], config)[0] for _ in range(job["rounds"])]
+    finally:
+        backend.close()
+    if rank == 0:
+        Path(job["out"]).write_text(json.dumps(walls), encoding="utf-8")
+
+
+def parallel_steps(tmp: Path, layout: str, job: dict, timeout: float = 900.0) -> list[float]:
+    """Rank 0's wall seconds per step in a world of two spawned processes at `layout` (stopped by pid on timeout)."""
+    import torch.multiprocessing as mp
+
+    config = job["config"].model_copy(update={"megatron": job["config"].megatron.model_copy(update=LAYOUTS[layout])})
+    job = {**job, "config": config, "init": (tmp / f"rendezvous-{layout}").as_uri(), "out": str(tmp / f"{layout}.json")}
+    context = mp.start_processes(_rank_steps, args=(2, job), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{layout}: the two ranks did not finish in {timeout} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return json.loads(Path(job["out"]).read_text(encoding="utf-8"))
+
+
+def report_parallel(tmp: Path, job: dict, rounds: int) -> None:
+    load_before = os.getloadavg()
+    medians = {layout: statistics.median(parallel_steps(tmp, layout, job)) for layout in LAYOUTS}
+    load_after = os.getloadavg()
+    for layout, median in medians.items():
+        print(f"wall {layout:12s} median {median:.3f} s/step ({rounds} rounds, rank 0, 2 processes x 1 thread)")
+    print(f"tp2+sp / tp2: {medians['tp2+sp'] / medians['tp2']:.3f}x; "
+          f"dp2+distopt / dp2: {medians['dp2+distopt'] / medians['dp2']:.3f}x")
+    print(f"load average (1, 5, 15 min): before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
+          f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -54,6 +115,7 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--response", type=int, default=192)
+    parser.add_argument("--parallel", action="store_true", help="TP2, TP2+SP, DP2, DP2+distopt in 2-process worlds")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -71,6 +133,10 @@ def main() -> int:
     config = TrainConfig(batch={"rollout_batch_size": args.samples // 2, "n_samples_per_prompt": 2, "num_rollout": 1,
                                 "micro_batch_size": 4}, optimizer={"lr": 1e-5})
     batch = make_batch(args.samples, args.prompt, args.response)
+    if args.parallel:
+        report_parallel(tmp, {"hf": str(hf), "release": str(release), "config": config, "batch": batch,
+                              "rounds": args.rounds}, args.rounds)
+        return 0
     torch_backend = TorchBackend(hf, config.optimizer, config.algorithm, config.batch, device="cpu")
     megatron = MegatronBackend(hf, release, config.optimizer, config.algorithm, config.batch, config.megatron,
                                init_method=(tmp / "rendezvous").as_uri())

@@ -36,6 +36,11 @@ class Shim:
     attribute: str
     replacement: Any
     why: str
+    wraps: bool = False
+    """`replacement` is called with the original (as the owner holds it) and returns the stand-in."""
+
+    def stand_in(self, original: Any) -> Any:
+        return self.replacement(original) if self.wraps else self.replacement
 
 
 _ABSENT = object()
@@ -45,6 +50,11 @@ _ABSENT = object()
 def _module(name: str) -> Callable[[], Any]:
     """An owner for Shim: the module `name`, imported when first asked for."""
     return functools.partial(importlib.import_module, name)
+
+
+def _class(module: str, name: str) -> Callable[[], Any]:
+    """An owner for Shim: the class `name` of the module `module`, imported when first asked for."""
+    return lambda: getattr(importlib.import_module(module), name)
 
 
 class CudaFactoriesOnCpu:
@@ -80,6 +90,62 @@ def _clip_grads_by_total_norm_on_cpu(parameters: Any, max_norm: float, total_nor
         grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
         if grad is not None:
             grad.detach().mul_(coeff)
+
+
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+def _type_names_as_cuda(method: classmethod) -> classmethod:
+    """`method` (a classmethod) run while a CPU tensor's `type()` names the CUDA type of its dtype."""
+    import torch
+
+    function = method.__func__
+
+    def run(cls: type, *args: Any, **kwargs: Any) -> Any:
+        own_type = torch.Tensor.type
+
+        def type_(tensor: Any, *type_args: Any, **type_kwargs: Any) -> Any:
+            name = own_type(tensor, *type_args, **type_kwargs)
+            return _CUDA_TYPE_NAMES.get(name, name) if not type_args and not type_kwargs else name
+
+        torch.Tensor.type = type_
+        try:
+            return function(cls, *args, **kwargs)
+        finally:
+            torch.Tensor.type = own_type
+
+    return classmethod(run)
+
+
+def _with_adam_state(method: Callable[..., Any]) -> Callable[..., Any]:
+    """DistributedOptimizer.state_dict, first giving a fresh optimizer the per-parameter Adam state a step would
+    (zeros, step 0; what a load then overwrites)."""
+    import torch
+
+    def state_dict(self: Any) -> Any:
+        if not self.optimizer.state:
+            self.init_state_fn(self.optimizer, self.config)
+            for state in self.optimizer.state.values():
+                state.setdefault("step", torch.tensor(0.0))
+        return method(self)
+
+    return state_dict
+
+
+def _own_step(method: Callable[..., Any]) -> Callable[..., Any]:
+    """DistributedOptimizer._set_main_param_and_optimizer_states, giving the parameter a step count of its own
+    (load_state_dict set one tensor as every parameter's) and passing it along when the loaded tensors lack it."""
+
+    def set_states(self: Any, model_param: Any, tensors: dict[str, Any]) -> Any:
+        group, order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+        if "step" in state:
+            state["step"] = state["step"].clone()
+            tensors = {"step": state["step"], **tensors}
+        return method(self, model_param, tensors)
+
+    return set_states
 
 
 def _no_sync() -> None:
@@ -120,6 +186,23 @@ SHIMS: tuple[Shim, ...] = (
     Shim(_module("megatron.core.optimizer.optimizer"), "clip_grad_by_total_norm_fp32", _clip_grads_by_total_norm_on_cpu,
          why="megatron's clip_grad_by_total_norm_fp32 asserts every gradient's type() is 'torch.cuda.FloatTensor' "
              "(a CPU gradient is 'torch.FloatTensor'); the stand-in scales them as it does."),
+    Shim(_class("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"),
+         "_build_model_and_main_param_groups", _type_names_as_cuda, wraps=True,
+         why="DistributedOptimizer sorts the parameters it shards by `param.type()`, accepting only the names "
+             "'torch.cuda.FloatTensor', 'torch.cuda.HalfTensor' and 'torch.cuda.BFloat16Tensor' (a CPU parameter's "
+             "is 'torch.FloatTensor': TypeError); while it builds them, a CPU tensor's type() names the CUDA type."),
+    Shim(_class("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"), "state_dict", _with_adam_state,
+         wraps=True,
+         why="without Apex or Transformer Engine (torch's Adam), DistributedOptimizer.state_dict asserts that every "
+             "parameter's Adam state holds one step count, which only a step creates: the loading state dict of a "
+             "fresh optimizer (a resume) fails. The stand-in first allocates the state as a step would, at step 0."),
+    Shim(_class("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"),
+         "_set_main_param_and_optimizer_states", _own_step, wraps=True,
+         why="without Apex or Transformer Engine, DistributedOptimizer.load_state_dict sets one step tensor as every "
+             "parameter's Adam step (torch's Adam then adds 1 to it once per parameter per step: a wrong bias "
+             "correction after a resume), and loading the fully_reshardable state copies every entry of the Adam "
+             "state from loaded tensors that lack the step: KeyError 'step'. The stand-in gives each parameter a "
+             "copy of the step and passes it along."),
     Shim(_module("megatron.core.optimizer.clip_grads"), "torch", CudaFactoriesOnCpu(),
          why="get_grad_norm_fp32 puts the norm in torch.tensor(..., device='cuda') to all-reduce it; on a "
              "CPU-only torch that raises."),
@@ -158,12 +241,13 @@ def megatron_on_cpu(seed: int = 1234) -> Iterator[None]:
     import torch
     from megatron.core import tensor_parallel
 
-    saved = [(shim, getattr(shim.owner(), shim.attribute, _ABSENT)) for shim in SHIMS]
+    # As the owner holds it (vars: a class's classmethod itself, not a method bound to the class).
+    saved = [(shim, vars(shim.owner()).get(shim.attribute, _ABSENT)) for shim in SHIMS]
     tracker = tensor_parallel.get_cuda_rng_tracker()
     saved_states = tracker.get_states()
     try:
-        for shim, _ in saved:
-            setattr(shim.owner(), shim.attribute, shim.replacement)
+        for shim, original in saved:
+            setattr(shim.owner(), shim.attribute, shim.stand_in(original))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             tracker.set_states({MODEL_PARALLEL_RNG: torch.get_rng_state()})

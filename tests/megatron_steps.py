@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ def make_backend(job: dict[str, Any], rank: int = 0, world: int = 1):
 
 def _worker(rank: int, world: int, job: dict[str, Any]) -> None:
     torch.set_num_threads(1)
-    result = train_job(rank, world, job)
+    result = job["work"](rank, world, job)
     if result is not None:
         torch.save(result, Path(job["out"]) / f"{job['tag']}.pt")
 
@@ -89,11 +90,13 @@ def make_job(out: Path, tag: str, hf: Path, checkpoint: Path, batch, config) -> 
 
 
 def run_world(world: int, tag: str, out: Path, hf: Path, checkpoint: Path, batch, config,
-              timeout: float = 240.0) -> dict[str, Any]:
-    """Train in `world` spawned processes; rank 0's {'steps': [...], 'weights': {...}}."""
+              timeout: float = 240.0, work: Callable[[int, int, dict[str, Any]], Any] = train_job,
+              **extra: Any) -> dict[str, Any]:
+    """Train in `world` spawned processes; rank 0's {'steps': [...], 'weights': {...}}. `work(rank, world, job)`
+    runs in each (a module-level function; the job holds `extra` too) and rank 0's result is returned."""
     import torch.multiprocessing as mp
 
-    job = make_job(out, tag, hf, checkpoint, batch, config)
+    job = {**make_job(out, tag, hf, checkpoint, batch, config), "work": work, **extra}
     context = mp.start_processes(_worker, args=(world, job), nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:

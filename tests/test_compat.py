@@ -30,7 +30,10 @@ def test_every_shim_says_why_and_is_tested_here():
                      ("megatron.core.optimizer.optimizer", "torch"),
                      ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),
                      ("megatron.core.optimizer.clip_grads", "torch"), ("megatron.core.utils", "torch"),
-                     ("megatron.core.pipeline_parallel.schedules", "torch")}
+                     ("megatron.core.pipeline_parallel.schedules", "torch"),
+                     ("DistributedOptimizer", "_build_model_and_main_param_groups"),
+                     ("DistributedOptimizer", "state_dict"),
+                     ("DistributedOptimizer", "_set_main_param_and_optimizer_states")}
     assert all(len(shim.why) > 40 for shim in _compat.SHIMS)
 
 
@@ -113,6 +116,62 @@ def test_the_schedule_needs_the_schedules_torch_shim(megatron_world):
         run()
     with _compat.megatron_on_cpu():
         assert len(run()) == 1
+
+
+def distributed_optimizer():
+    """megatron's DistributedOptimizer (inside its ChainedOptimizer) over a DDP-wrapped Linear(4, 2): fp32
+    parameters on the CPU. Call inside megatron_on_cpu, in megatron_world."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1, use_cpu_initialization=True)
+    module = torch.nn.Linear(4, 2)
+    module.config = config
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(use_distributed_optimizer=True), module=module)
+    chained = get_megatron_optimizer(OptimizerConfig(lr=1e-3, use_distributed_optimizer=True), [ddp])
+    return chained.chained_optimizers[0]
+
+
+def test_the_distributed_optimizer_needs_cpu_tensor_types_named_as_cuda(megatron_world):
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    with all_shims_but(DistributedOptimizer, "_build_model_and_main_param_groups"), \
+            pytest.raises(TypeError, match="torch.cuda.FloatTensor"):
+        distributed_optimizer()
+    with _compat.megatron_on_cpu():
+        assert sum(map(len, distributed_optimizer().model_fp32_groups)) == 2  # the Linear's weight and bias
+    assert torch.ones(1).type() == "torch.FloatTensor"  # restored
+
+
+def test_a_fresh_distributed_optimizers_state_dict_needs_the_adam_state_stand_in(megatron_world):
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    with all_shims_but(DistributedOptimizer, "state_dict"), pytest.raises(AssertionError):
+        distributed_optimizer().state_dict()
+    with _compat.megatron_on_cpu():
+        state = distributed_optimizer().state_dict()
+    assert {group["step"] for group in state["optimizer"]["param_groups"]} == {0}
+
+
+def test_loading_distributed_optimizer_state_needs_the_own_step_stand_in(megatron_world):
+    """As a resume loads it: load_state_dict sets the step, then every parameter's loaded tensors, without it."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    @torch.no_grad()  # as megatron's load_parameter_state_from_fully_reshardable
+    def load(optimizer):
+        optimizer.load_state_dict(optimizer.state_dict())
+        for param in optimizer.model_param_group_index_map:
+            optimizer._set_main_param_and_optimizer_states(
+                param, {key: torch.zeros(param.numel()) for key in ("param", "exp_avg", "exp_avg_sq")})
+        return optimizer
+
+    with all_shims_but(DistributedOptimizer, "_set_main_param_and_optimizer_states"), \
+            pytest.raises(KeyError, match="step"):
+        load(distributed_optimizer())
+    with _compat.megatron_on_cpu():
+        steps = [state["step"] for state in load(distributed_optimizer()).optimizer.state.values()]
+    assert len(steps) == 2 and steps[0] is not steps[1]  # one count per parameter: Adam adds 1 to each per step
 
 
 def test_dist_checkpointing_preload_needs_the_synchronize_shim():

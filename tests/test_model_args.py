@@ -63,18 +63,48 @@ def test_no_model_args_check_nothing():
     assert check_model_args(train_config().megatron, {}, "torch") == []
 
 
+BUILT_BY_MEGATRON = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--sequence-parallel",
+                     "--recompute-granularity", "--use-distributed-optimizer"}
+
+
 @pytest.mark.parametrize("flags", [["--tensor-model-parallel-size", "8"], ["--pipeline-model-parallel-size", "4"],
                                    ["--context-parallel-size", "2"], ["--sequence-parallel"],
-                                   ["--recompute-granularity", "full"]])
+                                   ["--recompute-granularity", "selective"], ["--use-distributed-optimizer"],
+                                   ["--expert-model-parallel-size", "2"]])
 def test_megatron_parallelism_is_refused_under_the_torch_backend(flags):
     problems = check_model_args(train_config(*flags).megatron, QWEN3_4B, "torch")
     assert len(problems) == 1 and problems[0].startswith(flags[0]) and "--train-backend megatron" in problems[0]
     under_megatron = check_model_args(train_config(*flags).megatron, QWEN3_4B, "megatron")
-    if flags[0] in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
+    if flags[0] in BUILT_BY_MEGATRON:
         assert under_megatron == []  # what the Megatron backend builds
     else:  # refused by name, with the reason
         assert len(under_megatron) == 1 and under_megatron[0].startswith(flags[0])
         assert "the Megatron backend does not build it yet" in under_megatron[0]
+
+
+def test_full_recomputation_is_taken_with_its_method_and_unit():
+    flags = ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"]
+    megatron = train_config(*flags).megatron
+    assert (megatron.recompute_granularity, megatron.recompute_method, megatron.recompute_num_layers) == \
+        ("full", "block", 2)
+    assert check_model_args(megatron, QWEN3_4B, "megatron") == []
+    assert len(check_model_args(megatron, QWEN3_4B, "torch")) == 3
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--recompute-granularity", "full"], "--recompute-granularity full needs --recompute-method"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"], "and --recompute-num-layers N"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "1"],
+     "--recompute-num-layers without --recompute-granularity full: they choose which layers full recomputation "
+     "recomputes; selective recomputation recomputes the core attention of every layer"),
+    (["--recompute-method", "uniform", "--recompute-num-layers", "1"],
+     "--recompute-method and --recompute-num-layers without --recompute-granularity full"),
+])
+def test_recompute_flags_that_megatron_would_reject_or_ignore_are_refused_at_parse(flags, message):
+    from slimeflow.config.flags import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace("-", "\\-")):
+        train_config(*flags)
 
 
 def test_context_parallelism_says_why_it_cannot_run_on_a_cpu():

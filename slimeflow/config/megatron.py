@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from slimeflow.config.base import ConfigModel, OptionalPositiveInt, PositiveInt
 
@@ -32,6 +32,8 @@ class MegatronConfig(ConfigModel):
     """Activation recomputation method."""
     recompute_num_layers: OptionalPositiveInt = None
     """Layers per recomputation unit."""
+    use_distributed_optimizer: bool = False
+    """Shard the optimizer state over the data-parallel ranks (megatron's DistributedOptimizer)."""
     num_layers: OptionalPositiveInt = None
     """Transformer layers."""
     hidden_size: OptionalPositiveInt = None
@@ -122,3 +124,23 @@ class MegatronConfig(ConfigModel):
     """YaRN mscale."""
     mscale_all_dim: float | None = Field(None, ge=0)
     """YaRN mscale_all_dim."""
+
+    @model_validator(mode="after")
+    def _check_recompute(self) -> MegatronConfig:
+        """megatron-core's rules for the recompute flags, at parse time: full recomputation names its method and
+        unit, selective neither; neither without a granularity (it would be ignored)."""
+        granularity, method, layers = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        problems = []
+        if granularity == "full" and (method is None or layers is None):
+            problems.append("--recompute-granularity full needs --recompute-method (uniform or block) and "
+                            "--recompute-num-layers N (layers per recomputed unit, or recomputed per pipeline stage)")
+        if granularity != "full" and (method is not None or layers is not None):
+            given = " and ".join(flag for flag, value in (("--recompute-method", method),
+                                                          ("--recompute-num-layers", layers)) if value is not None)
+            problems.append(f"{given} without --recompute-granularity full: they choose which layers full "
+                            "recomputation recomputes" + ("; selective recomputation recomputes the core attention "
+                                                          "of every layer" if granularity else "")
+                            + f"; add --recompute-granularity full or drop {given}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self

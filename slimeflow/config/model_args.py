@@ -4,10 +4,11 @@ recompute flags a backend does not build refused, so that none of them is accept
 slime's guide asks users to check `--rotary-base` and friends by hand against the model; here every model-shape
 flag the user gave is compared with the field of `config.json` it describes, and a mismatch names the flag, both
 values and the field. Only flags set away from their defaults are compared (a config that went through JSON, as
-Prefect parameters do, has every field set), so a run without MODEL_ARGS checks nothing. Parallelism (TP, PP, CP, EP, SP) and recompute are Megatron's; the torch backend trains
-data-parallel over --actor-num-nodes x --actor-num-gpus-per-node ranks, so a non-default value is refused; the
-Megatron backend builds TP, PP and DP and refuses the rest by name (MEGATRON_NOT_BUILT; its start-up checks are
-stages/rl/model_args.py's megatron_backend_problems).
+Prefect parameters do, has every field set), so a run without MODEL_ARGS checks nothing. Parallelism (TP, PP, CP, EP,
+SP), the distributed optimizer and recompute are Megatron's; the torch backend trains data-parallel over
+--actor-num-nodes x --actor-num-gpus-per-node ranks, so a non-default value is refused; the Megatron backend builds
+TP, SP, PP, DP, the distributed optimizer and recomputation and refuses the rest by name (MEGATRON_NOT_BUILT; its
+start-up checks are stages/rl/model_args.py's megatron_backend_problems).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from slimeflow.families import family_for, head_dim, mla_fields, moe_fields, que
 MEGATRON_ONLY = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
     "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
-    "recompute_granularity", "recompute_method", "recompute_num_layers",
+    "recompute_granularity", "recompute_method", "recompute_num_layers", "use_distributed_optimizer",
 )
 
 
@@ -118,30 +119,26 @@ def _equal(given: Any, actual: Any) -> bool:
     return given == actual
 
 
-NOT_BUILT = "the Megatron backend does not build it yet (this version: TP, PP and DP)"
+NOT_BUILT = ("the Megatron backend does not build it yet (this version: TP, SP, PP and DP, the distributed "
+             "optimizer, activation recomputation)")
 MEGATRON_NOT_BUILT = {
     "context_parallel_size": "context parallelism: " + NOT_BUILT + "; on a CPU it cannot run at all (megatron-core's "
                              "local attention asserts context parallel size 1)",
     "expert_model_parallel_size": "expert parallelism (MoE): " + NOT_BUILT,
     "expert_tensor_parallel_size": "expert tensor parallelism (MoE): " + NOT_BUILT,
-    "sequence_parallel": "sequence parallelism: " + NOT_BUILT + " (the local layer spec's norms need the "
-                         "sequence-parallel tag first)",
-    "recompute_granularity": "activation recomputation: " + NOT_BUILT,
-    "recompute_method": "activation recomputation: " + NOT_BUILT,
-    "recompute_num_layers": "activation recomputation: " + NOT_BUILT,
 }
-"""The Megatron parallelism/recompute flags the Megatron backend refuses, with the reason."""
+"""The Megatron parallelism flags the Megatron backend refuses, with the reason."""
 
 
 _REFUSED_BY: dict[str, dict[str, str]] = {
     # torch_dist is resharded by whoever loads it; only TP shapes the vocabulary padding.
     "convert": {field: "the converter writes one torch_dist checkpoint that any parallel layout loads (Megatron "
-                "reshards it), so it takes no parallel or recompute setting but --tensor-model-parallel-size (the "
+                "reshards it), so it takes no parallel, recompute or optimizer setting but --tensor-model-parallel-size (the "
                 "vocabulary padding): remove it" for field in MEGATRON_ONLY if field != "tensor_model_parallel_size"},
     "megatron": {field: f"{reason}; remove it" for field, reason in MEGATRON_NOT_BUILT.items()},
-    "torch": dict.fromkeys(MEGATRON_ONLY, "Megatron parallelism/recompute, read only by --train-backend megatron; the "
-                           "torch backend trains data-parallel over --actor-num-nodes x --actor-num-gpus-per-node "
-                           "ranks: remove it"),
+    "torch": dict.fromkeys(MEGATRON_ONLY, "Megatron parallelism, recompute or distributed optimizer, read only by "
+                           "--train-backend megatron; the torch backend trains data-parallel over --actor-num-nodes x "
+                           "--actor-num-gpus-per-node ranks: remove it"),
 }
 """Per backend, the parallelism/recompute flags it refuses when set away from their defaults, with the reason."""
 

@@ -20,8 +20,6 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--rollout-health-check-first-wait": _FAULT_TOLERANCE,
     "--save-hf": "HF weights are not written at each save yet: export a checkpoint with `slimeflow export`",
     "--eval-config": "per-dataset eval settings from a YAML file are not supported yet: use the --eval-* flags",
-    "--use-distributed-optimizer": "the Megatron backend's distributed optimizer is not built yet (it keeps the "
-                                   "optimizer state whole on every data-parallel rank)",
     "--custom-config-path": "custom YAML args for plug-ins are not supported yet",
     "--load-debug-rollout-data-subsample": "subsampling replayed rollouts is not supported yet: "
                                            "--load-debug-rollout-data replays whole rollouts",

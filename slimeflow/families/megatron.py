@@ -37,6 +37,31 @@ def _normed(bda: Callable[..., Any], norm: torch.nn.Module) -> Callable[..., Any
     return factory
 
 
+class TorchNorm:
+    """torch's RMSNorm or LayerNorm (config.normalization), as megatron's WrappedTorchNorm builds it, without its
+    refusal of sequence parallelism (a q/k norm sees whole sequences either way: the projection before it gathers
+    them). megatron's tag on the parameters, `sequence_parallel`, is `TAG`."""
+
+    TAG = False
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> torch.nn.Module:
+        kinds = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
+        if config.normalization not in kinds:
+            raise ValueError(f"normalization {config.normalization!r}: the local layer spec builds {sorted(kinds)}")
+        norm = kinds[config.normalization](hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = cls.TAG and config.sequence_parallel
+        return norm
+
+
+class SequenceParallelNorm(TorchNorm):
+    """A norm of the hidden states between layers, which sequence parallelism splits along the sequence over the
+    tensor-parallel ranks: each rank's weight gradient then covers its part of the tokens only, and the tag makes
+    megatron's finalize_model_grads sum them over the tensor-parallel group (Transformer Engine's norms carry it)."""
+
+    TAG = True
+
+
 def sandwich_norm_layer() -> type:
     """A TransformerLayer with RMSNorm on the attention and MLP outputs before each residual add (GLM4)."""
     from megatron.core.transformer.spec_utils import build_module
@@ -127,6 +152,8 @@ def layer_spec(args: argparse.Namespace, moe: bool | None = None, sdpa: bool = F
         attention = submodules.self_attention
         submodules = replace(submodules, self_attention=replace(
             attention, submodules=replace(attention.submodules, core_attention=sdpa_attention())))
+    submodules = replace(submodules, input_layernorm=SequenceParallelNorm, pre_mlp_layernorm=SequenceParallelNorm,
+                         self_attention=_with_torch_norms(submodules.self_attention))
     post_attn, post_mlp = getattr(args, "post_self_attn_layernorm", False), getattr(args, "post_mlp_layernorm", False)
     if post_attn != post_mlp:
         raise ValueError(f"post_self_attn_layernorm={post_attn} with post_mlp_layernorm={post_mlp}: only both "
@@ -134,18 +161,39 @@ def layer_spec(args: argparse.Namespace, moe: bool | None = None, sdpa: bool = F
     return ModuleSpec(module=sandwich_norm_layer() if post_attn else spec.module, submodules=submodules)
 
 
-def block_spec(args: argparse.Namespace, sdpa: bool = False):
-    """The layer spec, or, when dense and expert layers alternate (moe_layer_freq a list: DeepSeek's first dense
-    layers), one spec per layer (`sdpa`: see layer_spec)."""
+def _with_torch_norms(attention: Any) -> Any:
+    """The attention spec with its q/k (MLA: latent) norms built by TorchNorm (megatron's refuse sequence
+    parallelism); identities stay identities."""
+    from dataclasses import fields
+
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    norms = {f.name: TorchNorm for f in fields(attention.submodules)
+             if getattr(attention.submodules, f.name) in (WrappedTorchNorm, FusedLayerNorm)}
+    return replace(attention, submodules=replace(attention.submodules, **norms))
+
+
+def block_spec(args: argparse.Namespace, config: Any, sdpa: bool = False, vp_stage: int | None = None):
+    """This pipeline stage's layer specs (one per layer: dense and expert layers alternate when moe_layer_freq is a
+    list, DeepSeek's first dense layers) and the final norm, under megatron's initialised parallel state.
+    `config`: the model's TransformerConfig (its pipeline split); `sdpa`: see layer_spec; `vp_stage`: the virtual
+    pipeline chunk (None without interleaving)."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     freq = getattr(args, "moe_layer_freq", 1)
-    if not isinstance(freq, list):
-        return layer_spec(args, sdpa=sdpa)
-    dense, moe = layer_spec(args, moe=False, sdpa=sdpa), layer_spec(args, moe=True, sdpa=sdpa)
-    return TransformerBlockSubmodules(layer_specs=[moe if is_moe else dense for is_moe in freq],
-                                      layer_norm=WrappedTorchNorm)
+    if isinstance(freq, list):
+        dense, moe = layer_spec(args, moe=False, sdpa=sdpa), layer_spec(args, moe=True, sdpa=sdpa)
+        specs = [moe if is_moe else dense for is_moe in freq]
+    else:
+        specs = [layer_spec(args, sdpa=sdpa)] * args.num_layers
+    first = get_transformer_layer_offset(config, vp_stage)
+    return TransformerBlockSubmodules(layer_specs=specs[first: first + get_num_layers_to_build(config, vp_stage)],
+                                      layer_norm=SequenceParallelNorm)
 
 
 def _moe_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -201,7 +249,7 @@ def gpt_model_from_args(args: argparse.Namespace, dtype: torch.dtype = torch.flo
         use_cpu_initialization=True, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, params_dtype=dtype, **_moe_config(args), **mla, **(parallel or {}))
     with megatron_on_cpu():  # MLA's constructor needs it (a shim there); nested in the backend's, it changes nothing
-        return GPTModel(config, block_spec(args, sdpa), vocab_size=args.padded_vocab_size,
+        return GPTModel(config, block_spec(args, config, sdpa), vocab_size=args.padded_vocab_size,
                         max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
                         rotary_percent=getattr(args, "rotary_percent", 1.0), rotary_base=int(args.rotary_base),
                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

@@ -117,7 +117,8 @@ class MegatronBackend:
                     "pipeline_model_parallel_size": self.parallel.pipeline_model_parallel_size,
                     "pipeline_dtype": torch.float32,
                     # gloo's batched p2p silently corrupts the interleaved schedule (megatron-on-cpu.md)
-                    "batch_p2p_comm": False, "calculate_per_token_loss": True}
+                    "batch_p2p_comm": False, "calculate_per_token_loss": True,
+                    "sequence_parallel": self.sequence_parallel, **self._recompute()}
         model = gpt_model_from_args(self.args, parallel=parallel,
                                     pre_process=parallel_state.is_pipeline_first_stage(),
                                     post_process=parallel_state.is_pipeline_last_stage(), parallel_output=False,
@@ -125,6 +126,19 @@ class MegatronBackend:
         model.to(self.device).eval()  # dropout is 0; eval as the torch backend, so log-probs do not depend on mode
         model.requires_grad_(trainable)
         return model
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """--sequence-parallel takes effect with tensor parallelism only (Megatron-LM turns it off at TP 1: there
+        is no sequence to split)."""
+        return self.parallel.sequence_parallel and self.parallel.tensor_model_parallel_size > 1
+
+    def _recompute(self) -> dict[str, Any]:
+        """TransformerConfig's activation recomputation (--recompute-*; MegatronConfig checked the combination).
+        megatron recomputes in training mode only, which the training forward runs in (forward_backward)."""
+        m = self.parallel
+        return {"recompute_granularity": m.recompute_granularity, "recompute_method": m.recompute_method,
+                "recompute_num_layers": m.recompute_num_layers}
 
     def _reference(self, ref_load: str | None) -> torch.nn.Module:
         from slimeflow.stages.rl.backend.megatron_checkpoint import load_weights
@@ -145,7 +159,8 @@ class MegatronBackend:
         )
 
         ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=self.parallel.use_distributed_optimizer,
             average_in_collective=False), module=model)  # gloo has no ReduceOp.AVG
         config = model.config
         config.no_sync_func = ddp.no_sync
@@ -164,7 +179,7 @@ class MegatronBackend:
         config = MegatronOptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
                                          adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
                                          clip_grad=o.clip_grad, params_dtype=torch.float32,
-                                         use_distributed_optimizer=False)
+                                         use_distributed_optimizer=self.parallel.use_distributed_optimizer)
         return get_megatron_optimizer(config, [self.model])
 
     def _param_scheduler(self, total_steps: int | None):
@@ -234,7 +249,11 @@ class MegatronBackend:
             result = loss_of(indices, part)
             return result.loss, 1, {k: v.detach().float() for k, v in result.metrics.items()}
 
-        pieces = self._schedule(self.model, batch, micro_batches, loss, with_entropy=True, forward_only=False)
+        self.model.train()  # as Megatron-LM's training step: what recomputation (--recompute-*) is gated on
+        try:  # with no dropout (attention and hidden dropout are 0), the mode changes no number
+            pieces = self._schedule(self.model, batch, micro_batches, loss, with_entropy=True, forward_only=False)
+        finally:
+            self.model.eval()
         return self._metrics(pieces)
 
     def _schedule(self, model: torch.nn.Module, batch: TrainBatch, micro_batches: list[list[int]],
@@ -245,15 +264,18 @@ class MegatronBackend:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         items = [(rows, batch.select(rows), RowLayout.of(batch.select(rows))) for rows in micro_batches]
+        # Sequence parallelism splits every sequence evenly over the TP ranks: lengths are padded to a multiple.
+        unit = self.parallel.tensor_model_parallel_size if self.sequence_parallel else 1
         rows_max = max(layout.ids.shape[0] for _, _, layout in items)
-        length_max = max(layout.ids.shape[1] for _, _, layout in items)
+        length_max = _round_up(max(layout.ids.shape[1] for _, _, layout in items), unit)
         pipelined = self.parallel.pipeline_model_parallel_size > 1
         vocab, temperature, device = self.vocab_size, self.temperature, self.device
 
         def forward_step(data: Iterator[Any], model: torch.nn.Module):
             indices, rows, layout = next(data)
             # Pipeline stages exchange activations of one fixed shape: every micro-batch is padded to it.
-            shape = (rows_max, length_max) if pipelined else tuple(layout.ids.shape)
+            count, length = layout.ids.shape
+            shape = (rows_max, length_max) if pipelined else (count, _round_up(length, unit))
             ids, keep = _padded(layout.ids, shape), _padded(layout.keep, shape)
             positions = torch.arange(shape[1], device=device).expand(shape)
             # Causal attention (sdpa_attention): right padding needs no mask, real positions never see it.
@@ -381,6 +403,10 @@ def _padded(tensor: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     out = tensor.new_zeros(shape)
     out[: tensor.shape[0], : tensor.shape[1]] = tensor
     return out
+
+
+def _round_up(value: int, unit: int) -> int:
+    return -(-value // unit) * unit
 
 
 def _finalize_without_scaling(finalize: Callable[..., Any], model: list[torch.nn.Module], num_tokens: Any = None,

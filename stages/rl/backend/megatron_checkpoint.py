@@ -42,6 +42,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True,
+            "chained_optim_avoid_prefix": True}
+"""How the optimizer state is laid out (also saved as the checkpoint's content metadata, which Megatron-LM reads
+back). With --use-distributed-optimizer, the data-parallel ranks' shards of the Adam state are gathered on DP rank 0
+over gloo, in CPU memory (mem_efficient), and saved per parameter in its shape (`optimizer.state.exp_avg.<key>`, as
+without it), so the state reshards to any parallel layout; Megatron-LM's default, dp_reshardable, saves the flat
+buffers, resumable at another DP size only. Without it the setting changes nothing."""
+
 
 def _sharded_state(backend: MegatronBackend, rollout_id: int | None, is_loading: bool,
                    with_training_state: bool) -> dict[str, Any]:
@@ -53,7 +61,7 @@ def _sharded_state(backend: MegatronBackend, rollout_id: int | None, is_loading:
     model = backend.module.sharded_state_dict()
     state: dict[str, Any] = {"model": model}
     if with_training_state:
-        state["optimizer"] = backend.optimizer.sharded_state_dict(model, is_loading=is_loading)
+        state["optimizer"] = backend.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=SHARDING)
         pp, tp = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()
         state["rng_state"] = ShardedObject(
             "rng_state", [_rng_with_tracker()], (pp, tp),
@@ -96,7 +104,7 @@ def save_checkpoint(backend: MegatronBackend, root: str | Path, rollout_id: int,
         try:
             with backend.on_device(), in_process_write_results():
                 dist_checkpointing.save(_sharded_state(backend, rollout_id, False, True), str(staged),
-                                        sharded_strategy=("torch_dist", 1))
+                                        sharded_strategy=("torch_dist", 1), content_metadata=SHARDING)
             torch.distributed.barrier()
             if backend.rank == 0:
                 _commit(root_path, staged, rollout_id, extra_json, before_commit)
