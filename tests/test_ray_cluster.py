@@ -13,6 +13,7 @@ Ray on the machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -65,10 +66,8 @@ class LocalCluster:
                 mine.append(proc)
         found = {p.pid: p for p in mine}
         for proc in mine:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 found.update({c.pid: c for c in proc.children(recursive=True)})
-            except psutil.NoSuchProcess:
-                pass
         return list(found.values())
 
     def stop(self) -> list[int]:
@@ -76,19 +75,12 @@ class LocalCluster:
         and one of the head's Python daemons outlive a SIGTERM by more than 15 s here, and nothing needs to last."""
         import psutil
 
-        procs = self.processes()
-        for proc in procs:
-            try:
-                proc.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=5)
-        for proc in alive:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(alive, timeout=10)
+        alive = self.processes()
+        for signal_them, grace_s in (("terminate", 5), ("kill", 10)):
+            for proc in alive:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    getattr(proc, signal_them)()
+            _, alive = psutil.wait_procs(alive, timeout=grace_s)
         return [p.pid for p in alive]
 
 
@@ -189,7 +181,8 @@ def test_the_train_flow_runs_on_a_two_node_cluster_by_ray_address(cluster, train
 def test_ray_job_submit_runs_the_train_stage_on_the_jobs_cluster(cluster, train_inputs, prefect_harness, tmp_path,
                                                                   shared_mlflow):
     """`ray job submit -- slimeflow train train.yaml`: no address given, the stage joins the cluster the job runs
-    on (RAY_ADDRESS, set by Ray in the job's environment). Its flow runs are reported to this session's Prefect."""
+    on (RAY_ADDRESS, set by Ray in the job's environment). The job's flows report to this session's Prefect server
+    (as slime's scripts pass environment, by --runtime-env-json), so that it starts no server of its own."""
     from prefect.settings import PREFECT_API_URL
     from ray.job_submission import JobStatus, JobSubmissionClient
 
