@@ -85,16 +85,15 @@ def test_pipeline_trains_evaluates_exports_and_a_rerun_skips_every_stage(prefect
         {stage: m["created_at"] for stage, m in manifests.items()}  # every stage reused, nothing rerun
 
 
-def train_config(tmp_path: Path, model: str = MODEL, **overrides):
-    """A train-stage config over the demo data, prepared by the preprocess and model stages in `tmp_path` (the
-    model stage builds `model`)."""
+def train_section(tmp_path: Path, model: str = MODEL, **overrides) -> dict:
+    """The demo's train section (flag spelling) over the demo data, prepared by the model and preprocess stages in
+    `tmp_path` (the model stage builds `model`): --hf-checkpoint, --prompt-data and --eval-prompt-data filled in."""
     from slimeflow.config.model import ModelConfig
     from slimeflow.io.storage import Storage
     from slimeflow.stages.base import StageContext
     from slimeflow.stages.model.stage import run as model_run
     from slimeflow.stages.preprocess.config import PreprocessConfig
     from slimeflow.stages.preprocess.stage import run as preprocess_run
-    from slimeflow.stages.rl.config import TrainConfig
 
     ctx = StageContext(Storage(), tmp_path, str(tmp_path))
     hf = model_run(ModelConfig(hf_checkpoint=model), ctx).outputs["hf_checkpoint"]
@@ -104,11 +103,19 @@ def train_config(tmp_path: Path, model: str = MODEL, **overrides):
     section = demo_train(**overrides)
     section.update({"hf-checkpoint": hf, "prompt-data": pre.outputs["train"],
                     "eval-prompt-data": {"increment": pre.outputs["eval.increment"]}})
-    from slimeflow.config.pipeline import load_stage_config
+    return section
 
-    config = load_stage_config("train", section)
+
+def train_config(tmp_path: Path, model: str = MODEL, **overrides):
+    """A train-stage config over the demo data (train_section) and the stage context of `tmp_path`."""
+    from slimeflow.config.pipeline import load_stage_config
+    from slimeflow.io.storage import Storage
+    from slimeflow.stages.base import StageContext
+    from slimeflow.stages.rl.config import TrainConfig
+
+    config = load_stage_config("train", train_section(tmp_path, model, **overrides))
     assert isinstance(config, TrainConfig)
-    return config, ctx
+    return config, StageContext(Storage(), tmp_path, str(tmp_path))
 
 
 def test_the_demo_task_is_learned(tmp_path):
