@@ -55,8 +55,9 @@ NOT_YET_SUPPORTED.update({
     "--prefill-num-servers": "prefill/decode disaggregation is not supported yet",
 })
 
-_MEGATRON_HOOK = ("a hook into slime's Megatron actor, called only by the Megatron training backend, which is not in "
-                  "this version")
+_MEGATRON_HOOK = ("a hook into slime's Megatron actor (model provider, init, the calls before a log-prob pass or a "
+                  "train step, rollout-data post-processing); slimeflow's Megatron backend builds its model from the "
+                  "family spec and does not call these hooks yet")
 _LOSS_HOOK = ("called inside slime's Megatron policy loss on packed sequences; slimeflow's policy loss does not take "
               "this hook yet")
 # slime's `*-path` plug-in flags that slimeflow does not call (yet). The ones it calls are config fields.
@@ -69,7 +70,7 @@ NOT_YET_SUPPORTED.update({
     "--custom-model-provider-path": _MEGATRON_HOOK,
     "--custom-update-weight-post-write-path": ("a hook of slime's update-weights-from-disk path; slimeflow's weight "
                                                "sync does not call it"),
-    "--megatron-config-path": "Megatron-LM YAML configs are read only by the Megatron backend, not in this version",
+    "--megatron-config-path": "Megatron-LM YAML configs are not read: give the Megatron flags on the command line",
     "--data-source-path": ("a custom data source class (slime's RolloutDataSource API: get_samples, add_samples, "
                            "save, load) is not supported yet; slimeflow's data source reads --prompt-data and "
                            "resumes from checkpoints (--buffer-filter-path chooses what the buffer hands out)"),
@@ -180,8 +181,8 @@ NOT_YET_SUPPORTED.update({
                            "rope scaling from the HF config (rope_scaling / rope_parameters)"),
     "--freeze-indexer": "GLM-5's sparse-attention indexer is not supported yet",
     "--multimodal-keys": "multimodal (vision-language) data is not supported yet",
-    "--use-routing-replay": "MoE routing replay is read only by the Megatron backend, not in this version",
-    "--use-rollout-routing-replay": "MoE routing replay is read only by the Megatron backend, not in this version",
+    "--use-routing-replay": "MoE routing replay (the rollout's expert choices replayed in training) is not built in either backend",
+    "--use-rollout-routing-replay": "MoE routing replay (the rollout's expert choices replayed in training) is not built in either backend",
     "--model-name": ("slimeflow picks the HF name map from the HF config's model_type (slimeflow.families), so no "
                      "model name is needed"),
     "--log-probs-chunk-size": "chunked log-prob computation is not supported yet: bound memory with "
