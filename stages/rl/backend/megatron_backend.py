@@ -1,6 +1,9 @@
 """The Megatron training backend: megatron-core's GPTModel, trained through megatron's own schedule and optimizer.
 
-The world is TP x PP x DP ranks (megatron's parallel_state over gloo on a CPU, NCCL on GPUs). Each data-parallel
+The world is TP x PP x DP ranks (megatron's parallel_state over gloo on a CPU, NCCL on GPUs); with
+--num-layers-per-virtual-pipeline-stage each pipeline rank holds several model chunks (interleaved 1F1B), and an
+MoE model's experts are split over --expert-model-parallel-size ranks (megatron's SequentialMLP, tokens gathered
+or sent all-to-all). Each data-parallel
 rank takes its share of every global batch (train_step.plan_steps over the DP ranks); the TP and PP ranks of one
 model replica see the same samples. Forward and backward run in `get_forward_backward_func` (1F1B over the
 stages with PP); the last stage computes each micro-batch's loss with train_step's loss code, the torch backend's.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +53,9 @@ class MegatronBackend:
 
     checkpoint: the torch_dist checkpoint directory whose Megatron args give the model's shape (the one training
     starts from); its weights are loaded by megatron_checkpoint.load_checkpoint. Other arguments as TorchBackend's;
-    `parallel` holds the parallel sizes (--tensor-model-parallel-size, --pipeline-model-parallel-size).
+    `parallel` holds the parallel sizes (--tensor-model-parallel-size, --pipeline-model-parallel-size, ...) and the
+    MoE runtime flags. `model` is the list of this rank's model chunks (one without a virtual pipeline), each in
+    megatron's DDP, as Megatron-LM keeps it.
     """
 
     def __init__(self, hf_checkpoint: str | Path, checkpoint: str | Path, optimizer: OptimizerConfig,
@@ -72,7 +78,16 @@ class MegatronBackend:
         if world_size % (tp * pp):
             raise ValueError(f"{world_size} training ranks are not a multiple of --tensor-model-parallel-size {tp} x "
                              f"--pipeline-model-parallel-size {pp}; use a multiple of {tp * pp} ranks")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        self.args = read_common(checkpoint)["args"]
+        self.virtual_stages = virtual_pipeline_stages(self.args.num_layers, parallel)
+        ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size or tp
+        if world_size % (ep * etp * pp):
+            raise ValueError(f"{world_size} training ranks are not a multiple of --expert-model-parallel-size {ep} x "
+                             f"expert tensor parallel size {etp} x --pipeline-model-parallel-size {pp}")
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=self.virtual_stages, expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp)
         self.data_parallel_group = parallel_state.get_data_parallel_group()
         self.dp_rank, self.dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         seed_everything(seed)
@@ -80,13 +95,12 @@ class MegatronBackend:
             from megatron.core import tensor_parallel
 
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        self.args = read_common(checkpoint)["args"]
         self.vocab_size = _hf_vocab_size(self.hf_checkpoint)
         if self.args.padded_vocab_size % tp:
             raise ValueError(f"{checkpoint}: its padded vocabulary ({self.args.padded_vocab_size}) does not split over "
                              f"--tensor-model-parallel-size {tp}; convert it again with that tensor-parallel size")
         with self.on_device():
-            self.model = self._wrapped(self._build())
+            self.model = self._wrapped(self._build())  # this rank's model chunks, each in megatron's DDP
             self.optimizer = self._megatron_optimizer()
             self.scheduler = self._param_scheduler(total_steps)
             self.ref_model = self._reference(ref_load) if self.needs_reference else None
@@ -104,50 +118,63 @@ class MegatronBackend:
 
     # -- construction -------------------------------------------------------------------------------------------
 
-    def _build(self, trainable: bool = True) -> torch.nn.Module:
+    def _build(self, trainable: bool = True) -> list[torch.nn.Module]:
+        """This rank's model chunks: one per virtual pipeline stage (one without a virtual pipeline)."""
         from megatron.core import parallel_state
 
         from slimeflow.families.megatron import gpt_model_from_args
 
         parallel = {"tensor_model_parallel_size": self.parallel.tensor_model_parallel_size,
                     "pipeline_model_parallel_size": self.parallel.pipeline_model_parallel_size,
+                    "virtual_pipeline_model_parallel_size": self.virtual_stages,
+                    "expert_model_parallel_size": self.parallel.expert_model_parallel_size,
+                    "expert_tensor_parallel_size": (self.parallel.expert_tensor_parallel_size
+                                                    or self.parallel.tensor_model_parallel_size),
                     "pipeline_dtype": torch.float32,
                     # gloo's batched p2p silently corrupts the interleaved schedule (megatron-on-cpu.md)
-                    "batch_p2p_comm": False, "calculate_per_token_loss": True}
-        model = gpt_model_from_args(self.args, parallel=parallel,
-                                    pre_process=parallel_state.is_pipeline_first_stage(),
-                                    post_process=parallel_state.is_pipeline_last_stage(), parallel_output=False,
-                                    sdpa=True)
-        model.to(self.device).eval()  # dropout is 0; eval as the torch backend, so log-probs do not depend on mode
-        model.requires_grad_(trainable)
-        return model
+                    "batch_p2p_comm": False, "calculate_per_token_loss": True,
+                    **(moe_runtime(self.parallel) if getattr(self.args, "num_experts", None) else {})}
+        chunks = []
+        for stage in range(self.virtual_stages or 1):
+            vp_stage = stage if self.virtual_stages else None
+            model = gpt_model_from_args(
+                self.args, parallel=parallel, vp_stage=vp_stage, parallel_output=False, sdpa=True,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
+            model.to(self.device).eval()  # dropout is 0; eval as the torch backend: log-probs do not depend on mode
+            model.requires_grad_(trainable)
+            chunks.append(model)
+        return chunks
 
-    def _reference(self, ref_load: str | None) -> torch.nn.Module:
+    def _reference(self, ref_load: str | None) -> list[torch.nn.Module]:
         from slimeflow.stages.rl.backend.megatron_checkpoint import load_weights
 
         if ref_load is None:
             raise ValueError("--use-kl-loss or --kl-coef > 0 with --train-backend megatron needs --ref-load (the "
                              "reference model's torch_dist checkpoint, as in slime)")
-        model = self._build(trainable=False)
-        load_weights(model, ref_load)
-        return model
+        chunks = self._build(trainable=False)
+        load_weights(chunks, ref_load)
+        return chunks
 
-    def _wrapped(self, model: torch.nn.Module) -> torch.nn.Module:
-        """megatron's DDP (contiguous fp32 gradient buffers, summed over DP ranks when the step finalises)."""
+    def _wrapped(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        """Each chunk in megatron's DDP (contiguous fp32 gradient buffers, summed over DP ranks when the step
+        finalises); the schedule reads its hooks from the first chunk's config, as Megatron-LM sets them."""
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
 
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        wrapped = [DistributedDataParallel(model.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
-            average_in_collective=False), module=model)  # gloo has no ReduceOp.AVG
-        config = model.config
-        config.no_sync_func = ddp.no_sync
+            average_in_collective=False), module=model, disable_bucketing=i > 0)  # gloo has no ReduceOp.AVG
+            for i, model in enumerate(chunks)]
+        config = chunks[0].config
+        no_sync = [ddp.no_sync for ddp in wrapped]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         # The loss is normalised by the global batch already: ignore the token count megatron would divide by.
         config.finalize_model_grads_func = functools.partial(_finalize_without_scaling, finalize_model_grads)
-        return ddp
+        return wrapped
 
     def _megatron_optimizer(self):
         from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
@@ -161,7 +188,7 @@ class MegatronBackend:
                                          adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
                                          clip_grad=o.clip_grad, params_dtype=torch.float32,
                                          use_distributed_optimizer=False)
-        return get_megatron_optimizer(config, [self.model])
+        return get_megatron_optimizer(config, self.model)
 
     def _param_scheduler(self, total_steps: int | None):
         """Megatron's schedule of the learning rate (backend.schedule.lr_at) and of weight decay (constant; set
@@ -187,9 +214,9 @@ class MegatronBackend:
             self._owns_group = False
 
     @property
-    def module(self) -> torch.nn.Module:
-        """The policy's GPTModel (this rank's shard), without the DDP wrapper."""
-        return self.model.module
+    def modules(self) -> list[torch.nn.Module]:
+        """The policy's GPTModel chunks (this rank's shards), without the DDP wrappers."""
+        return [ddp.module for ddp in self.model]
 
     # -- forward and backward -----------------------------------------------------------------------------------
 
@@ -228,10 +255,11 @@ class MegatronBackend:
             result = loss_of(indices, part)
             return result.loss, 1, {k: v.detach().float() for k, v in result.metrics.items()}
 
-        pieces = self._schedule(self.model, batch, micro_batches, loss, with_entropy=True, forward_only=False)
+        with routers_training(self.modules):
+            pieces = self._schedule(self.model, batch, micro_batches, loss, with_entropy=True, forward_only=False)
         return self._metrics(pieces)
 
-    def _schedule(self, model: torch.nn.Module, batch: TrainBatch, micro_batches: list[list[int]],
+    def _schedule(self, model: list[torch.nn.Module], batch: TrainBatch, micro_batches: list[list[int]],
                   on_log_probs: Callable[[list[int], LogProbs], tuple[torch.Tensor, int, Any]], with_entropy: bool,
                   forward_only: bool) -> list[Any]:
         """Run `micro_batches` through get_forward_backward_func; on the last stage, `on_log_probs(indices,
@@ -241,12 +269,16 @@ class MegatronBackend:
         items = [(rows, batch.select(rows), RowLayout.of(batch.select(rows))) for rows in micro_batches]
         rows_max = max(layout.ids.shape[0] for _, _, layout in items)
         length_max = max(layout.ids.shape[1] for _, _, layout in items)
-        pipelined = self.parallel.pipeline_model_parallel_size > 1
+        experts_split = self.parallel.expert_model_parallel_size > 1
+        if experts_split:
+            rows_max, length_max = self._shape_over_ranks(rows_max, length_max, len(items))
+        # Pipeline stages exchange activations of one fixed shape, and expert-parallel ranks gather each other's
+        # tokens (gloo has no uneven gather): then every micro-batch is padded to one shape.
+        pipelined = self.parallel.pipeline_model_parallel_size > 1 or experts_split
         vocab, temperature, device = self.vocab_size, self.temperature, self.device
 
         def forward_step(data: Iterator[Any], model: torch.nn.Module):
             indices, rows, layout = next(data)
-            # Pipeline stages exchange activations of one fixed shape: every micro-batch is padded to it.
             shape = (rows_max, length_max) if pipelined else tuple(layout.ids.shape)
             ids, keep = _padded(layout.ids, shape), _padded(layout.keep, shape)
             positions = torch.arange(shape[1], device=device).expand(shape)
@@ -260,10 +292,24 @@ class MegatronBackend:
             return output, on_output
 
         with self.on_device():
+            # Every chunk reads the micro-batches in order (the last one's loss needs their rows).
+            data = [iter(items) for _ in model] if len(model) > 1 else iter(items)
             return get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(items), model=[model],
+                forward_step_func=forward_step, data_iterator=data, model=model,
                 num_microbatches=len(items), seq_length=length_max, micro_batch_size=rows_max,
                 forward_only=forward_only)
+
+    def _shape_over_ranks(self, rows: int, length: int, micro_batches: int) -> tuple[int, int]:
+        """The largest micro-batch shape over all ranks; ValueError when ranks run different micro-batch counts
+        (each expert-parallel rank runs every micro-batch's token exchange with the others)."""
+        shapes: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(shapes, (rows, length, micro_batches))
+        counts = sorted({count for _, _, count in shapes})
+        if len(counts) > 1:
+            raise ValueError(f"the data-parallel ranks run {counts} micro-batches this step; with "
+                             "--expert-model-parallel-size > 1 every rank must run as many (fixed --micro-batch-size, "
+                             "not --use-dynamic-batch-size)")
+        return max(r for r, _, _ in shapes), max(n for _, n, _ in shapes)
 
     def _metrics(self, pieces: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         from megatron.core import parallel_state
@@ -300,7 +346,8 @@ class MegatronBackend:
             unclipped = self.optimizer.get_grad_norm() if not self.optimizer_config.clip_grad else None
             _, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
-            self.model.zero_grad_buffer()
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
         return {"grad_norm": float(grad_norm if grad_norm is not None else unclipped), "lr": float(lr)}
 
@@ -314,7 +361,7 @@ class MegatronBackend:
         from slimeflow.stages.convert.torch_dist import unstack_layers
 
         with self.on_device():
-            tensors = gather_global_tensors(self.module)
+            tensors = gather_global_tensors(self.modules)
         if tensors is None:
             return {}
         hf_config, family = origin_family(self.hf_checkpoint)
@@ -322,14 +369,14 @@ class MegatronBackend:
         return megatron_to_hf(unstack_layers(tensors), shape)
 
 
-def gather_global_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+def gather_global_tensors(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor] | None:
     """The model's checkpoint tensors as global tensors under their checkpoint keys (layers stacked, as in a
     torch_dist checkpoint) on global rank 0, None on the others. Built from `model.sharded_state_dict()`, the
     declaration megatron saves from, so the TP split (fused QKV and gate/up included) and the PP layer offsets are
-    undone exactly as dist_checkpointing would."""
+    undone exactly as dist_checkpointing would (over all of the rank's model chunks: virtual pipeline stages)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    declared = model.sharded_state_dict()
+    declared = [chunk.sharded_state_dict() for chunk in chunks]
     apply_factories(declared)
     mine = [(t.key, tuple(t.global_shape), t.global_slice(), t.data.detach().cpu())
             for t in sharded_leaves(declared)
@@ -379,3 +426,43 @@ def _hf_vocab_size(hf_checkpoint: Path) -> int:
 
     return int(json.loads((hf_checkpoint / "config.json").read_text(encoding="utf-8"))["vocab_size"])
 
+
+
+def virtual_pipeline_stages(num_layers: int, parallel: MegatronConfig) -> int | None:
+    """Model chunks per pipeline rank for --num-layers-per-virtual-pipeline-stage (None: no virtual pipeline), as
+    Megatron-LM derives them; ValueError when the layers do not split so."""
+    per_stage, pp = parallel.num_layers_per_virtual_pipeline_stage, parallel.pipeline_model_parallel_size
+    if per_stage is None:
+        return None
+    if pp == 1:
+        raise ValueError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1 (the "
+                         "interleaved schedule interleaves pipeline stages); drop it or raise the pipeline size")
+    if num_layers % (pp * per_stage):
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per_stage}: the model's {num_layers} layers do "
+                         f"not split into --pipeline-model-parallel-size {pp} x stages of {per_stage} layers; use a "
+                         f"divisor of {num_layers // pp if num_layers % pp == 0 else num_layers} layers")
+    return num_layers // (pp * per_stage)
+
+
+def moe_runtime(parallel: MegatronConfig) -> dict[str, Any]:
+    """TransformerConfig's MoE runtime fields from the MoE runtime flags (experts: SequentialMLP, local spec)."""
+    return {"moe_token_dispatcher_type": parallel.moe_token_dispatcher_type,
+            "moe_router_load_balancing_type": parallel.moe_router_load_balancing_type,
+            "moe_aux_loss_coeff": parallel.moe_aux_loss_coeff, "moe_router_dtype": parallel.moe_router_dtype,
+            "moe_router_bias_update_rate": parallel.moe_router_bias_update_rate}
+
+
+@contextmanager
+def routers_training(chunks: list[torch.nn.Module]) -> Iterator[None]:
+    """The MoE routers in training mode inside (megatron attaches the load-balancing loss only in training mode);
+    the rest of the model stays in eval, so the training forward computes what the log-prob forward does."""
+    from megatron.core.transformer.moe.router import Router
+
+    routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, Router)]
+    for router in routers:
+        router.train()
+    try:
+        yield
+    finally:
+        for router in routers:
+            router.eval()

@@ -50,10 +50,9 @@ def _sharded_state(backend: MegatronBackend, rollout_id: int | None, is_loading:
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    model = backend.module.sharded_state_dict()
-    state: dict[str, Any] = {"model": model}
+    state: dict[str, Any] = model_state(backend.modules)
     if with_training_state:
-        state["optimizer"] = backend.optimizer.sharded_state_dict(model, is_loading=is_loading)
+        state["optimizer"] = backend.optimizer.sharded_state_dict(dict(state), is_loading=is_loading)
         pp, tp = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()
         state["rng_state"] = ShardedObject(
             "rng_state", [_rng_with_tracker()], (pp, tp),
@@ -145,7 +144,7 @@ def load_checkpoint(backend: MegatronBackend, ref_or_uri: CheckpointRef | str | 
     resume = not weights_only and has_resume_state(ref, directory)
     with backend.on_device(), reading(directory):
         loaded = dist_checkpointing.load(_sharded_state(backend, None, True, resume), str(directory))
-        assign(backend.module, loaded["model"], ref.uri)
+        assign(backend.modules, loaded, ref.uri)
         if not resume:
             return {}
         backend.optimizer.load_state_dict(loaded["optimizer"])
@@ -159,21 +158,34 @@ def load_checkpoint(backend: MegatronBackend, ref_or_uri: CheckpointRef | str | 
         return json.loads((directory / SIDE_DIR / EXTRA_STATE).read_text(encoding="utf-8"))
 
 
-def load_weights(model: torch.nn.Module, checkpoint: str | Path) -> None:
+def load_weights(chunks: list[torch.nn.Module], checkpoint: str | Path) -> None:
     """This rank's share of the weights of the torch_dist checkpoint `checkpoint` (a root or a directory) into
-    `model`, at whatever TP/PP the checkpoint was written (the reference model's load)."""
+    its model `chunks`, at whatever TP/PP/EP the checkpoint was written (the reference model's load)."""
     from megatron.core import dist_checkpointing
 
     ref = checkpoints.resolve(Storage(), str(local_root(checkpoint)))
     directory = local_root(ref.uri)
     verify_checkpoint(directory)
     with reading(directory):
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(directory))
-    assign(model, loaded["model"], ref.uri)
+        loaded = dist_checkpointing.load(model_state(chunks), str(directory))
+    assign(chunks, loaded, ref.uri)
 
 
-def assign(model: torch.nn.Module, loaded: dict[str, Any], source: str) -> None:
-    missing, _ = model.load_state_dict(loaded, strict=False)
+def model_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    """The model chunks' sharded state dicts under Megatron-LM's names: `model`, or `model0`, `model1`, ... for
+    virtual pipeline stages. The tensors' keys are global (layer offsets applied), so the files do not depend on
+    the chunking and load at any other layout."""
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def assign(chunks: list[torch.nn.Module], loaded: dict[str, Any], source: str) -> None:
+    """Load each chunk's part of `loaded` (under model_state's names) into it; ValueError naming missing weights."""
+    names = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    missing = []
+    for name, chunk in zip(names, chunks, strict=True):
+        missing += chunk.load_state_dict(loaded[name], strict=False)[0]
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing:
         raise ValueError(f"{source} lacks weights this model needs: {missing[:5]}; was it written for this "
