@@ -6,7 +6,8 @@ flag the user gave is compared with the field of `config.json` it describes, and
 values and the field. Only flags set away from their defaults are compared (a config that went through JSON, as
 Prefect parameters do, has every field set), so a run without MODEL_ARGS checks nothing. Parallelism (TP, PP, CP, EP, SP) and recompute are Megatron's; the torch backend trains
 data-parallel over --actor-num-nodes x --actor-num-gpus-per-node ranks, so a non-default value is refused; the
-Megatron backend builds TP, PP and DP and refuses the rest by name (MEGATRON_NOT_BUILT, megatron_backend_problems).
+Megatron backend builds TP, PP (with the interleaved schedule), DP and EP and refuses the rest by name
+(MEGATRON_NOT_BUILT, megatron_backend_problems). The MoE runtime flags (MOE_RUNTIME) are the Megatron backend's too.
 """
 
 from __future__ import annotations
@@ -21,8 +22,14 @@ from slimeflow.stages.rl.config import MegatronConfig, TrainConfig
 MEGATRON_ONLY = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
     "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
-    "recompute_granularity", "recompute_method", "recompute_num_layers",
+    "recompute_granularity", "recompute_method", "recompute_num_layers", "num_layers_per_virtual_pipeline_stage",
 )
+
+MOE_RUNTIME = (
+    "moe_token_dispatcher_type", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_router_dtype",
+    "moe_router_bias_update_rate", "moe_grouped_gemm", "moe_permute_fusion",
+)
+"""Megatron's MoE runtime flags: how experts are fed and trained (megatron-core's router and dispatcher)."""
 
 
 def _experts(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -117,12 +124,14 @@ def _equal(given: Any, actual: Any) -> bool:
     return given == actual
 
 
-_NOT_BUILT = "the Megatron backend does not build it yet (this version: TP, PP and DP)"
+_NOT_BUILT = "the Megatron backend does not build it yet (this version: TP, PP with VPP, DP and EP)"
 MEGATRON_NOT_BUILT = {
     "context_parallel_size": "context parallelism: " + _NOT_BUILT + "; on a CPU it cannot run at all (megatron-core's "
                              "local attention asserts context parallel size 1)",
-    "expert_model_parallel_size": "expert parallelism (MoE): " + _NOT_BUILT,
-    "expert_tensor_parallel_size": "expert tensor parallelism (MoE): " + _NOT_BUILT,
+    "moe_grouped_gemm": "grouped-GEMM experts need Transformer Engine's layer spec (GPUs); the Megatron backend "
+                        "builds megatron-core's local spec, whose experts run one after another (SequentialMLP)",
+    "moe_permute_fusion": "the fused token permutation is a Transformer Engine kernel (GPUs); the local spec "
+                          "permutes tokens in torch",
     "sequence_parallel": "sequence parallelism: " + _NOT_BUILT + " (the local layer spec's norms need the "
                          "sequence-parallel tag first)",
     "recompute_granularity": "activation recomputation: " + _NOT_BUILT,
@@ -135,13 +144,17 @@ MEGATRON_NOT_BUILT = {
 _REFUSED_BY: dict[str, dict[str, str]] = {
     # torch_dist is resharded by whoever loads it; only TP shapes the vocabulary padding.
     "convert": {field: "the converter writes one torch_dist checkpoint that any parallel layout loads (Megatron "
-                "reshards it), so it takes no parallel or recompute setting but --tensor-model-parallel-size (the "
-                "vocabulary padding): remove it" for field in MEGATRON_ONLY if field != "tensor_model_parallel_size"},
+                "reshards it), so it takes no parallel, recompute or MoE runtime setting but "
+                "--tensor-model-parallel-size (the vocabulary padding): remove it"
+                for field in (*MEGATRON_ONLY, *MOE_RUNTIME) if field != "tensor_model_parallel_size"},
     "megatron": {field: f"{reason}; remove it" for field, reason in MEGATRON_NOT_BUILT.items()},
     "torch": dict.fromkeys(MEGATRON_ONLY, "Megatron parallelism/recompute, read only by --train-backend megatron; the "
                            "torch backend trains data-parallel over --actor-num-nodes x --actor-num-gpus-per-node "
                            "ranks: remove it"),
 }
+_REFUSED_BY["torch"].update(dict.fromkeys(MOE_RUNTIME, "a Megatron MoE runtime flag (router, dispatcher, kernels), read "
+                                          "only by --train-backend megatron; the torch backend runs the HF model's "
+                                          "own experts: remove it"))
 """Per backend, the parallelism/recompute flags it refuses when set away from their defaults, with the reason."""
 
 
@@ -149,7 +162,9 @@ def check_model_args(megatron: MegatronConfig, hf_config: Mapping[str, Any], bac
     """Problems with the Megatron flags for a run on `backend` with this HF config.json; empty when all is well."""
     defaults = MegatronConfig()
     problems = [f"{_flag(field)} {getattr(megatron, field)}: {reason}"
-                for field, reason in _REFUSED_BY[backend].items() if getattr(megatron, field) != getattr(defaults, field)]
+                for field, reason in _REFUSED_BY[backend].items() if getattr(megatron, field) != getattr(defaults, field)
+                and not (field == "expert_tensor_parallel_size" and megatron.expert_tensor_parallel_size == 1)]
+    # (slime's scripts pass --expert-tensor-parallel-size 1 with TP 1: what a backend without TP has anyway)
     for field, (hf_field, read) in SHAPE.items():
         value = getattr(megatron, field)
         if value is None or value == getattr(defaults, field):
@@ -208,8 +223,43 @@ def megatron_backend_problems(config: TrainConfig) -> list[str]:
     if ranks % model_parallel:
         problems.append(f"{ranks} training ranks (--actor-num-nodes x --actor-num-gpus-per-node) are not a multiple "
                         f"of --tensor-model-parallel-size x --pipeline-model-parallel-size = {model_parallel}")
+    problems += _parallel_problems(config)
     if config.optimizer.bf16:
         problems.append("--bf16 with --train-backend megatron: " + _NOT_BUILT + " (it trains in fp32)")
+    return problems
+
+
+def _parallel_problems(config: TrainConfig) -> list[str]:
+    """The virtual pipeline and expert parallel settings the Megatron backend cannot run."""
+    m, problems = config.megatron, []
+    ranks = config.placement.actor_num_nodes * config.placement.actor_num_gpus_per_node
+    if m.num_layers_per_virtual_pipeline_stage is not None and m.pipeline_model_parallel_size == 1:
+        problems.append("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1 (it "
+                        "interleaves pipeline stages); drop it or raise the pipeline size")
+    if m.num_layers_per_virtual_pipeline_stage is not None and m.num_layers is not None and \
+            m.num_layers % (m.pipeline_model_parallel_size * m.num_layers_per_virtual_pipeline_stage):
+        problems.append(f"--num-layers-per-virtual-pipeline-stage {m.num_layers_per_virtual_pipeline_stage}: "
+                        f"--num-layers {m.num_layers} does not split into --pipeline-model-parallel-size "
+                        f"{m.pipeline_model_parallel_size} x stages of that many layers")
+    tp, ep = m.tensor_model_parallel_size, m.expert_model_parallel_size
+    if m.expert_tensor_parallel_size not in (None, tp):
+        problems.append(f"--expert-tensor-parallel-size {m.expert_tensor_parallel_size}: the Megatron backend splits "
+                        f"experts over the tensor-parallel ranks as the rest of the model (--tensor-model-parallel-size "
+                        f"{tp}); another expert tensor parallel size is not built yet: drop it or set it to {tp}")
+    if ep > 1 and ranks % (ep * tp * m.pipeline_model_parallel_size):
+        problems.append(f"{ranks} training ranks are not a multiple of --expert-model-parallel-size {ep} x "
+                        f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size "
+                        f"{m.pipeline_model_parallel_size}")
+    if ep > 1 and config.batch.use_dynamic_batch_size:
+        problems.append("--use-dynamic-batch-size with --expert-model-parallel-size > 1: expert-parallel ranks "
+                        "exchange tokens in every micro-batch, so they must run as many; use --micro-batch-size")
+    if ep > 1 and tp > 1:
+        problems.append("--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 is not built yet "
+                        "(megatron-core needs sequence parallelism there, and on gloo uneven token gathers); use one "
+                        "of the two")
+    if m.moe_token_dispatcher_type == "flex":
+        problems.append("--moe-token-dispatcher-type flex: DeepEP / HybridEP dispatch (GPU kernels) is not built; "
+                        "use allgather or alltoall")
     return problems
 
 
