@@ -8,8 +8,9 @@
         slimeflow/extra_state.json     the caller's JSON state (data source, rollout id, ...)
         slimeflow/checksums.json       sha256 of every other file, checked before a load
 
-Each rank writes and reads only its own shards, so a checkpoint loads at another TP/PP layout than it was saved
-at. Staging, commit and refusals follow the torch backend's checkpoints (checkpoint.py): a save is staged in
+Each rank writes and reads only its own shards, so a checkpoint loads at another TP/PP/EP layout (or virtual
+pipeline) than it was saved at; the RNG states are per (pipeline, tensor) rank, so, as Megatron-LM does, they are
+restored only at the layout they were saved at (common.pt's args record it). Staging, commit and refusals follow the torch backend's checkpoints (checkpoint.py): a save is staged in
 `<root>/.iter_XXXXXXX.tmp-*` (claimed by rank 0), moved into place when complete and only then committed.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from argparse import Namespace
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +32,7 @@ from slimeflow.io.storage import Storage
 from slimeflow.stages.convert.export import replace_dir
 from slimeflow.stages.convert.integrity import verify_checkpoint, write_checksums
 from slimeflow.stages.convert.staging import claimed_dir, staging_prefix
-from slimeflow.stages.convert.torch_dist import CHECKPOINT_VERSION, tensor_metadata
+from slimeflow.stages.convert.torch_dist import CHECKPOINT_VERSION, read_common, tensor_metadata
 from slimeflow.stages.rl.backend.checkpoint import EXTRA_STATE, SIDE_DIR, reading
 from slimeflow.stages.rl.backend.ownership import local_root
 from slimeflow.stages.rl.backend.torch_backend import rng_state, set_rng_state
@@ -44,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 
 def _sharded_state(backend: MegatronBackend, rollout_id: int | None, is_loading: bool,
-                   with_training_state: bool) -> dict[str, Any]:
+                   with_training_state: bool, with_rng: bool = True) -> dict[str, Any]:
     """What every rank saves (or declares to load): its model shards, and with the training state its optimizer
     shards, the schedule and its RNG states, under Megatron-LM's top-level names."""
     from megatron.core import parallel_state
@@ -53,16 +55,34 @@ def _sharded_state(backend: MegatronBackend, rollout_id: int | None, is_loading:
     state: dict[str, Any] = model_state(backend.modules)
     if with_training_state:
         state["optimizer"] = backend.optimizer.sharded_state_dict(dict(state), is_loading=is_loading)
+    if with_training_state and with_rng:
         pp, tp = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()
         state["rng_state"] = ShardedObject(
             "rng_state", [_rng_with_tracker()], (pp, tp),
             (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()),
             replica_id=parallel_state.get_data_parallel_rank())
-        if not is_loading:
-            state["opt_param_scheduler"] = backend.scheduler.state_dict()
+    if with_training_state and not is_loading:
+        state["opt_param_scheduler"] = backend.scheduler.state_dict()
     if not is_loading:
-        state.update(args=backend.args, checkpoint_version=CHECKPOINT_VERSION, iteration=rollout_id)
+        state.update(args=_saved_args(backend), checkpoint_version=CHECKPOINT_VERSION, iteration=rollout_id)
     return state
+
+
+def _saved_args(backend: MegatronBackend) -> Any:
+    """The model's args with the layout it was saved at, as Megatron-LM records its own run's."""
+    p = backend.parallel
+    return Namespace(**{**vars(backend.args), "tensor_model_parallel_size": p.tensor_model_parallel_size,
+                        "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+                        "expert_model_parallel_size": p.expert_model_parallel_size,
+                        "num_layers_per_virtual_pipeline_stage": p.num_layers_per_virtual_pipeline_stage})
+
+
+def _same_layout(backend: MegatronBackend, directory: Path) -> bool:
+    """Whether the checkpoint was saved at this run's (tensor, pipeline) layout: its per-rank RNG states fit."""
+    saved = read_common(directory)["args"]
+    p = backend.parallel
+    return (getattr(saved, "tensor_model_parallel_size", 1), getattr(saved, "pipeline_model_parallel_size", 1)) == \
+        (p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
 
 
 def _rng_with_tracker() -> dict[str, Any]:
@@ -142,18 +162,23 @@ def load_checkpoint(backend: MegatronBackend, ref_or_uri: CheckpointRef | str | 
     directory = local_root(ref.uri)
     verify_checkpoint(directory)
     resume = not weights_only and has_resume_state(ref, directory)
+    with_rng = resume and _same_layout(backend, directory)
+    if resume and not with_rng:
+        logger.warning("%s was saved at another tensor/pipeline parallel layout: its weights and optimizer state are "
+                       "resharded, its per-rank RNG states are not restored (as Megatron-LM)", ref.uri)
     with backend.on_device(), reading(directory):
-        loaded = dist_checkpointing.load(_sharded_state(backend, None, True, resume), str(directory))
+        loaded = dist_checkpointing.load(_sharded_state(backend, None, True, resume, with_rng), str(directory))
         assign(backend.modules, loaded, ref.uri)
         if not resume:
             return {}
         backend.optimizer.load_state_dict(loaded["optimizer"])
         backend.scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    rng = loaded["rng_state"][0]
-    set_rng_state(rng)
-    from megatron.core import tensor_parallel
+    if with_rng:
+        from megatron.core import tensor_parallel
 
-    tensor_parallel.get_cuda_rng_tracker().set_states(rng["rng_tracker_states"])
+        rng = loaded["rng_state"][0]
+        set_rng_state(rng)
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["rng_tracker_states"])
     with reading(directory / SIDE_DIR / EXTRA_STATE):
         return json.loads((directory / SIDE_DIR / EXTRA_STATE).read_text(encoding="utf-8"))
 
