@@ -1,5 +1,5 @@
 """slime's MoE and MLA MODEL_ARGS (DeepSeek-V3, GLM-4.5) under the torch backend: the shape flags are taken and
-checked against the HF config; Megatron's MoE runtime flags stay refused by name."""
+checked against the HF config; Megatron's MoE runtime flags are the Megatron backend's (kernel ones refused)."""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ class MegatronBackend:
                              f"--pipeline-model-parallel-size {pp}; use a multiple of {tp * pp} ranks")
         self.args = read_common(checkpoint)["args"]
         self.virtual_stages = virtual_pipeline_stages(self.args.num_layers, parallel)
-        check_moe(self.args, parallel, self.device, checkpoint)
+        check_moe(self.args, parallel, checkpoint)
         ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size or tp
         if world_size % (ep * etp * pp):
             raise ValueError(f"{world_size} training ranks are not a multiple of --expert-model-parallel-size {ep} x "
@@ -445,9 +445,9 @@ def virtual_pipeline_stages(num_layers: int, parallel: MegatronConfig) -> int | 
     return num_layers // (pp * per_stage)
 
 
-def check_moe(args: Any, parallel: MegatronConfig, device: torch.device, checkpoint: str | Path) -> None:
+def check_moe(args: Any, parallel: MegatronConfig, checkpoint: str | Path) -> None:
     """ValueError for MoE settings this model or this machine cannot run: experts or MoE runtime flags on a dense
-    model (they would change nothing), the all-to-all dispatcher on a CPU (it runs on CUDA streams)."""
+    model (they would change nothing)."""
     from slimeflow.stages.rl.model_args import MOE_RUNTIME
 
     if not getattr(args, "num_experts", None):
@@ -456,9 +456,6 @@ def check_moe(args: Any, parallel: MegatronConfig, device: torch.device, checkpo
                  if getattr(parallel, field) != getattr(defaults, field)]
         if given:
             raise ValueError(f"{' '.join(given)}: {checkpoint} is a dense model (no experts); drop them")
-    elif parallel.moe_token_dispatcher_type == "alltoall" and device.type == "cpu":
-        raise ValueError("--moe-token-dispatcher-type alltoall runs on CUDA streams; on a CPU use allgather (the "
-                         "default), which computes the same")
 
 
 def moe_runtime(parallel: MegatronConfig) -> dict[str, Any]:
