@@ -106,26 +106,40 @@ def moe_one_process(qwen3_moe) -> dict:
     return {"batch": batch, **train_job(0, 1, job)}
 
 
+@pytest.fixture(scope="module")
+def deepseek_v3(tmp_path_factory) -> dict[str, Path]:
+    """The tiny DeepSeek-V3: multi-latent attention, a dense first layer, sigmoid router with expert bias."""
+    return _convert(tmp_path_factory.mktemp("dsv3"), TinyModelSpec(family="deepseek_v3", seed=7))
+
+
 @pytest.mark.slow
-def test_the_megatron_backend_trains_qwen3_moe_as_the_torch_backend(qwen3_moe):
-    """One step on the tiny Qwen3-MoE, both backends (megatron's SequentialMLP experts and router against HF's),
-    tolerances as test_one_step_equals_the_torch_backend's."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_the_megatron_backend_trains_moe_families_as_the_torch_backend(family, request):
+    """One step on the tiny MoE model, both backends (megatron's SequentialMLP experts, router and MLA against HF's),
+    tolerances as test_one_step_equals_the_torch_backend's. DeepSeek's expert-score correction bias is the one
+    difference: megatron moves it by --moe-router-bias-update-rate x sign(mean load - expert's load) after each step
+    (slime's training does), HF's training leaves it."""
     from slimeflow.stages.rl.backend.torch_backend import TorchBackend
 
+    model = request.getfixturevalue(family)
     config = make_config(batch={"micro_batch_size": 3}, optimizer={"lr": LR})
-    batch = rollout_batch(qwen3_moe["hf"])
-    torch_backend = TorchBackend(qwen3_moe["hf"], config.optimizer, config.algorithm, config.batch, seed=3,
-                                 device="cpu")
+    batch = rollout_batch(model["hf"])
+    torch_backend = TorchBackend(model["hf"], config.optimizer, config.algorithm, config.batch, seed=3, device="cpu")
     expected = train_steps(torch_backend, batch, config, 0, 1)[0]
-    got = train_job(0, 1, make_job(qwen3_moe["tmp"], "moe-vs-torch", qwen3_moe["hf"], qwen3_moe["release"], batch,
-                                   config))
+    got = train_job(0, 1, make_job(model["tmp"], "moe-vs-torch", model["hf"], model["release"], batch, config))
     step = got["steps"][0]
     for key, value in expected.items():
         assert step[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     assert step["grad_norm"] > 0.1
     trained = torch_backend.checkpoint_weights()
     assert set(got["weights"]) == set(trained) and any(".experts.3." in k for k in trained)
-    assert max((got["weights"][k] - trained[k]).abs().max().item() for k in trained) <= 0.1 * LR
+    biases = [k for k in trained if k.endswith("e_score_correction_bias")]
+    assert bool(biases) == (family == "deepseek_v3")
+    for name in biases:
+        moved = (got["weights"][name] - trained[name]).abs()
+        rate = config.megatron.moe_router_bias_update_rate
+        assert torch.all((moved < 1e-7) | ((moved - rate).abs() < 1e-7)) and moved.max() > 0, moved
+    assert max((got["weights"][k] - trained[k]).abs().max().item() for k in trained if k not in biases) <= 0.1 * LR
 
 
 @pytest.mark.slow

@@ -80,13 +80,13 @@ def sdpa_attention() -> type:
     return SdpaAttention
 
 
-def mla_core_attention() -> type:
-    """megatron-core's local DotProductAttention, taking the key and value head sizes that MLA passes (Transformer
-    Engine's attention takes them; the local one has no such arguments). Keys are as long as queries, values
-    kv_channels long (the args set kv_channels to MLA's v_head_dim)."""
+def mla_core_attention(sdpa: bool = False) -> type:
+    """megatron-core's local DotProductAttention (with `sdpa`, sdpa_attention's), taking the key and value head sizes
+    that MLA passes (Transformer Engine's attention takes them; the local one has no such arguments). Keys are as
+    long as queries, values kv_channels long (the args set kv_channels to MLA's v_head_dim)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    class MLADotProductAttention(DotProductAttention):
+    class MLADotProductAttention(sdpa_attention() if sdpa else DotProductAttention):
         def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
             if v_channels is not None and v_channels != config.kv_channels:
                 raise ValueError(f"MLA's v_head_dim ({v_channels}) must equal kv_channels ({config.kv_channels})")
@@ -105,7 +105,7 @@ _MLA_KEYS = {
 def layer_spec(args: argparse.Namespace, moe: bool | None = None, sdpa: bool = False):
     """The local layer spec for these args: megatron-core's, with sandwich norms when the args ask for them, and
     parameters keyed as Transformer Engine's specs key them. `moe`: an expert layer (None: whenever the args have
-    experts); `sdpa`: torch's fused causal attention (`sdpa_attention`) for standard attention (MLA keeps its own)."""
+    experts); `sdpa`: torch's fused causal attention (`sdpa_attention`), for MLA too (mla_core_attention)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -122,7 +122,7 @@ def layer_spec(args: argparse.Namespace, moe: bool | None = None, sdpa: bool = F
         attention = spec.submodules.self_attention
         submodules = replace(submodules, self_attention=ModuleSpec(
             module=attention.module, params=attention.params,
-            submodules=replace(attention.submodules, core_attention=mla_core_attention())))
+            submodules=replace(attention.submodules, core_attention=mla_core_attention(sdpa))))
     elif sdpa:
         attention = submodules.self_attention
         submodules = replace(submodules, self_attention=replace(
