@@ -175,7 +175,7 @@ def test_the_load_balancing_loss_reaches_only_the_router(qwen3_moe, tmp_path):
 
 
 def test_virtual_pipeline_stages_follow_megatron_lms_rule():
-    from slimeflow.stages.rl.backend.megatron_backend import virtual_pipeline_stages
+    from slimeflow.stages.rl.backend.megatron_layout import virtual_pipeline_stages
 
     assert virtual_pipeline_stages(8, MegatronConfig(pipeline_model_parallel_size=2)) is None
     assert virtual_pipeline_stages(8, MegatronConfig(pipeline_model_parallel_size=2,
@@ -190,7 +190,7 @@ def test_virtual_pipeline_stages_follow_megatron_lms_rule():
 def test_moe_settings_a_model_or_a_cpu_cannot_run_are_refused():
     from types import SimpleNamespace
 
-    from slimeflow.stages.rl.backend.megatron_backend import check_moe
+    from slimeflow.stages.rl.backend.megatron_layout import check_moe
 
     with pytest.raises(ValueError, match="--expert-model-parallel-size --moe-aux-loss-coeff: .* dense model"):
         check_moe(SimpleNamespace(num_experts=None), MegatronConfig(expert_model_parallel_size=2,
