@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatron_steps import make_batch, make_config, make_job, run_world, train_job, train_steps
+from megatron_steps import make_backend, make_batch, make_config, make_job, run_world, train_job, train_steps
 from test_megatron_backend import LR, _compare_with_one_process, converted, rollout_batch, two_step_config
 
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
@@ -217,3 +217,33 @@ def test_the_start_up_check_names_what_ep_and_vpp_cannot_run():
     assert [p.split(" ", 1)[0] for p in found] == [
         "--num-layers-per-virtual-pipeline-stage", "--expert-tensor-parallel-size", "1", "--use-dynamic-batch-size",
         "--moe-token-dispatcher-type"], found
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_checkpoint_resumes_at_its_own_layout(qwen3_moe, tmp_path):
+    """EP 2 saves its optimizer state split as megatron splits it (dense and expert parameters, chained_0. and
+    chained_1. keys, as Megatron-LM saves them); EP 2 resumed from it trains the next rollout exactly as the
+    uninterrupted run. One process (one optimizer) is refused by name: that resharding is not built."""
+    from slimeflow.io.checkpoints import CheckpointError, resolve
+    from slimeflow.io.storage import Storage
+    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+
+    first = rollout_batch(qwen3_moe["hf"])
+    second = make_batch(seed=1)
+    second.rollout_log_probs = first.rollout_log_probs
+    config = resume_config(expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall")
+    uninterrupted = run_world(2, "saved", tmp_path, qwen3_moe["hf"], qwen3_moe["release"], first, config,
+                              save=str(tmp_path / "save"), next_batch=second)
+    saved = resolve(Storage(), str(tmp_path / "save")).uri
+    resumed = run_world(2, "resumed", tmp_path, qwen3_moe["hf"], Path(saved), second, config, resume=True,
+                        ref_load=str(qwen3_moe["release"]))
+    assert resumed["steps"] == uninterrupted["steps"]
+    assert all(torch.equal(resumed["weights"][k], v) for k, v in uninterrupted["weights"].items())
+
+    one = make_backend({**make_job(tmp_path, "one", qwen3_moe["hf"], Path(saved), second, resume_config()),
+                        "ref_load": str(qwen3_moe["release"])})
+    try:
+        with pytest.raises(CheckpointError, match="change of --expert-model-parallel-size is not built"):
+            load_checkpoint(one, saved)
+    finally:
+        one.close()

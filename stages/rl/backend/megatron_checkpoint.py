@@ -8,9 +8,10 @@
         slimeflow/extra_state.json     the caller's JSON state (data source, rollout id, ...)
         slimeflow/checksums.json       sha256 of every other file, checked before a load
 
-Each rank writes and reads only its own shards, so a checkpoint loads at another TP/PP/EP layout (or virtual
+Each rank writes and reads only its own shards, so a checkpoint loads at another TP/PP layout (or virtual
 pipeline) than it was saved at; the RNG states are per (pipeline, tensor) rank, so, as Megatron-LM does, they are
-restored only at the layout they were saved at (common.pt's args record it). Staging, commit and refusals follow the torch backend's checkpoints (checkpoint.py): a save is staged in
+restored only at the layout they were saved at (common.pt's args record it). An MoE model's optimizer state under
+expert parallelism is split in two (dense and expert parameters): it resumes at its own expert-parallel size only. Staging, commit and refusals follow the torch backend's checkpoints (checkpoint.py): a save is staged in
 `<root>/.iter_XXXXXXX.tmp-*` (claimed by rank 0), moved into place when complete and only then committed.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from argparse import Namespace
 from contextlib import ExitStack
@@ -162,6 +164,8 @@ def load_checkpoint(backend: MegatronBackend, ref_or_uri: CheckpointRef | str | 
     directory = local_root(ref.uri)
     verify_checkpoint(directory)
     resume = not weights_only and has_resume_state(ref, directory)
+    if resume:
+        _check_optimizer_split(backend, ref.uri, directory)
     with_rng = resume and _same_layout(backend, directory)
     if resume and not with_rng:
         logger.warning("%s was saved at another tensor/pipeline parallel layout: its weights and optimizer state are "
@@ -217,10 +221,29 @@ def assign(chunks: list[torch.nn.Module], loaded: dict[str, Any], source: str) -
                          "--hf-checkpoint's architecture?")
 
 
+_OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
+"""An optimizer state's key: megatron's optimizer, or one of a ChainedOptimizer's (an MoE model's dense and expert
+parameters are stepped by two, keyed chained_0., chained_1., as Megatron-LM saves them)."""
+
+
+def _check_optimizer_split(backend: MegatronBackend, uri: str, directory: Path) -> None:
+    """CheckpointError when the checkpoint's optimizer state is split otherwise than this run's optimizer: megatron
+    steps an MoE model's expert parameters with an optimizer of their own under expert parallelism (keys chained_0.,
+    chained_1.), with one optimizer without it; dist_checkpointing cannot map one onto the other."""
+    saved = any(key.startswith("chained_") for key in tensor_metadata(directory))
+    mine = len(getattr(backend.optimizer, "chained_optimizers", ())) > 1
+    if saved != mine:
+        raise CheckpointError(
+            f"{uri} holds the optimizer state {'split over' if saved else 'of'} "
+            f"{'a dense and an expert optimizer' if saved else 'one optimizer'}, this run has "
+            f"{'two' if mine else 'one'}: resuming across a change of --expert-model-parallel-size is not built. "
+            f"Resume at the layout it was saved at, or train on from its weights with --ref-load {uri} and a new --save")
+
+
 def has_resume_state(ref: CheckpointRef, directory: Path) -> bool:
     """True when the checkpoint holds the Megatron backend's resume state (optimizer shards and extra_state);
     False for a release/ that holds weights only (a converted one); CheckpointError otherwise."""
-    has_optimizer = any(key.startswith("optimizer.") for key in tensor_metadata(directory))
+    has_optimizer = any(_OPTIMIZER_KEY.match(key) for key in tensor_metadata(directory))
     has_extra = (directory / SIDE_DIR / EXTRA_STATE).is_file()
     if has_optimizer and has_extra:
         return True
