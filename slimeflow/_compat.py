@@ -148,6 +148,59 @@ def _own_step(method: Callable[..., Any]) -> Callable[..., Any]:
     return set_states
 
 
+class _HostStream:
+    """What megatron's all-to-all token dispatcher asks of a CUDA stream and its events, on the host, where work
+    runs in program order: waiting, recording and synchronising have nothing to do."""
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def record_event(self) -> _HostStream:
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+
+_HOST_STREAM = _HostStream()
+
+
+class _CudaStreamsOnHost:
+    """`torch.cuda` with its streams on the host (_HostStream); every other attribute is torch.cuda's own."""
+
+    def Stream(self, *args: Any, **kwargs: Any) -> _HostStream:  # noqa: N802 (torch.cuda's name)
+        return _HOST_STREAM
+
+    def current_stream(self, *args: Any, **kwargs: Any) -> _HostStream:
+        return _HOST_STREAM
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        return getattr(torch.cuda, name)
+
+
+class TorchWithHostStreams:
+    """Stands in for the name `torch` inside megatron's token dispatcher: `torch.cuda`'s streams on the host."""
+
+    cuda = _CudaStreamsOnHost()
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        return getattr(torch, name)
+
+
+def _split_sizes_on_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """moe_utils.maybe_move_tensor_to_cpu for tensors already on the host: as numpy when asked (split sizes)."""
+    import torch
+
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
 def _no_sync() -> None:
     return None
 
@@ -215,6 +268,12 @@ SHIMS: tuple[Shim, ...] = (
     Shim(_module("megatron.core.transformer.moe.moe_utils"), "te_general_gemm", None,
          why="megatron-core 0.16.1's MoE router (RouterGatingLinearFunction) tests `te_general_gemm is not None`, a "
              "name only imported with Transformer Engine: without it, NameError. None selects its torch.mm path."),
+    Shim(_module("megatron.core.transformer.moe.token_dispatcher"), "torch", TorchWithHostStreams(),
+         why="the all-to-all token dispatcher (--moe-token-dispatcher-type alltoall) creates a torch.cuda.Stream "
+             "for its device-to-host copies of the split sizes and waits on it; on a CPU-only torch that raises."),
+    Shim(_module("megatron.core.transformer.moe.token_dispatcher"), "maybe_move_tensor_to_cpu", _split_sizes_on_host,
+         why="the all-to-all dispatcher moves its split sizes to the host as numpy only from a CUDA tensor; on the "
+             "host they stay tensors, which gloo's all_to_all_single rejects as split sizes."),
     Shim(_module("megatron.core.transformer.multi_latent_attention"), "HAVE_TE", False,
          why="megatron-core 0.16.1's MLA imports Transformer Engine's names through a module that stands in "
              "placeholders when TE is absent, so it believes TE is there and `isinstance(linear_proj, TELinear)` "

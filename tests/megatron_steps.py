@@ -50,21 +50,31 @@ def train_steps(backend, batch, config, rank: int, world_size: int) -> list[dict
 
 
 def train_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
-    """Build the backend of `rank`, load the job's checkpoint, train; rank 0's steps, weights and optimizer
-    parameter groups (None on the other ranks)."""
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+    """Build the backend of `rank`, load the job's checkpoint (its weights; everything with job["resume"]), train;
+    rank 0's steps, weights, optimizer parameter groups and model chunk count (None on the other ranks). With
+    job["save"]: save after the batch as rollout 0 under that root, then train on job["next_batch"] (the steps
+    and weights returned are that batch's: an uninterrupted run)."""
+    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint, save_checkpoint
 
     config = job["config"]
     backend = make_backend(job, rank, world)
     try:
-        load_checkpoint(backend, job["checkpoint"], weights_only=True)
+        load_checkpoint(backend, job["checkpoint"], weights_only=not job.get("resume", False))
         steps = train_steps(backend, job["batch"], config, backend.dp_rank, backend.dp_size)
+        if "save" in job:
+            first = steps
+            save_checkpoint(backend, job["save"], 0, {"rollout_id": 0})
+            steps = train_steps(backend, job["next_batch"], config, backend.dp_rank, backend.dp_size)
         weights = backend.named_weights()
         groups = [{"weight_decay": g["weight_decay"], "dims": sorted({p.dim() for p in g["params"]})}
                   for g in backend.optimizer.param_groups]
+        chunks = len(backend.model)
     finally:
         backend.close()
-    return {"steps": steps, "weights": weights, "groups": groups} if rank == 0 else None
+    result = {"steps": steps, "weights": weights, "groups": groups, "chunks": chunks}
+    if "save" in job:
+        result["first_steps"] = first
+    return result if rank == 0 else None
 
 
 def make_backend(job: dict[str, Any], rank: int = 0, world: int = 1):
@@ -74,7 +84,7 @@ def make_backend(job: dict[str, Any], rank: int = 0, world: int = 1):
     config = job["config"]
     return MegatronBackend(job["hf"], job["checkpoint"], config.optimizer, config.algorithm, config.batch,
                            config.megatron, seed=3, rank=rank, world_size=world, init_method=job["init"],
-                           ref_load=job["checkpoint"] if config.algorithm.use_kl_loss else None)
+                           ref_load=job.get("ref_load", job["checkpoint"]) if config.algorithm.use_kl_loss else None)
 
 
 def _worker(rank: int, world: int, job: dict[str, Any]) -> None:

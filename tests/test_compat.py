@@ -33,7 +33,9 @@ def test_every_shim_says_why_and_is_tested_here():
                      ("megatron.core.pipeline_parallel.schedules", "torch"),
                      ("DistributedOptimizer", "_build_model_and_main_param_groups"),
                      ("DistributedOptimizer", "state_dict"),
-                     ("DistributedOptimizer", "_set_main_param_and_optimizer_states")}
+                     ("DistributedOptimizer", "_set_main_param_and_optimizer_states"),
+                     ("megatron.core.transformer.moe.token_dispatcher", "torch"),
+                     ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu")}
     assert all(len(shim.why) > 40 for shim in _compat.SHIMS)
 
 
@@ -231,6 +233,42 @@ def test_moe_router_needs_the_te_general_gemm_shim():
     with _compat.megatron_on_cpu():
         torch.testing.assert_close(moe_utils.router_gating_linear(inp, weight, None, torch.float32), inp @ weight.T)
     assert not hasattr(moe_utils, "te_general_gemm")  # deleted again: megatron-core never defined it
+
+
+def test_the_alltoall_dispatcher_needs_the_host_streams_shim(megatron_world):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe import token_dispatcher
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, num_moe_experts=2,
+                               moe_router_topk=2, moe_token_dispatcher_type="alltoall", use_cpu_initialization=True)
+
+    def build():
+        token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = None  # created by the first one built
+        return token_dispatcher.MoEAlltoAllTokenDispatcher(2, [0, 1], config,
+                                                           ProcessGroupCollection.use_mpu_process_groups())
+
+    with all_shims_but(token_dispatcher, "torch"), pytest.raises(RuntimeError, match="CUDA"):
+        build()
+    with _compat.megatron_on_cpu():
+        assert build().cuda_dtoh_stream is not None
+
+
+def test_alltoall_split_sizes_need_the_host_numpy_shim(megatron_world):
+    """gloo's all_to_all_single takes split sizes as a sequence of ints, not a tensor; megatron makes them numpy
+    only when moving them off a GPU."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    sizes, tokens = torch.tensor([3]), torch.arange(3.0)
+    with all_shims_but(token_dispatcher, "maybe_move_tensor_to_cpu"):
+        unshimmed = token_dispatcher.maybe_move_tensor_to_cpu(sizes, as_numpy=True)
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        torch.distributed.all_to_all_single(torch.empty(3), tokens, unshimmed, unshimmed)
+    with _compat.megatron_on_cpu():
+        shimmed = token_dispatcher.maybe_move_tensor_to_cpu(sizes, as_numpy=True)
+    out = torch.empty(3)
+    torch.distributed.all_to_all_single(out, tokens, shimmed, shimmed)
+    assert torch.equal(out, tokens)
 
 
 def test_multi_latent_attention_needs_the_have_te_shim(megatron_world):

@@ -1,11 +1,10 @@
 """slime's MoE and MLA MODEL_ARGS (DeepSeek-V3, GLM-4.5) under the torch backend: the shape flags are taken and
-checked against the HF config; Megatron's MoE runtime flags stay refused by name."""
+checked against the HF config; Megatron's MoE runtime flags are the Megatron backend's (kernel ones refused)."""
 
 from __future__ import annotations
 
 import pytest
 
-from slimeflow.config.flags import ConfigError
 from slimeflow.config.model_args import check_model_args, moe_layer_freq
 from slimeflow.config.pipeline import load_stage_config
 
@@ -89,12 +88,18 @@ def test_moe_flags_on_a_dense_model_are_refused():
     assert [p.split(" ", 1)[0] for p in problems] == ["--num-experts", "--multi-latent-attention"]
 
 
-def test_megatrons_moe_runtime_flags_stay_refused_by_name():
-    with pytest.raises(ConfigError) as err:
-        megatron(*DEEPSEEK_V3_ARGS, *DEEPSEEK_V3_RUNTIME)
-    refused = sorted(p.split(":", 1)[0] for p in err.value.problems)
-    assert refused == sorted(f for f in DEEPSEEK_V3_RUNTIME if f.startswith("--"))
-    assert all("read only by the Megatron backend" in p for p in err.value.problems)
+def test_megatrons_moe_runtime_flags_are_the_megatron_backends():
+    """Taken by the parser; the torch backend refuses each one set (it runs HF's experts); the Megatron backend
+    takes them but the two that need Transformer Engine's kernels."""
+    config = megatron(*DEEPSEEK_V3_ARGS, *DEEPSEEK_V3_RUNTIME)
+    assert config.moe_token_dispatcher_type == "alltoall" and config.moe_router_bias_update_rate == 0.0
+    torch_refused = [p.split(" ", 1)[0] for p in check_model_args(config, DEEPSEEK_V3, "torch")]
+    assert sorted(torch_refused) == ["--moe-grouped-gemm", "--moe-permute-fusion", "--moe-router-bias-update-rate",
+                                     "--moe-router-dtype", "--moe-router-load-balancing-type",
+                                     "--moe-token-dispatcher-type"]  # --moe-aux-loss-coeff 0 is the default
+    megatron_refused = check_model_args(config, DEEPSEEK_V3, "megatron")
+    assert [p.split(" ", 1)[0] for p in megatron_refused] == ["--moe-grouped-gemm", "--moe-permute-fusion"]
+    assert all("Transformer Engine" in p for p in megatron_refused)
 
 
 def test_moe_layer_freq_reads_megatrons_forms():

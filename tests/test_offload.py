@@ -200,13 +200,13 @@ def test_the_megatron_backend_trains_after_an_offload_exactly_as_without(tmp_pat
             load_checkpoint(backend, str(release), weights_only=True)
             steps = train_steps(backend, batch, config, 0, 1)
             if offload is not None:
-                grad_buffer = backend.model.buffers[0].grad_data
+                grad_buffer = backend.model[0].buffers[0].grad_data
                 report = offload.offload(backend.state_tensors())
-                weight_bytes = sum(p.numel() * 4 for p in backend.module.parameters())
+                weight_bytes = sum(p.numel() * 4 for p in backend.modules[0].parameters())
                 assert report.moved_bytes >= 5 * weight_bytes  # weights, gradients, Adam's moments, reference
                 assert grad_buffer.untyped_storage().nbytes() == 0
                 offload.onload()
-                param = next(backend.module.parameters())
+                param = next(backend.modules[0].parameters())
                 assert param.main_grad.untyped_storage().data_ptr() == grad_buffer.untyped_storage().data_ptr()
             steps += train_steps(backend, batch, config, 0, 1)
             runs.append((steps, backend.named_weights()))

@@ -78,6 +78,12 @@ def test_slimes_run_scripts_print_their_config_and_name_what_a_run_refuses(scrip
         # tokens and no batch settings: slime fails on it too.
         assert code == cli.EXIT_CONFIG and "--rollout-batch-size is required" in err
         return
+    dispatchers = [argv[i + 1] for i, token in enumerate(argv) if token == "--moe-token-dispatcher-type"]
+    if len(set(dispatchers)) > 1:
+        # Several of slime's MoE scripts set the dispatcher twice (alltoall, then flex with --moe-enable-deepep):
+        # argparse keeps the last silently; slimeflow asks for one value (and refuses flex, DeepEP's).
+        assert code == cli.EXIT_CONFIG and "--moe-token-dispatcher-type is given 2 times" in err
+        return
     if script.endswith("-sft.args"):  # slime's SFT mode: --debug-train-only with no saved rollouts to train on
         assert code == cli.EXIT_CONFIG and "sft_rollout, which slimeflow does not support yet" in err
         return

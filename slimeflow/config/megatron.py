@@ -22,8 +22,11 @@ class MegatronConfig(ConfigModel):
     """Context parallel size."""
     expert_model_parallel_size: PositiveInt = 1
     """Expert parallel size."""
-    expert_tensor_parallel_size: PositiveInt = 1
-    """Expert tensor parallel size."""
+    expert_tensor_parallel_size: OptionalPositiveInt = None
+    """Expert tensor parallel size (None: the tensor parallel size, as Megatron-LM's default)."""
+    num_layers_per_virtual_pipeline_stage: OptionalPositiveInt = None
+    """Layers per virtual pipeline stage: the interleaved 1F1B schedule, num_layers / (PP x this) model chunks per
+    pipeline rank (None: one chunk, plain 1F1B)."""
     sequence_parallel: bool = False
     """Sequence parallelism (with tensor parallelism)."""
     recompute_granularity: Literal["full", "selective"] | None = None
@@ -124,6 +127,22 @@ class MegatronConfig(ConfigModel):
     """YaRN mscale."""
     mscale_all_dim: float | None = Field(None, ge=0)
     """YaRN mscale_all_dim."""
+    # MoE runtime flags (how experts are fed and trained, not their shape): read by the Megatron backend only.
+    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "allgather"
+    """How tokens reach the experts of other expert-parallel ranks."""
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"] = \
+        "aux_loss"
+    """The router's load-balancing loss (weighted by --moe-aux-loss-coeff; 0 leaves it out)."""
+    moe_aux_loss_coeff: float = Field(0.0, ge=0)
+    """Weight of the load-balancing loss."""
+    moe_router_dtype: Literal["fp32", "fp64"] | None = None
+    """Precision of the router's scores (None: the model's dtype)."""
+    moe_router_bias_update_rate: float = Field(1e-3, ge=0)
+    """Step of the expert-score correction bias update (--moe-router-enable-expert-bias)."""
+    moe_grouped_gemm: bool = False
+    """Experts as one grouped GEMM (Transformer Engine / CUTLASS on GPUs)."""
+    moe_permute_fusion: bool = False
+    """Fused token permutation (Transformer Engine, GPUs)."""
 
     @model_validator(mode="after")
     def _check_recompute(self) -> MegatronConfig:

@@ -7,7 +7,8 @@ values and the field. Only flags set away from their defaults are compared (a co
 Prefect parameters do, has every field set), so a run without MODEL_ARGS checks nothing. Parallelism (TP, PP, CP, EP,
 SP), the distributed optimizer and recompute are Megatron's; the torch backend trains data-parallel over
 --actor-num-nodes x --actor-num-gpus-per-node ranks, so a non-default value is refused; the Megatron backend builds
-TP, SP, PP, DP, the distributed optimizer and recomputation and refuses the rest by name (MEGATRON_NOT_BUILT; its
+TP, SP, PP (with the interleaved schedule), DP, EP, the distributed optimizer and recomputation and refuses the
+rest by name (MEGATRON_NOT_BUILT; its
 start-up checks are stages/rl/model_args.py's megatron_backend_problems).
 """
 
@@ -24,7 +25,14 @@ MEGATRON_ONLY = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
     "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
     "recompute_granularity", "recompute_method", "recompute_num_layers", "use_distributed_optimizer",
+    "num_layers_per_virtual_pipeline_stage",
 )
+
+MOE_RUNTIME = (
+    "moe_token_dispatcher_type", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_router_dtype",
+    "moe_router_bias_update_rate", "moe_grouped_gemm", "moe_permute_fusion",
+)
+"""Megatron's MoE runtime flags: how experts are fed and trained (megatron-core's router and dispatcher)."""
 
 
 def _experts(hf: Mapping[str, Any]) -> dict[str, Any]:
@@ -119,13 +127,15 @@ def _equal(given: Any, actual: Any) -> bool:
     return given == actual
 
 
-NOT_BUILT = ("the Megatron backend does not build it yet (this version: TP, SP, PP and DP, the distributed "
-             "optimizer, activation recomputation)")
+NOT_BUILT = ("the Megatron backend does not build it yet (this version: TP, SP, PP with VPP, DP, EP, the "
+             "distributed optimizer, activation recomputation)")
 MEGATRON_NOT_BUILT = {
     "context_parallel_size": "context parallelism: " + NOT_BUILT + "; on a CPU it cannot run at all (megatron-core's "
                              "local attention asserts context parallel size 1)",
-    "expert_model_parallel_size": "expert parallelism (MoE): " + NOT_BUILT,
-    "expert_tensor_parallel_size": "expert tensor parallelism (MoE): " + NOT_BUILT,
+    "moe_grouped_gemm": "grouped-GEMM experts need Transformer Engine's layer spec (GPUs); the Megatron backend "
+                        "builds megatron-core's local spec, whose experts run one after another (SequentialMLP)",
+    "moe_permute_fusion": "the fused token permutation is a Transformer Engine kernel (GPUs); the local spec "
+                          "permutes tokens in torch",
 }
 """The Megatron parallelism flags the Megatron backend refuses, with the reason."""
 
@@ -133,13 +143,17 @@ MEGATRON_NOT_BUILT = {
 _REFUSED_BY: dict[str, dict[str, str]] = {
     # torch_dist is resharded by whoever loads it; only TP shapes the vocabulary padding.
     "convert": {field: "the converter writes one torch_dist checkpoint that any parallel layout loads (Megatron "
-                "reshards it), so it takes no parallel, recompute or optimizer setting but --tensor-model-parallel-size (the "
-                "vocabulary padding): remove it" for field in MEGATRON_ONLY if field != "tensor_model_parallel_size"},
+                "reshards it), so it takes no parallel, recompute, optimizer or MoE runtime setting but "
+                "--tensor-model-parallel-size (the vocabulary padding): remove it"
+                for field in (*MEGATRON_ONLY, *MOE_RUNTIME) if field != "tensor_model_parallel_size"},
     "megatron": {field: f"{reason}; remove it" for field, reason in MEGATRON_NOT_BUILT.items()},
     "torch": dict.fromkeys(MEGATRON_ONLY, "Megatron parallelism, recompute or distributed optimizer, read only by "
                            "--train-backend megatron; the torch backend trains data-parallel over --actor-num-nodes x "
                            "--actor-num-gpus-per-node ranks: remove it"),
 }
+_REFUSED_BY["torch"].update(dict.fromkeys(MOE_RUNTIME, "a Megatron MoE runtime flag (router, dispatcher, kernels), read "
+                                          "only by --train-backend megatron; the torch backend runs the HF model's "
+                                          "own experts: remove it"))
 """Per backend, the parallelism/recompute flags it refuses when set away from their defaults, with the reason."""
 
 
@@ -147,7 +161,9 @@ def check_model_args(megatron: MegatronConfig, hf_config: Mapping[str, Any], bac
     """Problems with the Megatron flags for a run on `backend` with this HF config.json; empty when all is well."""
     defaults = MegatronConfig()
     problems = [f"{_flag(field)} {getattr(megatron, field)}: {reason}"
-                for field, reason in _REFUSED_BY[backend].items() if getattr(megatron, field) != getattr(defaults, field)]
+                for field, reason in _REFUSED_BY[backend].items() if getattr(megatron, field) != getattr(defaults, field)
+                and not (field == "expert_tensor_parallel_size" and megatron.expert_tensor_parallel_size == 1)]
+    # (slime's scripts pass --expert-tensor-parallel-size 1 with TP 1: what a backend without TP has anyway)
     for field, (hf_field, read) in SHAPE.items():
         value = getattr(megatron, field)
         if value is None or value == getattr(defaults, field):

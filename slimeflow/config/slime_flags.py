@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
-_MOE = ("a Megatron mixture-of-experts runtime flag (dispatch, kernels, load balancing), read only by the Megatron "
-        "backend, not in this version; the experts' shape flags (--num-experts, --moe-router-topk, ...) are taken "
-        "and checked against the HF config")
+_MOE = ("a Megatron mixture-of-experts flag the Megatron backend does not read yet; it takes the experts' shape "
+        "flags (--num-experts, --moe-router-topk, ...) and --moe-token-dispatcher-type, "
+        "--moe-router-load-balancing-type, --moe-aux-loss-coeff, --moe-router-dtype, --moe-router-bias-update-rate")
 
 _FAULT_TOLERANCE = ("engine health checks and restarts (--use-fault-tolerance) are not built: a dead engine "
                     "process ends the run with an error naming it and its log tail")
@@ -31,6 +31,7 @@ NOT_YET_SUPPORTED: dict[str, str] = {
 _MEGATRON = ("a Megatron-LM flag that the Megatron training backend (--train-backend megatron) does not read yet "
              "(it runs megatron-core's local layer spec in fp32); the torch backend needs no such setting")
 _MTP = "multi-token prediction layers are not supported yet"
+_NEW_ATTENTION_FAMILIES = "those families' gated attention is not supported yet either"
 _SANDWICH = ("GLM4's sandwich norms come from its HF config (model_type glm4), which the torch backend and the "
              "converter read; the Megatron backend takes them from the checkpoint's args, not from this flag")
 
@@ -50,6 +51,11 @@ NOT_YET_SUPPORTED["--opd-teacher-ckpt-step"] = ("picking the teacher checkpoint'
                                                  "iter_XXXXXXX/ directory in --opd-teacher-load")
 NOT_YET_SUPPORTED.update({flag: _MTP for flag in ("--mtp-num-layers", "--mtp-loss-scaling-factor", "--enable-mtp-training")})
 NOT_YET_SUPPORTED.update({
+    # slime's MoE scripts pass these; the Megatron backend runs megatron-core's local experts (SequentialMLP).
+    "--moe-enable-deepep": "DeepEP's all-to-all kernels (GPUs) are not built: use --moe-token-dispatcher-type "
+                           "alltoall or allgather",
+    "--moe-token-drop-policy": "token dropping (expert capacity) is not built: every routed token reaches its experts",
+    "--moe-shared-expert-gate": "a gated shared expert (Qwen3-Next, Qwen3.5) is not built: " + _NEW_ATTENTION_FAMILIES,
     "--post-self-attn-layernorm": _SANDWICH,
     "--post-mlp-layernorm": _SANDWICH,
     "--prefill-num-servers": "prefill/decode disaggregation is not supported yet",

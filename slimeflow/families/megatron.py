@@ -105,13 +105,13 @@ def sdpa_attention() -> type:
     return SdpaAttention
 
 
-def mla_core_attention() -> type:
-    """megatron-core's local DotProductAttention, taking the key and value head sizes that MLA passes (Transformer
-    Engine's attention takes them; the local one has no such arguments). Keys are as long as queries, values
-    kv_channels long (the args set kv_channels to MLA's v_head_dim)."""
+def mla_core_attention(sdpa: bool = False) -> type:
+    """megatron-core's local DotProductAttention (with `sdpa`, sdpa_attention's), taking the key and value head sizes
+    that MLA passes (Transformer Engine's attention takes them; the local one has no such arguments). Keys are as
+    long as queries, values kv_channels long (the args set kv_channels to MLA's v_head_dim)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    class MLADotProductAttention(DotProductAttention):
+    class MLADotProductAttention(sdpa_attention() if sdpa else DotProductAttention):
         def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
             if v_channels is not None and v_channels != config.kv_channels:
                 raise ValueError(f"MLA's v_head_dim ({v_channels}) must equal kv_channels ({config.kv_channels})")
@@ -130,7 +130,7 @@ _MLA_KEYS = {
 def layer_spec(args: argparse.Namespace, moe: bool | None = None, sdpa: bool = False):
     """The local layer spec for these args: megatron-core's, with sandwich norms when the args ask for them, and
     parameters keyed as Transformer Engine's specs key them. `moe`: an expert layer (None: whenever the args have
-    experts); `sdpa`: torch's fused causal attention (`sdpa_attention`) for standard attention (MLA keeps its own)."""
+    experts); `sdpa`: torch's fused causal attention (`sdpa_attention`), for MLA too (mla_core_attention)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -147,7 +147,7 @@ def layer_spec(args: argparse.Namespace, moe: bool | None = None, sdpa: bool = F
         attention = spec.submodules.self_attention
         submodules = replace(submodules, self_attention=ModuleSpec(
             module=attention.module, params=attention.params,
-            submodules=replace(attention.submodules, core_attention=mla_core_attention())))
+            submodules=replace(attention.submodules, core_attention=mla_core_attention(sdpa))))
     elif sdpa:
         attention = submodules.self_attention
         submodules = replace(submodules, self_attention=replace(
@@ -198,7 +198,7 @@ def block_spec(args: argparse.Namespace, config: Any, sdpa: bool = False, vp_sta
 
 def _moe_config(args: argparse.Namespace) -> dict[str, Any]:
     """TransformerConfig's MoE fields from the args (none for a dense model); experts run one after another
-    (SequentialMLP) and tokens are gathered, not sent all-to-all, which needs CUDA streams."""
+    (SequentialMLP) and tokens are gathered, unless `parallel` (gpt_model_from_args) sets the runtime fields."""
     if not getattr(args, "num_experts", None):
         return {}
     optional = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups",
@@ -226,13 +226,13 @@ def _mla_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def gpt_model_from_args(args: argparse.Namespace, dtype: torch.dtype = torch.float32,
                         parallel: dict[str, Any] | None = None, pre_process: bool = True, post_process: bool = True,
-                        parallel_output: bool = True, sdpa: bool = False):
+                        parallel_output: bool = True, sdpa: bool = False, vp_stage: int | None = None):
     """A megatron-core GPTModel (local layer spec, CPU initialisation) of the shape in a checkpoint's args.
 
     `parallel`: further TransformerConfig fields (tensor/pipeline parallel sizes, ...), under megatron's
     initialised parallel state; pre_process/post_process: this pipeline stage holds the embedding / the output
     layer; parallel_output False gathers the logits over the tensor-parallel ranks (full vocabulary); sdpa: torch's
-    fused causal attention (layer_spec)."""
+    fused causal attention (layer_spec); vp_stage: the virtual pipeline stage this chunk is (its layers' offset)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
@@ -247,10 +247,11 @@ def gpt_model_from_args(args: argparse.Namespace, dtype: torch.dtype = torch.flo
         add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
         rotary_interleaved=getattr(args, "rotary_interleaved", False), hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, params_dtype=dtype, **_moe_config(args), **mla, **(parallel or {}))
+        gradient_accumulation_fusion=False, params_dtype=dtype, **{**_moe_config(args), **mla, **(parallel or {})})
     with megatron_on_cpu():  # MLA's constructor needs it (a shim there); nested in the backend's, it changes nothing
         return GPTModel(config, block_spec(args, config, sdpa), vocab_size=args.padded_vocab_size,
                         max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
                         rotary_percent=getattr(args, "rotary_percent", 1.0), rotary_base=int(args.rotary_base),
                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                        pre_process=pre_process, post_process=post_process, parallel_output=parallel_output)
+                        pre_process=pre_process, post_process=post_process, parallel_output=parallel_output,
+                        vp_stage=vp_stage)

@@ -27,6 +27,41 @@ def megatron_backend_problems(config: TrainConfig) -> list[str]:
     if ranks % model_parallel:
         problems.append(f"{ranks} training ranks (--actor-num-nodes x --actor-num-gpus-per-node) are not a multiple "
                         f"of --tensor-model-parallel-size x --pipeline-model-parallel-size = {model_parallel}")
+    problems += _parallel_problems(config)
     if config.optimizer.bf16:
         problems.append("--bf16 with --train-backend megatron: " + NOT_BUILT + " (it trains in fp32)")
+    return problems
+
+
+def _parallel_problems(config: TrainConfig) -> list[str]:
+    """The virtual pipeline and expert parallel settings the Megatron backend cannot run."""
+    m, problems = config.megatron, []
+    ranks = config.placement.actor_num_nodes * config.placement.actor_num_gpus_per_node
+    if m.num_layers_per_virtual_pipeline_stage is not None and m.pipeline_model_parallel_size == 1:
+        problems.append("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1 (it "
+                        "interleaves pipeline stages); drop it or raise the pipeline size")
+    if m.num_layers_per_virtual_pipeline_stage is not None and m.num_layers is not None and \
+            m.num_layers % (m.pipeline_model_parallel_size * m.num_layers_per_virtual_pipeline_stage):
+        problems.append(f"--num-layers-per-virtual-pipeline-stage {m.num_layers_per_virtual_pipeline_stage}: "
+                        f"--num-layers {m.num_layers} does not split into --pipeline-model-parallel-size "
+                        f"{m.pipeline_model_parallel_size} x stages of that many layers")
+    tp, ep = m.tensor_model_parallel_size, m.expert_model_parallel_size
+    if m.expert_tensor_parallel_size not in (None, tp):
+        problems.append(f"--expert-tensor-parallel-size {m.expert_tensor_parallel_size}: the Megatron backend splits "
+                        f"experts over the tensor-parallel ranks as the rest of the model (--tensor-model-parallel-size "
+                        f"{tp}); another expert tensor parallel size is not built yet: drop it or set it to {tp}")
+    if ep > 1 and ranks % (ep * tp * m.pipeline_model_parallel_size):
+        problems.append(f"{ranks} training ranks are not a multiple of --expert-model-parallel-size {ep} x "
+                        f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size "
+                        f"{m.pipeline_model_parallel_size}")
+    if ep > 1 and config.batch.use_dynamic_batch_size:
+        problems.append("--use-dynamic-batch-size with --expert-model-parallel-size > 1: expert-parallel ranks "
+                        "exchange tokens in every micro-batch, so they must run as many; use --micro-batch-size")
+    if ep > 1 and tp > 1:
+        problems.append("--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 is not built yet "
+                        "(megatron-core needs sequence parallelism there, and on gloo uneven token gathers); use one "
+                        "of the two")
+    if m.moe_token_dispatcher_type == "flex":
+        problems.append("--moe-token-dispatcher-type flex: DeepEP / HybridEP dispatch (GPU kernels) is not built; "
+                        "use allgather or alltoall")
     return problems

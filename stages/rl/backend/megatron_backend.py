@@ -1,6 +1,9 @@
 """The Megatron training backend: megatron-core's GPTModel, trained through megatron's own schedule and optimizer.
 
-The world is TP x PP x DP ranks (megatron's parallel_state over gloo on a CPU, NCCL on GPUs). Each data-parallel
+The world is TP x PP x DP ranks (megatron's parallel_state over gloo on a CPU, NCCL on GPUs); with
+--num-layers-per-virtual-pipeline-stage each pipeline rank holds several model chunks (interleaved 1F1B), and an
+MoE model's experts are split over --expert-model-parallel-size ranks (megatron's SequentialMLP, tokens gathered
+or sent all-to-all). Each data-parallel
 rank takes its share of every global batch (train_step.plan_steps over the DP ranks); the TP and PP ranks of one
 model replica see the same samples. Forward and backward run in `get_forward_backward_func` (1F1B over the
 stages with PP); the last stage computes each micro-batch's loss with train_step's loss code, the torch backend's.
@@ -27,6 +30,12 @@ import torch
 
 from slimeflow._compat import megatron_on_cpu
 from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantage
+from slimeflow.stages.rl.backend.megatron_layout import (
+    check_moe,
+    moe_runtime,
+    routers_training,
+    virtual_pipeline_stages,
+)
 from slimeflow.stages.rl.backend.torch_backend import (
     LogProbs,
     RowLayout,
@@ -50,7 +59,9 @@ class MegatronBackend:
 
     checkpoint: the torch_dist checkpoint directory whose Megatron args give the model's shape (the one training
     starts from); its weights are loaded by megatron_checkpoint.load_checkpoint. Other arguments as TorchBackend's;
-    `parallel` holds the parallel sizes (--tensor-model-parallel-size, --pipeline-model-parallel-size).
+    `parallel` holds the parallel sizes (--tensor-model-parallel-size, --pipeline-model-parallel-size, ...) and the
+    MoE runtime flags. `model` is the list of this rank's model chunks (one without a virtual pipeline), each in
+    megatron's DDP, as Megatron-LM keeps it.
     """
 
     def __init__(self, hf_checkpoint: str | Path, checkpoint: str | Path, optimizer: OptimizerConfig,
@@ -73,7 +84,17 @@ class MegatronBackend:
         if world_size % (tp * pp):
             raise ValueError(f"{world_size} training ranks are not a multiple of --tensor-model-parallel-size {tp} x "
                              f"--pipeline-model-parallel-size {pp}; use a multiple of {tp * pp} ranks")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        self.args = read_common(checkpoint)["args"]
+        self.virtual_stages = virtual_pipeline_stages(self.args.num_layers, parallel)
+        check_moe(self.args, parallel, checkpoint)
+        ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size or tp
+        if world_size % (ep * etp * pp):
+            raise ValueError(f"{world_size} training ranks are not a multiple of --expert-model-parallel-size {ep} x "
+                             f"expert tensor parallel size {etp} x --pipeline-model-parallel-size {pp}")
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=self.virtual_stages, expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp)
         self.data_parallel_group = parallel_state.get_data_parallel_group()
         self.dp_rank, self.dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         seed_everything(seed)
@@ -81,13 +102,12 @@ class MegatronBackend:
             from megatron.core import tensor_parallel
 
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        self.args = read_common(checkpoint)["args"]
         self.vocab_size = _hf_vocab_size(self.hf_checkpoint)
         if self.args.padded_vocab_size % tp:
             raise ValueError(f"{checkpoint}: its padded vocabulary ({self.args.padded_vocab_size}) does not split over "
                              f"--tensor-model-parallel-size {tp}; convert it again with that tensor-parallel size")
         with self.on_device():
-            self.model = self._wrapped(self._build())
+            self.model = self._wrapped(self._build())  # this rank's model chunks, each in megatron's DDP
             self.optimizer = self._megatron_optimizer()
             self.scheduler = self._param_scheduler(total_steps)
             self.ref_model = self._reference(ref_load) if self.needs_reference else None
@@ -108,24 +128,34 @@ class MegatronBackend:
 
     # -- construction -------------------------------------------------------------------------------------------
 
-    def _build(self, trainable: bool = True) -> torch.nn.Module:
+    def _build(self, trainable: bool = True) -> list[torch.nn.Module]:
+        """This rank's model chunks: one per virtual pipeline stage (one without a virtual pipeline)."""
         from megatron.core import parallel_state
 
         from slimeflow.families.megatron import gpt_model_from_args
 
         parallel = {"tensor_model_parallel_size": self.parallel.tensor_model_parallel_size,
                     "pipeline_model_parallel_size": self.parallel.pipeline_model_parallel_size,
+                    "virtual_pipeline_model_parallel_size": self.virtual_stages,
+                    "expert_model_parallel_size": self.parallel.expert_model_parallel_size,
+                    "expert_tensor_parallel_size": (self.parallel.expert_tensor_parallel_size
+                                                    or self.parallel.tensor_model_parallel_size),
                     "pipeline_dtype": torch.float32,
                     # gloo's batched p2p silently corrupts the interleaved schedule (megatron-on-cpu.md)
                     "batch_p2p_comm": False, "calculate_per_token_loss": True,
-                    "sequence_parallel": self.sequence_parallel, **self._recompute()}
-        model = gpt_model_from_args(self.args, parallel=parallel,
-                                    pre_process=parallel_state.is_pipeline_first_stage(),
-                                    post_process=parallel_state.is_pipeline_last_stage(), parallel_output=False,
-                                    sdpa=True)
-        model.to(self.device).eval()  # dropout is 0; eval as the torch backend, so log-probs do not depend on mode
-        model.requires_grad_(trainable)
-        return model
+                    "sequence_parallel": self.sequence_parallel, **self._recompute(),
+                    **(moe_runtime(self.parallel) if getattr(self.args, "num_experts", None) else {})}
+        chunks = []
+        for stage in range(self.virtual_stages or 1):
+            vp_stage = stage if self.virtual_stages else None
+            model = gpt_model_from_args(
+                self.args, parallel=parallel, vp_stage=vp_stage, parallel_output=False, sdpa=True,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
+            model.to(self.device).eval()  # dropout is 0; eval as the torch backend: log-probs do not depend on mode
+            model.requires_grad_(trainable)
+            chunks.append(model)
+        return chunks
 
     @property
     def sequence_parallel(self) -> bool:
@@ -140,33 +170,35 @@ class MegatronBackend:
         return {"recompute_granularity": m.recompute_granularity, "recompute_method": m.recompute_method,
                 "recompute_num_layers": m.recompute_num_layers}
 
-    def _reference(self, ref_load: str | None) -> torch.nn.Module:
+    def _reference(self, ref_load: str | None) -> list[torch.nn.Module]:
         from slimeflow.stages.rl.backend.megatron_checkpoint import load_weights
 
         if ref_load is None:
             raise ValueError("--use-kl-loss or --kl-coef > 0 with --train-backend megatron needs --ref-load (the "
                              "reference model's torch_dist checkpoint, as in slime)")
-        model = self._build(trainable=False)
-        load_weights(model, ref_load)
-        return model
+        chunks = self._build(trainable=False)
+        load_weights(chunks, ref_load)
+        return chunks
 
-    def _wrapped(self, model: torch.nn.Module) -> torch.nn.Module:
-        """megatron's DDP (contiguous fp32 gradient buffers, summed over DP ranks when the step finalises)."""
+    def _wrapped(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        """Each chunk in megatron's DDP (contiguous fp32 gradient buffers, summed over DP ranks when the step
+        finalises); the schedule reads its hooks from the first chunk's config, as Megatron-LM sets them."""
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
 
-        ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=self.parallel.use_distributed_optimizer,
-            average_in_collective=False), module=model)  # gloo has no ReduceOp.AVG
-        config = model.config
-        config.no_sync_func = ddp.no_sync
+        wrapped = [DistributedDataParallel(model.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=self.parallel.use_distributed_optimizer,
+            average_in_collective=False), module=model, disable_bucketing=i > 0)  # gloo has no ReduceOp.AVG
+            for i, model in enumerate(chunks)]
+        config = chunks[0].config
+        no_sync = [ddp.no_sync for ddp in wrapped]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         # The loss is normalised by the global batch already: ignore the token count megatron would divide by.
         config.finalize_model_grads_func = functools.partial(_finalize_without_scaling, finalize_model_grads)
-        return ddp
+        return wrapped
 
     def _megatron_optimizer(self):
         from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
@@ -180,7 +212,7 @@ class MegatronBackend:
                                          adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
                                          clip_grad=o.clip_grad, params_dtype=torch.float32,
                                          use_distributed_optimizer=self.parallel.use_distributed_optimizer)
-        return get_megatron_optimizer(config, [self.model])
+        return get_megatron_optimizer(config, self.model)
 
     def _param_scheduler(self, total_steps: int | None):
         """Megatron's schedule of the learning rate (backend.schedule.lr_at) and of weight decay (constant; set
@@ -206,9 +238,9 @@ class MegatronBackend:
             self._owns_group = False
 
     @property
-    def module(self) -> torch.nn.Module:
-        """The policy's GPTModel (this rank's shard), without the DDP wrapper."""
-        return self.model.module
+    def modules(self) -> list[torch.nn.Module]:
+        """The policy's GPTModel chunks (this rank's shards), without the DDP wrappers."""
+        return [ddp.module for ddp in self.model]
 
     # -- forward and backward -----------------------------------------------------------------------------------
 
@@ -249,14 +281,17 @@ class MegatronBackend:
             result = loss_of(indices, part)
             return result.loss, 1, {k: v.detach().float() for k, v in result.metrics.items()}
 
-        self.model.train()  # as Megatron-LM's training step: what recomputation (--recompute-*) is gated on
-        try:  # with no dropout (attention and hidden dropout are 0), the mode changes no number
-            pieces = self._schedule(self.model, batch, micro_batches, loss, with_entropy=True, forward_only=False)
+        for chunk in self.model:  # as Megatron-LM's training step: what recomputation (--recompute-*) is gated on
+            chunk.train()  # with no dropout (attention and hidden dropout are 0), the mode changes no number
+        try:
+            with routers_training(self.modules):
+                pieces = self._schedule(self.model, batch, micro_batches, loss, with_entropy=True, forward_only=False)
         finally:
-            self.model.eval()
+            for chunk in self.model:
+                chunk.eval()
         return self._metrics(pieces)
 
-    def _schedule(self, model: torch.nn.Module, batch: TrainBatch, micro_batches: list[list[int]],
+    def _schedule(self, model: list[torch.nn.Module], batch: TrainBatch, micro_batches: list[list[int]],
                   on_log_probs: Callable[[list[int], LogProbs], tuple[torch.Tensor, int, Any]], with_entropy: bool,
                   forward_only: bool) -> list[Any]:
         """Run `micro_batches` through get_forward_backward_func; on the last stage, `on_log_probs(indices,
@@ -268,12 +303,16 @@ class MegatronBackend:
         unit = self.parallel.tensor_model_parallel_size if self.sequence_parallel else 1
         rows_max = max(layout.ids.shape[0] for _, _, layout in items)
         length_max = _round_up(max(layout.ids.shape[1] for _, _, layout in items), unit)
-        pipelined = self.parallel.pipeline_model_parallel_size > 1
+        experts_split = self.parallel.expert_model_parallel_size > 1
+        if experts_split:
+            rows_max, length_max = self._shape_over_ranks(rows_max, length_max, len(items))
+        # Pipeline stages exchange activations of one fixed shape, and expert-parallel ranks gather each other's
+        # tokens (gloo has no uneven gather): then every micro-batch is padded to one shape.
+        pipelined = self.parallel.pipeline_model_parallel_size > 1 or experts_split
         vocab, temperature, device = self.vocab_size, self.temperature, self.device
 
         def forward_step(data: Iterator[Any], model: torch.nn.Module):
             indices, rows, layout = next(data)
-            # Pipeline stages exchange activations of one fixed shape: every micro-batch is padded to it.
             count, length = layout.ids.shape
             shape = (rows_max, length_max) if pipelined else (count, _round_up(length, unit))
             ids, keep = _padded(layout.ids, shape), _padded(layout.keep, shape)
@@ -288,10 +327,24 @@ class MegatronBackend:
             return output, on_output
 
         with self.on_device():
+            # Every chunk reads the micro-batches in order (the last one's loss needs their rows).
+            data = [iter(items) for _ in model] if len(model) > 1 else iter(items)
             return get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(items), model=[model],
+                forward_step_func=forward_step, data_iterator=data, model=model,
                 num_microbatches=len(items), seq_length=length_max, micro_batch_size=rows_max,
                 forward_only=forward_only)
+
+    def _shape_over_ranks(self, rows: int, length: int, micro_batches: int) -> tuple[int, int]:
+        """The largest micro-batch shape over all ranks; ValueError when ranks run different micro-batch counts
+        (each expert-parallel rank runs every micro-batch's token exchange with the others)."""
+        shapes: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(shapes, (rows, length, micro_batches))
+        counts = sorted({count for _, _, count in shapes})
+        if len(counts) > 1:
+            raise ValueError(f"the data-parallel ranks run {counts} micro-batches this step; with "
+                             "--expert-model-parallel-size > 1 every rank must run as many (fixed --micro-batch-size, "
+                             "not --use-dynamic-batch-size)")
+        return max(r for r, _, _ in shapes), max(n for _, n, _ in shapes)
 
     def _metrics(self, pieces: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         from megatron.core import parallel_state
@@ -328,7 +381,8 @@ class MegatronBackend:
             unclipped = self.optimizer.get_grad_norm() if not self.optimizer_config.clip_grad else None
             _, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
-            self.model.zero_grad_buffer()
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
         return {"grad_norm": float(grad_norm if grad_norm is not None else unclipped), "lr": float(lr)}
 
@@ -337,10 +391,12 @@ class MegatronBackend:
     def state_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor this rank holds on its device (what --offload-train moves off it): the policy shard's
         weights and buffers, DDP's gradient buffer (through each parameter's main_grad view), megatron's optimizer
-        (its parameters and Adam state), and the reference model."""
-        yield from module_tensors(self.model)
+        (its parameters and Adam state), the reference model and the OPD teacher (each a list of model chunks)."""
+        for chunk in self.model:
+            yield from module_tensors(chunk)
         yield from optimizer_tensors(self.optimizer)
-        yield from module_tensors(self.ref_model)
+        for chunk in [*(self.ref_model or []), *(self.teacher_model or [])]:
+            yield from module_tensors(chunk)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The policy's full HF-named weights (vocabulary padding cut) on global rank 0, {} on the others.
@@ -350,7 +406,7 @@ class MegatronBackend:
         from slimeflow.checkpoint.torch_dist import unstack_layers
 
         with self.on_device():
-            tensors = gather_global_tensors(self.module)
+            tensors = gather_global_tensors(self.modules)
         if tensors is None:
             return {}
         hf_config, family = origin_family(self.hf_checkpoint)
@@ -358,14 +414,14 @@ class MegatronBackend:
         return megatron_to_hf(unstack_layers(tensors), shape)
 
 
-def gather_global_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+def gather_global_tensors(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor] | None:
     """The model's checkpoint tensors as global tensors under their checkpoint keys (layers stacked, as in a
     torch_dist checkpoint) on global rank 0, None on the others. Built from `model.sharded_state_dict()`, the
     declaration megatron saves from, so the TP split (fused QKV and gate/up included) and the PP layer offsets are
-    undone exactly as dist_checkpointing would."""
+    undone exactly as dist_checkpointing would (over all of the rank's model chunks: virtual pipeline stages)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    declared = model.sharded_state_dict()
+    declared = [chunk.sharded_state_dict() for chunk in chunks]
     apply_factories(declared)
     mine = [(t.key, tuple(t.global_shape), t.global_slice(), t.data.detach().cpu())
             for t in sharded_leaves(declared)
@@ -418,4 +474,5 @@ def _hf_vocab_size(hf_checkpoint: Path) -> int:
     import json
 
     return int(json.loads((hf_checkpoint / "config.json").read_text(encoding="utf-8"))["vocab_size"])
+
 

@@ -8,8 +8,10 @@
         slimeflow/extra_state.json     the caller's JSON state (data source, rollout id, ...)
         slimeflow/checksums.json       sha256 of every other file, checked before a load
 
-Each rank writes and reads only its own shards, so a checkpoint loads at another TP/PP layout than it was saved
-at. Staging, commit and refusals follow the torch backend's checkpoints (checkpoint.py): a save is staged in
+Each rank writes and reads only its own shards, so a checkpoint loads at another TP/PP layout (or virtual
+pipeline) than it was saved at; the RNG states are per (pipeline, tensor) rank, so, as Megatron-LM does, they are
+restored only at the layout they were saved at (common.pt's args record it). An MoE model's optimizer state under
+expert parallelism is split in two (dense and expert parameters): it resumes at its own expert-parallel size only. Staging, commit and refusals follow the torch backend's checkpoints (checkpoint.py): a save is staged in
 `<root>/.iter_XXXXXXX.tmp-*` (claimed by rank 0), moved into place when complete and only then committed.
 """
 
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
+from argparse import Namespace
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +31,7 @@ import torch
 from slimeflow.checkpoint.hf_write import replace_dir
 from slimeflow.checkpoint.integrity import verify_checkpoint, write_checksums
 from slimeflow.checkpoint.staging import claimed_dir, staging_prefix
-from slimeflow.checkpoint.torch_dist import CHECKPOINT_VERSION, tensor_metadata
+from slimeflow.checkpoint.torch_dist import CHECKPOINT_VERSION, read_common, tensor_metadata
 from slimeflow.io import checkpoints
 from slimeflow.io.checkpoints import RELEASE, CheckpointError, CheckpointRef
 from slimeflow.io.storage import Storage
@@ -52,26 +56,44 @@ buffers, resumable at another DP size only. Without it the setting changes nothi
 
 
 def _sharded_state(backend: MegatronBackend, rollout_id: int | None, is_loading: bool,
-                   with_training_state: bool) -> dict[str, Any]:
+                   with_training_state: bool, with_rng: bool = True) -> dict[str, Any]:
     """What every rank saves (or declares to load): its model shards, and with the training state its optimizer
     shards, the schedule and its RNG states, under Megatron-LM's top-level names."""
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    model = backend.module.sharded_state_dict()
-    state: dict[str, Any] = {"model": model}
+    state: dict[str, Any] = model_state(backend.modules)
     if with_training_state:
-        state["optimizer"] = backend.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=SHARDING)
+        state["optimizer"] = backend.optimizer.sharded_state_dict(dict(state), is_loading=is_loading,
+                                                                  metadata=SHARDING)
+    if with_training_state and with_rng:
         pp, tp = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()
         state["rng_state"] = ShardedObject(
             "rng_state", [_rng_with_tracker()], (pp, tp),
             (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()),
             replica_id=parallel_state.get_data_parallel_rank())
-        if not is_loading:
-            state["opt_param_scheduler"] = backend.scheduler.state_dict()
+    if with_training_state and not is_loading:
+        state["opt_param_scheduler"] = backend.scheduler.state_dict()
     if not is_loading:
-        state.update(args=backend.args, checkpoint_version=CHECKPOINT_VERSION, iteration=rollout_id)
+        state.update(args=_saved_args(backend), checkpoint_version=CHECKPOINT_VERSION, iteration=rollout_id)
     return state
+
+
+def _saved_args(backend: MegatronBackend) -> Any:
+    """The model's args with the layout it was saved at, as Megatron-LM records its own run's."""
+    p = backend.parallel
+    return Namespace(**{**vars(backend.args), "tensor_model_parallel_size": p.tensor_model_parallel_size,
+                        "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+                        "expert_model_parallel_size": p.expert_model_parallel_size,
+                        "num_layers_per_virtual_pipeline_stage": p.num_layers_per_virtual_pipeline_stage})
+
+
+def _same_layout(backend: MegatronBackend, directory: Path) -> bool:
+    """Whether the checkpoint was saved at this run's (tensor, pipeline) layout: its per-rank RNG states fit."""
+    saved = read_common(directory)["args"]
+    p = backend.parallel
+    return (getattr(saved, "tensor_model_parallel_size", 1), getattr(saved, "pipeline_model_parallel_size", 1)) == \
+        (p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
 
 
 def _rng_with_tracker() -> dict[str, Any]:
@@ -151,47 +173,86 @@ def load_checkpoint(backend: MegatronBackend, ref_or_uri: CheckpointRef | str | 
     directory = local_root(ref.uri)
     verify_checkpoint(directory)
     resume = not weights_only and has_resume_state(ref, directory)
+    if resume:
+        _check_optimizer_split(backend, ref.uri, directory)
+    with_rng = resume and _same_layout(backend, directory)
+    if resume and not with_rng:
+        logger.warning("%s was saved at another tensor/pipeline parallel layout: its weights and optimizer state are "
+                       "resharded, its per-rank RNG states are not restored (as Megatron-LM)", ref.uri)
     with backend.on_device(), reading(directory):
-        loaded = dist_checkpointing.load(_sharded_state(backend, None, True, resume), str(directory))
-        assign(backend.module, loaded["model"], ref.uri)
+        loaded = dist_checkpointing.load(_sharded_state(backend, None, True, resume, with_rng), str(directory))
+        assign(backend.modules, loaded, ref.uri)
         if not resume:
             return {}
         backend.optimizer.load_state_dict(loaded["optimizer"])
         backend.scheduler.load_state_dict(loaded["opt_param_scheduler"])
-    rng = loaded["rng_state"][0]
-    set_rng_state(rng)
-    from megatron.core import tensor_parallel
+    if with_rng:
+        from megatron.core import tensor_parallel
 
-    tensor_parallel.get_cuda_rng_tracker().set_states(rng["rng_tracker_states"])
+        rng = loaded["rng_state"][0]
+        set_rng_state(rng)
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["rng_tracker_states"])
     with reading(directory / SIDE_DIR / EXTRA_STATE):
         return json.loads((directory / SIDE_DIR / EXTRA_STATE).read_text(encoding="utf-8"))
 
 
-def load_weights(model: torch.nn.Module, checkpoint: str | Path) -> None:
+def load_weights(chunks: list[torch.nn.Module], checkpoint: str | Path) -> None:
     """This rank's share of the weights of the torch_dist checkpoint `checkpoint` (a root or a directory) into
-    `model`, at whatever TP/PP the checkpoint was written (the reference model's load)."""
+    its model `chunks`, at whatever TP/PP/EP the checkpoint was written (the reference model's load)."""
     from megatron.core import dist_checkpointing
 
     ref = checkpoints.resolve(Storage(), str(local_root(checkpoint)))
     directory = local_root(ref.uri)
     verify_checkpoint(directory)
     with reading(directory):
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(directory))
-    assign(model, loaded["model"], ref.uri)
+        loaded = dist_checkpointing.load(model_state(chunks), str(directory))
+    assign(chunks, loaded, ref.uri)
 
 
-def assign(model: torch.nn.Module, loaded: dict[str, Any], source: str) -> None:
-    missing, _ = model.load_state_dict(loaded, strict=False)
+def model_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+    """The model chunks' sharded state dicts under Megatron-LM's names: `model`, or `model0`, `model1`, ... for
+    virtual pipeline stages. The tensors' keys are global (layer offsets applied), so the files do not depend on
+    the chunking and load at any other layout."""
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def assign(chunks: list[torch.nn.Module], loaded: dict[str, Any], source: str) -> None:
+    """Load each chunk's part of `loaded` (under model_state's names) into it; ValueError naming missing weights."""
+    names = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    missing = []
+    for name, chunk in zip(names, chunks, strict=True):
+        missing += chunk.load_state_dict(loaded[name], strict=False)[0]
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing:
         raise ValueError(f"{source} lacks weights this model needs: {missing[:5]}; was it written for this "
                          "--hf-checkpoint's architecture?")
 
 
+_OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
+"""An optimizer state's key: megatron's optimizer, or one of a ChainedOptimizer's (an MoE model's dense and expert
+parameters are stepped by two, keyed chained_0., chained_1., as Megatron-LM saves them)."""
+
+
+def _check_optimizer_split(backend: MegatronBackend, uri: str, directory: Path) -> None:
+    """CheckpointError when the checkpoint's optimizer state is split otherwise than this run's optimizer: megatron
+    steps an MoE model's expert parameters with an optimizer of their own under expert parallelism (keys chained_0.,
+    chained_1.), with one optimizer without it; dist_checkpointing cannot map one onto the other."""
+    saved = any(key.startswith("chained_") for key in tensor_metadata(directory))
+    mine = len(getattr(backend.optimizer, "chained_optimizers", ())) > 1
+    if saved != mine:
+        raise CheckpointError(
+            f"{uri} holds the optimizer state {'split over' if saved else 'of'} "
+            f"{'a dense and an expert optimizer' if saved else 'one optimizer'}, this run has "
+            f"{'two' if mine else 'one'}: resuming across a change of --expert-model-parallel-size is not built. "
+            f"Resume at the layout it was saved at, or train on from its weights with --ref-load {uri} and a new --save")
+
+
 def has_resume_state(ref: CheckpointRef, directory: Path) -> bool:
     """True when the checkpoint holds the Megatron backend's resume state (optimizer shards and extra_state);
     False for a release/ that holds weights only (a converted one); CheckpointError otherwise."""
-    has_optimizer = any(key.startswith("optimizer.") for key in tensor_metadata(directory))
+    has_optimizer = any(_OPTIMIZER_KEY.match(key) for key in tensor_metadata(directory))
     has_extra = (directory / SIDE_DIR / EXTRA_STATE).is_file()
     if has_optimizer and has_extra:
         return True

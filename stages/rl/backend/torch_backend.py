@@ -234,10 +234,11 @@ class TorchBackend:
 
     def state_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor this rank holds on its device (what --offload-train moves off it): the policy's weights,
-        gradients and buffers, the optimizer's state, and the reference model."""
+        gradients and buffers, the optimizer's state, the reference model and the OPD teacher."""
         yield from module_tensors(self.model)
         yield from optimizer_tensors(self.optimizer)
         yield from module_tensors(self.ref_model)
+        yield from module_tensors(self.teacher_model)
 
     def training_state(self) -> dict[str, Any]:
         """Optimizer and scheduler state (torch-saveable), identical on every data-parallel rank."""

@@ -1,0 +1,67 @@
+"""The Megatron backend's layout beyond TP x PP x DP: virtual pipeline stages (the interleaved schedule) and the
+MoE runtime (expert parallelism, router and dispatcher flags), read from MegatronConfig as Megatron-LM reads its args.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slimeflow.stages.rl.config import MegatronConfig
+
+
+def virtual_pipeline_stages(num_layers: int, parallel: MegatronConfig) -> int | None:
+    """Model chunks per pipeline rank for --num-layers-per-virtual-pipeline-stage (None: no virtual pipeline), as
+    Megatron-LM derives them; ValueError when the layers do not split so."""
+    per_stage, pp = parallel.num_layers_per_virtual_pipeline_stage, parallel.pipeline_model_parallel_size
+    if per_stage is None:
+        return None
+    if pp == 1:
+        raise ValueError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1 (the "
+                         "interleaved schedule interleaves pipeline stages); drop it or raise the pipeline size")
+    if num_layers % (pp * per_stage):
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per_stage}: the model's {num_layers} layers do "
+                         f"not split into --pipeline-model-parallel-size {pp} x stages of {per_stage} layers; use a "
+                         f"divisor of {num_layers // pp if num_layers % pp == 0 else num_layers} layers")
+    return num_layers // (pp * per_stage)
+
+
+def check_moe(args: Any, parallel: MegatronConfig, checkpoint: str | Path) -> None:
+    """ValueError for MoE settings this model or this machine cannot run: experts or MoE runtime flags on a dense
+    model (they would change nothing)."""
+    from slimeflow.stages.rl.model_args import MOE_RUNTIME
+
+    if not getattr(args, "num_experts", None):
+        defaults = MegatronConfig()
+        given = [f"--{field.replace('_', '-')}" for field in ("expert_model_parallel_size", *MOE_RUNTIME)
+                 if getattr(parallel, field) != getattr(defaults, field)]
+        if given:
+            raise ValueError(f"{' '.join(given)}: {checkpoint} is a dense model (no experts); drop them")
+
+
+def moe_runtime(parallel: MegatronConfig) -> dict[str, Any]:
+    """TransformerConfig's MoE runtime fields from the MoE runtime flags (experts: SequentialMLP, local spec)."""
+    return {"moe_token_dispatcher_type": parallel.moe_token_dispatcher_type,
+            "moe_router_load_balancing_type": parallel.moe_router_load_balancing_type,
+            "moe_aux_loss_coeff": parallel.moe_aux_loss_coeff, "moe_router_dtype": parallel.moe_router_dtype,
+            "moe_router_bias_update_rate": parallel.moe_router_bias_update_rate}
+
+
+@contextmanager
+def routers_training(chunks: list[torch.nn.Module]) -> Iterator[None]:
+    """The MoE routers in training mode inside (megatron attaches the load-balancing loss only in training mode);
+    the rest of the model stays in eval, so the training forward computes what the log-prob forward does."""
+    from megatron.core.transformer.moe.router import Router
+
+    routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, Router)]
+    for router in routers:
+        router.train()
+    try:
+        yield
+    finally:
+        for router in routers:
+            router.eval()

@@ -1,0 +1,249 @@
+"""The Megatron backend's interleaved pipeline (VPP), expert parallelism on a tiny MoE, and resuming a checkpoint
+at another parallel layout, each against a one-process run (CPU, fp32, gloo; helpers of test_megatron_backend).
+
+The multi-process runs save a checkpoint after the first rollout and train the second (an uninterrupted run); a
+one-process backend resumed from that checkpoint trains the second rollout again: the same state, two layouts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from megatron_steps import make_backend, make_batch, make_config, make_job, run_world, train_job, train_steps
+from test_megatron_backend import LR, _compare_with_one_process, converted, rollout_batch, two_step_config
+
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.stages.rl.config import MegatronConfig
+
+__all__ = ["converted"]  # the 2-layer Llama fixture, shared
+
+
+def _convert(tmp: Path, spec: TinyModelSpec) -> dict[str, Path]:
+    from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, read_hf_source
+
+    hf = build_tiny_model(tmp / "hf", spec)
+    staged, _ = convert_hf_to_torch_dist(read_hf_source(hf), tmp / "ckpt")
+    staged.rename(tmp / "ckpt" / "release")
+    return {"hf": hf, "release": tmp / "ckpt" / "release", "tmp": tmp}
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory) -> dict[str, Path]:
+    """A 4-layer tiny Llama: PP 2 x 2 virtual stages of one layer each."""
+    return _convert(tmp_path_factory.mktemp("vpp"), TinyModelSpec(seed=7, num_hidden_layers=4))
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory) -> dict[str, Path]:
+    """The tiny Qwen3-MoE: 4 experts, top-2, 2 layers."""
+    return _convert(tmp_path_factory.mktemp("moe"), TinyModelSpec(family="qwen3_moe", seed=7))
+
+
+def resume_config(**megatron):
+    """two_step_config with a warm-up and a decaying LR and weight decay: a resume that lost the schedule or the
+    optimizer state shows in the next rollout's lr and weights."""
+    return make_config(batch={"micro_batch_size": 2, "global_batch_size": 4},
+                       optimizer={"lr": LR, "lr_warmup_iters": 1, "lr_decay_style": "linear", "lr_decay_iters": 8,
+                                  "weight_decay": 0.01},
+                       algorithm={"use_kl_loss": True, "kl_loss_coef": 0.1}, megatron=megatron)
+
+
+def save_then_resume_in_one_process(model: dict[str, Path], tmp: Path, world: int, **megatron) -> dict:
+    """`world` ranks at `megatron`'s layout train rollout 0, save, train rollout 1; one process resumes the save and
+    trains rollout 1 again. Returns both runs and the checkpoint's directory."""
+    from slimeflow.io.checkpoints import resolve
+    from slimeflow.io.storage import Storage
+
+    first = rollout_batch(model["hf"])
+    second = make_batch(seed=1)
+    second.rollout_log_probs = first.rollout_log_probs
+    uninterrupted = run_world(world, "saved", tmp, model["hf"], model["release"], first, resume_config(**megatron),
+                              save=str(tmp / "save"), next_batch=second)
+    saved = resolve(Storage(), str(tmp / "save")).uri
+    job = {**make_job(tmp, "resumed", model["hf"], Path(saved), second, resume_config()), "resume": True,
+           "ref_load": str(model["release"])}
+    return {"uninterrupted": uninterrupted, "resumed": train_job(0, 1, job), "saved": Path(saved)}
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_trains_as_one_process_and_saves_megatrons_layout(four_layers, tmp_path):
+    """PP 2 x VPP 2 (each rank two model chunks, interleaved 1F1B, gloo p2p unbatched): its first rollout passes
+    slime's gates, its checkpoint holds the same tensors under the same keys and shapes as the converted one (model
+    chunks do not show in the files) plus their optimizer state, and one process resumed from it trains the next
+    rollout as the interleaved pipeline did (tolerances: _compare_with_one_process)."""
+    from slimeflow.checkpoint.torch_dist import read_common, tensor_metadata
+
+    runs = save_then_resume_in_one_process(four_layers, tmp_path, 2, pipeline_model_parallel_size=2,
+                                           num_layers_per_virtual_pipeline_stage=1)
+    assert runs["uninterrupted"]["chunks"] == 2 and runs["resumed"]["chunks"] == 1
+    first = runs["uninterrupted"]["first_steps"][0]
+    assert first["ppo_kl"] == 0.0 and first["train_rollout_logprob_abs_diff"] <= 1e-6
+    saved = tensor_metadata(runs["saved"])
+    converted_keys = tensor_metadata(four_layers["release"])
+    model_keys = {k: v for k, v in saved.items() if not k.startswith("optimizer.")}
+    assert model_keys == converted_keys  # keys, global shapes, dtypes
+    assert {f"optimizer.state.exp_avg.{k}" for k in model_keys} <= set(saved)
+    assert read_common(runs["saved"])["args"].num_layers_per_virtual_pipeline_stage == 1
+    assert runs["resumed"]["steps"][0]["lr"] == runs["uninterrupted"]["steps"][0]["lr"] > 0
+    _compare_with_one_process(runs["resumed"], runs["uninterrupted"])
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_at_tp2_resumes_at_tp1(converted, tmp_path):
+    """Save at TP 2, resume at TP 1: weights and optimizer state resharded by dist_checkpointing (the RNG states,
+    per rank, are skipped as Megatron-LM skips them); the next rollout equals the uninterrupted TP 2 run."""
+    runs = save_then_resume_in_one_process(converted, tmp_path, 2, tensor_model_parallel_size=2)
+    assert runs["resumed"]["steps"][0]["grad_norm"] > 0.1
+    _compare_with_one_process(runs["resumed"], runs["uninterrupted"])
+
+
+@pytest.fixture(scope="module")
+def moe_one_process(qwen3_moe) -> dict:
+    batch = rollout_batch(qwen3_moe["hf"])
+    job = make_job(qwen3_moe["tmp"], "moe-one", qwen3_moe["hf"], qwen3_moe["release"], batch, two_step_config())
+    return {"batch": batch, **train_job(0, 1, job)}
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3(tmp_path_factory) -> dict[str, Path]:
+    """The tiny DeepSeek-V3: multi-latent attention, a dense first layer, sigmoid router with expert bias."""
+    return _convert(tmp_path_factory.mktemp("dsv3"), TinyModelSpec(family="deepseek_v3", seed=7))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_the_megatron_backend_trains_moe_families_as_the_torch_backend(family, request):
+    """One step on the tiny MoE model, both backends (megatron's SequentialMLP experts, router and MLA against HF's),
+    tolerances as test_one_step_equals_the_torch_backend's. DeepSeek's expert-score correction bias is the one
+    difference: megatron moves it by --moe-router-bias-update-rate x sign(mean load - expert's load) after each step
+    (slime's training does), HF's training leaves it."""
+    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+
+    model = request.getfixturevalue(family)
+    config = make_config(batch={"micro_batch_size": 3}, optimizer={"lr": LR})
+    batch = rollout_batch(model["hf"])
+    torch_backend = TorchBackend(model["hf"], config.optimizer, config.algorithm, config.batch, seed=3, device="cpu")
+    expected = train_steps(torch_backend, batch, config, 0, 1)[0]
+    got = train_job(0, 1, make_job(model["tmp"], "moe-vs-torch", model["hf"], model["release"], batch, config))
+    step = got["steps"][0]
+    for key, value in expected.items():
+        assert step[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert step["grad_norm"] > 0.1
+    trained = torch_backend.checkpoint_weights()
+    assert set(got["weights"]) == set(trained) and any(".experts.3." in k for k in trained)
+    biases = [k for k in trained if k.endswith("e_score_correction_bias")]
+    assert bool(biases) == (family == "deepseek_v3")
+    for name in biases:
+        moved = (got["weights"][name] - trained[name]).abs()
+        rate = config.megatron.moe_router_bias_update_rate
+        assert torch.all((moved < 1e-7) | ((moved - rate).abs() < 1e-7)) and moved.max() > 0, moved
+    assert max((got["weights"][k] - trained[k]).abs().max().item() for k in trained if k not in biases) <= 0.1 * LR
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_expert_parallel_2_equals_one_process(qwen3_moe, moe_one_process, tmp_path, dispatcher):
+    """EP 2: each rank holds 2 of the 4 experts (and is its own data-parallel replica); tokens gathered over the
+    expert-parallel ranks or sent all-to-all (slime's scripts' choice; CPU shims in _compat), micro-batches padded to
+    one shape for gloo's even gathers."""
+    run = run_world(2, f"ep2-{dispatcher}", tmp_path, qwen3_moe["hf"], qwen3_moe["release"], moe_one_process["batch"],
+                    two_step_config(expert_model_parallel_size=2, moe_token_dispatcher_type=dispatcher))
+    first = run["steps"][0]
+    assert first["ppo_kl"] == 0.0 and first["train_rollout_logprob_abs_diff"] <= 1e-6
+    _compare_with_one_process(run, moe_one_process)
+
+
+def test_the_load_balancing_loss_reaches_only_the_router(qwen3_moe, tmp_path):
+    """--moe-aux-loss-coeff (load-balancing type aux_loss, Megatron's default): the routers train in training mode,
+    so megatron adds their loss. One Adam step without clipping: the weights the routers' scores depend on move
+    otherwise than without it; those after the last router (its layer's experts, the final norm, the output layer)
+    exactly as without it."""
+    def one_step(coeff: float) -> dict:
+        config = make_config(batch={"micro_batch_size": 4}, optimizer={"lr": LR, "clip_grad": 0.0},
+                             megatron={"moe_aux_loss_coeff": coeff})
+        return train_job(0, 1, make_job(tmp_path, f"aux-{coeff}", qwen3_moe["hf"], qwen3_moe["release"], batch,
+                                        config))
+
+    batch = make_batch()
+    without, with_loss = one_step(0.0), one_step(0.5)
+    assert with_loss["steps"][0]["ppo_kl"] == 0.0  # the loss does not change the forward
+    same = sorted(k for k, v in with_loss["weights"].items() if torch.equal(v, without["weights"][k]))
+    last_experts = sorted(k for k in without["weights"] if k.startswith("model.layers.1.mlp.experts."))
+    assert same == ["lm_head.weight", *last_experts, "model.norm.weight"], same
+
+
+def test_virtual_pipeline_stages_follow_megatron_lms_rule():
+    from slimeflow.stages.rl.backend.megatron_layout import virtual_pipeline_stages
+
+    assert virtual_pipeline_stages(8, MegatronConfig(pipeline_model_parallel_size=2)) is None
+    assert virtual_pipeline_stages(8, MegatronConfig(pipeline_model_parallel_size=2,
+                                                     num_layers_per_virtual_pipeline_stage=2)) == 2
+    with pytest.raises(ValueError, match="do not split"):
+        virtual_pipeline_stages(6, MegatronConfig(pipeline_model_parallel_size=2,
+                                                  num_layers_per_virtual_pipeline_stage=2))
+    with pytest.raises(ValueError, match="needs --pipeline-model-parallel-size > 1"):
+        virtual_pipeline_stages(4, MegatronConfig(num_layers_per_virtual_pipeline_stage=2))
+
+
+def test_moe_settings_a_model_or_a_cpu_cannot_run_are_refused():
+    from types import SimpleNamespace
+
+    from slimeflow.stages.rl.backend.megatron_layout import check_moe
+
+    with pytest.raises(ValueError, match="--expert-model-parallel-size --moe-aux-loss-coeff: .* dense model"):
+        check_moe(SimpleNamespace(num_experts=None), MegatronConfig(expert_model_parallel_size=2,
+                                                                   moe_aux_loss_coeff=0.1), "ckpt")
+    check_moe(SimpleNamespace(num_experts=4), MegatronConfig(expert_model_parallel_size=2, moe_aux_loss_coeff=0.1),
+              "ckpt")
+
+
+def test_the_start_up_check_names_what_ep_and_vpp_cannot_run():
+    from test_model_args import train_config
+
+    from slimeflow.stages.rl.model_args import megatron_backend_problems
+
+    def problems(*flags: str) -> list[str]:
+        return [p for p in megatron_backend_problems(train_config("--train-backend", "megatron", "--ref-load", "r",
+                                                                  *flags))]
+
+    assert problems("--actor-num-gpus-per-node", "2", "--expert-model-parallel-size", "2") == []
+    assert problems("--actor-num-gpus-per-node", "4", "--pipeline-model-parallel-size", "2",
+                    "--num-layers-per-virtual-pipeline-stage", "1") == []
+    found = problems("--num-layers-per-virtual-pipeline-stage", "1", "--expert-model-parallel-size", "2",
+                     "--expert-tensor-parallel-size", "2", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64",
+                     "--moe-token-dispatcher-type", "flex")
+    assert [p.split(" ", 1)[0] for p in found] == [
+        "--num-layers-per-virtual-pipeline-stage", "--expert-tensor-parallel-size", "1", "--use-dynamic-batch-size",
+        "--moe-token-dispatcher-type"], found
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_checkpoint_resumes_at_its_own_layout(qwen3_moe, tmp_path):
+    """EP 2 saves its optimizer state split as megatron splits it (dense and expert parameters, chained_0. and
+    chained_1. keys, as Megatron-LM saves them); EP 2 resumed from it trains the next rollout exactly as the
+    uninterrupted run. One process (one optimizer) is refused by name: that resharding is not built."""
+    from slimeflow.io.checkpoints import CheckpointError, resolve
+    from slimeflow.io.storage import Storage
+    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+
+    first = rollout_batch(qwen3_moe["hf"])
+    second = make_batch(seed=1)
+    second.rollout_log_probs = first.rollout_log_probs
+    config = resume_config(expert_model_parallel_size=2, moe_token_dispatcher_type="alltoall")
+    uninterrupted = run_world(2, "saved", tmp_path, qwen3_moe["hf"], qwen3_moe["release"], first, config,
+                              save=str(tmp_path / "save"), next_batch=second)
+    saved = resolve(Storage(), str(tmp_path / "save")).uri
+    resumed = run_world(2, "resumed", tmp_path, qwen3_moe["hf"], Path(saved), second, config, resume=True,
+                        ref_load=str(qwen3_moe["release"]))
+    assert resumed["steps"] == uninterrupted["steps"]
+    assert all(torch.equal(resumed["weights"][k], v) for k, v in uninterrupted["weights"].items())
+
+    one = make_backend({**make_job(tmp_path, "one", qwen3_moe["hf"], Path(saved), second, resume_config()),
+                        "ref_load": str(qwen3_moe["release"])})
+    try:
+        with pytest.raises(CheckpointError, match="change of --expert-model-parallel-size is not built"):
+            load_checkpoint(one, saved)
+    finally:
+        one.close()
