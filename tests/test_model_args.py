@@ -64,7 +64,7 @@ def test_no_model_args_check_nothing():
 
 
 BUILT_BY_MEGATRON = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--sequence-parallel",
-                     "--recompute-granularity", "--use-distributed-optimizer"}
+                     "--recompute-granularity", "--use-distributed-optimizer", "--expert-model-parallel-size"}
 
 
 @pytest.mark.parametrize("flags", [["--tensor-model-parallel-size", "8"], ["--pipeline-model-parallel-size", "4"],

@@ -33,7 +33,7 @@ def virtual_pipeline_stages(num_layers: int, parallel: MegatronConfig) -> int | 
 def check_moe(args: Any, parallel: MegatronConfig, checkpoint: str | Path) -> None:
     """ValueError for MoE settings this model or this machine cannot run: experts or MoE runtime flags on a dense
     model (they would change nothing)."""
-    from slimeflow.stages.rl.model_args import MOE_RUNTIME
+    from slimeflow.config.model_args import MOE_RUNTIME
 
     if not getattr(args, "num_experts", None):
         defaults = MegatronConfig()
