@@ -249,7 +249,7 @@ def gpt_model_from_args(args: argparse.Namespace, dtype: torch.dtype = torch.flo
         use_cpu_initialization=True, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
         gradient_accumulation_fusion=False, params_dtype=dtype, **{**_moe_config(args), **mla, **(parallel or {})})
     with megatron_on_cpu():  # MLA's constructor needs it (a shim there); nested in the backend's, it changes nothing
-        return GPTModel(config, block_spec(args, config, sdpa), vocab_size=args.padded_vocab_size,
+        return GPTModel(config, block_spec(args, config, sdpa, vp_stage), vocab_size=args.padded_vocab_size,
                         max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
                         rotary_percent=getattr(args, "rotary_percent", 1.0), rotary_base=int(args.rotary_base),
                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
