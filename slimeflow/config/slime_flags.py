@@ -10,15 +10,8 @@ _MOE = ("a Megatron mixture-of-experts runtime flag (dispatch, kernels, load bal
         "backend, not in this version; the experts' shape flags (--num-experts, --moe-router-topk, ...) are taken "
         "and checked against the HF config")
 
-_FAULT_TOLERANCE = ("engine health checks and restarts (--use-fault-tolerance) are not built: a dead engine "
-                    "process ends the run with an error naming it and its log tail")
-
 NOT_YET_SUPPORTED: dict[str, str] = {
     "--async-buffer-size": "--async (slime's train_async.py) generates one rollout ahead; a deeper buffer is not built",
-    "--use-fault-tolerance": _FAULT_TOLERANCE,
-    "--rollout-health-check-interval": _FAULT_TOLERANCE,
-    "--rollout-health-check-timeout": _FAULT_TOLERANCE,
-    "--rollout-health-check-first-wait": _FAULT_TOLERANCE,
     "--offload": "offloading the trainer's state around rollouts (colocated mode) is not supported yet",
     "--offload-train": "offloading the trainer's state around rollouts (colocated mode) is not supported yet",
     "--offload-rollout": "releasing the engines' memory during training (colocated mode) is not supported yet",
