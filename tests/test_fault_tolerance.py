@@ -24,11 +24,10 @@ import torch
 from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.actors import RolloutManager, RolloutSetup
 from slimeflow.stages.rl.config import FaultToleranceConfig, TrainConfig
-from slimeflow.stages.rl.engine.client import EngineClient
-from slimeflow.stages.rl.engines import EngineDiedError
+from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
+from slimeflow.stages.rl.engines import EngineDiedError, ReissuingClient, RoutedClient
+from slimeflow.stages.rl.fault_tolerance import recover
 from slimeflow.stages.rl.weight_sync import WeightSync
-
-pytestmark = pytest.mark.slow
 
 GROUPS, SAMPLES = 4, 2
 CHECKS = {"rollout_health_check_interval": 0.5, "rollout_health_check_timeout": 5.0}
@@ -92,6 +91,7 @@ def every_row_once(row_ids: list[list[str]]) -> None:
     assert all(n == 1 for n in counts.values()), counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_an_engine_lost_mid_rollout_is_restarted_with_the_pushed_weights_and_the_rollout_completes(manager, sig):
     rollout_id = {signal.SIGKILL: 0, signal.SIGSTOP: 1}[sig]
@@ -116,16 +116,82 @@ def test_an_engine_lost_mid_rollout_is_restarted_with_the_pushed_weights_and_the
     assert sorted(w["url"] for w in workers) == sorted(manager.engines.worker_urls)
 
 
-def test_without_fault_tolerance_a_hung_engine_ends_the_rollout_with_an_error_naming_it(manager):
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["hung", "killed"])
+def test_without_fault_tolerance_a_lost_engine_ends_the_rollout_with_an_error_naming_it(manager, sig):
+    """sglang-router would hide a killed engine (it re-sends the request elsewhere) and wait hours on a stopped one;
+    the health checks end the rollout instead."""
     manager.monitor.settings = FaultToleranceConfig(use_fault_tolerance=False, **CHECKS)
-    push(manager, "2")
+    manager.monitor.failure = None
+    if manager.engines.processes[1].exit_report() is not None:  # the hung case's engine: bring it back first
+        recover(manager.engines, 1, "killed by the previous test")
+    rollout_id = {signal.SIGSTOP: 2, signal.SIGKILL: 3}[sig]
+    push(manager, str(rollout_id))
     url = manager.engines.worker_urls[1]
-    striking = strike(manager, 1, signal.SIGSTOP)
+    striking = strike(manager, 1, sig)
     started = time.monotonic()
     with pytest.raises(EngineDiedError) as died:
-        manager.generate(2)
+        manager.generate(rollout_id)
     striking.join()
     assert time.monotonic() - started < 60
     message = str(died.value)
-    assert f"rollout engine 1 at {url} failed its health check" in message and "hung" in message
-    assert "was killed by signal 9" in message and "log tail" in message and "--use-fault-tolerance" in message
+    assert f"rollout engine 1 at {url} failed its health check" in message and "--use-fault-tolerance" in message
+    assert ("hung" in message) == (sig == signal.SIGSTOP), message
+    assert "was killed by signal 9" in message and "log tail" in message
+
+
+class Flaky:
+    """An engine client whose generate fails with `errors` in turn, then answers."""
+
+    url = "http://127.0.0.1:1"
+
+    def __init__(self, *errors: Exception):
+        self.errors, self.calls = list(errors), 0
+
+    async def generate(self, input_ids, params, *, return_logprob=True, rid=None):
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return {"text": "ok", "rid": rid}
+
+    async def abort(self, rid=None):
+        if self.errors:
+            raise self.errors.pop(0)
+        return {}
+
+
+def test_a_generate_whose_engine_died_is_sent_again_and_a_refused_one_is_not():
+    died = Flaky(EngineUnavailableError("connection reset"), EngineRequestError(502, "no worker"))
+    reissuing = ReissuingClient(died, patience_s=30, pause_s=0)
+    assert asyncio.run(reissuing.generate([1], {}, rid="r")) == {"text": "ok", "rid": "r"}
+    assert died.calls == 3 and reissuing.reissued == 2
+    refused = Flaky(EngineRequestError(400, "bad prompt"))
+    with pytest.raises(EngineRequestError, match="bad prompt"):
+        asyncio.run(ReissuingClient(refused, patience_s=30, pause_s=0).generate([1], {}))
+    assert refused.calls == 1
+    gone = Flaky(*[EngineUnavailableError("down")] * 3)
+    with pytest.raises(EngineUnavailableError):  # past its patience the rollout hears of it
+        asyncio.run(ReissuingClient(gone, patience_s=0, pause_s=0).generate([1], {}))
+
+
+def test_an_abort_skips_an_engine_being_restarted_only_under_fault_tolerance():
+    workers = lambda: [Flaky(), Flaky(EngineUnavailableError("restarting"))]  # noqa: E731
+    asyncio.run(RoutedClient(Flaky(), workers(), tolerate_down=True).abort())
+    with pytest.raises(EngineUnavailableError):
+        asyncio.run(RoutedClient(Flaky(), workers()).abort())
+    with pytest.raises(EngineRequestError):
+        asyncio.run(RoutedClient(Flaky(), [Flaky(EngineRequestError(500, "x"))], tolerate_down=True).abort())
+
+
+@pytest.mark.parametrize("flags, refusal", [
+    ({"placement": {"rollout_num_gpus": 1}}, "1 engine: a restarted engine copies the current weights"),
+    ({"placement": {"rollout_num_gpus": 2, "rollout_external_engine_addrs": ["127.0.0.1:1"]}},
+     "--rollout-external-engine-addrs / --sglang-worker-urls: servers started elsewhere"),
+    ({"placement": {"rollout_num_gpus": 2}, "weight_sync": {"update_weight_transport": "nccl"}},
+     "--update-weight-transport nccl: a restarted engine is not in the trainer's weight-update group"),
+])
+def test_what_fault_tolerance_cannot_restart_is_refused_at_parse(flags, refusal):
+    base = {"batch": {"rollout_batch_size": 2, "num_rollout": 1}, "fault_tolerance": {"use_fault_tolerance": True}}
+    with pytest.raises(ValueError, match="--use-fault-tolerance with " + refusal.replace("(", r"\(")):
+        TrainConfig.model_validate({**base, **flags})
+    assert TrainConfig.model_validate({**base, **flags, "fault_tolerance": {}}).fault_tolerance.rollout_health_check_interval == 30
