@@ -25,8 +25,8 @@ from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.actors import RolloutManager, RolloutSetup
 from slimeflow.stages.rl.config import FaultToleranceConfig, TrainConfig
 from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
-from slimeflow.stages.rl.engines import EngineDiedError, ReissuingClient, RoutedClient
-from slimeflow.stages.rl.fault_tolerance import recover
+from slimeflow.stages.rl.engines import EngineDiedError, EngineSet, ReissuingClient, RoutedClient
+from slimeflow.stages.rl.fault_tolerance import HealthMonitor, recover
 from slimeflow.stages.rl.weight_sync import WeightSync
 
 GROUPS, SAMPLES = 4, 2
@@ -195,3 +195,19 @@ def test_what_fault_tolerance_cannot_restart_is_refused_at_parse(flags, refusal)
     with pytest.raises(ValueError, match="--use-fault-tolerance with " + refusal.replace("(", r"\(")):
         TrainConfig.model_validate({**base, **flags})
     assert TrainConfig.model_validate({**base, **flags, "fault_tolerance": {}}).fault_tolerance.rollout_health_check_interval == 30
+
+
+def test_the_monitor_leaves_servers_started_elsewhere_alone():
+    """External servers (behind a router this run started) are not this run's to kill or restart."""
+    class Router:
+        kind = "router"
+
+        def restart(self):
+            raise AssertionError("the router is not an engine")
+
+    engines = EngineSet(["http://127.0.0.1:1", "http://127.0.0.1:2"], "http://127.0.0.1:3", "/model",
+                        processes=[Router()])
+    monitor = HealthMonitor(engines, FaultToleranceConfig(rollout_health_check_interval=0.01))
+    with monitor.watching():
+        assert monitor._thread is None
+    assert monitor.recoveries == [] and monitor.failure is None

@@ -89,10 +89,11 @@ class HealthMonitor:
             self._thread.join()
             self._thread = None
 
-    def _restartable(self) -> list[Any]:
-        """The engine handles this run started (external servers have none: the monitor leaves them alone)."""
-        engines = self.engines.processes[: len(self.engines.worker_urls)]
-        return [e for e in engines if hasattr(e, "restart")]
+    def _restartable(self) -> bool:
+        """Whether this run started every engine as a process it can kill and restart (external servers, whose
+        processes here are at most our router, and an engine in this process are left alone)."""
+        handles = [p for p in self.engines.processes if getattr(p, "kind", "") == "engine" and hasattr(p, "restart")]
+        return 0 < len(handles) == len(self.engines.worker_urls)
 
     def _loop(self) -> None:
         if self._stop.wait(self.settings.rollout_health_check_first_wait):
