@@ -29,7 +29,7 @@ from slimeflow.stages.rl.config import FaultToleranceConfig
 from slimeflow.stages.rl.engine.client import EngineClient
 from slimeflow.stages.rl.engine.launch import ENGINE_READY_TIMEOUT_S, launch_engine
 from slimeflow.stages.rl.engines import EngineSet
-from slimeflow.stages.rl.fault_tolerance import HealthMonitor
+from slimeflow.stages.rl.fault_tolerance import HealthMonitor, Recovery
 from slimeflow.stages.rl.weight_sync import WeightSync
 
 
@@ -54,8 +54,8 @@ def cold_start_s(model: Path) -> float:
 
 
 def kill_to_serving(engines: EngineSet, monitor: HealthMonitor, sig: signal.Signals, interval: float
-                    ) -> tuple[float, float]:
-    """(kill to serving again, the recovery's own seconds) for one `sig` to engine 0."""
+                    ) -> tuple[float, Recovery]:
+    """(kill to serving again, the recovery) for one `sig` to engine 0."""
     before = len(monitor.recoveries)
     with monitor.watching():
         time.sleep(interval / 2)  # mid-cycle: on average the monitor's next check is half an interval away
@@ -69,7 +69,7 @@ def kill_to_serving(engines: EngineSet, monitor: HealthMonitor, sig: signal.Sign
         total = time.perf_counter() - killed
     recovery = monitor.recoveries[-1]
     assert recovery.weight_version == "1", recovery
-    return total, recovery.seconds
+    return total, recovery
 
 
 def spread(values: list[float]) -> str:
@@ -93,12 +93,13 @@ def main() -> None:
             settings = FaultToleranceConfig(use_fault_tolerance=True, rollout_health_check_interval=args.interval,
                                             rollout_health_check_timeout=args.timeout)
             monitor = HealthMonitor(engines, settings)
-            cold, total, recovery = [], [], []
+            cold, total, recovery, phases = [], [], [], []
             for _ in range(args.repeats):
                 cold.append(cold_start_s(model))
                 whole, own = kill_to_serving(engines, monitor, sig, args.interval)
                 total.append(whole)
-                recovery.append(own)
+                recovery.append(own.seconds)
+                phases.append(own.phases)
         finally:
             engines.stop()
     print(f"SIG{args.signal} to serving again, interval {args.interval:g} s, timeout {args.timeout:g} s, "
@@ -106,6 +107,8 @@ def main() -> None:
     print(f"  kill -> serving again  {spread(total)}   goal < 10 s")
     print(f"    detection            {spread([t - r for t, r in zip(total, recovery, strict=True)])}")
     print(f"    recovery             {spread(recovery)}   (router out, restart, weights copied, router in)")
+    for name in phases[0]:
+        print(f"      {name:<18} {spread([p[name] for p in phases])}")
     print(f"  cold engine start      {spread(cold)}   (baseline: launch until /health)")
     print(f"  recovery / cold start  {statistics.median(r / c for r, c in zip(recovery, cold, strict=True)):.2f}x")
     print(f"  load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores)")

@@ -169,6 +169,10 @@ def test_a_generate_whose_engine_died_is_sent_again_and_a_refused_one_is_not():
     with pytest.raises(EngineRequestError, match="bad prompt"):
         asyncio.run(ReissuingClient(refused, patience_s=30, pause_s=0).generate([1], {}))
     assert refused.calls == 1
+    failing = Flaky(*[EngineRequestError(500, "internal engine error")] * 10)
+    with pytest.raises(EngineRequestError, match="internal"):  # an engine error that repeats is the rollout's
+        asyncio.run(ReissuingClient(failing, patience_s=30, pause_s=0).generate([1], {}))
+    assert failing.calls == 1 + ReissuingClient.server_errors
     gone = Flaky(*[EngineUnavailableError("down")] * 3)
     with pytest.raises(EngineUnavailableError):  # past its patience the rollout hears of it
         asyncio.run(ReissuingClient(gone, patience_s=0, pause_s=0).generate([1], {}))

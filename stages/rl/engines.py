@@ -226,8 +226,12 @@ class RoutedClient:
 
 class ReissuingClient:
     """The rollout's client under --use-fault-tolerance: a generate that fails because its engine died under it (the
-    connection broke, or the router answered 5xx) is sent again until `patience_s` has passed, and reaches a live
-    engine (the router's others, or the restarted one). A request that was answered is never sent again."""
+    connection broke) is sent again until `patience_s` has passed, and reaches a live engine (the router's others, or
+    the restarted one); one answered 5xx (the router lost its worker, or the engine failed) at most
+    `server_errors` times, so that an engine error that repeats still reaches the rollout. A request that was
+    answered is never sent again."""
+
+    server_errors = 3
 
     def __init__(self, client: EngineClient, patience_s: float, pause_s: float = 0.2):
         self.client, self.patience_s, self.pause_s = client, patience_s, pause_s
@@ -245,13 +249,16 @@ class ReissuingClient:
                                                                     return_logprob=return_logprob, rids=rids))
 
     async def _again(self, send: Any) -> Any:
-        deadline = time.monotonic() + self.patience_s
+        deadline, answered_5xx = time.monotonic() + self.patience_s, 0
         while True:
             try:
                 return await send()
-            except (EngineUnavailableError, EngineRequestError) as err:
-                lost = isinstance(err, EngineUnavailableError) or err.status >= 500
-                if not lost or time.monotonic() > deadline:
+            except EngineUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+            except EngineRequestError as err:
+                answered_5xx += err.status >= 500
+                if err.status < 500 or answered_5xx > self.server_errors or time.monotonic() > deadline:
                     raise
             self.reissued += 1
             await asyncio.sleep(self.pause_s)

@@ -47,6 +47,8 @@ class Recovery:
     reason: str
     seconds: float
     weight_version: str
+    phases: dict[str, float]
+    """Seconds of each step: router_out, restart (until /health answers), weights, router_in."""
 
 
 class HealthMonitor:
@@ -158,19 +160,28 @@ def recover(engines: EngineSet, rank: int, reason: str) -> Recovery:
     from slimeflow.stages.rl.engines import EngineDiedError
 
     started = time.monotonic()
+    phases: dict[str, float] = {}
+
+    def step(name: str) -> None:
+        phases[name] = time.monotonic() - started - sum(phases.values())
+
     url, handle = engines.worker_urls[rank], engines.processes[rank]
     if engines.routed:
         _leave_router(engines, url)
+    step("router_out")
     handle.restart()
     handle.wait_ready("/health", ENGINE_READY_TIMEOUT_S)
+    step("restart")
     peers = [u for u in engines.worker_urls if u != url]
     version = asyncio.run(_copy_weights(peers, url, engines.api_key))
     if version is None:
         raise EngineDiedError(f"rollout engine {rank} at {url} was restarted ({reason}), but no other engine answers "
                               f"to copy the current weights from ({peers}): every engine of the run is down")
+    step("weights")
     if engines.routed:
         _join_router(engines, url)
-    return Recovery(rank, url, reason, time.monotonic() - started, version)
+    step("router_in")
+    return Recovery(rank, url, reason, time.monotonic() - started, version, phases)
 
 
 async def _copy_weights(peers: list[str], target: str, api_key: str | None) -> str | None:
