@@ -9,7 +9,9 @@ repeat sends `--signal` to engine 0 and waits until the monitor reports it servi
 given the live engine's weights and version, back in the router. Reported: kill to serving again (goal < 10 s on
 CPU), its detection part (at most one interval with SIGKILL; the timeout with SIGSTOP) and its recovery part; and,
 as the baseline in the same run, a cold start of one engine process (launch until /health answers), timed just
-before each kill. Medians over the repeats, with min-max, and the load average before and after.
+before each kill. Medians over the repeats, with min-max, and the load average before and after. The CPU seconds
+the restarted engine spent until it served (user + system) say what its restart costs on an idle core, where a
+loaded machine's wall time does not.
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ def cold_start_s(model: Path) -> float:
         engine.stop()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (/proc/PID/stat), what its start-up costs on an idle core."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def kill_to_serving(engines: EngineSet, monitor: HealthMonitor, sig: signal.Signals, interval: float
                     ) -> tuple[float, Recovery]:
     """(kill to serving again, the recovery) for one `sig` to engine 0."""
@@ -93,13 +101,14 @@ def main() -> None:
             settings = FaultToleranceConfig(use_fault_tolerance=True, rollout_health_check_interval=args.interval,
                                             rollout_health_check_timeout=args.timeout)
             monitor = HealthMonitor(engines, settings)
-            cold, total, recovery, phases = [], [], [], []
+            cold, total, recovery, phases, restart_cpu = [], [], [], [], []
             for _ in range(args.repeats):
                 cold.append(cold_start_s(model))
                 whole, own = kill_to_serving(engines, monitor, sig, args.interval)
                 total.append(whole)
                 recovery.append(own.seconds)
                 phases.append(own.phases)
+                restart_cpu.append(cpu_seconds(engines.processes[0].process.pid))
         finally:
             engines.stop()
     print(f"SIG{args.signal} to serving again, interval {args.interval:g} s, timeout {args.timeout:g} s, "
@@ -110,6 +119,7 @@ def main() -> None:
     for name in phases[0]:
         print(f"      {name:<18} {spread([p[name] for p in phases])}")
     print(f"  cold engine start      {spread(cold)}   (baseline: launch until /health)")
+    print(f"  CPU of the restarted engine until serving {spread(restart_cpu)} (one core's worth on an idle machine)")
     print(f"  recovery / cold start  {statistics.median(r / c for r, c in zip(recovery, cold, strict=True)):.2f}x")
     print(f"  load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f} ({os.cpu_count()} cores)")
     sys.stdout.flush()

@@ -180,3 +180,63 @@ def test_a_rollout_through_engine_actors_pinned_to_their_bundles(cluster, tmp_pa
     assert router[router.index("--queue-size") + 1] == "7" and "--disable-circuit-breaker" in router
     assert len(rows) == 2 and "rollout/reward_mean" in metrics and "pg_loss" in trained
     assert all_gpus_free()  # everything given back
+
+
+def test_a_lost_engine_actor_is_restarted_on_its_bundle_with_the_pushed_weights(cluster, tmp_path):
+    """--use-fault-tolerance with placed engines: the server of engine 0 is SIGKILLed; recovery restarts it through
+    its EngineActor, so on the same bundle (node, GPU) and URL, serving the version the trainer pushed."""
+    import asyncio
+    import os
+    import signal
+
+    from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
+    from slimeflow.stages.rl.engine.client import EngineClient
+    from slimeflow.stages.rl.engine.launch import new_api_key, start_router
+    from slimeflow.stages.rl.engine_actor import EngineSpec, start_engine_actors
+    from slimeflow.stages.rl.engines import EngineSet
+    from slimeflow.stages.rl.fault_tolerance import recover
+    from slimeflow.stages.rl.weight_sync import WeightSync
+
+    model, key = str(build_tiny_model(tmp_path / "tiny", TinyModelSpec(seed=2))), new_api_key()
+    group = placed("--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2")
+    engines = None
+    try:
+        actors = start_engine_actors([EngineSpec("embedded", model, rank, 1, 0, 0, num_threads=1, api_key=key)
+                                      for rank in range(2)], [group.slots[1].bundle_index,
+                                                              group.slots[2].bundle_index], group.group)
+        engines = EngineSet([], "", model, processes=actors, api_key=key)
+        for actor in actors:
+            actor.wait_ready("/health", 120)
+        engines.worker_urls = [a.url for a in actors]
+        engines.processes.append(start_router(engines.worker_urls, api_key=key))
+        engines.rollout_url = engines.processes[-1].url
+
+        async def push() -> dict:
+            weights, _ = await EngineClient(engines.worker_urls[1], api_key=key).weights_snapshot()
+            nudged = {name: t * 0.5 for name, t in weights.items()}
+            sync = WeightSync(engines.weight_targets())
+            await sync.push(nudged, "5")
+            await sync.aclose()
+            return nudged
+
+        pushed = asyncio.run(push())
+        before = ray.get(actors[0].actor.where.remote())
+        os.kill(before["pid"], signal.SIGKILL)
+        recovery = recover(engines, 0, "killed by the test")
+        after = ray.get(actors[0].actor.where.remote())
+        assert after["pid"] != before["pid"] and recovery.weight_version == "5"
+        assert {k: after[k] for k in ("node_id", "gpu_ids", "url")} == {k: before[k] for k in ("node_id", "gpu_ids",
+                                                                                              "url")}
+        served, version = asyncio.run(EngineClient(after["url"], api_key=key).weights_snapshot())
+        assert version == "5" and all(torch_equal(served[n], pushed[n]) for n in pushed)
+    finally:
+        if engines is not None:
+            engines.stop()
+        group.remove()
+    assert all_gpus_free()
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    import torch
+
+    return torch.equal(a, b)
