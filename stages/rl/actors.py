@@ -164,7 +164,8 @@ class RolloutManager:
 
             function = load_plugin(self.config.eval.eval_function_path, "eval-function-path")
             rollout_id = int(version) if version is not None and version.isdigit() else None
-            return run_eval_function(function, self._context(version), self.data, rollout_id)
+            with self.monitor.watching():
+                return run_eval_function(function, self._context(version), self.data, rollout_id)
         if not self.eval_sets:
             return {}
         ev, ro = self.config.eval, self.config.rollout
