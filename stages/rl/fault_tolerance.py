@@ -39,8 +39,8 @@ log = logging.getLogger("slimeflow.fault_tolerance")
 
 @dataclass(frozen=True)
 class Recovery:
-    """One engine brought back: its rank and URL, why it was restarted, and the seconds from the failed check to
-    serving again (back in the router, with the live engines' weight version)."""
+    """One engine brought back: its rank and URL, why it was restarted, and the seconds from its failed check to
+    serving again (back in the router, with the weight version the live engines serve)."""
 
     rank: int
     url: str
@@ -60,7 +60,8 @@ class HealthMonitor:
         self.engines, self.settings, self.on_failure = engines, settings, on_failure
         self.recoveries: list[Recovery] = []
         self.failure: str | None = None
-        """Without --use-fault-tolerance: why the engine the monitor killed failed its check (None: none did)."""
+        """Why the monitor gave up on an engine: killed without --use-fault-tolerance, or not restartable with it
+        (None: it has not)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
