@@ -1,6 +1,7 @@
 """Placement on a real Ray cluster of logical GPUs (issue 20, item 1): two raylets on loopback with 4 GPUs each
 (ray.cluster_utils.Cluster), one cluster for the module. Where every trainer rank and engine lands, colocated and
-disaggregated, on one node and across two; and a rollout through engines started as Ray actors on their bundles."""
+disaggregated, on one node and across two; a rollout through engines started as Ray actors on their bundles; and,
+with --use-fault-tolerance, the loop through an engine killed mid-rollout and restarted on its bundle."""
 
 from __future__ import annotations
 
@@ -182,61 +183,57 @@ def test_a_rollout_through_engine_actors_pinned_to_their_bundles(cluster, tmp_pa
     assert all_gpus_free()  # everything given back
 
 
-def test_a_lost_engine_actor_is_restarted_on_its_bundle_with_the_pushed_weights(cluster, tmp_path):
-    """--use-fault-tolerance with placed engines: the server of engine 0 is SIGKILLed; recovery restarts it through
-    its EngineActor, so on the same bundle (node, GPU) and URL, serving the version the trainer pushed."""
-    import asyncio
+def test_with_fault_tolerance_the_loop_survives_an_engine_actor_killed_mid_rollout(cluster, tmp_path):
+    """The train stage's own path (RolloutManager and TrainActor as Ray actors, engines as EngineActors on their
+    bundles): engine 0's server is SIGKILLed during rollout 0; the rollout completes, the trainer trains on it and
+    pushes version 1 to both engines (the restarted one, given version 0 by its peer, included), and rollout 1 is
+    generated with it."""
     import os
     import signal
+    import threading
 
-    from slimeflow.stages.model.tiny import TinyModelSpec, build_tiny_model
-    from slimeflow.stages.rl.engine.client import EngineClient
-    from slimeflow.stages.rl.engine.launch import new_api_key, start_router
-    from slimeflow.stages.rl.engine_actor import EngineSpec, start_engine_actors
-    from slimeflow.stages.rl.engines import EngineSet
-    from slimeflow.stages.rl.fault_tolerance import recover
-    from slimeflow.stages.rl.weight_sync import WeightSync
+    import httpx
+    from test_train_e2e import train_config
 
-    model, key = str(build_tiny_model(tmp_path / "tiny", TinyModelSpec(seed=2))), new_api_key()
-    group = placed("--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2")
-    engines = None
+    from slimeflow.stages.rl.actors import call
+    from slimeflow.stages.rl.placement import create_placement
+    from slimeflow.stages.rl.stage import rollout_setup, with_defaults
+
+    config, ctx = train_config(tmp_path, **{
+        "num-rollout": 2, "rollout-batch-size": 4, "n-samples-per-prompt": 2, "eval-interval": None,
+        "save-interval": None, "rollout-num-gpus": 2, "num-gpus-per-node": GPUS_PER_NODE,
+        "use-fault-tolerance": True, "rollout-health-check-interval": 0.5, "rollout-health-check-timeout": 5})
+    config = with_defaults(config, ctx)
+    placement = create_placement(config, rollout_setup(config, ctx), total_steps=2, scratch=tmp_path)
     try:
-        actors = start_engine_actors([EngineSpec("embedded", model, rank, 1, 0, 0, num_threads=1, api_key=key)
-                                      for rank in range(2)], [group.slots[1].bundle_index,
-                                                              group.slots[2].bundle_index], group.group)
-        engines = EngineSet([], "", model, processes=actors, api_key=key)
-        for actor in actors:
-            actor.wait_ready("/health", 120)
-        engines.worker_urls = [a.url for a in actors]
-        engines.processes.append(start_router(engines.worker_urls, api_key=key))
-        engines.rollout_url = engines.processes[-1].url
+        manager = placement.rollout_manager.actor
+        engine = call(manager.engine_locations.remote(), "engine locations")["engines"][0]
+        key = call(manager.weight_targets.remote(), "weight targets").api_key
 
-        async def push() -> dict:
-            weights, _ = await EngineClient(engines.worker_urls[1], api_key=key).weights_snapshot()
-            nudged = {name: t * 0.5 for name, t in weights.items()}
-            sync = WeightSync(engines.weight_targets())
-            await sync.push(nudged, "5")
-            await sync.aclose()
-            return nudged
+        def kill_when_busy():
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and httpx.get(engine["url"] + "/get_model_info", timeout=5, headers={
+                    "Authorization": f"Bearer {key}"}).json()["requests_received"] == 0:
+                time.sleep(0.005)
+            os.kill(engine["pid"], signal.SIGKILL)
 
-        pushed = asyncio.run(push())
-        before = ray.get(actors[0].actor.where.remote())
-        os.kill(before["pid"], signal.SIGKILL)
-        recovery = recover(engines, 0, "killed by the test")
-        after = ray.get(actors[0].actor.where.remote())
-        assert after["pid"] != before["pid"] and recovery.weight_version == "5"
-        assert {k: after[k] for k in ("node_id", "gpu_ids", "url")} == {k: before[k] for k in ("node_id", "gpu_ids",
-                                                                                              "url")}
-        served, version = asyncio.run(EngineClient(after["url"], api_key=key).weights_snapshot())
-        assert version == "5" and all(torch_equal(served[n], pushed[n]) for n in pushed)
+        killer = threading.Thread(target=kill_when_busy, daemon=True)
+        placement.actor_group.update_weights(version=0)
+        killer.start()
+        batch, metrics, rows = placement.rollout_manager.generate(0)
+        killer.join()
+        placement.actor_group.train(0, batch)
+        placement.actor_group.update_weights(version=1)
+        _, metrics_1, rows_1 = placement.rollout_manager.generate(1)
+        after = call(manager.engine_locations.remote(), "engine locations")["engines"][0]
+        recoveries = call(manager.__ray_call__.remote(lambda self: self.monitor.recoveries), "recoveries")
     finally:
-        if engines is not None:
-            engines.stop()
-        group.remove()
+        placement.shutdown()
+    assert [r.rank for r in recoveries] == [0] and after["pid"] != engine["pid"]
+    # restarted in its EngineActor: on its bundle (node and GPU) and at its URL
+    assert {k: after[k] for k in ("node_id", "gpu_ids", "url")} == {k: engine[k] for k in ("node_id", "gpu_ids", "url")}
+    for rollout_rows in (rows, rows_1):
+        assert len(rollout_rows) == 4 and all(len(group) == 2 for group in rollout_rows)
+        assert len({group[0] for group in rollout_rows}) == 4  # each prompt once
+    assert metrics["rollout/weight_version_max"] == 0 and metrics_1["rollout/weight_version_min"] == 1
     assert all_gpus_free()
-
-
-def torch_equal(a: Any, b: Any) -> bool:
-    import torch
-
-    return torch.equal(a, b)

@@ -146,7 +146,7 @@ class RolloutManager:
                 except Exception:
                     self._raise_engine_failure()
                     raise
-                self._raise_engine_failure()  # the router may have hidden a killed engine from the function
+                self._raise_monitor_failure()  # the router may have hidden a killed engine from the function
             samples, metrics = result.samples, {**result.metrics, **weight_versions(result.samples)}
             if self.config.debug.save_debug_rollout_data is not None:
                 save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, samples,
@@ -181,12 +181,19 @@ class RolloutManager:
         self._work = self.loop.create_task(work)
         try:
             with self.monitor.watching():
-                return self.loop.run_until_complete(self._work)
+                result = self.loop.run_until_complete(self._work)
         except (Exception, asyncio.CancelledError):
             self._raise_engine_failure()
             raise
         finally:
             self._work = None
+        self._raise_monitor_failure()  # an engine lost that the router hid from the rollout, found by the last check
+        return result
+
+    def recover_engines(self) -> None:
+        """With --use-fault-tolerance, before each weight push: restart an engine lost since the last rollout."""
+        self.monitor.check_now()
+        self._raise_monitor_failure()
 
     def _cancel_work(self, reason: str) -> None:
         """The health monitor's call (from its thread) when an engine failed without --use-fault-tolerance."""
@@ -195,11 +202,15 @@ class RolloutManager:
             self.loop.call_soon_threadsafe(work.cancel)
 
     def _raise_engine_failure(self) -> None:
+        """After rollout work failed: the engine the health monitor gave up on, or else any engine process gone."""
+        self._raise_monitor_failure()
+        self.engines.check_alive()
+
+    def _raise_monitor_failure(self) -> None:
         from slimeflow.stages.rl.engines import EngineDiedError
 
         if self.monitor.failure is not None:
             raise EngineDiedError(self.monitor.failure)
-        self.engines.check_alive()
 
     def weight_targets(self) -> WeightTargets:
         """Where the trainer pushes its weights (every engine; see TrainActor.connect_engines)."""

@@ -4,7 +4,8 @@ RolloutHealthMonitor (slime/utils/health_monitor.py) with --use-fault-tolerance.
 The monitor asks every engine this run started for `/health_generate` (one generated token) every
 --rollout-health-check-interval seconds, after --rollout-health-check-first-wait, and gives each
 --rollout-health-check-timeout seconds to answer. It runs only while the RolloutManager generates or evaluates
-(`watching`): weight pushes happen between rollouts, so the weights a live engine serves are the current ones.
+(`watching`), and once more at its end and before each weight push (`check_now`, as slime recovers its engines
+before a push): weights are pushed between rollouts only, so the weights a live engine serves are the current ones.
 
 An engine that does not answer (its process died, or it hangs: SIGSTOP, a stuck kernel) is:
 - with --use-fault-tolerance: taken out of sglang-router, killed, started again on the same port (on its bundle,
@@ -77,8 +78,9 @@ class HealthMonitor:
 
     @contextmanager
     def watching(self) -> Iterator[None]:
-        """Check the engines in a thread while the block runs; on leaving, wait for a recovery under way to end
-        (so the next weight push finds every engine up)."""
+        """Check the engines in a thread while the block runs; on leaving, wait for a recovery under way to end and
+        check every engine once more (one lost after the last check is restarted, or named, now: the next weight
+        push must find every engine up)."""
         if not self._restartable():
             yield
             return
@@ -91,6 +93,14 @@ class HealthMonitor:
             self._stop.set()
             self._thread.join()
             self._thread = None
+            self.check_now()
+
+    def check_now(self) -> None:
+        """Check every engine once, here and now, restarting (or naming) a failed one: as slime recovers its engines
+        before each weight push, so that an engine lost between rollouts does not fail the push."""
+        if self._restartable() and self.failure is None:
+            with self._client() as http:
+                self._check_all(http, final=True)
 
     def _restartable(self) -> bool:
         """Whether this run started every engine as a process it can kill and restart (external servers, whose
@@ -98,22 +108,28 @@ class HealthMonitor:
         handles = [p for p in self.engines.processes if getattr(p, "kind", "") == "engine" and hasattr(p, "restart")]
         return 0 < len(handles) == len(self.engines.worker_urls)
 
+    def _client(self) -> httpx.Client:
+        return httpx.Client(timeout=self.settings.rollout_health_check_timeout, headers=_auth(self.engines.api_key),
+                            verify=False)
+
     def _loop(self) -> None:
         if self._stop.wait(self.settings.rollout_health_check_first_wait):
             return
-        with httpx.Client(timeout=self.settings.rollout_health_check_timeout, headers=_auth(self.engines.api_key),
-                          verify=False) as http:
-            while not self._stop.is_set():
-                for rank, url in enumerate(self.engines.worker_urls):
-                    if self._stop.is_set():
-                        return
-                    reason = check(http, url)
-                    if reason is not None:
-                        self._failed(rank, reason)
-                        if self.failure is not None:
-                            return
-                if self._stop.wait(self.settings.rollout_health_check_interval):
-                    return
+        with self._client() as http:
+            while self._check_all(http) and not self._stop.wait(self.settings.rollout_health_check_interval):
+                pass
+
+    def _check_all(self, http: httpx.Client, final: bool = False) -> bool:
+        """Check every engine (restarting or naming a failed one); False once stopped or given up."""
+        for rank, url in enumerate(self.engines.worker_urls):
+            if self._stop.is_set() and not final:
+                return False
+            reason = check(http, url)
+            if reason is not None:
+                self._failed(rank, reason)
+                if self.failure is not None:
+                    return False
+        return True
 
     def _failed(self, rank: int, reason: str) -> None:
         handle = self.engines.processes[rank]

@@ -15,6 +15,7 @@ import signal
 import tempfile
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,9 @@ class RolloutManagerHandle:
     def evaluate(self, version: str) -> dict[str, float]:
         return call(self.actor.evaluate.remote(version), f"evaluation with weights {version}")
 
+    def recover_engines(self) -> None:
+        call(self.actor.recover_engines.remote(), "checking the rollout engines before a weight push")
+
     def state_dict(self) -> dict[str, Any]:
         return call(self.actor.state_dict.remote(), "reading the data-source state")
 
@@ -81,10 +85,12 @@ class PendingRollout:
 class ActorGroup:
     """The TrainActors (one per data-parallel rank), called together."""
 
-    def __init__(self, actors: list[Any], pushes_weights: bool = True):
+    def __init__(self, actors: list[Any], pushes_weights: bool = True, before_push: Callable[[], None] | None = None):
         self.actors = actors
         self.pushes_weights = pushes_weights
         """False with --debug-train-only: there is no engine to push to."""
+        self.before_push = before_push
+        """With --use-fault-tolerance: RolloutManagerHandle.recover_engines (every engine up before a push)."""
 
     def _all(self, method: str, *args: Any, what: str) -> list[Any]:
         return call([getattr(a, method).remote(*args) for a in self.actors], what)
@@ -101,6 +107,8 @@ class ActorGroup:
     def update_weights(self, version: int) -> None:
         """Rank 0 pushes the policy (gathered from the ranks' shards, if sharded) to every engine as `version`."""
         if self.pushes_weights:
+            if self.before_push is not None:
+                self.before_push()
             self._all("update_weights", str(version), what=f"pushing weights {version}")
 
 
@@ -212,9 +220,11 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
         if group is not None:
             group.remove()
         raise
-    trainers = ActorGroup(actors, pushes_weights=targets is not None) if actors else NoTrainer(
+    rollouts = RolloutManagerHandle(manager)
+    recover = rollouts.recover_engines if config.fault_tolerance.use_fault_tolerance else None
+    trainers = ActorGroup(actors, pushes_weights=targets is not None, before_push=recover) if actors else NoTrainer(
         config.checkpoint.start_rollout_id)
-    return Placement(config, RolloutManagerHandle(manager), trainers, group)
+    return Placement(config, rollouts, trainers, group)
 
 
 def _placement_group(config: TrainConfig) -> PlacedGroup:
