@@ -3,7 +3,8 @@ behind sglang-router; one engine is SIGKILLed or SIGSTOPped mid-rollout.
 
 With --use-fault-tolerance the rollout completes with every row exactly once, and the engine comes back at its URL
 serving the weights the trainer last pushed. Without it, the rollout ends with an error naming the engine (never a
-hang). One manager serves the module (two engines start in ~10 s on an idle machine); the tests run in file order.
+hang). One manager serves the slow tests (each engine's start-up costs ~5 CPU seconds; a restart another), which
+run in file order; the quick tests after them need no engine.
 """
 
 from __future__ import annotations
