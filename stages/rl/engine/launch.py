@@ -35,7 +35,8 @@ ENGINE_MODULE = "slimeflow.stages.rl.engine.server"
 _LOG_TAIL_CHARS = 4000
 # The router's key variable, read by a launcher that appends it to sglang-router's own arguments.
 _ROUTER_API_KEY_ENV = "SLIMEFLOW_ROUTER_API_KEY"
-_ROUTER_WITH_KEY = (f"import os, sys; sys.argv += ['--api-key', os.environ.pop('{_ROUTER_API_KEY_ENV}')]; "
+# One `--api-key=KEY` word: a key that starts with "-" (token_urlsafe draws one in 64) would be read as a flag.
+_ROUTER_WITH_KEY = (f"import os, sys; sys.argv += ['--api-key=' + os.environ.pop('{_ROUTER_API_KEY_ENV}')]; "
                     "from sglang_router.launch_router import main; main()")
 
 
