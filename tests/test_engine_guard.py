@@ -61,7 +61,7 @@ MUTATING = [("POST", "/update_weights_from_disk", {"model_path": "/tmp"}), ("POS
             ("POST", "/generate", {"input_ids": PROMPT}), ("GET", "/get_model_info", None),
             ("POST", "/release_memory_occupation", None), ("POST", "/resume_memory_occupation", None),
             ("POST", "/init_weights_update_group", None), ("POST", "/update_weights_from_distributed", None),
-            ("POST", "/destroy_weights_update_group", None)]
+            ("POST", "/destroy_weights_update_group", None), ("GET", "/get_weights_snapshot", None)]
 
 
 @pytest.mark.parametrize("key", [None, "wrong-key"], ids=["no-key", "wrong-key"])

@@ -1,6 +1,7 @@
 """Placement on a real Ray cluster of logical GPUs (issue 20, item 1): two raylets on loopback with 4 GPUs each
 (ray.cluster_utils.Cluster), one cluster for the module. Where every trainer rank and engine lands, colocated and
-disaggregated, on one node and across two; and a rollout through engines started as Ray actors on their bundles."""
+disaggregated, on one node and across two; a rollout through engines started as Ray actors on their bundles; and,
+with --use-fault-tolerance, the loop through an engine killed mid-rollout and restarted on its bundle."""
 
 from __future__ import annotations
 
@@ -180,3 +181,59 @@ def test_a_rollout_through_engine_actors_pinned_to_their_bundles(cluster, tmp_pa
     assert router[router.index("--queue-size") + 1] == "7" and "--disable-circuit-breaker" in router
     assert len(rows) == 2 and "rollout/reward_mean" in metrics and "pg_loss" in trained
     assert all_gpus_free()  # everything given back
+
+
+def test_with_fault_tolerance_the_loop_survives_an_engine_actor_killed_mid_rollout(cluster, tmp_path):
+    """The train stage's own path (RolloutManager and TrainActor as Ray actors, engines as EngineActors on their
+    bundles): engine 0's server is SIGKILLed during rollout 0; the rollout completes, the trainer trains on it and
+    pushes version 1 to both engines (the restarted one, given version 0 by its peer, included), and rollout 1 is
+    generated with it."""
+    import os
+    import signal
+    import threading
+
+    import httpx
+    from test_train_e2e import train_config
+
+    from slimeflow.stages.rl.actors import call
+    from slimeflow.stages.rl.placement import create_placement
+    from slimeflow.stages.rl.stage import rollout_setup, with_defaults
+
+    config, ctx = train_config(tmp_path, **{
+        "num-rollout": 2, "rollout-batch-size": 4, "n-samples-per-prompt": 2, "eval-interval": None,
+        "save-interval": None, "rollout-num-gpus": 2, "num-gpus-per-node": GPUS_PER_NODE,
+        "use-fault-tolerance": True, "rollout-health-check-interval": 0.5, "rollout-health-check-timeout": 5})
+    config = with_defaults(config, ctx)
+    placement = create_placement(config, rollout_setup(config, ctx), total_steps=2, scratch=tmp_path)
+    try:
+        manager = placement.rollout_manager.actor
+        engine = call(manager.engine_locations.remote(), "engine locations")["engines"][0]
+        key = call(manager.weight_targets.remote(), "weight targets").api_key
+
+        def kill_when_busy():
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and httpx.get(engine["url"] + "/get_model_info", timeout=5, headers={
+                    "Authorization": f"Bearer {key}"}).json()["requests_received"] == 0:
+                time.sleep(0.005)
+            os.kill(engine["pid"], signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_when_busy, daemon=True)
+        placement.actor_group.update_weights(version=0)
+        killer.start()
+        batch, metrics, rows = placement.rollout_manager.generate(0)
+        killer.join()
+        placement.actor_group.train(0, batch)
+        placement.actor_group.update_weights(version=1)
+        _, metrics_1, rows_1 = placement.rollout_manager.generate(1)
+        after = call(manager.engine_locations.remote(), "engine locations")["engines"][0]
+        recoveries = call(manager.__ray_call__.remote(lambda self: self.monitor.recoveries), "recoveries")
+    finally:
+        placement.shutdown()
+    assert [r.rank for r in recoveries] == [0] and after["pid"] != engine["pid"]
+    # restarted in its EngineActor: on its bundle (node and GPU) and at its URL
+    assert {k: after[k] for k in ("node_id", "gpu_ids", "url")} == {k: engine[k] for k in ("node_id", "gpu_ids", "url")}
+    for rollout_rows in (rows, rows_1):
+        assert len(rollout_rows) == 4 and all(len(group) == 2 for group in rollout_rows)
+        assert len({group[0] for group in rollout_rows}) == 4  # each prompt once
+    assert metrics["rollout/weight_version_max"] == 0 and metrics_1["rollout/weight_version_min"] == 1
+    assert all_gpus_free()

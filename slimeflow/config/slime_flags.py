@@ -10,14 +10,7 @@ _MOE = ("a Megatron mixture-of-experts flag the Megatron backend does not read y
         "flags (--num-experts, --moe-router-topk, ...) and --moe-token-dispatcher-type, "
         "--moe-router-load-balancing-type, --moe-aux-loss-coeff, --moe-router-dtype, --moe-router-bias-update-rate")
 
-_FAULT_TOLERANCE = ("engine health checks and restarts (--use-fault-tolerance) are not built: a dead engine "
-                    "process ends the run with an error naming it and its log tail")
-
 NOT_YET_SUPPORTED: dict[str, str] = {
-    "--use-fault-tolerance": _FAULT_TOLERANCE,
-    "--rollout-health-check-interval": _FAULT_TOLERANCE,
-    "--rollout-health-check-timeout": _FAULT_TOLERANCE,
-    "--rollout-health-check-first-wait": _FAULT_TOLERANCE,
     "--save-hf": "HF weights are not written at each save yet: export a checkpoint with `slimeflow export`",
     "--eval-config": "per-dataset eval settings from a YAML file are not supported yet: use the --eval-* flags",
     "--custom-config-path": "custom YAML args for plug-ins are not supported yet",

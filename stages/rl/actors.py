@@ -61,6 +61,9 @@ class RolloutManager:
         self.config = config
         self.setup = setup
         self.first_rollout_id: int | None = None
+        if config.fault_tolerance.use_fault_tolerance and setup.engines_on and setup.engines_on.kind == "sglang":
+            raise ValueError("--use-fault-tolerance restarts embedded engines only: a restarted one copies the weights "
+                             "a live one serves (GET /get_weights_snapshot), which SGLang servers do not offer")
         # The engines import and load (seconds) while this actor sets up the rest, transformers' import included.
         launching = EngineSet.launch(setup.hf_checkpoint, config.sglang.args, setup.num_engines, setup.engine_threads,
                                      in_process=config.placement.engine_in_process, placed=setup.engines_on,
@@ -97,6 +100,12 @@ class RolloutManager:
         except BaseException:
             self.scorer.close()  # its grading worker, if it started one
             raise
+        from slimeflow.stages.rl.fault_tolerance import HealthMonitor
+
+        self._work: asyncio.Task | None = None
+        self.monitor = HealthMonitor(self.engines, config.fault_tolerance, on_failure=self._cancel_work)
+        if config.fault_tolerance.use_fault_tolerance:
+            self.engines.reissue_s = self.monitor.reissue_patience_s
         freeze_startup_heap()
 
     def _context(self, version: str | None) -> RolloutContext:
@@ -136,10 +145,12 @@ class RolloutManager:
 
                 function = load_plugin(self.config.rollout.rollout_function_path, "rollout-function-path")
                 try:
-                    result = run_rollout_function(function, ctx, self.data, rollout_id)
+                    with self.monitor.watching():
+                        result = run_rollout_function(function, ctx, self.data, rollout_id)
                 except Exception:
-                    self.engines.check_alive()
+                    self._raise_engine_failure()
                     raise
+                self._raise_monitor_failure()  # the router may have hidden a killed engine from the function
             samples, metrics = result.samples, {**result.metrics, **weight_versions(result.samples)}
             if self.config.debug.save_debug_rollout_data is not None:
                 save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, samples,
@@ -161,7 +172,8 @@ class RolloutManager:
 
             function = load_plugin(self.config.eval.eval_function_path, "eval-function-path")
             rollout_id = int(version) if version is not None and version.isdigit() else None
-            return run_eval_function(function, self._context(version), self.data, rollout_id)
+            with self.monitor.watching():
+                return run_eval_function(function, self._context(version), self.data, rollout_id)
         if not self.eval_sets:
             return {}
         ev, ro = self.config.eval, self.config.rollout
@@ -172,13 +184,41 @@ class RolloutManager:
         return self._run(evaluate_sets(ctx, self.eval_sets, settings))
 
     def _run(self, work: Coroutine[Any, Any, T]) -> T:
-        """Run rollout work on this actor's loop; when it fails and an engine process has died, say which one and
-        why (its log tail) instead of the connection error the rollout saw."""
+        """Run rollout work on this actor's loop while the health monitor watches the engines; when it fails and an
+        engine died or hung, say which one and why (its log tail) instead of the connection error the rollout saw."""
+        self._work = self.loop.create_task(work)
         try:
-            return self.loop.run_until_complete(work)
-        except Exception:
-            self.engines.check_alive()
+            with self.monitor.watching():
+                result = self.loop.run_until_complete(self._work)
+        except (Exception, asyncio.CancelledError):
+            self._raise_engine_failure()
             raise
+        finally:
+            self._work = None
+        self._raise_monitor_failure()  # an engine lost that the router hid from the rollout, found by the last check
+        return result
+
+    def recover_engines(self) -> None:
+        """With --use-fault-tolerance, before each weight push: restart an engine lost since the last rollout."""
+        self.monitor.check_now()
+        self._raise_monitor_failure()
+
+    def _cancel_work(self, reason: str) -> None:
+        """The health monitor's call (from its thread) when an engine failed without --use-fault-tolerance."""
+        work = self._work
+        if work is not None:
+            self.loop.call_soon_threadsafe(work.cancel)
+
+    def _raise_engine_failure(self) -> None:
+        """After rollout work failed: the engine the health monitor gave up on, or else any engine process gone."""
+        self._raise_monitor_failure()
+        self.engines.check_alive()
+
+    def _raise_monitor_failure(self) -> None:
+        from slimeflow.stages.rl.engines import EngineDiedError
+
+        if self.monitor.failure is not None:
+            raise EngineDiedError(self.monitor.failure)
 
     def release_memory(self, tags: list[str] | None = None) -> dict[str, float]:
         """--offload-rollout, while the trainer trains: every engine releases the memory of `tags` ("weights",

@@ -438,6 +438,23 @@ class WeightSyncConfig(ConfigModel):
     --sglang-weights-dir (external servers). Default: HTTP tensors to embedded engines, disk for external servers."""
 
 
+class FaultToleranceConfig(ConfigModel):
+    """Engine health checks while the RolloutManager generates or evaluates (fault_tolerance.HealthMonitor): each
+    engine's /health_generate every `rollout_health_check_interval` s, after `rollout_health_check_first_wait` s. An
+    engine that does not answer within `rollout_health_check_timeout` s is dead or hung: with --use-fault-tolerance it
+    is restarted in place with the live engines' weights and its requests re-issued; without, it is killed and the
+    rollout ends with an error naming it."""
+
+    use_fault_tolerance: bool = False
+    """Restart a dead or hung engine (two or more engines this run started) instead of ending the run."""
+    rollout_health_check_interval: float = Field(30.0, gt=0)
+    """Seconds between two health checks of an engine."""
+    rollout_health_check_timeout: float = Field(30.0, gt=0)
+    """Seconds an engine has to answer /health_generate before it counts as dead or hung."""
+    rollout_health_check_first_wait: float = Field(0.0, ge=0)
+    """Seconds after a rollout starts before the first health check."""
+
+
 class SglangConfig(ConfigModel):
     """Every `--sglang-X value` flag, keyed by X, and every `--router-X value` flag, keyed by X. slimeflow reads
     those in READ itself; the other `--sglang-*` flags are SGLang server arguments, passed to the SGLang servers
@@ -577,6 +594,7 @@ class TrainConfig(ConfigModel):
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     sglang: SglangConfig = Field(default_factory=SglangConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
@@ -602,10 +620,39 @@ class TrainConfig(ConfigModel):
             # As slime for --debug-rollout-only (no trainer: nothing to make room for); --debug-train-only has no engine.
             placement.__dict__["offload_rollout"] = False
             placement.__dict__["offload_train"] = placement.offload_train and not self.debug.debug_rollout_only
+        check_fault_tolerance(self)
         if self.batch.n_samples_per_prompt == 1 and self.algorithm.advantage_estimator in ("grpo", "gspo", "cispo"):
             # As slime: the std of a one-sample group is undefined, so std normalisation is switched off.
             self.algorithm.__dict__["disable_grpo_std_normalization"] = True
         return self
+
+
+def check_fault_tolerance(config: TrainConfig) -> None:
+    """--use-fault-tolerance restarts engines this run started and copies the weights a live engine serves into the
+    restarted one: what cannot give it that is refused with the reason."""
+    if not config.fault_tolerance.use_fault_tolerance:
+        return
+    placement = config.placement
+    engines = (placement.rollout_num_gpus or 1) // placement.rollout_num_gpus_per_engine
+    refused = {
+        "--rollout-external-engine-addrs / --sglang-worker-urls": (
+            bool(placement.rollout_external_engine_addrs or config.sglang.args.get("worker_urls")),
+            "servers started elsewhere cannot be restarted by this run"),
+        "--update-weight-transport nccl": (
+            config.weight_sync.update_weight_transport == "nccl",
+            "a restarted engine is not in the trainer's weight-update group; use the default HTTP transport"),
+        "--offload-rollout (colocated)": (
+            placement.offload_rollout,
+            "the engines release their memory while the trainer trains, so a health check then would find them "
+            "unable to generate; run fault-tolerant engines disaggregated"),
+        f"{engines} engine": (
+            engines < 2 and not config.debug.debug_train_only,
+            "a restarted engine copies the current weights from a live one, so it needs two or more engines (raise "
+            "--rollout-num-gpus)"),
+    }
+    problems = [f"--use-fault-tolerance with {flag}: {reason}" for flag, (given, reason) in refused.items() if given]
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def check_async(config: TrainConfig) -> None:

@@ -79,6 +79,16 @@ class EngineActor:
     def log_tail(self) -> str:
         return self.process.log_tail()
 
+    def exit_report(self, wait_s: float) -> str | None:
+        return self.process.exit_report(wait_s)
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def restart(self) -> None:
+        """Kill the server and start it again on this actor's bundle and port (fault_tolerance.recover)."""
+        self.process.restart()
+
     def stop(self) -> None:
         self.process.stop()
 
@@ -108,6 +118,21 @@ class PlacedEngine:
         from slimeflow.stages.rl.actors import call
 
         self.url = call(self.actor.wait_ready.remote(path, timeout_s), f"starting rollout engine {self.rank}")
+
+    def kill(self) -> None:
+        ray.get(self.actor.kill.remote(), timeout=30)
+
+    def exit_report(self, wait_s: float = 0.0) -> str | None:
+        try:
+            return ray.get(self.actor.exit_report.remote(wait_s), timeout=30 + wait_s)
+        except (ray.exceptions.RayError, TimeoutError) as err:
+            return f"the actor of rollout engine {self.rank} does not answer ({type(err).__name__}: {err})"
+
+    def restart(self) -> None:
+        """Kill the server and start it again in its actor, on the same bundle and port; `wait_ready` follows."""
+        from slimeflow.stages.rl.actors import call
+
+        call(self.actor.restart.remote(), f"restarting rollout engine {self.rank}")
 
     def stop(self) -> None:
         """Stop the server, then the actor (idempotent; an actor already gone is fine)."""

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError
+from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
 
 if TYPE_CHECKING:
     from slimeflow.stages.rl.placement_group import EnginePlacement
@@ -50,6 +50,8 @@ class EngineSet:
     weights_dir: str | None = None
     processes: list[Any] = field(default_factory=list)
     api_key: str | None = field(default=None, repr=False)
+    reissue_s: float | None = None
+    """With --use-fault-tolerance: for how long a generate whose engine died is sent again (ReissuingClient)."""
     _client: RoutedClient | None = field(default=None, init=False, repr=False)
 
     @classmethod
@@ -117,8 +119,11 @@ class EngineSet:
     def client(self) -> RoutedClient:
         """The rollout's client (the same one every call, so its connections are reused)."""
         if self._client is None:
-            self._client = RoutedClient(EngineClient(self.rollout_url, api_key=self.api_key),
-                                        [EngineClient(url, api_key=self.api_key) for url in self.worker_urls])
+            rollout: Any = EngineClient(self.rollout_url, api_key=self.api_key)
+            if self.reissue_s is not None:
+                rollout = ReissuingClient(rollout, self.reissue_s)
+            self._client = RoutedClient(rollout, [EngineClient(url, api_key=self.api_key) for url in self.worker_urls],
+                                        tolerate_down=self.reissue_s is not None)
         return self._client
 
     def check_alive(self, grace_s: float = 1.0) -> None:
@@ -130,8 +135,8 @@ class EngineSet:
                    if hasattr(p, "exit_report")]
         reports = [r for r in reports if r]
         if reports:
-            raise EngineDiedError("a rollout engine process of this run is gone (--use-fault-tolerance, which would "
-                                  "restart it, is not built yet):\n" + "\n".join(reports))
+            raise EngineDiedError("a rollout engine process of this run is gone (--use-fault-tolerance would "
+                                  "restart it):\n" + "\n".join(reports))
 
     def weight_targets(self) -> WeightTargets:
         return WeightTargets(tuple(self.worker_urls), self.hf_checkpoint, self.weights_dir, self.api_key)
@@ -193,8 +198,11 @@ class RoutedClient:
     engine, because sglang-router does not forward /abort_request. Batched generates issued together are sent as
     one request (see `Coalescer`)."""
 
-    def __init__(self, rollout: EngineClient, workers: list[EngineClient]):
-        self.rollout, self.workers = rollout, workers
+    def __init__(self, rollout: EngineClient | ReissuingClient, workers: list[EngineClient],
+                 tolerate_down: bool = False):
+        """`tolerate_down`: an engine that does not answer /abort_request is being restarted (it holds no request
+        then), not an error."""
+        self.rollout, self.workers, self.tolerate_down = rollout, workers, tolerate_down
         self.batches = Coalescer(rollout)
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *, return_logprob: bool = True,
@@ -206,10 +214,57 @@ class RoutedClient:
         return await self.batches.generate_batch(input_ids, sampling_params, return_logprob=return_logprob, rids=rids)
 
     async def abort(self, rid: str | None = None) -> None:
-        await asyncio.gather(*(worker.abort(rid) for worker in self.workers))
+        answers = await asyncio.gather(*(worker.abort(rid) for worker in self.workers),
+                                       return_exceptions=self.tolerate_down)
+        for answer in answers:
+            if isinstance(answer, BaseException) and not isinstance(answer, EngineUnavailableError):
+                raise answer
 
     async def aclose(self) -> None:
         await asyncio.gather(*(c.aclose() for c in dict.fromkeys([self.rollout, *self.workers])))
+
+
+class ReissuingClient:
+    """The rollout's client under --use-fault-tolerance: a generate that fails because its engine died under it (the
+    connection broke) is sent again until `patience_s` has passed, and reaches a live engine (the router's others, or
+    the restarted one); one answered 5xx (the router lost its worker, or the engine failed) at most
+    `server_errors` times, so that an engine error that repeats still reaches the rollout. A request that was
+    answered is never sent again."""
+
+    server_errors = 3
+
+    def __init__(self, client: EngineClient, patience_s: float, pause_s: float = 0.2):
+        self.client, self.patience_s, self.pause_s = client, patience_s, pause_s
+        self.url = client.url
+        self.reissued = 0
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], *, return_logprob: bool = True,
+                       rid: str | None = None) -> dict[str, Any]:
+        return await self._again(lambda: self.client.generate(input_ids, sampling_params,
+                                                              return_logprob=return_logprob, rid=rid))
+
+    async def generate_batch(self, input_ids: list[list[int]], sampling_params: list[dict[str, Any]], *,
+                             return_logprob: bool = True, rids: list[str] | None = None) -> list[dict[str, Any]]:
+        return await self._again(lambda: self.client.generate_batch(input_ids, sampling_params,
+                                                                    return_logprob=return_logprob, rids=rids))
+
+    async def _again(self, send: Any) -> Any:
+        deadline, answered_5xx = time.monotonic() + self.patience_s, 0
+        while True:
+            try:
+                return await send()
+            except EngineUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+            except EngineRequestError as err:
+                answered_5xx += err.status >= 500
+                if err.status < 500 or answered_5xx > self.server_errors or time.monotonic() > deadline:
+                    raise
+            self.reissued += 1
+            await asyncio.sleep(self.pause_s)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
 
 
 @dataclass

@@ -11,6 +11,7 @@ on a CPU the cores are split between the trainer ranks and the engines.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -104,6 +105,9 @@ class RolloutManagerHandle:
             self.colocation.for_rollout()
         return call(self.actor.evaluate.remote(version), f"evaluation with weights {version}")
 
+    def recover_engines(self) -> None:
+        call(self.actor.recover_engines.remote(), "checking the rollout engines before a weight push")
+
     def state_dict(self, trained: int | None = None) -> dict[str, Any]:
         """The data-source state to save after rollout `trained` (with --async, the rollouts generated past it)."""
         return call(self.actor.state_dict.remote(trained), "reading the data-source state")
@@ -136,11 +140,14 @@ class PendingRollout:
 class ActorGroup:
     """The TrainActors (one per data-parallel rank), called together."""
 
-    def __init__(self, actors: list[Any], pushes_weights: bool = True, colocation: Colocation | None = None):
+    def __init__(self, actors: list[Any], pushes_weights: bool = True, colocation: Colocation | None = None,
+                 before_push: Callable[[], None] | None = None):
         self.actors = actors
         self.pushes_weights = pushes_weights
         """False with --debug-train-only: there is no engine to push to."""
         self.colocation = colocation
+        self.before_push = before_push
+        """With --use-fault-tolerance: RolloutManagerHandle.recover_engines (every engine up before a push)."""
 
     def _all(self, method: str, *args: Any, what: str) -> list[Any]:
         return call([getattr(a, method).remote(*args) for a in self.actors], what)
@@ -159,6 +166,8 @@ class ActorGroup:
         if self.pushes_weights:
             if self.colocation is not None:
                 self.colocation.for_weight_push()
+            if self.before_push is not None:  # after the engines took their memory back (colocated)
+                self.before_push()
             self._all("update_weights", str(version), what=f"pushing weights {version}")
 
 
@@ -245,9 +254,11 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
     if placement.offload_train or placement.offload_rollout:
         colocation = Colocation(manager, actors, placement.offload_train, placement.offload_rollout and targets is not None,
                                 config.weight_sync.update_weights_interval)
-    trainers = ActorGroup(actors, pushes_weights=targets is not None, colocation=colocation) if actors else NoTrainer(
-        config.checkpoint.start_rollout_id)
-    return Placement(config, RolloutManagerHandle(manager, colocation), trainers, group)
+    rollouts = RolloutManagerHandle(manager, colocation)
+    recover = rollouts.recover_engines if config.fault_tolerance.use_fault_tolerance else None
+    trainers = ActorGroup(actors, pushes_weights=targets is not None, colocation=colocation,
+                          before_push=recover) if actors else NoTrainer(config.checkpoint.start_rollout_id)
+    return Placement(config, rollouts, trainers, group)
 
 
 def _placement_group(config: TrainConfig) -> PlacedGroup:

@@ -279,6 +279,19 @@ class Batcher:
 
         return self._call(run)
 
+    def snapshot_weights(self) -> Future:
+        """A copy of the served HF-named tensors and their version, taken between steps (so no update is half
+        applied): resolves to (tensors, weight_version)."""
+
+        def run() -> tuple[dict[str, torch.Tensor], str]:
+            if "weights" in self._released:
+                raise BadRequestError("the engine's weights are released: POST /resume_memory_occupation first")
+            with torch.no_grad():
+                return {name: t.detach().clone() for name, t in self._loaded.model.state_dict().items()}, \
+                    self._weight_version
+
+        return self._call(run)
+
     def release_memory(self, tags: frozenset[str]) -> Future:
         """Free the model's parameters ('weights') and the KV cache ('kv_cache'), as SGLang's
         /release_memory_occupation: requests queue until `resume_memory`. Fails with BadRequestError while any

@@ -103,6 +103,13 @@ class EngineClient:
                                     params={"weight_version": weight_version},
                                     headers={"content-type": "application/octet-stream"})).json()
 
+    async def weights_snapshot(self) -> tuple[dict[str, torch.Tensor], str]:
+        """The HF-named tensors an embedded engine serves and their weight version (embedded engine only)."""
+        from safetensors.torch import load as load_safetensors
+
+        response = await self._request("GET", "/get_weights_snapshot")
+        return load_safetensors(response.content), response.headers["x-weight-version"]
+
     async def control(self, path: str, body: dict[str, Any] | None = None) -> Any:
         """POST one of SGLang's control endpoints (/release_memory_occupation, /resume_memory_occupation,
         /pause_generation, /continue_generation, /init_weights_update_group, /update_weights_from_distributed,

@@ -35,7 +35,8 @@ ENGINE_MODULE = "slimeflow.stages.rl.engine.server"
 _LOG_TAIL_CHARS = 4000
 # The router's key variable, read by a launcher that appends it to sglang-router's own arguments.
 _ROUTER_API_KEY_ENV = "SLIMEFLOW_ROUTER_API_KEY"
-_ROUTER_WITH_KEY = (f"import os, sys; sys.argv += ['--api-key', os.environ.pop('{_ROUTER_API_KEY_ENV}')]; "
+# One `--api-key=KEY` word: a key that starts with "-" (token_urlsafe draws one in 64) would be read as a flag.
+_ROUTER_WITH_KEY = (f"import os, sys; sys.argv += ['--api-key=' + os.environ.pop('{_ROUTER_API_KEY_ENV}')]; "
                     "from sglang_router.launch_router import main; main()")
 
 
@@ -74,12 +75,28 @@ class _ManagedProcess:
         self.url = url
         self.command = command
         self.api_key = api_key
+        self._key_env = key_env
+        self._spawn()
+
+    def _spawn(self) -> None:
         self._log = tempfile.NamedTemporaryFile(prefix=f"slimeflow-{self.kind}-", suffix=".log", delete=False)
         self.log_path = Path(self._log.name)
-        env = {**os.environ, key_env: api_key} if api_key else None
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+        env = {**os.environ, self._key_env: self.api_key} if self.api_key else None
+        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, env=env)
         self._finalizer = weakref.finalize(self, _terminate, self.process, self._log)
+
+    def kill(self) -> None:
+        """SIGKILL the process (it stays a handle: exit_report and log_tail still answer)."""
+        if self.process.poll() is None:
+            self.process.kill()
+
+    def restart(self) -> None:
+        """SIGKILL the process (a hung one too: SIGTERM would wait for it) and start the same command again, at the
+        same URL (the server binds its port with SO_REUSEADDR), with a new log file; `wait_ready` before use."""
+        self.kill()
+        self.stop()
+        self._spawn()
 
     def log_tail(self, chars: int = _LOG_TAIL_CHARS) -> str:
         """The end of the process's combined stdout/stderr."""

@@ -4,7 +4,7 @@ One uvicorn event loop parses requests and awaits futures; the model lives only 
 Endpoints answer as SGLang does. The one deliberate difference is `POST /update_weights_from_tensor`: its body
 is the safetensors serialisation of HF-named tensors (a full or partial state dict; `weight_version` a query
 parameter), where SGLang takes pickled `serialized_named_tensors` that only a process on the same GPU node can
-read. Bad requests answer 400 with {"error": {"message"}, "message", "success": false}, never a stack trace.
+read; `GET /get_weights_snapshot` (no SGLang twin) answers the served tensors in that form, for a restarted peer. Bad requests answer 400 with {"error": {"message"}, "message", "success": false}, never a stack trace.
 
 Callers need the `--api-key` (guard.py: SGLang's Bearer scheme, every path but /health*); disk updates load only
 from inside `--weights-dir`; request bodies are capped, and weight updates with NaN/Inf values are refused.
@@ -208,6 +208,16 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
         await asyncio.to_thread(check_finite, tensors, state.batcher.weight_version)
         aborted = await asyncio.wrap_future(state.batcher.update_weights(tensors, weight_version))
         return {"success": True, "message": f"updated {len(tensors)} tensors; aborted {aborted} running requests"}
+
+    @app.get("/get_weights_snapshot")
+    async def get_weights_snapshot():
+        # slimeflow's own (SGLang has no such endpoint): a restarted engine is given its live peers' weights with it
+        # (fault_tolerance.py), as safetensors bytes that /update_weights_from_tensor reads back.
+        from safetensors.torch import save as save_safetensors
+
+        tensors, version = await asyncio.wrap_future(state.batcher.snapshot_weights())
+        payload = await asyncio.to_thread(save_safetensors, tensors)
+        return Response(payload, media_type="application/octet-stream", headers={"x-weight-version": version})
 
     @app.get("/get_weight_version")
     async def get_weight_version():

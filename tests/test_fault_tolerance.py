@@ -1,0 +1,218 @@
+"""Engine fault tolerance (issue 20, item 4): a RolloutManager (plain Python here, no Ray) with two embedded engines
+behind sglang-router; one engine is SIGKILLed or SIGSTOPped mid-rollout.
+
+With --use-fault-tolerance the rollout completes with every row exactly once, and the engine comes back at its URL
+serving the weights the trainer last pushed. Without it, the rollout ends with an error naming the engine (never a
+hang). One manager serves the slow tests (each engine's start-up costs ~5 CPU seconds; a restart another), which
+run in file order; the quick tests after them need no engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections import Counter
+
+import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.stages.rl.actors import RolloutManager, RolloutSetup
+from slimeflow.stages.rl.config import FaultToleranceConfig, TrainConfig
+from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
+from slimeflow.stages.rl.engines import EngineDiedError, EngineSet, ReissuingClient, RoutedClient
+from slimeflow.stages.rl.fault_tolerance import HealthMonitor, recover
+from slimeflow.stages.rl.weight_sync import WeightSync
+
+GROUPS, SAMPLES = 4, 2
+CHECKS = {"rollout_health_check_interval": 0.5, "rollout_health_check_timeout": 5.0}
+
+
+@pytest.fixture(scope="module")
+def manager(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ft")
+    model = build_tiny_model(root / "tiny", TinyModelSpec(seed=3))
+    rows = [{"row_id": f"row-{i}", "prompt": f"count to {i}:", "label": str(i), "metadata": "{}", "tools": None,
+             "prompt_tokens": None} for i in range(GROUPS * 3)]
+    pq.write_table(pa.Table.from_pylist(rows), root / "prompts.parquet")
+    config = TrainConfig.model_validate({
+        "batch": {"rollout_batch_size": GROUPS, "n_samples_per_prompt": SAMPLES, "num_rollout": 3},
+        "rollout": {"rollout_max_response_len": 48}, "reward": {"rm_type": "prefix_match"},
+        "placement": {"rollout_num_gpus": 2},
+        "fault_tolerance": {"use_fault_tolerance": True, **CHECKS}})
+    rollouts = RolloutManager(config, RolloutSetup(str(model), str(root / "prompts.parquet"), {}, num_engines=2,
+                                                   engine_threads=1, concurrency=64))
+    try:
+        yield rollouts
+    finally:
+        rollouts.shutdown()
+
+
+def push(manager, version: str) -> dict[str, torch.Tensor]:
+    """The trainer's push: every engine serves `version`, weights nudged off the checkpoint's."""
+    async def once():
+        snapshot, _ = await EngineClient(manager.engines.worker_urls[1], api_key=manager.engines.api_key
+                                         ).weights_snapshot()
+        nudged = {name: t + 1e-3 for name, t in snapshot.items()}
+        sync = WeightSync(manager.weight_targets())
+        await sync.push(nudged, version)
+        await sync.aclose()
+        return nudged
+    return asyncio.run(once())
+
+
+def strike(manager, rank: int, sig: signal.Signals) -> threading.Thread:
+    """Send `sig` to engine `rank`'s process once it has requests running (from a thread: the rollout runs here)."""
+    engine = manager.engines.processes[rank]
+    headers = {"Authorization": f"Bearer {manager.engines.api_key}"}
+
+    def when_busy():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            info = httpx.get(engine.url + "/get_model_info", headers=headers, timeout=5).json()
+            if info["running"] > 0:
+                break
+            time.sleep(0.005)
+        os.kill(engine.process.pid, sig)
+
+    thread = threading.Thread(target=when_busy, daemon=True)
+    thread.start()
+    return thread
+
+
+def every_row_once(row_ids: list[list[str]]) -> None:
+    counts = Counter(tuple(group) for group in row_ids)
+    assert len(row_ids) == GROUPS and all(len(group) == SAMPLES and len(set(group)) == 1 for group in row_ids)
+    assert all(n == 1 for n in counts.values()), counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_an_engine_lost_mid_rollout_is_restarted_with_the_pushed_weights_and_the_rollout_completes(manager, sig):
+    rollout_id = {signal.SIGKILL: 0, signal.SIGSTOP: 1}[sig]
+    pushed = push(manager, str(rollout_id))
+    old_pid = manager.engines.processes[0].process.pid
+    striking = strike(manager, 0, sig)
+    before = len(manager.monitor.recoveries)
+    _, metrics, row_ids = manager.generate(rollout_id)
+    striking.join()
+    every_row_once(row_ids)
+    assert metrics["rollout/weight_version_min"] == metrics["rollout/weight_version_max"] == rollout_id
+    recovery = manager.monitor.recoveries[before]
+    assert len(manager.monitor.recoveries) == before + 1 and recovery.rank == 0
+    assert ("hung" in recovery.reason) == (sig == signal.SIGSTOP), recovery.reason
+    assert manager.engines.processes[0].process.pid != old_pid
+    # Back at its URL, in the router, serving the pushed weights and version (the trainer's, not a copy of itself).
+    restarted = manager.engines.worker_urls[0]
+    served, version = asyncio.run(EngineClient(restarted, api_key=manager.engines.api_key).weights_snapshot())
+    assert version == str(rollout_id) and all(torch.equal(served[n], pushed[n]) for n in pushed)
+    workers = httpx.get(manager.engines.rollout_url + "/workers", timeout=5,
+                        headers={"Authorization": f"Bearer {manager.engines.api_key}"}).json()["workers"]
+    assert sorted(w["url"] for w in workers) == sorted(manager.engines.worker_urls)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["hung", "killed"])
+def test_without_fault_tolerance_a_lost_engine_ends_the_rollout_with_an_error_naming_it(manager, sig):
+    """sglang-router would hide a killed engine (it re-sends the request elsewhere) and wait hours on a stopped one;
+    the health checks end the rollout instead."""
+    manager.monitor.settings = FaultToleranceConfig(use_fault_tolerance=False, **CHECKS)
+    manager.monitor.failure = None
+    if manager.engines.processes[1].exit_report() is not None:  # the hung case's engine: bring it back first
+        recover(manager.engines, 1, "killed by the previous test")
+    rollout_id = {signal.SIGSTOP: 2, signal.SIGKILL: 3}[sig]
+    push(manager, str(rollout_id))
+    url = manager.engines.worker_urls[1]
+    striking = strike(manager, 1, sig)
+    started = time.monotonic()
+    with pytest.raises(EngineDiedError) as died:
+        manager.generate(rollout_id)
+    striking.join()
+    assert time.monotonic() - started < 60
+    message = str(died.value)
+    assert f"rollout engine 1 at {url} failed its health check" in message and "--use-fault-tolerance" in message
+    assert ("hung" in message) == (sig == signal.SIGSTOP), message
+    assert "was killed by signal 9" in message and "log tail" in message
+
+
+class Flaky:
+    """An engine client whose generate fails with `errors` in turn, then answers."""
+
+    url = "http://127.0.0.1:1"
+
+    def __init__(self, *errors: Exception):
+        self.errors, self.calls = list(errors), 0
+
+    async def generate(self, input_ids, params, *, return_logprob=True, rid=None):
+        self.calls += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return {"text": "ok", "rid": rid}
+
+    async def abort(self, rid=None):
+        if self.errors:
+            raise self.errors.pop(0)
+        return {}
+
+
+def test_a_generate_whose_engine_died_is_sent_again_and_a_refused_one_is_not():
+    died = Flaky(EngineUnavailableError("connection reset"), EngineRequestError(502, "no worker"))
+    reissuing = ReissuingClient(died, patience_s=30, pause_s=0)
+    assert asyncio.run(reissuing.generate([1], {}, rid="r")) == {"text": "ok", "rid": "r"}
+    assert died.calls == 3 and reissuing.reissued == 2
+    refused = Flaky(EngineRequestError(400, "bad prompt"))
+    with pytest.raises(EngineRequestError, match="bad prompt"):
+        asyncio.run(ReissuingClient(refused, patience_s=30, pause_s=0).generate([1], {}))
+    assert refused.calls == 1
+    failing = Flaky(*[EngineRequestError(500, "internal engine error")] * 10)
+    with pytest.raises(EngineRequestError, match="internal"):  # an engine error that repeats is the rollout's
+        asyncio.run(ReissuingClient(failing, patience_s=30, pause_s=0).generate([1], {}))
+    assert failing.calls == 1 + ReissuingClient.server_errors
+    gone = Flaky(*[EngineUnavailableError("down")] * 3)
+    with pytest.raises(EngineUnavailableError):  # past its patience the rollout hears of it
+        asyncio.run(ReissuingClient(gone, patience_s=0, pause_s=0).generate([1], {}))
+
+
+def test_an_abort_skips_an_engine_being_restarted_only_under_fault_tolerance():
+    workers = lambda: [Flaky(), Flaky(EngineUnavailableError("restarting"))]  # noqa: E731
+    asyncio.run(RoutedClient(Flaky(), workers(), tolerate_down=True).abort())
+    with pytest.raises(EngineUnavailableError):
+        asyncio.run(RoutedClient(Flaky(), workers()).abort())
+    with pytest.raises(EngineRequestError):
+        asyncio.run(RoutedClient(Flaky(), [Flaky(EngineRequestError(500, "x"))], tolerate_down=True).abort())
+
+
+@pytest.mark.parametrize("flags, refusal", [
+    ({"placement": {"rollout_num_gpus": 1}}, "1 engine: a restarted engine copies the current weights"),
+    ({"placement": {"rollout_num_gpus": 2, "rollout_external_engine_addrs": ["127.0.0.1:1"]}},
+     "--rollout-external-engine-addrs / --sglang-worker-urls: servers started elsewhere"),
+    ({"placement": {"rollout_num_gpus": 2}, "weight_sync": {"update_weight_transport": "nccl"}},
+     "--update-weight-transport nccl: a restarted engine is not in the trainer's weight-update group"),
+])
+def test_what_fault_tolerance_cannot_restart_is_refused_at_parse(flags, refusal):
+    base = {"batch": {"rollout_batch_size": 2, "num_rollout": 1}, "fault_tolerance": {"use_fault_tolerance": True}}
+    with pytest.raises(ValueError, match="--use-fault-tolerance with " + refusal.replace("(", r"\(")):
+        TrainConfig.model_validate({**base, **flags})
+    assert TrainConfig.model_validate({**base, **flags, "fault_tolerance": {}}).fault_tolerance.rollout_health_check_interval == 30
+
+
+def test_the_monitor_leaves_servers_started_elsewhere_alone():
+    """External servers (behind a router this run started) are not this run's to kill or restart."""
+    class Router:
+        kind = "router"
+
+        def restart(self):
+            raise AssertionError("the router is not an engine")
+
+    engines = EngineSet(["http://127.0.0.1:1", "http://127.0.0.1:2"], "http://127.0.0.1:3", "/model",
+                        processes=[Router()])
+    monitor = HealthMonitor(engines, FaultToleranceConfig(rollout_health_check_interval=0.01))
+    with monitor.watching():
+        assert monitor._thread is None
+    assert monitor.recoveries == [] and monitor.failure is None
