@@ -47,12 +47,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True,
-            "chained_optim_avoid_prefix": True}
+            "chained_optim_avoid_prefix": False}
 """How the optimizer state is laid out (also saved as the checkpoint's content metadata, which Megatron-LM reads
 back). With --use-distributed-optimizer, the data-parallel ranks' shards of the Adam state are gathered on DP rank 0
 over gloo, in CPU memory (mem_efficient), and saved per parameter in its shape (`optimizer.state.exp_avg.<key>`, as
 without it), so the state reshards to any parallel layout; Megatron-LM's default, dp_reshardable, saves the flat
-buffers, resumable at another DP size only. Without it the setting changes nothing."""
+buffers, resumable at another DP size only. Without it the setting changes nothing. An MoE model under expert
+parallelism is stepped by two optimizers (dense and expert parameters): their states keep their chained_0. /
+chained_1. prefixes, which is how a resume tells that split from one optimizer's (_check_optimizer_split)."""
 
 
 def _sharded_state(backend: MegatronBackend, rollout_id: int | None, is_loading: bool,
