@@ -307,8 +307,8 @@ CALLED = ["--rollout-function-path", "--custom-generate-function-path", "--custo
           "--dynamic-sampling-filter-path", "--buffer-filter-path", "--rollout-sample-hook-path", "--rollout-sample-filter-path",
           "--custom-rollout-log-function-path", "--custom-reward-post-process-path",
           "--rollout-all-samples-process-path", "--custom-eval-rollout-log-function-path",
-          "--custom-convert-samples-to-train-data-path", "--eval-function-path"]
-REFUSED = ["--custom-tis-function-path", "--custom-pg-loss-reducer-function-path", "--rollout-data-postprocess-path",
+          "--custom-convert-samples-to-train-data-path", "--eval-function-path", "--custom-tis-function-path"]
+REFUSED = ["--custom-pg-loss-reducer-function-path", "--rollout-data-postprocess-path",
            "--custom-megatron-init-path", "--custom-megatron-before-log-prob-hook-path",
            "--custom-megatron-before-train-step-hook-path", "--custom-model-provider-path",
            "--custom-update-weight-post-write-path", "--megatron-config-path", "--data-source-path",

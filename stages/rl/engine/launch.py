@@ -226,7 +226,10 @@ def start_router(worker_urls: list[str], *, port: int | None = None, host: str =
     port = port or free_port(host)
     launcher = ["-c", _ROUTER_WITH_KEY] if api_key else ["-m", "sglang_router.launch_router"]
     command = [sys.executable, *launcher, "--worker-urls", *worker_urls, "--host", host, "--port", str(port),
-               *to_flags({"policy": policy, "log_level": "warn", **(options or {})})]
+               # its metrics on a free port of its host (the router's default, 29000, is taken by a second router on
+               # the same machine, which then exits at start-up); --router-prometheus-port overrides it
+               *to_flags({"policy": policy, "log_level": "warn", "prometheus_host": host,
+                          "prometheus_port": free_port(host), **(options or {})})]
     router = RouterProcess(command, f"http://{host}:{port}", api_key, key_env=_ROUTER_API_KEY_ENV)
     router.wait_ready("/workers", timeout_s, ready=lambda r: _router_has(r, worker_urls))
     return router
