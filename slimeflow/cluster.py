@@ -30,6 +30,11 @@ def init_ray(address: str | None) -> None:
     A SIGTERM handler the host installed (Prefect's, which turns a cancellation into a Cancelled run) stays in charge:
     ray.init replaces it with one that calls sys.exit, and a cancelled flow run would be reported Crashed."""
     if ray.is_initialized():
+        joined = ray.get_runtime_context().gcs_address
+        if address and address not in ("auto", "local") and not address.startswith("ray://") and address != joined:
+            raise RuntimeError(f"this process is already connected to the Ray cluster at {joined}, not the "
+                               f"--ray-address {address} asked for: run the stage in a process of its own (or call "
+                               "ray.shutdown() first)")
         return
     host_handler = signal.getsignal(signal.SIGTERM)
     if address:

@@ -166,6 +166,8 @@ def test_the_train_flow_runs_on_a_two_node_cluster_by_ray_address(cluster, train
     from slimeflow.flows.runner import run_pipeline
 
     save = tmp_path / "checkpoints"
+    if ray.is_initialized():  # an earlier test's local cluster, still joined in this process
+        ray.shutdown()
     config = load_pipeline_config({"name": "cluster", "workdir": str(tmp_path), "train": train_inputs},
                                   ["--ray-address", cluster.gcs_address, "--save", str(save),
                                    "--mlflow-tracking-uri", shared_mlflow], {}, only_stage="train")

@@ -1,4 +1,5 @@
-"""init_ray in a process whose host handles SIGTERM (a Prefect flow run): the host's handler stays in charge."""
+"""init_ray in a process whose host handles SIGTERM (a Prefect flow run): the host's handler stays in charge; a
+process joined to one cluster refuses another's address."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ def host(signum, frame):  # what Prefect's engine installs: a cancellation becom
 signal.signal(signal.SIGTERM, host)
 init_ray(None)
 kept = signal.getsignal(signal.SIGTERM) is host
+init_ray(None)  # joined already: nothing to do
+try:  # another cluster's address in a process joined to this one: refused, never used silently
+    init_ray("127.0.0.1:1")
+    other = "used"
+except RuntimeError as err:
+    other = "refused" if "already connected to the Ray cluster at" in str(err) else repr(err)
 ray.shutdown()
+print(other)
 print("kept" if kept else "replaced")
 """
 
@@ -26,4 +34,4 @@ print("kept" if kept else "replaced")
 def test_a_hosts_sigterm_handler_survives_ray_init():
     probe = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=180)
     assert probe.returncode == 0, probe.stderr[-3000:]
-    assert probe.stdout.splitlines()[-1] == "kept"
+    assert probe.stdout.splitlines()[-2:] == ["refused", "kept"]
