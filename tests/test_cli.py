@@ -61,9 +61,9 @@ def test_a_stage_without_its_inputs_fails_with_one_line_naming_them(prefect_harn
 
 
 def test_bad_flags_exit_2_with_every_problem_named(capsys):
-    assert main(["model", "--hf-checkpoint", "tiny:llama", "--use-fault-tolerance", "--nmae", "x"]) == 2
+    assert main(["model", "--hf-checkpoint", "tiny:llama", "--use-critic", "--nmae", "x"]) == 2
     err = capsys.readouterr().err
-    assert "--use-fault-tolerance: not supported yet" in err and "--nmae: unknown flag; did you mean --name?" in err
+    assert "--use-critic: not supported yet" in err and "--nmae: unknown flag; did you mean --name?" in err
 
 
 def test_run_needs_a_config_file(capsys):
