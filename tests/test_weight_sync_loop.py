@@ -25,13 +25,14 @@ def test_the_weight_sync_flags_parse_under_slimes_names():
         load_stage_config("train", None, [*TRAIN, "--update-weight-transport", "ipc"])
 
 
-def test_fault_tolerance_flags_are_refused_by_name_with_what_happens_instead():
-    for flag, value in (("--use-fault-tolerance", []), ("--rollout-health-check-interval", ["10"]),
-                        ("--rollout-health-check-timeout", ["5"]), ("--rollout-health-check-first-wait", ["0"])):
-        with pytest.raises(ConfigError) as err:
-            load_stage_config("train", None, [*TRAIN, flag, *value])
-        assert f"{flag}: not supported yet (engine health checks and restarts" in str(err.value)
-        assert "a dead engine process ends the run with an error naming it and its log tail" in str(err.value)
+def test_the_health_check_flags_are_taken_and_fault_tolerance_needs_two_engines():
+    ft = load_stage_config("train", None, [*TRAIN, "--rollout-health-check-interval", "10",
+                                           "--rollout-health-check-timeout", "5",
+                                           "--rollout-health-check-first-wait", "0"]).fault_tolerance
+    assert (ft.rollout_health_check_interval, ft.rollout_health_check_timeout,
+            ft.rollout_health_check_first_wait, ft.use_fault_tolerance) == (10.0, 5.0, 0.0, False)
+    with pytest.raises(ConfigError, match="--use-fault-tolerance with 1 engine: a restarted engine copies"):
+        load_stage_config("train", None, [*TRAIN, "--use-fault-tolerance"])
 
 
 @pytest.mark.slow
