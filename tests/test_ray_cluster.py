@@ -160,24 +160,31 @@ def assert_trained(manifest: dict, save: Path) -> None:
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
 
+FLOW = """
+import json, sys
+import ray
+from slimeflow.config.pipeline import load_pipeline_config
+from slimeflow.flows.runner import run_pipeline
+run_pipeline(load_pipeline_config(json.loads(sys.argv[1]), sys.argv[2:], {}, only_stage="train"))
+print(ray.get_runtime_context().get_job_id())
+"""
+"""The train flow as a driver of its own (a fresh interpreter, as a user's process is: within pytest's, which earlier
+tests joined to and left other Ray clusters, the rollout manager's creation was cancelled in full-suite runs)."""
+
+
 def test_the_train_flow_runs_on_a_two_node_cluster_by_ray_address(cluster, train_inputs, prefect_harness, tmp_path,
                                                                    shared_mlflow):
-    from slimeflow.config.pipeline import load_pipeline_config
-    from slimeflow.flows.runner import run_pipeline
+    from prefect.settings import PREFECT_API_URL
 
     save = tmp_path / "checkpoints"
-    if ray.is_initialized():  # an earlier test's local cluster, still joined in this process
-        ray.shutdown()
-    config = load_pipeline_config({"name": "cluster", "workdir": str(tmp_path), "train": train_inputs},
-                                  ["--ray-address", cluster.gcs_address, "--save", str(save),
-                                   "--mlflow-tracking-uri", shared_mlflow], {}, only_stage="train")
-    try:
-        manifest = run_pipeline(config)["train"]
-        job_id = ray.get_runtime_context().get_job_id()
-    finally:
-        ray.shutdown()
+    data = {"name": "cluster", "workdir": str(tmp_path), "train": train_inputs}
+    flags = ["--ray-address", cluster.gcs_address, "--save", str(save), "--mlflow-tracking-uri", shared_mlflow]
+    driver = subprocess.run([sys.executable, "-c", FLOW, json.dumps(data), *flags], capture_output=True, text=True,
+                            env={**cluster.env, "PREFECT_API_URL": PREFECT_API_URL.value()}, timeout=JOB_S)
+    assert driver.returncode == 0, (driver.stdout[-2000:], driver.stderr[-4000:])
+    manifest = json.loads((tmp_path / "manifests" / "train.json").read_text())
     assert_trained(manifest, save)
-    assert_spread(actor_nodes(cluster.gcs_address, job_id), node_roles(cluster.gcs_address))
+    assert_spread(actor_nodes(cluster.gcs_address, driver.stdout.split()[-1]), node_roles(cluster.gcs_address))
 
 
 def test_ray_job_submit_runs_the_train_stage_on_the_jobs_cluster(cluster, train_inputs, prefect_harness, tmp_path,
