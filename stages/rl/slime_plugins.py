@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from slimeflow.slime_compat.rollout.filter_hub.base_types import DynamicFilterOutput
 from slimeflow.slime_compat.utils.types import Sample as SlimeSample
+from slimeflow.slime_compat.utils.types import floats
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.types import Sample, Status
 
@@ -85,13 +86,6 @@ def to_slime(sample: Sample) -> SlimeSample:
                        rollout_log_probs=None if sample.rollout_log_probs is None else list(sample.rollout_log_probs),
                        teacher_log_probs=floats(sample.teacher_log_probs),
                        status=sample.status, metadata=sample.metadata)
-
-
-def floats(values: Any) -> list[float] | None:
-    """A list of floats from a list or a tensor (slime's OPD post-process stores a tensor), None kept."""
-    if values is None:
-        return None
-    return [float(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
 
 
 def from_slime(sample: Any, origin: Sample, where: str) -> Sample:

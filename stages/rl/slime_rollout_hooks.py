@@ -11,9 +11,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from slimeflow.slime_compat.utils.types import Sample as SlimeSample
+from slimeflow.slime_compat.utils.types import floats
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.plugins import load_plugin
-from slimeflow.stages.rl.slime_plugins import floats, from_slime, plugin_name, takes_keyword, to_slime
+from slimeflow.stages.rl.slime_plugins import from_slime, plugin_name, takes_keyword, to_slime
 from slimeflow.stages.rl.types import Sample, Status
 
 

@@ -23,7 +23,8 @@ def _ints(values: Any) -> list[int]:
     return [int(v) for v in values]
 
 
-def _floats(values: Any) -> list[float] | None:
+def floats(values: Any) -> list[float] | None:
+    """A list of floats from a list or a tensor (slime's OPD post-process stores a tensor), None kept."""
     if values is None:
         return None
     if hasattr(values, "tolist"):
@@ -165,7 +166,7 @@ class Sample:
         they get loss-mask 0 and log-prob 0.0.
         """
         tokens = _ints(tokens)
-        log_probs = _floats(log_probs)
+        log_probs = floats(log_probs)
         if log_probs is not None and len(log_probs) != len(tokens):
             raise ValueError(f"log_probs length {len(log_probs)} != tokens length {len(tokens)}")
         if tokens and trainable and log_probs is None:
