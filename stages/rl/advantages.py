@@ -43,6 +43,8 @@ class Advantages:
 
     advantages: list[torch.Tensor]
     returns: list[torch.Tensor]
+    opd_reverse_kl: list[torch.Tensor] | None = None
+    """log pi_old - log pi_teacher per response token (--use-opd), None without a teacher."""
 
 
 CustomAdvantage = Callable[[AlgorithmConfig, AdvantageInputs], list[torch.Tensor]]
@@ -106,23 +108,24 @@ def compute_advantages(config: AlgorithmConfig, inputs: AdvantageInputs, n_sampl
         advantages, returns = alg.unpad_rows(padded_advantages, lengths), alg.unpad_rows(padded_returns, lengths)
     else:
         raise ValueError(f"unknown --advantage-estimator {estimator!r}")
+    reverse_kl = None
     if config.use_opd:
-        advantages = distill(advantages, inputs, config.opd_kl_coef)
+        reverse_kl = teacher_reverse_kl(inputs)
+        advantages = [a - config.opd_kl_coef * kl for a, kl in zip(advantages, reverse_kl, strict=True)]
     if returns is None:  # a copy, so whitening or a caller's in-place edit of one leaves the other
         returns = _copy(advantages)
     whiten = config.normalize_advantages or (custom is None and estimator.startswith("reinforce_plus_plus"))
     if whiten:
         advantages = whiten_batch(advantages, inputs.loss_masks)
-    return Advantages(advantages=advantages, returns=returns)
+    return Advantages(advantages=advantages, returns=returns, opd_reverse_kl=reverse_kl)
 
 
-def distill(advantages: Sequence[torch.Tensor], inputs: AdvantageInputs, coef: float) -> list[torch.Tensor]:
-    """On-policy distillation (slime's OPD): advantage - coef x (log pi_old - log pi_teacher) per token, the reverse
-    KL to the teacher as a penalty on top of any estimator."""
+def teacher_reverse_kl(inputs: AdvantageInputs) -> list[torch.Tensor]:
+    """On-policy distillation (slime's OPD): log pi_old - log pi_teacher per token, the reverse KL to the teacher
+    that compute_advantages subtracts (x --opd-kl-coef) from the advantages of any estimator."""
     if inputs.log_probs is None or inputs.teacher_log_probs is None:
         raise ValueError("--use-opd needs the policy's and the teacher's log-probs of every response token")
-    return [a - coef * (lp - t) for a, lp, t in zip(advantages, inputs.log_probs, inputs.teacher_log_probs,
-                                                     strict=True)]
+    return [lp - t for lp, t in zip(inputs.log_probs, inputs.teacher_log_probs, strict=True)]
 
 
 def whiten_batch(advantages: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -116,7 +116,7 @@ def prepare(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, own: 
     advantages = compute_advantages(algo, inputs, group_size(batch, config.batch.n_samples_per_prompt),
                                     backend.custom_advantage)
     return Prepared(old_log_probs=old, advantages=advantages.advantages, ref_log_probs=ref,
-                    opd_reverse_kl=None if teacher is None else [p - t for p, t in zip(policy, teacher, strict=True)])
+                    opd_reverse_kl=advantages.opd_reverse_kl)
 
 
 def group_size(batch: TrainBatch, n_samples_per_prompt: int) -> int:
@@ -176,6 +176,6 @@ def accumulate_gradients(backend: TorchBackend, batch: TrainBatch, indices: list
                             ref_log_probs=pick(prepared.ref_log_probs) if algo.use_kl_loss else None,
                             rollout_log_probs=pick(batch.rollout_log_probs),
                             entropy=entropy, total_lengths=[lengths[i] for i in rows])
-        return compute_loss(algo, inputs, normalizer, backend.custom_loss, getattr(backend, "custom_tis", None))
+        return compute_loss(algo, inputs, normalizer, backend.custom_loss, backend.custom_tis)
 
     return backend.forward_backward(batch, micros, loss_of)
