@@ -43,6 +43,7 @@ from slimeflow.stages.rl.backend.torch_backend import (
     init_process_group,
     plan_micro_batches,
     response_log_probs,
+    scoring_model,
     seed_everything,
     sum_over_ranks,
 )
@@ -252,10 +253,7 @@ class MegatronBackend:
                           teacher: bool = False) -> LogProbs:
         """log-probs (fp32, CPU) of every sample's response tokens under the policy (or the reference model, or the
         OPD teacher), in this backend's micro-batches; every rank of the model replica gets them."""
-        model = self.teacher_model if teacher else self.ref_model if reference else self.model
-        if model is None:
-            raise ValueError("no teacher model: it is loaded only with --use-opd --opd-type megatron" if teacher else
-                             "no reference model: it is loaded only with --use-kl-loss or --kl-coef > 0")
+        model = scoring_model(self, reference, teacher)
         out = LogProbs([None] * len(batch), [None] * len(batch) if with_entropy else None)  # type: ignore[list-item]
 
         def keep(indices: list[int], part: LogProbs) -> tuple[torch.Tensor, int, Any]:

@@ -65,6 +65,16 @@ def assign_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], sou
     model.load_state_dict(weights, strict=False)
 
 
+def scoring_model(backend: Any, reference: bool, teacher: bool) -> Any:
+    """The model a log-prob pass of `backend` runs: the OPD teacher, the reference model or the policy (either
+    backend's: a module, or Megatron's list of model chunks). ValueError when the one asked for is not loaded."""
+    model = backend.teacher_model if teacher else backend.ref_model if reference else backend.model
+    if model is None:
+        raise ValueError("no teacher model: it is loaded only with --use-opd --opd-type megatron" if teacher else
+                         "no reference model: it is loaded only with --use-kl-loss or --kl-coef > 0")
+    return model
+
+
 class TorchBackend:
     """One data-parallel rank's replica of the policy (and of the frozen reference model when the algorithm needs it).
 
@@ -139,10 +149,7 @@ class TorchBackend:
                 teacher: bool = False) -> LogProbs:
         """Response-token log-probs (and entropies) of every row, on this device, with autograd as the caller's
         grad mode sets it. One micro-batch: its distinct rows (`distinct_rows`) right-padded to the longest."""
-        model = self.teacher_model if teacher else self.ref_model if reference else self.model
-        if model is None:
-            raise ValueError("no teacher model: it is loaded only with --use-opd --opd-type megatron" if teacher else
-                             "no reference model: it is loaded only with --use-kl-loss or --kl-coef > 0")
+        model = scoring_model(self, reference, teacher)
         layout = RowLayout.of(rows)
         cast = self.autocast_dtype
         with torch.autocast(self.device.type, dtype=cast) if cast is not None else contextlib.nullcontext():
