@@ -27,6 +27,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from megatron_step import make_batch  # benchmarks/ is on the path when a script here runs
 
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.config import TrainConfig
@@ -38,15 +39,6 @@ MODELS = {
     "qwen3": TinyModelSpec(family="qwen3", seed=1, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
                            num_key_value_heads=4, head_dim=128, intermediate_size=3072, max_position_embeddings=2048),
 }
-
-
-def make_batch(samples: int, prompt: int, response: int, seed: int = 0) -> TrainBatch:
-    g = torch.Generator().manual_seed(seed)
-    responses = [response - (i % 7) * 4 for i in range(samples)]  # unequal lengths: real padding
-    tokens = [torch.randint(3, 250, (prompt + n,), generator=g) for n in responses]
-    return TrainBatch(tokens=tokens, response_lengths=responses, loss_masks=[torch.ones(n) for n in responses],
-                      rewards=torch.tensor([float(i % 2) for i in range(samples)]),
-                      rollout_log_probs=[-torch.rand(n, generator=g) for n in responses])
 
 
 def timed_step(backend, batch: TrainBatch, config: TrainConfig) -> tuple[float, int]:
