@@ -33,7 +33,6 @@ from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantag
 from slimeflow.stages.rl.backend.megatron_layout import (
     check_moe,
     moe_runtime,
-    routers_training,
     virtual_pipeline_stages,
 )
 from slimeflow.stages.rl.backend.torch_backend import (
@@ -279,11 +278,13 @@ class MegatronBackend:
             result = loss_of(indices, part)
             return result.loss, 1, {k: v.detach().float() for k, v in result.metrics.items()}
 
-        for chunk in self.model:  # as Megatron-LM's training step: what recomputation (--recompute-*) is gated on
-            chunk.train()  # with no dropout (attention and hidden dropout are 0), the mode changes no number
+        # Training mode, as Megatron-LM's training step: what recomputation (--recompute-*) and the MoE routers'
+        # load-balancing loss are gated on. With no dropout (attention and hidden dropout are 0) it changes no other
+        # number, so the training forward computes what the log-prob forward (eval) does.
+        for chunk in self.model:
+            chunk.train()
         try:
-            with routers_training(self.modules):
-                pieces = self._schedule(self.model, batch, micro_batches, loss, with_entropy=True, forward_only=False)
+            pieces = self._schedule(self.model, batch, micro_batches, loss, with_entropy=True, forward_only=False)
         finally:
             for chunk in self.model:
                 chunk.eval()

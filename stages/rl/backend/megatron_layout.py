@@ -4,12 +4,8 @@ MoE runtime (expert parallelism, router and dispatcher flags), read from Megatro
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from slimeflow.stages.rl.config import MegatronConfig
 
@@ -49,19 +45,3 @@ def moe_runtime(parallel: MegatronConfig) -> dict[str, Any]:
             "moe_router_load_balancing_type": parallel.moe_router_load_balancing_type,
             "moe_aux_loss_coeff": parallel.moe_aux_loss_coeff, "moe_router_dtype": parallel.moe_router_dtype,
             "moe_router_bias_update_rate": parallel.moe_router_bias_update_rate}
-
-
-@contextmanager
-def routers_training(chunks: list[torch.nn.Module]) -> Iterator[None]:
-    """The MoE routers in training mode inside (megatron attaches the load-balancing loss only in training mode);
-    the rest of the model stays in eval, so the training forward computes what the log-prob forward does."""
-    from megatron.core.transformer.moe.router import Router
-
-    routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, Router)]
-    for router in routers:
-        router.train()
-    try:
-        yield
-    finally:
-        for router in routers:
-            router.eval()
