@@ -232,7 +232,9 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
         setup = replace(setup, engines_on=group.engine_placement(
             "sglang" if sglang_installed() else "embedded", config.seed, placement.num_gpus_per_node,
             {**config.sglang.server_args(), **memory_saver}))
-    init_method = (scratch / f"dist-{uuid.uuid4().hex[:8]}").resolve().as_uri() if world > 1 else ""
+    # megatron-core keeps its parallel state in torch.distributed groups, so even one Megatron rank needs a world.
+    needs_world = world > 1 or config.placement.train_backend == "megatron"
+    init_method = (scratch / f"dist-{uuid.uuid4().hex[:8]}").resolve().as_uri() if needs_world else ""
     manager = ray.remote(num_cpus=0)(hosted(rollout_manager_class(config))).remote(config, setup)
     ranks = 0 if config.debug.debug_rollout_only else world
     pinned = group.trainer_options if group else (lambda rank: {"num_cpus": 0, "num_gpus": 0})
