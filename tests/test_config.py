@@ -223,6 +223,18 @@ def test_the_example_grpo_yaml_is_a_valid_train_config():
     assert isinstance(config, TrainConfig) and config.batch.global_batch_size == 256
 
 
+def test_the_megatron_demo_is_the_demo_with_the_megatron_backend():
+    from slimeflow.config.pipeline import read_yaml
+
+    examples = Path(__file__).parent.parent / "examples"
+    torch_demo, megatron_demo = (load_pipeline_config(read_yaml(examples / name), [], {})
+                                 for name in ("demo.yaml", "demo-megatron.yaml"))
+    assert (torch_demo.train.placement.train_backend, megatron_demo.train.placement.train_backend) == \
+        ("torch", "megatron")
+    same = megatron_demo.train.model_copy(update={"placement": torch_demo.train.placement})
+    assert same == torch_demo.train  # same task, data, batch and algorithm: only the backend differs
+
+
 def test_dict_flags_add_to_the_yaml_by_name():
     data = {"rollout_batch_size": 1, "num_rollout": 1, "eval_prompt_data": {"aime": "a.jsonl", "gsm8k": "g.jsonl"},
             "sglang": {"mem_fraction_static": 0.7, "log_level": "INFO"}}
