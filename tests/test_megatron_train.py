@@ -32,3 +32,69 @@ def test_the_train_stage_runs_the_megatron_backend_at_tp2(tmp_path):
     rows = [json.loads(line) for line in (ctx.workdir / "train" / "rollouts.jsonl").read_text().splitlines()]
     drift = [r["train_rollout_logprob_abs_diff"] for r in rows]
     assert len(drift) == 2 and max(drift) < 1e-5, drift
+
+
+def test_sigkill_mid_save_resumes_the_megatron_backend_exactly(tmp_path):
+    """The Megatron backend's checkpoint under a SIGKILL: killed while staging its second save, the run resumes
+    from the first (weights, Adam state, RNG, data position) and ends where an uninterrupted run ends, bit for bit
+    (same rollouts, same weights): the torch backend's SIGKILL test (test_train_e2e.py) with Megatron's
+    dist_checkpointing saves."""
+    import os
+    import signal
+    import time
+
+    import torch
+    from test_train_e2e import launch, log_tail, row_ids, wait_until_gone
+
+    from slimeflow.checkpoint.staging import ABANDONED
+    from slimeflow.checkpoint.torch_dist import load_torch_dist
+    from slimeflow.stages.convert.config import ConvertConfig
+    from slimeflow.stages.convert.stage import run as convert_run
+
+    config, ctx = train_config(tmp_path / "prep", **{
+        "num-rollout": 4, "save-interval": 2, "eval-interval": None, "rollout-batch-size": 4,
+        "n-samples-per-prompt": 2, "train-backend": "megatron"})
+    ref = convert_run(ConvertConfig(hf_checkpoint=config.checkpoint.hf_checkpoint, save=str(tmp_path / "ref"),
+                                    processes=1), ctx).outputs["torch_dist"]
+    config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"ref_load": ref})})
+    straight = launch(config, tmp_path / "straight")
+    launched = [straight]
+    try:
+        victim = launch(config, tmp_path / "resumed")
+        launched.append(victim)
+        root = tmp_path / "resumed" / "checkpoints"
+        tracker = root / "latest_checkpointed_iteration.txt"
+        deadline = time.time() + 300
+        # Killed once rollout 3's save is staged (after checkpoint 1 is committed), before that save commits.
+        while victim.poll() is None and time.time() < deadline and not list(root.glob(".iter_0000003.tmp-*")):
+            time.sleep(0.005)
+        assert tracker.exists() and tracker.read_text() == "1", (
+            f"checkpoint 1 should be committed before the kill; the run (exit {victim.poll()}) logged:\n"
+            f"{log_tail(tmp_path / 'resumed')}")
+        os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait()
+        wait_until_gone(session=victim.pid, timeout=60)
+        assert tracker.read_text() == "1"  # the save under way when killed was not committed
+        assert straight.wait(timeout=400) == 0, log_tail(tmp_path / "straight")
+        resumed = launch(config, tmp_path / "resumed")
+        launched.append(resumed)
+        assert resumed.wait(timeout=400) == 0, log_tail(tmp_path / "resumed")
+        assert not [p.name for p in root.iterdir() if ABANDONED.match(p.name)]
+        assert tracker.read_text() == "3"
+
+        assert row_ids(tmp_path / "resumed") == row_ids(tmp_path / "straight")
+        rollouts = [json.loads(line) for line in (tmp_path / "resumed" / "train" / "rollouts.jsonl").read_text()
+                    .splitlines()]
+        assert [r["step"] for r in rollouts] == [0, 1, 2, 3]  # rollouts 2 and 3 redone once, the killed lines replaced
+        # Bit-exact: the resumed run's rollouts 2-3 were sampled and trained as the uninterrupted run's were, which
+        # needs the Adam moments, the step count and the RNG streams of checkpoint 1, not just its weights.
+        got, _ = load_torch_dist(root / "iter_0000003")
+        want, _ = load_torch_dist(tmp_path / "straight" / "checkpoints" / "iter_0000003")
+        assert got.keys() == want.keys()
+        unequal = [k for k in want if not torch.equal(got[k], want[k])]
+        assert not unequal, f"weights differ after the resume: {unequal[:5]}"
+    finally:
+        for process in launched:  # a failed check leaves none of the runs behind
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
