@@ -1,6 +1,7 @@
 """The train stage with --train-backend megatron on Ray: two TrainActors at tensor-parallel size 2, weights
-gathered from their shards and pushed to the embedded engine after every step, a checkpoint saved. (Resuming a
-Megatron checkpoint exactly is tested in-process, in test_megatron_backend.py: a second Ray run costs ~20 s.)"""
+gathered from their shards and pushed to the embedded engine after every step, a checkpoint saved; and a one-rank
+run killed with SIGKILL mid-save that resumes bit-exactly. (Resuming across layouts is tested in-process, in
+test_megatron_backend.py.)"""
 
 from __future__ import annotations
 
