@@ -27,6 +27,13 @@ from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.plugins import load_plugin
 
 Hook = Callable[..., Any]
+RUN_LAYOUT = frozenset({
+    # MegatronConfig's flags that the Megatron backend takes from the run, not from the checkpoint's args.
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+    "expert_tensor_parallel_size", "num_layers_per_virtual_pipeline_stage", "sequence_parallel",
+    "recompute_granularity", "recompute_method", "recompute_num_layers", "use_distributed_optimizer",
+    "moe_token_dispatcher_type", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_router_dtype",
+    "moe_router_bias_update_rate"})
 
 
 @dataclass
@@ -59,9 +66,15 @@ class TrainHooks:
                                           "custom-megatron-before-train-step-hook-path"))
 
     def with_model_args(self, model_args: Any) -> None:
-        """Put the checkpoint's Megatron args under slime's (slime's own names win where both have one)."""
+        """Merge in the Megatron args of the checkpoint the model is built from: its model shape (the backend builds
+        that shape whatever the run's shape flags say) and what the run leaves unset; the run's parallel layout and
+        training flags stay the run's."""
+        from slimeflow.config.megatron import MegatronConfig
+
+        shape = set(MegatronConfig.model_fields) - RUN_LAYOUT
+        given = vars(self.args)
         for name, value in vars(model_args).items():
-            if name not in vars(self.args):
+            if name in shape or given.get(name) is None:
                 setattr(self.args, name, value)
 
     def provide(self, pre_process: bool, post_process: bool, vp_stage: int | None) -> torch.nn.Module:
