@@ -418,6 +418,7 @@ class TrainActor:
 
     def connect_engines(self, targets: WeightTargets) -> None:
         """Make this rank the one that pushes weights to the engines of `targets` (rank 0; ranks are identical)."""
+        from slimeflow.stages.rl.train_hooks import post_write_hook
         from slimeflow.stages.rl.weight_sync import WeightSync
 
         sync = self.config.weight_sync
@@ -425,17 +426,8 @@ class TrainActor:
         colocated = "shared_memory" if self.config.placement.colocate and targets.weights_dir is None else None
         transport = {"nccl": "distributed", "disk": "disk", None: colocated}[sync.update_weight_transport]
         self.weight_sync = WeightSync(targets, sync.update_weight_buffer_size, transport,
-                                      post_write=self._post_write_hook(targets))
+                                      post_write=post_write_hook(self.config, self.hooks.args, targets))
         self.loop = asyncio.new_event_loop()
-
-    def _post_write_hook(self, targets: WeightTargets) -> Any:
-        """--custom-update-weight-post-write-path as the disk sync calls it: hook(version_dir), slime's arguments
-        bound (args, and the engines' URLs for slime's engine handles)."""
-        path = self.config.weight_sync.custom_update_weight_post_write_path
-        if path is None:
-            return None
-        hook, args = load_plugin(path, "custom-update-weight-post-write-path"), self.hooks.args
-        return lambda version_dir: hook(args, version_dir, list(targets.worker_urls))
 
     def update_weights(self, version: str) -> str:
         """Push the current weights to every engine as `version` (rank 0, after connect_engines); returns the

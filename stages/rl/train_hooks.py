@@ -152,3 +152,13 @@ def postprocess_rollout_data(hooks: TrainHooks | None, rollout_id: int, batch: A
                              f"rank's {len(own)} samples; change the values in place, one per sample")
         for i, value in zip(own, values, strict=True):
             target[i] = torch.as_tensor(value, dtype=target[i].dtype)
+
+
+def post_write_hook(config: TrainConfig, args: Any, targets: Any) -> Callable[[str], Any] | None:
+    """--custom-update-weight-post-write-path as the disk sync calls it, hook(version_dir), with slime's other
+    arguments bound: `args`, and the engines (their URLs, where slime has Ray handles of its engine actors)."""
+    path = config.weight_sync.custom_update_weight_post_write_path
+    if path is None:
+        return None
+    hook, engines = load_plugin(path, "custom-update-weight-post-write-path"), list(targets.worker_urls)
+    return lambda version_dir: hook(args, version_dir, list(engines))

@@ -56,3 +56,10 @@ def publish(args, version_dir: str, rollout_engines) -> None:
 
 def no_step_id(args, rollout_id, model, optimizer, opt_param_scheduler):
     """A before-train-step hook missing slime's step_id: refused at start-up."""
+
+
+def mask_everything(args, rollout_id, rollout_data):
+    """A post-process that takes every token out of the loss, through slime's loss_masks."""
+    for mask in rollout_data["loss_masks"]:
+        mask.zero_()
+    CALLS.append(("postprocess", rollout_id, sorted(rollout_data)))
