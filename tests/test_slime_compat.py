@@ -311,7 +311,7 @@ CALLED = ["--rollout-function-path", "--custom-generate-function-path", "--custo
           "--rollout-data-postprocess-path"]
 CALLED_BY_MEGATRON = ["--custom-megatron-init-path", "--custom-megatron-before-log-prob-hook-path",
                       "--custom-megatron-before-train-step-hook-path", "--custom-model-provider-path"]
-REFUSED = ["--custom-pg-loss-reducer-function-path", "--megatron-config-path", "--data-source-path",
+REFUSED = ["--custom-pg-loss-reducer-function-path", "--data-source-path",
            "--custom-config-path"]
 
 

@@ -59,7 +59,6 @@ _LOSS_HOOK = ("called inside slime's Megatron policy loss on packed sequences; s
 # slime's `*-path` plug-in flags that slimeflow does not call (yet). The ones it calls are config fields.
 NOT_YET_SUPPORTED.update({
     "--custom-pg-loss-reducer-function-path": f"a custom pg-loss reducer is {_LOSS_HOOK}",
-    "--megatron-config-path": "Megatron-LM YAML configs are not read: give the Megatron flags on the command line",
     "--data-source-path": ("a custom data source class (slime's RolloutDataSource API: get_samples, add_samples, "
                            "save, load) is not supported yet; slimeflow's data source reads --prompt-data and "
                            "resumes from checkpoints (--buffer-filter-path chooses what the buffer hands out)"),

@@ -618,6 +618,9 @@ class TrainConfig(ConfigModel):
 
     seed: int = 1234
     """Seed of model initialisation and training randomness."""
+    megatron_config_path: str | None = None
+    """slime's per-role Megatron YAML (megatron: [{role: actor, overrides: {flag: value}}]); the actor's overrides
+    replace the command line's values (slimeflow.config.megatron_roles)."""
     batch: BatchConfig
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -634,6 +637,21 @@ class TrainConfig(ConfigModel):
     sglang: SglangConfig = Field(default_factory=SglangConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _megatron_roles(cls, data: Any) -> Any:
+        """--megatron-config-path: its actor overrides win over the other values, as in slime."""
+        if not isinstance(data, dict) or not data.get("megatron_config_path"):
+            return data
+        from slimeflow.config.flags import ConfigError, merge
+        from slimeflow.config.megatron_roles import actor_overrides
+        from slimeflow.config.pipeline import STAGE_INDEX
+
+        try:
+            return merge(data, actor_overrides(str(data["megatron_config_path"]), STAGE_INDEX["train"]))
+        except ConfigError as err:  # one problem per line, each naming the file
+            raise ValueError("\n  ".join(err.problems)) from None
 
     @model_validator(mode="after")
     def _cross_group(self) -> TrainConfig:
