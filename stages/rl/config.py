@@ -644,12 +644,11 @@ class TrainConfig(ConfigModel):
         """--megatron-config-path: its actor overrides win over the other values, as in slime."""
         if not isinstance(data, dict) or not data.get("megatron_config_path"):
             return data
-        from slimeflow.config.flags import ConfigError, merge
+        from slimeflow.config.flags import ConfigError, FlagIndex, merge
         from slimeflow.config.megatron_roles import actor_overrides
-        from slimeflow.config.pipeline import STAGE_INDEX
 
         try:
-            return merge(data, actor_overrides(str(data["megatron_config_path"]), STAGE_INDEX["train"]))
+            return merge(data, actor_overrides(str(data["megatron_config_path"]), FlagIndex(cls)))
         except ConfigError as err:  # one problem per line, each naming the file
             raise ValueError("\n  ".join(err.problems)) from None
 
