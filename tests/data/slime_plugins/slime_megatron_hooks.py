@@ -63,3 +63,11 @@ def mask_everything(args, rollout_id, rollout_data):
     for mask in rollout_data["loss_masks"]:
         mask.zero_()
     CALLS.append(("postprocess", rollout_id, sorted(rollout_data)))
+
+
+def log_step_to_save_dir(args, rollout_id, step_id, model, optimizer, opt_param_scheduler):
+    """A before-train-step hook in a Ray TrainActor: appends 'rank rollout_id step_id' to <--save>/hook_calls.txt."""
+    import torch.distributed
+
+    with open(os.path.join(args.save, "hook_calls.txt"), "a", encoding="utf-8") as out:
+        out.write(f"{torch.distributed.get_rank()} {rollout_id} {step_id}\n")
