@@ -77,3 +77,27 @@ def test_hooks_that_cannot_take_slimes_call_are_named_at_start_up(plugin):
     assert "takes no pre_process or post_process keyword" in message
     assert "has no attribute 'missing'" in message
     assert "--rollout-data-postprocess-path" not in message  # slime's (args, rollout_id, rollout_data): it passes
+
+
+def test_a_ranks_rollout_data_is_its_own_samples_and_its_changes_land_on_them():
+    """With several data-parallel ranks slime's rollout_data is the rank's partition: here samples 1 and 3 of 4.
+    The hook's replaced advantages and in-place loss-mask edits go back to those samples, and only to them."""
+    from slimeflow.stages.rl.train_hooks import TrainHooks, postprocess_rollout_data
+    from slimeflow.stages.rl.train_step import Prepared
+    from slimeflow.stages.rl.types import TrainBatch
+
+    seen = {}
+
+    def hook(args, rollout_id, rollout_data):
+        seen.update(rollout_id=rollout_id, partition=rollout_data["partition"], rewards=rollout_data["rewards"])
+        rollout_data["advantages"] = [a * 10 for a in rollout_data["advantages"]]  # slime's dict: a new list
+        rollout_data["loss_masks"][0][0] = 0.0
+
+    batch = TrainBatch(tokens=[torch.arange(4) + i for i in range(4)], response_lengths=[2] * 4,
+                       loss_masks=[torch.ones(2) for _ in range(4)], rewards=torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    prepared = Prepared(old_log_probs=None, advantages=[torch.full((2,), float(i)) for i in range(4)],
+                        ref_log_probs=None)
+    postprocess_rollout_data(TrainHooks(args=None, rollout_data_postprocess=hook), 9, batch, [1, 3], prepared)
+    assert seen == {"rollout_id": 9, "partition": [1, 3], "rewards": [1.0, 3.0]}
+    assert [a.tolist() for a in prepared.advantages] == [[0, 0], [10, 10], [2, 2], [30, 30]]
+    assert [m.tolist() for m in batch.loss_masks] == [[1, 1], [0, 1], [1, 1], [1, 1]]
