@@ -84,7 +84,8 @@ def make_backend(job: dict[str, Any], rank: int = 0, world: int = 1):
     config = job["config"]
     return MegatronBackend(job["hf"], job["checkpoint"], config.optimizer, config.algorithm, config.batch,
                            config.megatron, seed=3, rank=rank, world_size=world, init_method=job["init"],
-                           ref_load=job.get("ref_load", job["checkpoint"]) if config.algorithm.use_kl_loss else None)
+                           ref_load=job.get("ref_load", job["checkpoint"]) if config.algorithm.use_kl_loss else None,
+                           hooks=job.get("hooks"))
 
 
 def _worker(rank: int, world: int, job: dict[str, Any]) -> None:

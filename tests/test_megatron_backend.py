@@ -217,3 +217,52 @@ def test_the_opd_teacher_is_loaded_and_run_like_the_reference(converted):
         backend.close()
     assert all(torch.equal(t, p) for t, p in zip(teacher, policy, strict=True))
     assert all(torch.equal(kl, torch.zeros_like(kl)) for kl in prepared.opd_reverse_kl)
+
+
+def test_slimes_megatron_hooks_run_where_slimes_actor_calls_them(converted, monkeypatch):
+    """Plug-ins written to slime's signatures (tests/data/slime_plugins/slime_megatron_hooks.py): the init hook runs
+    once the parallel state exists and before any model; the provider builds the policy and the reference model,
+    and its model is the one trained; the log-prob hook precedes each pass with slime's store_prefix; the rollout
+    data post-process sees rollout 7's data after the advantages; the train-step hook precedes each of the two
+    steps. Its effect: the post-process zeroed the advantages of step 0's samples, so step 0 leaves the weights
+    exactly as they were (no KL weight, zero gradient) and step 1 moves them."""
+    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+    from slimeflow.stages.rl.train_hooks import TrainHooks
+    from slimeflow.stages.rl.train_step import train_on_rollout
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "data" / "slime_plugins"))
+    import slime_megatron_hooks as plugin
+
+    plugin.CALLS.clear()
+    plugin.PROVIDED.clear()
+    paths = {"custom_megatron_init_path": "megatron_init", "custom_model_provider_path": "model_provider",
+             "custom_megatron_before_log_prob_hook_path": "before_log_prob",
+             "custom_megatron_before_train_step_hook_path": "before_train_step",
+             "rollout_data_postprocess_path": "zero_first_half"}
+    config = make_config(batch={"micro_batch_size": 2, "global_batch_size": 4}, optimizer={"lr": LR},
+                         algorithm={"use_kl_loss": True, "kl_loss_coef": 0.0}, placement={"train_backend": "megatron"},
+                         train_hooks={k: f"slime_megatron_hooks:{v}" for k, v in paths.items()})
+    hooks = TrainHooks.load(config)
+    batch = make_batch()
+    job = {**make_job(converted["tmp"], "hooks", converted["hf"], converted["release"], batch, config), "hooks": hooks}
+    backend = make_backend(job)
+    try:
+        load_checkpoint(backend, converted["release"], weights_only=True)
+        train_on_rollout(backend, batch, config, rollout_id=7, hooks=hooks)
+        policy, ref, optimizer, scheduler = backend.model, backend.ref_model, backend.optimizer, backend.scheduler
+        trained = plugin.weight_sum(policy)
+        assert backend.modules[0] is plugin.PROVIDED[0] and ref == [plugin.PROVIDED[1]]
+    finally:
+        backend.close()
+    calls = plugin.CALLS
+    assert [c[0] for c in calls] == ["init", "provide", "provide", "log_prob", "log_prob", "postprocess",
+                                     "train_step", "train_step"]
+    assert calls[0] == ("init", True, 2, 0)  # parallel state up, the checkpoint's num_layers, no model built yet
+    assert calls[1] == calls[2] == ("provide", True, True, None)
+    assert calls[3][1:] == ("", policy, True) and calls[4][1:] == ("ref_", ref, True)
+    assert calls[5] == ("postprocess", 7, ["advantages", "log_probs", "loss_masks", "partition", "ref_log_probs",
+                                           "response_lengths", "returns", "rewards", "rollout_log_probs", "tokens",
+                                           "total_lengths"])
+    (_, *step0, sum0), (_, *step1, sum1) = calls[6], calls[7]
+    assert step0 == [7, 0, policy, optimizer, scheduler] and step1 == [7, 1, policy, optimizer, scheduler]
+    assert sum1 == sum0 and trained != sum1  # step 0 trained on zero advantages; step 1 moved the provider's model

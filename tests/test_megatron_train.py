@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_slime_plugins_e2e import ray_with_plugins_importable  # noqa: F401 (a fixture)
 from test_train_e2e import train_config
 
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.usefixtures("ray_with_plugins_importable")
 def test_the_train_stage_runs_the_megatron_backend_at_tp2(tmp_path):
     from slimeflow.stages.convert.config import ConvertConfig
     from slimeflow.stages.convert.stage import run as convert_run
@@ -21,7 +23,9 @@ def test_the_train_stage_runs_the_megatron_backend_at_tp2(tmp_path):
     config, ctx = train_config(tmp_path, **{
         "num-rollout": 2, "save-interval": 2, "eval-interval": None, "rollout-batch-size": 4,
         "n-samples-per-prompt": 4, "train-backend": "megatron", "tensor-model-parallel-size": 2,
-        "actor-num-gpus-per-node": 2})
+        "actor-num-gpus-per-node": 2,
+        "custom-megatron-before-train-step-hook-path": "slime_megatron_hooks:log_step_to_save_dir",
+        "save": str(tmp_path / "ckpt")})
     ref = convert_run(ConvertConfig(hf_checkpoint=config.checkpoint.hf_checkpoint, save=str(tmp_path / "ref"),
                                     processes=1), ctx).outputs["torch_dist"]
     config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"ref_load": ref})})
@@ -33,6 +37,9 @@ def test_the_train_stage_runs_the_megatron_backend_at_tp2(tmp_path):
     rows = [json.loads(line) for line in (ctx.workdir / "train" / "rollouts.jsonl").read_text().splitlines()]
     drift = [r["train_rollout_logprob_abs_diff"] for r in rows]
     assert len(drift) == 2 and max(drift) < 1e-5, drift
+    # slime's before-train-step hook ran in both TrainActors, before each rollout's one step, with the rollout id.
+    calls = (tmp_path / "ckpt" / "hook_calls.txt").read_text().split("\n")
+    assert sorted(filter(None, calls)) == ["0 0 0", "0 1 0", "1 0 0", "1 1 0"]
 
 
 def test_sigkill_mid_save_resumes_the_megatron_backend_exactly(tmp_path):

@@ -307,11 +307,11 @@ CALLED = ["--rollout-function-path", "--custom-generate-function-path", "--custo
           "--dynamic-sampling-filter-path", "--buffer-filter-path", "--rollout-sample-hook-path", "--rollout-sample-filter-path",
           "--custom-rollout-log-function-path", "--custom-reward-post-process-path",
           "--rollout-all-samples-process-path", "--custom-eval-rollout-log-function-path",
-          "--custom-convert-samples-to-train-data-path", "--eval-function-path", "--custom-tis-function-path"]
-REFUSED = ["--custom-pg-loss-reducer-function-path", "--rollout-data-postprocess-path",
-           "--custom-megatron-init-path", "--custom-megatron-before-log-prob-hook-path",
-           "--custom-megatron-before-train-step-hook-path", "--custom-model-provider-path",
-           "--custom-update-weight-post-write-path", "--megatron-config-path", "--data-source-path",
+          "--custom-convert-samples-to-train-data-path", "--eval-function-path", "--custom-tis-function-path",
+          "--rollout-data-postprocess-path"]
+CALLED_BY_MEGATRON = ["--custom-megatron-init-path", "--custom-megatron-before-log-prob-hook-path",
+                      "--custom-megatron-before-train-step-hook-path", "--custom-model-provider-path"]
+REFUSED = ["--custom-pg-loss-reducer-function-path", "--data-source-path",
            "--custom-config-path"]
 
 
@@ -323,6 +323,18 @@ def test_every_slime_path_flag_is_taken_or_refused_by_name():
     for flag in CALLED:
         config = load_stage_config("train", None, [*base, flag, "pkg.module:function"])
         assert config.model_dump_json().count("pkg.module:function") == 1, flag
+    megatron = ["--train-backend", "megatron"]
+    for flag in CALLED_BY_MEGATRON:
+        config = load_stage_config("train", None, [*base, *megatron, flag, "pkg.module:function"])
+        assert config.model_dump_json().count("pkg.module:function") == 1, flag
+        with pytest.raises(ConfigError, match=f"{flag} is a hook into slime's Megatron actor"):
+            load_stage_config("train", None, [*base, flag, "pkg.module:function"])  # --train-backend torch
+    disk = ["--sglang-worker-urls", "http://127.0.0.1:1", "--sglang-weights-dir", "/tmp/w"]
+    post_write = ["--custom-update-weight-post-write-path", "pkg.module:function"]
+    config = load_stage_config("train", None, [*base, *disk, *post_write])
+    assert config.weight_sync.custom_update_weight_post_write_path == "pkg.module:function"
+    with pytest.raises(ConfigError, match="runs after a disk weight sync writes its files"):
+        load_stage_config("train", None, [*base, *post_write])  # embedded engines: weights over HTTP
     with pytest.raises(ConfigError) as err:
         load_stage_config("train", None, [*base, *(v for flag in REFUSED for v in (flag, "pkg.module.function"))])
     assert len(err.value.problems) == len(REFUSED)

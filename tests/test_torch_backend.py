@@ -215,3 +215,22 @@ def test_bf16_trains_under_autocast(hf_dir):
     metrics = train_on_rollout(backend, batch, config)
     assert all(math.isfinite(v) for v in metrics.values())
     assert response_log_prob(backend, batch, 0) != before
+
+
+def test_rollout_data_postprocess_runs_on_the_torch_backend_and_its_masks_are_trained_on(hf_dir, monkeypatch):
+    """slime's --rollout-data-postprocess-path (tests/data/slime_plugins/slime_megatron_hooks.py) on the torch
+    backend: called once with the rollout id and slime's rollout_data, after the log-probs; it zeroes every loss
+    mask, so the step has no gradient at all (without it this batch's grad_norm is 1.9)."""
+    from slimeflow.stages.rl.train_hooks import TrainHooks
+    from slimeflow.stages.rl.train_step import train_on_rollout
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "data" / "slime_plugins"))
+    import slime_megatron_hooks as plugin
+
+    plugin.CALLS.clear()
+    config = make_config(train_hooks={"rollout_data_postprocess_path": "slime_megatron_hooks:mask_everything"})
+    hooks = TrainHooks.load(config)
+    metrics = train_on_rollout(make_backend(hf_dir, config), make_batch(), config, rollout_id=4, hooks=hooks)
+    assert plugin.CALLS == [("postprocess", 4, ["advantages", "loss_masks", "partition", "response_lengths",
+                                                "returns", "rewards", "rollout_log_probs", "tokens", "total_lengths"])]
+    assert metrics["grad_norm"] == 0.0

@@ -54,22 +54,11 @@ NOT_YET_SUPPORTED.update({
     "--prefill-num-servers": "prefill/decode disaggregation is not supported yet",
 })
 
-_MEGATRON_HOOK = ("a hook into slime's Megatron actor (model provider, init, the calls before a log-prob pass or a "
-                  "train step, rollout-data post-processing); slimeflow's Megatron backend builds its model from the "
-                  "family spec and does not call these hooks yet")
 _LOSS_HOOK = ("called inside slime's Megatron policy loss on packed sequences; slimeflow's policy loss does not take "
               "this hook yet")
 # slime's `*-path` plug-in flags that slimeflow does not call (yet). The ones it calls are config fields.
 NOT_YET_SUPPORTED.update({
     "--custom-pg-loss-reducer-function-path": f"a custom pg-loss reducer is {_LOSS_HOOK}",
-    "--rollout-data-postprocess-path": _MEGATRON_HOOK,
-    "--custom-megatron-init-path": _MEGATRON_HOOK,
-    "--custom-megatron-before-log-prob-hook-path": _MEGATRON_HOOK,
-    "--custom-megatron-before-train-step-hook-path": _MEGATRON_HOOK,
-    "--custom-model-provider-path": _MEGATRON_HOOK,
-    "--custom-update-weight-post-write-path": ("a hook of slime's update-weights-from-disk path; slimeflow's weight "
-                                               "sync does not call it"),
-    "--megatron-config-path": "Megatron-LM YAML configs are not read: give the Megatron flags on the command line",
     "--data-source-path": ("a custom data source class (slime's RolloutDataSource API: get_samples, add_samples, "
                            "save, load) is not supported yet; slimeflow's data source reads --prompt-data and "
                            "resumes from checkpoints (--buffer-filter-path chooses what the buffer hands out)"),

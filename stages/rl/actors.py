@@ -376,7 +376,11 @@ class TrainActor:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.parent_pid = os.getppid()  # under Ray: this node's raylet (see check_may_commit)
         self.run_token = run_token  # the run's claim on --save (see check_may_commit)
-        self.backend, self.checkpoints = _backend(config, hf_checkpoint, rank, world_size, init_method, total_steps)
+        from slimeflow.stages.rl.train_hooks import TrainHooks
+
+        self.hooks = TrainHooks.load(config)  # slime's hooks into its training actor (train_hooks)
+        self.backend, self.checkpoints = _backend(config, hf_checkpoint, rank, world_size, init_method, total_steps,
+                                                  self.hooks)
         self.state_offload = StateOffload(Path(offload_dir or tempfile.gettempdir()))
         freeze_startup_heap()
 
@@ -410,17 +414,19 @@ class TrainActor:
 
         self._onload()
         return train_on_rollout(self.backend, batch.unpack(), self.config, rank=self.backend.dp_rank,
-                                world_size=self.backend.dp_size)
+                                world_size=self.backend.dp_size, rollout_id=rollout_id, hooks=self.hooks)
 
     def connect_engines(self, targets: WeightTargets) -> None:
         """Make this rank the one that pushes weights to the engines of `targets` (rank 0; ranks are identical)."""
+        from slimeflow.stages.rl.train_hooks import post_write_hook
         from slimeflow.stages.rl.weight_sync import WeightSync
 
         sync = self.config.weight_sync
         # As slime: colocated engines take tensors in place (CUDA IPC there; a /dev/shm file here), others by nccl.
         colocated = "shared_memory" if self.config.placement.colocate and targets.weights_dir is None else None
         transport = {"nccl": "distributed", "disk": "disk", None: colocated}[sync.update_weight_transport]
-        self.weight_sync = WeightSync(targets, sync.update_weight_buffer_size, transport)
+        self.weight_sync = WeightSync(targets, sync.update_weight_buffer_size, transport,
+                                      post_write=post_write_hook(self.config, self.hooks.args, targets))
         self.loop = asyncio.new_event_loop()
 
     def update_weights(self, version: str) -> str:
@@ -457,7 +463,7 @@ class TrainActor:
 
 
 def _backend(config: TrainConfig, hf_checkpoint: str, rank: int, world_size: int, init_method: str,
-             total_steps: int) -> tuple[Any, Any]:
+             total_steps: int, hooks: Any = None) -> tuple[Any, Any]:
     """The --train-backend's backend for this rank and the module that saves and loads its checkpoints.
 
     The Megatron backend takes its model's shape from the checkpoint it starts from (--load's latest, else
@@ -477,7 +483,8 @@ def _backend(config: TrainConfig, hf_checkpoint: str, rank: int, world_size: int
         if start.ref is None:
             raise ValueError("--train-backend megatron starts from a torch_dist checkpoint: pass --ref-load (the HF "
                              "checkpoint converted with `slimeflow convert`) or --load")
-        backend = MegatronBackend(hf_checkpoint, local_root(start.ref.uri), parallel=config.megatron, **common)
+        backend = MegatronBackend(hf_checkpoint, local_root(start.ref.uri), parallel=config.megatron, hooks=hooks,
+                                  **common)
         return backend, megatron_checkpoint
     from slimeflow.stages.rl.backend import checkpoint
     from slimeflow.stages.rl.backend.torch_backend import TorchBackend

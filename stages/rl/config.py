@@ -436,6 +436,41 @@ class WeightSyncConfig(ConfigModel):
     update_weight_transport: Literal["nccl", "disk"] | None = None
     """nccl: broadcast in a process group of trainer rank 0 and the embedded engines (gloo on CPU); disk: through
     --sglang-weights-dir (external servers). Default: HTTP tensors to embedded engines, disk for external servers."""
+    custom_update_weight_post_write_path: PluginPath = None
+    """hook(args, version_dir, rollout_engines), slime's post-write hook of the disk weight sync: called after a
+    version's files are written to --sglang-weights-dir, before the engines load them (e.g. to publish the files on an
+    object-store-backed filesystem). rollout_engines: the engines' URLs (slime's are Ray actor handles). Rank 0 writes
+    the gathered weights, so it runs there once per push. Needs the disk transport (external servers)."""
+
+
+class TrainHooksConfig(ConfigModel):
+    """slime's hooks into its Megatron actor (stages/rl/train_hooks.py), called at the same points of a training
+    step, with slime's `args` (every train flag by its slime name, and the checkpoint's Megatron args)."""
+
+    custom_megatron_init_path: PluginPath = None
+    """custom_init(args), once per rank after megatron's parallel state is set up, before the model is built
+    (--train-backend megatron)."""
+    custom_megatron_before_log_prob_hook_path: PluginPath = None
+    """hook(args, model, store_prefix) before each log-prob pass: model is the list of model chunks it scores with;
+    store_prefix "" (the policy), "ref_" (the reference model), "teacher_" (the OPD teacher) (--train-backend
+    megatron)."""
+    custom_megatron_before_train_step_hook_path: PluginPath = None
+    """hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) before each optimizer step's
+    forward/backward, gradients zeroed (--train-backend megatron)."""
+    custom_model_provider_path: PluginPath = None
+    """provider(pre_process, post_process[, vp_stage]) -> GPTModel, called for every model chunk (policy, reference,
+    teacher) instead of the family spec's builder; its weights are then loaded from the checkpoint. megatron-core has
+    no megatron.training.get_args(): a provider that takes an `args` keyword gets slime's args there
+    (--train-backend megatron)."""
+    rollout_data_postprocess_path: PluginPath = None
+    """postprocess(args, rollout_id, rollout_data), after the log-probs and advantages, before training: rollout_data
+    holds this rank's samples in slime's keys (tokens, response_lengths, total_lengths, loss_masks, rewards,
+    advantages, returns, log_probs, ref_log_probs, rollout_log_probs, teacher_log_probs); what it writes to
+    advantages, log_probs, ref_log_probs and loss_masks is trained on (both backends)."""
+
+    MEGATRON_ONLY: ClassVar[tuple[str, ...]] = ("custom_megatron_init_path", "custom_megatron_before_log_prob_hook_path",
+                                                "custom_megatron_before_train_step_hook_path",
+                                                "custom_model_provider_path")
 
 
 class FaultToleranceConfig(ConfigModel):
@@ -583,6 +618,9 @@ class TrainConfig(ConfigModel):
 
     seed: int = 1234
     """Seed of model initialisation and training randomness."""
+    megatron_config_path: str | None = None
+    """slime's per-role Megatron YAML (megatron: [{role: actor, overrides: {flag: value}}]); the actor's overrides
+    replace the command line's values (slimeflow.config.megatron_roles)."""
     batch: BatchConfig
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -594,10 +632,25 @@ class TrainConfig(ConfigModel):
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    train_hooks: TrainHooksConfig = Field(default_factory=TrainHooksConfig)
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     sglang: SglangConfig = Field(default_factory=SglangConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _megatron_roles(cls, data: Any) -> Any:
+        """--megatron-config-path: its actor overrides win over the other values, as in slime."""
+        if not isinstance(data, dict) or not data.get("megatron_config_path"):
+            return data
+        from slimeflow.config.flags import ConfigError, FlagIndex, merge
+        from slimeflow.config.megatron_roles import actor_overrides
+
+        try:
+            return merge(data, actor_overrides(str(data["megatron_config_path"]), FlagIndex(cls)))
+        except ConfigError as err:  # one problem per line, each naming the file
+            raise ValueError("\n  ".join(err.problems)) from None
 
     @model_validator(mode="after")
     def _cross_group(self) -> TrainConfig:
@@ -621,10 +674,31 @@ class TrainConfig(ConfigModel):
             placement.__dict__["offload_rollout"] = False
             placement.__dict__["offload_train"] = placement.offload_train and not self.debug.debug_rollout_only
         check_fault_tolerance(self)
+        check_train_hooks(self)
         if self.batch.n_samples_per_prompt == 1 and self.algorithm.advantage_estimator in ("grpo", "gspo", "cispo"):
             # As slime: the std of a one-sample group is undefined, so std normalisation is switched off.
             self.algorithm.__dict__["disable_grpo_std_normalization"] = True
         return self
+
+
+def check_train_hooks(config: TrainConfig) -> None:
+    """slime's Megatron-actor hooks need the Megatron backend (the torch backend has no megatron model, optimizer or
+    schedule to hand them); the post-write hook needs a disk weight sync."""
+    hooks = config.train_hooks
+    problems = []
+    if config.placement.train_backend == "torch":
+        problems += [f"--{name.replace('_', '-')} is a hook into slime's Megatron actor (it is handed megatron's model "
+                     "chunks, optimizer or parallel state): use --train-backend megatron" for name in
+                     hooks.MEGATRON_ONLY if getattr(hooks, name) is not None]
+    external = config.placement.rollout_external_engine_addrs or config.sglang.args.get("worker_urls")
+    disk = config.weight_sync.update_weight_transport == "disk" or (
+        external and config.weight_sync.update_weight_transport is None)
+    if config.weight_sync.custom_update_weight_post_write_path is not None and not disk:
+        problems.append("--custom-update-weight-post-write-path runs after a disk weight sync writes its files; this "
+                        "run pushes weights to embedded engines over HTTP or nccl: use it with external SGLang servers "
+                        "(--sglang-worker-urls, --sglang-weights-dir)")
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def check_fault_tolerance(config: TrainConfig) -> None:

@@ -210,6 +210,13 @@ _CALLS: dict[str, tuple[tuple[int, ...], str]] = {
     "custom-convert-samples-to-train-data-path": ((2,), "convert(args, samples) -> dict"),
     "custom-rollout-log-function-path": ((5,), "log(rollout_id, args, samples, rollout_extra_metrics, "
                                                "rollout_time) -> bool"),
+    "custom-megatron-init-path": ((1,), "custom_init(args)"),
+    "custom-model-provider-path": ((0,), "provider(pre_process=, post_process=[, vp_stage=][, args=]) -> GPTModel"),
+    "custom-megatron-before-log-prob-hook-path": ((3,), "hook(args, model, store_prefix)"),
+    "custom-megatron-before-train-step-hook-path": ((6,), "hook(args, rollout_id, step_id, model, optimizer, "
+                                                          "opt_param_scheduler)"),
+    "rollout-data-postprocess-path": ((3,), "postprocess(args, rollout_id, rollout_data)"),
+    "custom-update-weight-post-write-path": ((3,), "hook(args, version_dir, rollout_engines)"),
 }
 
 
@@ -227,6 +234,10 @@ def call_problem(flag: str, function: Callable[..., Any], *, group_rm: bool = Fa
                 "Megatron's packed logits; slimeflow's custom loss is loss(config, inputs, reduce) -> (loss, "
                 "metrics) over per-sample log-probs (docs/rl-api.md): port the loss to it")
     names = list(inspect.signature(function).parameters)
+    if flag == "custom-model-provider-path":  # called by keyword, as slime calls it
+        missing = [k for k in ("pre_process", "post_process") if not takes_keyword(function, k)]
+        return (f"{plugin_name(function)} takes no {' or '.join(missing)} keyword; it is called as {contract}"
+                if missing else None)
     if flag == "custom-advantage-function-path" and names[1:2] == ["rollout_data"]:
         return ("this looks like slime's Megatron form advantage(args, rollout_data) that fills "
                 "rollout_data['advantages'] and ['returns']; slimeflow's is advantage(config, inputs) -> "

@@ -146,6 +146,12 @@ PLUGIN_FLAGS = {
     ("eval", "custom_eval_rollout_log_function_path"): "custom-eval-rollout-log-function-path",
     ("eval", "eval_function_path"): "eval-function-path",
     ("algorithm", "custom_convert_samples_to_train_data_path"): "custom-convert-samples-to-train-data-path",
+    ("train_hooks", "custom_megatron_init_path"): "custom-megatron-init-path",
+    ("train_hooks", "custom_model_provider_path"): "custom-model-provider-path",
+    ("train_hooks", "custom_megatron_before_log_prob_hook_path"): "custom-megatron-before-log-prob-hook-path",
+    ("train_hooks", "custom_megatron_before_train_step_hook_path"): "custom-megatron-before-train-step-hook-path",
+    ("train_hooks", "rollout_data_postprocess_path"): "rollout-data-postprocess-path",
+    ("weight_sync", "custom_update_weight_post_write_path"): "custom-update-weight-post-write-path",
 }
 
 

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from slimeflow.stages.rl.advantages import AdvantageInputs, compute_advantages
-from slimeflow.stages.rl.backend.torch_backend import LogProbs, TorchBackend
+from slimeflow.stages.rl.backend.torch_backend import LogProbs, TorchBackend, scoring_model
 from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.loss import LossInputs, LossNormalizer, LossOutput, compute_loss
 from slimeflow.stages.rl.packing import split_for_data_parallel
+from slimeflow.stages.rl.train_hooks import TrainHooks, postprocess_rollout_data
 from slimeflow.stages.rl.types import TrainBatch
 
 
@@ -50,7 +51,7 @@ def plan_steps(batch: TrainBatch, global_batch_size: int, rank: int, world_size:
 
 
 def train_on_rollout(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, rank: int = 0,
-                     world_size: int = 1) -> dict[str, float]:
+                     world_size: int = 1, rollout_id: int = 0, hooks: TrainHooks | None = None) -> dict[str, float]:
     """Train on one rollout (rows in group order: consecutive groups of n_samples_per_prompt).
 
     Runs len(batch) / global_batch_size optimizer steps. Returns metrics averaged over the steps, each the
@@ -58,13 +59,21 @@ def train_on_rollout(backend: TorchBackend, batch: TrainBatch, config: TrainConf
     (--use-kl-loss), tis, tis_clipfrac, tis_abs and ois (--use-tis, --get-mismatch-metrics), grad_norm, lr (of each step),
     opd_reverse_kl (--use-opd), and train_tokens_per_s
     (prompt + response tokens of the rollout over the wall time of the steps, all ranks together).
+    `hooks`: slime's hooks (train_hooks), called where slime's actor calls them.
     """
     plan = plan_steps(batch, config.batch.global_batch_size, rank, world_size, config.batch.balance_data)
-    prepared = prepare(backend, batch, config, sorted(i for _, share in plan for i in share), world_size,
-                       single_step=len(plan) == 1)
+    own = sorted(i for _, share in plan for i in share)
+    prepared = prepare(backend, batch, config, own, world_size, single_step=len(plan) == 1, hooks=hooks)
+    if hooks is not None and hooks.rollout_data_postprocess is not None:
+        postprocess_rollout_data(hooks, rollout_id, batch, own, prepared)
+        if world_size > 1:  # each step's loss is normalised by the global batch's masks, some of them other ranks'
+            batch.loss_masks = _gather(own, [batch.loss_masks[i] for i in own], len(batch), world_size,
+                                       backend.data_parallel_group)
     started = time.perf_counter()
     per_step = []
-    for indices, share in plan:
+    for step_id, (indices, share) in enumerate(plan):
+        if hooks is not None:
+            hooks.before_step(rollout_id, step_id, backend)
         metrics = accumulate_gradients(backend, batch, indices, share, prepared, config)
         per_step.append({**metrics, **backend.optimizer_step()})
     seconds = time.perf_counter() - started
@@ -78,11 +87,20 @@ def train_on_rollout(backend: TorchBackend, batch: TrainBatch, config: TrainConf
 
 
 def prepare(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, own: list[int],
-            world_size: int, single_step: bool = False) -> Prepared:
+            world_size: int, single_step: bool = False, hooks: TrainHooks | None = None) -> Prepared:
     """Old (and reference) log-probs of this rank's samples, gathered from all ranks, then the advantages of the
-    whole rollout (--advantage-estimator, or the custom function the backend loaded)."""
+    whole rollout (--advantage-estimator, or the custom function the backend loaded). `hooks`: each log-prob pass
+    is preceded by slime's before-log-prob hook."""
     mine = batch.select(own)
     algo = config.algorithm
+
+    def log_probs(reference: bool = False, teacher: bool = False) -> list[torch.Tensor]:
+        if hooks is not None:
+            hooks.before_log_probs(scoring_model(backend, reference, teacher),
+                                   "ref_" if reference else "teacher_" if teacher else "")
+        return _gather(own, backend.compute_log_probs(mine, reference=reference, teacher=teacher).log_probs,
+                       len(batch), world_size, backend.data_parallel_group)
+
     if algo.use_rollout_logprobs and batch.rollout_log_probs is None:
         raise ValueError("--use-rollout-logprobs needs the rollout engine's log-probs of every sample; this rollout "
                          "has none (a custom generate function must set rollout_log_probs)")
@@ -93,16 +111,11 @@ def prepare(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, own: 
         # so the extra forward pass over the rollout is skipped.
         old = None
     else:
-        old = _gather(own, backend.compute_log_probs(mine).log_probs, len(batch), world_size,
-                      backend.data_parallel_group)
-    ref = None
-    if backend.needs_reference:
-        ref = _gather(own, backend.compute_log_probs(mine, reference=True).log_probs, len(batch), world_size,
-                      backend.data_parallel_group)
+        old = log_probs()
+    ref = log_probs(reference=True) if backend.needs_reference else None
     teacher = None
     if algo.needs_teacher:
-        teacher = _gather(own, backend.compute_log_probs(mine, teacher=True).log_probs, len(batch), world_size,
-                          backend.data_parallel_group)
+        teacher = log_probs(teacher=True)
     elif algo.use_opd:
         if batch.teacher_log_probs is None:
             raise ValueError("--use-opd --opd-type sglang needs every sample's teacher_log_probs, which this rollout "

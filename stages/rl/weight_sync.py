@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -46,9 +46,12 @@ class WeightSync:
     `transport`: "tensor" (HTTP bodies) or "distributed" (a process group) for embedded engines, "disk" for external
     servers (the default follows `targets`). A push of several buckets pauses the engines (SGLang's abort mode:
     running requests return with finish_reason abort) so that no answer mixes two versions, and continues them after.
+    `post_write(version_dir)`: called after the disk transport wrote a version, before the engines load it
+    (--custom-update-weight-post-write-path).
     """
 
-    def __init__(self, targets: WeightTargets, buffer_size: int = DEFAULT_BUFFER_SIZE, transport: str | None = None):
+    def __init__(self, targets: WeightTargets, buffer_size: int = DEFAULT_BUFFER_SIZE, transport: str | None = None,
+                 post_write: Callable[[str], Any] | None = None):
         transport = transport or ("tensor" if targets.weights_dir is None else "disk")
         if transport not in TRANSPORTS:
             raise ValueError(f"weight transport {transport!r} is not one of {TRANSPORTS}")
@@ -61,6 +64,7 @@ class WeightSync:
             raise ValueError(f"weight transport {transport} reaches engines on trainer rank 0's host only (a loopback "
                              f"gloo group, a /dev/shm file); {remote} are elsewhere (use the default HTTP transport)")
         self.targets, self.buffer_size, self.transport = targets, buffer_size, transport
+        self.post_write = post_write
         self.clients = [EngineClient(url, api_key=targets.api_key) for url in targets.worker_urls]
         self.group: Any = None  # the WeightGroup of the distributed transport, made at the first push
         self.segment: Any = None  # the SegmentWriter of the shared_memory transport
@@ -83,6 +87,8 @@ class WeightSync:
             self.buckets_sent += len(parts)
             return version
         path = self._write_hf(named_tensors, version)
+        if self.post_write is not None:
+            self.post_write(path)
         await asyncio.gather(*(c.update_weights_from_disk(path, version) for c in self.clients))
         served = await asyncio.gather(*(c.weight_version() for c in self.clients))
         wrong = {url: v for url, v in zip(self.targets.worker_urls, served, strict=True) if v != version}

@@ -49,6 +49,7 @@ from slimeflow.stages.rl.backend.torch_backend import (
 from slimeflow.stages.rl.config import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig
 from slimeflow.stages.rl.loss import CustomLoss, LossOutput, TisFunction, load_custom_loss, load_custom_tis
 from slimeflow.stages.rl.offload import module_tensors, optimizer_tensors
+from slimeflow.stages.rl.train_hooks import TrainHooks, check_provided
 from slimeflow.stages.rl.types import TrainBatch
 
 LossOf = Callable[[list[int], LogProbs], LossOutput]
@@ -61,13 +62,14 @@ class MegatronBackend:
     starts from); its weights are loaded by megatron_checkpoint.load_checkpoint. Other arguments as TorchBackend's;
     `parallel` holds the parallel sizes (--tensor-model-parallel-size, --pipeline-model-parallel-size, ...) and the
     MoE runtime flags. `model` is the list of this rank's model chunks (one without a virtual pipeline), each in
-    megatron's DDP, as Megatron-LM keeps it.
+    megatron's DDP, as Megatron-LM keeps it. `hooks`: slime's Megatron hooks (train_hooks): the init hook runs once
+    the parallel state is set up, a model provider builds every chunk.
     """
 
     def __init__(self, hf_checkpoint: str | Path, checkpoint: str | Path, optimizer: OptimizerConfig,
                  algorithm: AlgorithmConfig, batch: BatchConfig, parallel: MegatronConfig, seed: int = 1234,
                  rank: int = 0, world_size: int = 1, init_method: str | None = None, total_steps: int | None = None,
-                 ref_load: str | None = None, temperature: float = 1.0):
+                 ref_load: str | None = None, temperature: float = 1.0, hooks: TrainHooks | None = None):
         from megatron.core import parallel_state
 
         from slimeflow.checkpoint.torch_dist import read_common
@@ -103,6 +105,11 @@ class MegatronBackend:
 
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.vocab_size = _hf_vocab_size(self.hf_checkpoint)
+        self.hooks = hooks
+        if hooks is not None:
+            hooks.with_model_args(self.args)
+            if hooks.init is not None:
+                hooks.init(hooks.args)
         if self.args.padded_vocab_size % tp:
             raise ValueError(f"{checkpoint}: its padded vocabulary ({self.args.padded_vocab_size}) does not split over "
                              f"--tensor-model-parallel-size {tp}; convert it again with that tensor-parallel size")
@@ -148,10 +155,15 @@ class MegatronBackend:
         chunks = []
         for stage in range(self.virtual_stages or 1):
             vp_stage = stage if self.virtual_stages else None
-            model = gpt_model_from_args(
-                self.args, parallel=parallel, vp_stage=vp_stage, parallel_output=False, sdpa=True,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
+            ends = {"pre_process": parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                    "post_process": parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)}
+            if self.hooks is not None and self.hooks.model_provider is not None:
+                model = self.hooks.provide(vp_stage=vp_stage, **ends)
+                check_provided(model, parallel["tensor_model_parallel_size"], parallel["pipeline_model_parallel_size"],
+                               "--custom-model-provider-path")
+            else:
+                model = gpt_model_from_args(self.args, parallel=parallel, vp_stage=vp_stage, parallel_output=False,
+                                            sdpa=True, **ends)
             model.to(self.device).eval()  # dropout is 0; eval as the torch backend: log-probs do not depend on mode
             model.requires_grad_(trainable)
             chunks.append(model)
