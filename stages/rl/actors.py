@@ -72,21 +72,11 @@ class RolloutManager:
         try:
             from transformers import AutoTokenizer
 
-            from slimeflow.stages.rl.data_source import BufferedDataSource, DataSource, pop_first
             from slimeflow.stages.rl.rewards import RewardScorer
 
             self.loop = asyncio.new_event_loop()
             self.tokenizer = AutoTokenizer.from_pretrained(setup.hf_checkpoint)
-            source = DataSource.from_prompt_data(setup.prompt_data,
-                                                 n_samples_per_prompt=config.batch.n_samples_per_prompt,
-                                                 shuffle=config.data.rollout_shuffle, seed=config.data.rollout_seed)
-            from slimeflow.stages.rl.slime_plugins import buffer_filter as slime_buffer_filter
-            from slimeflow.stages.rl.slime_plugins import slime_args
-
-            buffer_filter = (slime_buffer_filter(load_plugin(config.rollout.buffer_filter_path, "buffer-filter-path"),
-                                                 slime_args(config))
-                             if config.rollout.buffer_filter_path else pop_first)
-            self.data = BufferedDataSource(source, buffer_filter)
+            self.data = _data_source(config, setup)
             self.eval_sets = {name: _prompts(uri) for name, uri in setup.eval_prompt_data.items()}
             self.scorer = RewardScorer(config.reward, seed=config.data.rollout_seed, post_processed=bool(
                 config.algorithm.custom_reward_post_process_path))
@@ -261,8 +251,16 @@ class RolloutManager:
     def state_dict(self, trained: int | None = None) -> dict[str, Any]:
         """The data position and the buffer (partial samples included; saved with every checkpoint), and with --async
         the rollouts in flight after rollout `trained`: their prompts are past the data position, so a resume that
-        lost them would skip them."""
-        state = self.data.state_dict()
+        lost them would skip them. A --data-source-path class saves its own state here, as after rollout `trained`
+        (slime's save(rollout_id) at each checkpoint)."""
+        from slimeflow.stages.rl.slime_data_source import PluginDataSource
+
+        if isinstance(self.data, PluginDataSource):
+            if trained is None:
+                raise ValueError("a --data-source-path class saves its state as after a rollout: pass its id")
+            state = self.data.save(trained)
+        else:
+            state = self.data.state_dict()
         kept = [self.in_flight[k].to_dict() for k in sorted(self.in_flight) if trained is None or k > trained]
         if kept:
             state["in_flight"] = kept
@@ -298,6 +296,26 @@ class InFlight:
         from slimeflow.stages.rl.types import Sample
 
         return cls(int(data["rollout_id"]), [Sample.from_dict(s) for s in data["samples"]], dict(data["metrics"]))
+
+
+def _data_source(config: TrainConfig, setup: RolloutSetup) -> Any:
+    """The rollout's data source: the class of --data-source-path (slime's API; args as slime's plug-ins get
+    them), else slimeflow's over --prompt-data with a buffer in front (--buffer-filter-path, default pop_first)."""
+    from slimeflow.stages.rl.data_source import BufferedDataSource, DataSource, pop_first
+    from slimeflow.stages.rl.slime_plugins import buffer_filter as slime_buffer_filter
+    from slimeflow.stages.rl.slime_plugins import slime_args
+
+    if config.data.data_source_path is not None:
+        from slimeflow.stages.rl.slime_data_source import PluginDataSource
+
+        cls = load_plugin(config.data.data_source_path, "data-source-path")
+        return PluginDataSource(cls, slime_args(config), config.batch.n_samples_per_prompt)
+    source = DataSource.from_prompt_data(setup.prompt_data, n_samples_per_prompt=config.batch.n_samples_per_prompt,
+                                         shuffle=config.data.rollout_shuffle, seed=config.data.rollout_seed)
+    buffer_filter = (slime_buffer_filter(load_plugin(config.rollout.buffer_filter_path, "buffer-filter-path"),
+                                         slime_args(config))
+                     if config.rollout.buffer_filter_path else pop_first)
+    return BufferedDataSource(source, buffer_filter)
 
 
 def weight_versions(samples: list[Sample]) -> dict[str, float]:

@@ -47,7 +47,15 @@ from slimeflow.stages.rl.backend.torch_backend import (
     sum_over_ranks,
 )
 from slimeflow.stages.rl.config import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig
-from slimeflow.stages.rl.loss import CustomLoss, LossOutput, TisFunction, load_custom_loss, load_custom_tis
+from slimeflow.stages.rl.loss import (
+    CustomLoss,
+    LossOutput,
+    PgLossReducer,
+    TisFunction,
+    load_custom_loss,
+    load_custom_pg_loss_reducer,
+    load_custom_tis,
+)
 from slimeflow.stages.rl.offload import module_tensors, optimizer_tensors
 from slimeflow.stages.rl.types import TrainBatch
 
@@ -116,6 +124,7 @@ class MegatronBackend:
         self.custom_loss: CustomLoss | None = load_custom_loss(algorithm)
         self.custom_advantage: CustomAdvantage | None = load_custom_advantage(algorithm)
         self.custom_tis: TisFunction | None = load_custom_tis(algorithm)
+        self.custom_pg_loss_reducer: PgLossReducer | None = load_custom_pg_loss_reducer(algorithm)
 
     @property
     def needs_reference(self) -> bool:
