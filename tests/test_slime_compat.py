@@ -307,12 +307,13 @@ CALLED = ["--rollout-function-path", "--custom-generate-function-path", "--custo
           "--dynamic-sampling-filter-path", "--buffer-filter-path", "--rollout-sample-hook-path", "--rollout-sample-filter-path",
           "--custom-rollout-log-function-path", "--custom-reward-post-process-path",
           "--rollout-all-samples-process-path", "--custom-eval-rollout-log-function-path",
-          "--custom-convert-samples-to-train-data-path", "--eval-function-path", "--custom-tis-function-path"]
-REFUSED = ["--custom-pg-loss-reducer-function-path", "--rollout-data-postprocess-path",
+          "--custom-convert-samples-to-train-data-path", "--eval-function-path", "--custom-tis-function-path",
+          "--custom-pg-loss-reducer-function-path", "--data-source-path"]
+# --custom-config-path (a YAML file, not a plug-in) is tests/test_slime_path_hooks.py's.
+REFUSED = ["--rollout-data-postprocess-path",
            "--custom-megatron-init-path", "--custom-megatron-before-log-prob-hook-path",
            "--custom-megatron-before-train-step-hook-path", "--custom-model-provider-path",
-           "--custom-update-weight-post-write-path", "--megatron-config-path", "--data-source-path",
-           "--custom-config-path"]
+           "--custom-update-weight-post-write-path", "--megatron-config-path"]
 
 
 def test_every_slime_path_flag_is_taken_or_refused_by_name():
