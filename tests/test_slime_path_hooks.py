@@ -173,3 +173,26 @@ def test_a_custom_config_slimeflow_cannot_take_is_refused_at_parse(tmp_path, tex
     with pytest.raises(ConfigError) as err:
         load_stage_config("train", None, [*TRAIN, "--custom-config-path", path])
     assert message in str(err.value)
+
+
+def test_slimes_default_class_means_slimeflows_data_source_and_its_base_classes_are_named():
+    cfg = load_stage_config("train", None, [*TRAIN, "--data-source-path",
+                                            "slime.rollout.data_source.RolloutDataSourceWithBuffer"])
+    assert cfg.data.data_source_path is None  # what slimeflow's own data source does
+    [problem] = plugin_problems("data-source-path", "slime.rollout.data_source.RolloutDataSource", False)
+    assert "not provided by slimeflow's slime compatibility layer" in problem and "subclass" in problem
+
+
+def test_the_rollout_manager_builds_the_class_and_leaves_prompt_data_to_it(tmp_path):
+    from slimeflow.io.storage import Storage
+    from slimeflow.stages.rl.actors import RolloutSetup, _data_source
+    from slimeflow.stages.rl.raw_data import prepare_data
+
+    raw = tmp_path / "prompts.jsonl"
+    raw.write_text('{"input": "x"}\n')  # raw data: slimeflow would preprocess it for its own data source
+    cfg = _with_custom(tmp_path, data={"prompt_data": str(raw)})
+    prepared, sets = prepare_data(cfg, Storage(), tmp_path / "work")
+    assert prepared.data.prompt_data == str(raw) and sets == {}
+    data = _data_source(prepared, RolloutSetup(hf_checkpoint="unused", prompt_data=str(raw), eval_prompt_data={}))
+    assert isinstance(data, PluginDataSource) and data.source.args.prompt_data == str(raw)
+    assert [g[0].prompt for g in data.get_groups(2)] == ["a1", "b2"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from slimeflow.config.base import ConfigModel, OptionalPositiveInt, PluginPath, PositiveInt
 from slimeflow.config.megatron import MegatronConfig
@@ -106,6 +106,16 @@ class DataConfig(ConfigModel):
     """A data source class in place of slimeflow's (slime's contract: cls(args) with get_samples(num_samples) ->
     list of groups, add_samples(groups), save(rollout_id), load(rollout_id), __len__); --prompt-data is then its
     own business (args.prompt_data, as given) and --num-rollout is required."""
+
+    @field_validator("data_source_path")
+    @classmethod
+    def _slimes_default_is_ours(cls, value: str | None) -> str | None:
+        # slime's default class, named explicitly by some scripts, is what slimeflow's own data source does.
+        return None if value in SLIME_DEFAULT_DATA_SOURCES else value
+
+
+SLIME_DEFAULT_DATA_SOURCES = ("slime.rollout.data_source.RolloutDataSourceWithBuffer",
+                               "slime.rollout.data_source:RolloutDataSourceWithBuffer")
 
 
 class RolloutConfig(ConfigModel):

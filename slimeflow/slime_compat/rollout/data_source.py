@@ -40,3 +40,14 @@ def pop_first(args: Any, rollout_id: int | None, buffer: list[list[Sample]], num
     taken = buffer[:min(len(buffer), num_samples)]
     del buffer[:len(taken)]
     return taken
+
+
+def __getattr__(name: str) -> Any:
+    # slime's default data source classes read --prompt-data through slime's own Dataset; slimeflow's data source
+    # is their equivalent, and a class of your own subclasses DataSource.
+    if name in ("RolloutDataSource", "RolloutDataSourceWithBuffer"):
+        raise ImportError(f"slime.rollout.data_source.{name} is not provided by slimeflow's slime compatibility layer: "
+                          "leave --data-source-path unset for slimeflow's data source (slime's default behaviour: "
+                          "--prompt-data in order, a buffer in front, --buffer-filter-path), or subclass "
+                          "slime.rollout.data_source.DataSource", name=name)
+    raise AttributeError(f"module 'slime.rollout.data_source' has no attribute {name!r}")
