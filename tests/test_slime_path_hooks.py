@@ -196,3 +196,15 @@ def test_the_rollout_manager_builds_the_class_and_leaves_prompt_data_to_it(tmp_p
     data = _data_source(prepared, RolloutSetup(hf_checkpoint="unused", prompt_data=str(raw), eval_prompt_data={}))
     assert isinstance(data, PluginDataSource) and data.source.args.prompt_data == str(raw)
     assert [g[0].prompt for g in data.get_groups(2)] == ["a1", "b2"]
+
+
+def test_a_custom_data_source_needs_num_rollout_but_no_prompt_data(tmp_path):
+    from slimeflow.io.storage import Storage
+    from slimeflow.stages.base import StageContext, StageInputError
+    from slimeflow.stages.rl.stage import rollout_setup
+
+    argv = ["--rollout-batch-size", "2", "--num-epoch", "1", "--data-source-path", SOURCE]
+    with pytest.raises(StageInputError) as err:
+        rollout_setup(load_stage_config("train", None, argv), StageContext(Storage(), tmp_path, str(tmp_path)))
+    assert f"--num-epoch with --data-source-path {SOURCE}" in str(err.value) and "give --num-rollout" in str(err.value)
+    assert "--prompt-data is not set" not in str(err.value)
