@@ -208,3 +208,20 @@ def test_a_custom_data_source_needs_num_rollout_but_no_prompt_data(tmp_path):
         rollout_setup(load_stage_config("train", None, argv), StageContext(Storage(), tmp_path, str(tmp_path)))
     assert f"--num-epoch with --data-source-path {SOURCE}" in str(err.value) and "give --num-rollout" in str(err.value)
     assert "--prompt-data is not set" not in str(err.value)
+
+
+def test_a_rollout_function_gets_the_data_source_object_itself(tmp_path, make_ctx):
+    from slimeflow.slime_compat.rollout.sglang_rollout import GenerateState
+    from slimeflow.stages.rl.slime_rollout_hooks import run_rollout_function
+
+    cfg = _with_custom(tmp_path, rollout={"rollout_function_path": "slime_style_rollout.generate_rollout",
+                                          "custom_generate_function_path": "slime_style_hooks:record_evaluation"})
+    data = plugin_source(cfg)
+    GenerateState.clear_instances()
+    try:
+        result = run_rollout_function(load_plugin(cfg.rollout.rollout_function_path, "rollout-function-path"),
+                                      make_ctx(ScriptedEngine({}), cfg), data, 4)
+    finally:
+        GenerateState.clear_instances()
+    assert [[s.prompt for s in g] for g in result.groups] == [["a1", "a1"], ["b2", "b2"]]
+    assert [g[0].prompt for g in data.source.buffer] == ["c3"]  # the function's add_samples, on the class (as slime)
