@@ -225,3 +225,23 @@ def test_a_rollout_function_gets_the_data_source_object_itself(tmp_path, make_ct
         GenerateState.clear_instances()
     assert [[s.prompt for s in g] for g in result.groups] == [["a1", "a1"], ["b2", "b2"]]
     assert [g[0].prompt for g in data.source.buffer] == ["c3"]  # the function's add_samples, on the class (as slime)
+
+
+def scaled_by_custom_key(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
+                         response_lengths):
+    """A TIS function in slime's form reading its setting from args, as slime's mis.py reads mis.yaml's."""
+    return pg_loss * args.tis_scale, loss_masks, {}
+
+
+def test_a_custom_tis_function_reads_the_custom_configs_keys_from_args(tmp_path):
+    from slimeflow.stages.rl.loss import load_custom_tis
+
+    cfg = load_stage_config("train", None, [
+        *TRAIN, "--custom-config-path", custom_config(tmp_path, "tis_scale: 0.5\nuse_tis: true\n"),
+        "--custom-tis-function-path", "test_slime_path_hooks:scaled_by_custom_key"])
+    tis = load_custom_tis(cfg.algorithm, slime_args(cfg))  # as the backends load it
+    inputs = hand_batch(total_lengths=[5, 7], rollout_log_probs=ROLLOUT)
+    out = compute_loss(cfg.algorithm, inputs, LossNormalizer.for_batch(inputs.loss_masks), tis_function=tis)
+    plain = compute_loss(cfg.algorithm.model_copy(update={"use_tis": False}), inputs,
+                         LossNormalizer.for_batch(inputs.loss_masks))
+    approx(out.metrics["pg_loss"], 0.5 * plain.metrics["pg_loss"].item())

@@ -481,11 +481,12 @@ def _backend(config: TrainConfig, hf_checkpoint: str, rank: int, world_size: int
     The Megatron backend takes its model's shape from the checkpoint it starts from (--load's latest, else
     --ref-load), as slime's does; the torch backend from the HF checkpoint."""
     from slimeflow.stages.rl.backend.checkpoint import resolve_start
+    from slimeflow.stages.rl.slime_plugins import slime_args
 
     common = {"optimizer": config.optimizer, "algorithm": config.algorithm, "batch": config.batch,
               "seed": config.seed, "rank": rank, "world_size": world_size, "init_method": init_method or None,
               "total_steps": total_steps, "ref_load": config.checkpoint.ref_load,
-              "temperature": config.rollout.rollout_temperature}
+              "temperature": config.rollout.rollout_temperature, "plugin_args": slime_args(config)}
     if config.placement.train_backend == "megatron":
         from slimeflow.stages.rl.backend import megatron_checkpoint
         from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend

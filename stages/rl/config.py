@@ -250,8 +250,8 @@ class AlgorithmConfig(ConfigModel):
     custom_tis_function_path: PluginPath = None
     """slime's TIS contract, fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
     response_lengths) -> (pg_loss reweighted, loss masks (tokens rejected: 0), metrics), called in the policy loss
-    with --use-tis or --get-mismatch-metrics instead of the vanilla TIS (`args`: this algorithm config, which has
-    tis_clip and tis_clip_low)."""
+    with --use-tis or --get-mismatch-metrics instead of the vanilla TIS (`args`: slime's args of the run, every flag
+    and --custom-config-path's keys, as slime's mis.py reads them)."""
     custom_pg_loss_reducer_function_path: PluginPath = None
     """slime's get_pg_loss_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) ->
     reduce(pg_loss) -> the micro-batch's sum (default: each sample's masked mean, summed), in place of the default

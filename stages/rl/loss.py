@@ -119,10 +119,20 @@ def vanilla_tis(args: AlgorithmConfig, *, pg_loss: torch.Tensor, train_log_probs
     return pg_loss * weights, loss_masks, metrics
 
 
-def load_custom_tis(config: AlgorithmConfig) -> TisFunction | None:
-    """The function at --custom-tis-function-path, or None (vanilla_tis)."""
+def load_custom_tis(config: AlgorithmConfig, args: object = None) -> TisFunction | None:
+    """The function at --custom-tis-function-path, or None (vanilla_tis). Given `args` (slime's args of the run, with
+    --custom-config-path's keys, as slime passes its own), the function gets them in place of the algorithm config."""
     path = config.custom_tis_function_path
-    return None if path is None else load_plugin(path, "custom-tis-function-path")
+    if path is None:
+        return None
+    function = load_plugin(path, "custom-tis-function-path")
+    if args is None:
+        return function
+
+    def with_args(_config: AlgorithmConfig, **kwargs: object) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
+        return function(args, **kwargs)
+
+    return with_args
 
 
 PgLossReducer = Callable[[list[int], list[int], list[torch.Tensor], bool], Callable[[torch.Tensor], torch.Tensor]]

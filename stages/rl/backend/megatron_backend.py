@@ -75,7 +75,7 @@ class MegatronBackend:
     def __init__(self, hf_checkpoint: str | Path, checkpoint: str | Path, optimizer: OptimizerConfig,
                  algorithm: AlgorithmConfig, batch: BatchConfig, parallel: MegatronConfig, seed: int = 1234,
                  rank: int = 0, world_size: int = 1, init_method: str | None = None, total_steps: int | None = None,
-                 ref_load: str | None = None, temperature: float = 1.0):
+                 ref_load: str | None = None, temperature: float = 1.0, plugin_args: Any = None):
         from megatron.core import parallel_state
 
         from slimeflow.checkpoint.torch_dist import read_common
@@ -123,7 +123,7 @@ class MegatronBackend:
             self.teacher_model = self._reference(algorithm.opd_teacher_load) if algorithm.needs_teacher else None
         self.custom_loss: CustomLoss | None = load_custom_loss(algorithm)
         self.custom_advantage: CustomAdvantage | None = load_custom_advantage(algorithm)
-        self.custom_tis: TisFunction | None = load_custom_tis(algorithm)
+        self.custom_tis: TisFunction | None = load_custom_tis(algorithm, plugin_args)  # slime's args
         self.custom_pg_loss_reducer: PgLossReducer | None = load_custom_pg_loss_reducer(algorithm)
 
     @property
