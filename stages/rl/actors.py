@@ -486,7 +486,8 @@ def _backend(config: TrainConfig, hf_checkpoint: str, rank: int, world_size: int
     common = {"optimizer": config.optimizer, "algorithm": config.algorithm, "batch": config.batch,
               "seed": config.seed, "rank": rank, "world_size": world_size, "init_method": init_method or None,
               "total_steps": total_steps, "ref_load": config.checkpoint.ref_load,
-              "temperature": config.rollout.rollout_temperature, "plugin_args": slime_args(config)}
+              "temperature": config.rollout.rollout_temperature,
+              "plugin_args": slime_args(config) if config.algorithm.custom_tis_function_path else None}
     if config.placement.train_backend == "megatron":
         from slimeflow.stages.rl.backend import megatron_checkpoint
         from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend
