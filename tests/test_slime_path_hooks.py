@@ -86,6 +86,10 @@ def test_a_resumed_run_continues_the_slime_data_source(tmp_path):
     expected = [[(s.group_index, s.prompt) for s in g] for g in manager.data.get_groups(3)]
     assert [[(s.group_index, s.prompt) for s in g] for g in restored.data.get_groups(3)] == expected
     assert [g[0][1] for g in expected] == ["c3", "a1", "b2"]
+    # Over a checkpoint without slimeflow's state (slime's own), the class's load(start_rollout_id - 1), as slime.
+    from_slime_checkpoint = plugin_source(cfg)
+    from_slime_checkpoint.start(4)
+    assert [g[0].prompt for g in from_slime_checkpoint.get_groups(3)] == [g[0][1] for g in expected]
     # A checkpoint of the other kind of data source is refused either way, with the way out.
     with pytest.raises(ValueError, match="resume with the same --data-source-path"):
         BufferedDataSource(DataSource([{"prompt": "x"}])).load_state_dict(state)

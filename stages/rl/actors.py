@@ -121,7 +121,10 @@ class RolloutManager:
         from slimeflow.stages.rl.types import PackedBatch
 
         # The loop's first rollout follows its first push; with --debug-rollout-only no trainer pushes weights.
-        self.first_rollout_id = rollout_id if self.first_rollout_id is None else self.first_rollout_id
+        if self.first_rollout_id is None:
+            self.first_rollout_id = rollout_id
+            if hasattr(self.data, "start"):  # a --data-source-path class: slime's load(start_rollout_id - 1)
+                self.data.start(rollout_id)
         version = (served_version(rollout_id, self.first_rollout_id, self.config.weight_sync.update_weights_interval)
                    if weight_version is None else weight_version)
         ctx = self._context(None if self.config.debug.debug_rollout_only else str(version))

@@ -1,9 +1,9 @@
 """--data-source-path: a data source class written against slime's API, in place of slimeflow's buffered one.
 
 slime instantiates the class with `args` and calls `get_samples(num_samples)` for groups, `add_samples(groups)` for
-the groups a rollout aborts, `save(rollout_id)` at each checkpoint and `load(rollout_id)` when a run resumes after
-checkpoint `rollout_id`. `PluginDataSource` gives the rollout the interface of BufferedDataSource over such a class:
-groups go out as slimeflow Samples and come back as slime's. Its checkpoint state is the rollout id it saved at;
+the groups a rollout aborts, `save(rollout_id)` at each checkpoint and `load(start_rollout_id - 1)` before the first
+rollout (so -1 on a fresh run). `PluginDataSource` gives the rollout the interface of BufferedDataSource over such a
+class: groups go out as slimeflow Samples and come back as slime's. Its checkpoint state is the rollout id it saved at;
 what the class saves is its own (slime's writes under args.save and reads from args.load).
 """
 
@@ -26,6 +26,7 @@ class PluginDataSource:
         self.where = f"--data-source-path {plugin_name(cls)}"
         self._next_group = 0  # for samples the class hands out without a group_index / index
         self._next_sample = 0
+        self.loaded = False
 
     def get_groups(self, num_groups: int) -> list[Group]:
         """`num_groups` groups from the class's get_samples, checked for shape and converted."""
@@ -81,3 +82,12 @@ class PluginDataSource:
                              "--data-source-path class's; resume with the data source it was saved with, or start "
                              "without --load")
         self.source.load(int(state["data_source_rollout_id"]))
+        self.loaded = True
+
+    def start(self, start_rollout_id: int) -> None:
+        """Before the run's first rollout: as slime, the class's load(start_rollout_id - 1) (-1 on a fresh run), unless
+        a slimeflow checkpoint's state loaded it already; so a run over a slime checkpoint continues the class's own
+        saved state too."""
+        if not self.loaded:
+            self.source.load(start_rollout_id - 1)
+            self.loaded = True
