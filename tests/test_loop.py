@@ -21,7 +21,7 @@ class Recorder:
         self.calls.append(("eval", version))
         return {"eval/x/avg_at_1": float(version)}
 
-    def state_dict(self):
+    def state_dict(self, trained=None):
         return {"offset": len(self.calls)}
 
     def load_state_dict(self, state):

@@ -1,7 +1,8 @@
 """slime-style plug-ins through the real train path (tiny model, embedded engine, Ray): a two-turn custom generate
 that calls slime's `generate` over HTTP to the running engine, appends tool tokens, sets its own reward for some
 trajectories and returns list[Sample]; slime's per-sample reward for the others; a DynamicFilterOutput filter that
-drops a group."""
+drops a group; a data source class over prompts of a --custom-config-path key, saved at each checkpoint; a Dr.GRPO
+pg-loss reducer."""
 
 from __future__ import annotations
 
@@ -35,11 +36,15 @@ def test_slime_plugins_train_unchanged(tmp_path, monkeypatch, ray_with_plugins_i
     slime_compat.install()  # for this test's own import of the plug-in (the train stage installs it itself)
     import slime_style_multi_turn as turns
 
+    custom = tmp_path / "custom.yaml"
+    custom.write_text("data_source_prompts: [one plus one, two plus two, three plus three, four plus four]\n")
     config, _ = train_config(tmp_path / "prep", **{
         "num-rollout": 2, "rollout-batch-size": 2, "n-samples-per-prompt": 2, "eval-interval": None,
-        "save-interval": None, "rm-type": None, "custom-rm-path": "slime_style_hooks.parity_reward",
+        "rm-type": None, "custom-rm-path": "slime_style_hooks.parity_reward",
         "custom-generate-function-path": "slime_style_multi_turn.generate_two_turns",
-        "dynamic-sampling-filter-path": "slime_style_hooks.drop_group_zero"})
+        "dynamic-sampling-filter-path": "slime_style_hooks.drop_group_zero",
+        "data-source-path": "slime_style_data_source.ListDataSource", "save-interval": None,
+        "custom-config-path": str(custom), "custom-pg-loss-reducer-function-path": "slime_style_data_source.dr_grpo"})
     template = str(tmp_path / "debug" / "rollout_{rollout_id}.pt")
     records, _, manifest = run_stage(with_debug(config, save_debug_rollout_data=template), tmp_path / "run",
                                      monkeypatch)
@@ -49,6 +54,9 @@ def test_slime_plugins_train_unchanged(tmp_path, monkeypatch, ray_with_plugins_i
 
     saved = torch.load(template.format(rollout_id=0), weights_only=True)["samples"]
     assert 0 not in {s["group_index"] for s in saved}
+    assert {s["prompt"] for s in saved} <= {"two plus two", "three plus three", "four plus four"}  # the class's
+    rollout_state = tmp_path / "run" / "checkpoints" / "rollout"  # the class's save(1) with the final checkpoint
+    assert sorted(p.name for p in rollout_state.iterdir()) == ["list_source_1.json"]
     assert len(saved) == 2 * 2 * 2  # 2 groups x 2 trajectories x 2 samples (one per turn)
     tool = len(turns_tool_ids(manifest))
     for first, second in zip(saved[::2], saved[1::2], strict=True):

@@ -142,7 +142,7 @@ def _batch() -> TrainBatch:
                       response_lengths=[n for _, n in lengths], loss_masks=masks, rewards=torch.tensor([1., 0, 0, 1]))
 
 
-@pytest.mark.slow  # builds a tiny model (~4 s, ~12 s on a loaded machine) and trains it twice
+@pytest.mark.slow  # builds a tiny model (~4 s, ~12 s on a loaded machine) and trains it a few times
 def test_torch_backend_trains_with_the_engines_log_probs_and_reports_the_mismatch(hf_dir):
     """The engine's log-probs are the trainer's shifted by -0.1 per token, so every ratio and metric is known."""
     def train(**algorithm) -> tuple[dict[str, float], int]:
@@ -162,6 +162,10 @@ def test_torch_backend_trains_with_the_engines_log_probs_and_reports_the_mismatc
     assert metrics["ppo_kl"] == pytest.approx(-0.1, abs=1e-5)  # old (engine) - current
     assert metrics["train_rollout_logprob_abs_diff"] == pytest.approx(0.1, abs=1e-5)
     metrics, passes = train(get_mismatch_metrics=True)
+    # --custom-pg-loss-reducer-function-path (slime's signature) reduces the backend's pg_loss, and only it
+    doubled, _ = train(get_mismatch_metrics=True, custom_pg_loss_reducer_function_path="test_tis_mismatch:doubled")
+    assert doubled["pg_loss"] == pytest.approx(2 * metrics["pg_loss"], rel=1e-6)
+    assert doubled["pg_clipfrac"] == metrics["pg_clipfrac"] and doubled["tis"] == metrics["tis"]
     assert passes == 0  # one optimizer step, grpo: the training forward's log-probs are the old ones
     assert metrics["ppo_kl"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["tis"] == pytest.approx(math.exp(0.1), abs=1e-5)
@@ -182,3 +186,12 @@ def halve_and_count(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_m
     """A custom TIS function (slime's keywords): weight 0.5 on every token, its calls recorded."""
     HALVED.append(list(response_lengths))
     return pg_loss * 0.5, loss_masks, {"halved": torch.ones_like(pg_loss)}
+
+
+def doubled(total_lengths, response_lengths, loss_masks, calculate_per_token_loss=False):
+    """A pg-loss reducer (slime's signature): twice slime's default sum of sample means."""
+    def reduce(x):
+        parts = x.split(response_lengths, dim=0)
+        return 2 * sum((x_i * m).sum() / torch.clamp_min(m.sum(), 1) for x_i, m in zip(parts, loss_masks, strict=True))
+
+    return reduce

@@ -13,7 +13,6 @@ _MOE = ("a Megatron mixture-of-experts flag the Megatron backend does not read y
 NOT_YET_SUPPORTED: dict[str, str] = {
     "--save-hf": "HF weights are not written at each save yet: export a checkpoint with `slimeflow export`",
     "--eval-config": "per-dataset eval settings from a YAML file are not supported yet: use the --eval-* flags",
-    "--custom-config-path": "custom YAML args for plug-ins are not supported yet",
     "--load-debug-rollout-data-subsample": "subsampling replayed rollouts is not supported yet: "
                                            "--load-debug-rollout-data replays whole rollouts",
     "--save-debug-train-data": "saving the trainer's per-rank data is not supported yet: "
@@ -52,16 +51,6 @@ NOT_YET_SUPPORTED.update({
     "--post-self-attn-layernorm": _SANDWICH,
     "--post-mlp-layernorm": _SANDWICH,
     "--prefill-num-servers": "prefill/decode disaggregation is not supported yet",
-})
-
-_LOSS_HOOK = ("called inside slime's Megatron policy loss on packed sequences; slimeflow's policy loss does not take "
-              "this hook yet")
-# slime's `*-path` plug-in flags that slimeflow does not call (yet). The ones it calls are config fields.
-NOT_YET_SUPPORTED.update({
-    "--custom-pg-loss-reducer-function-path": f"a custom pg-loss reducer is {_LOSS_HOOK}",
-    "--data-source-path": ("a custom data source class (slime's RolloutDataSource API: get_samples, add_samples, "
-                           "save, load) is not supported yet; slimeflow's data source reads --prompt-data and "
-                           "resumes from checkpoints (--buffer-filter-path chooses what the buffer hands out)"),
 })
 
 NOT_YET_SUPPORTED_PREFIXES: dict[str, str] = {
@@ -203,8 +192,8 @@ NOT_YET_SUPPORTED.update({
     "--min-batch-collection-ratio": "an external rollout buffer service is not supported",
     "--rollout-task-type": "an external rollout buffer service is not supported",
     "--loss-mask-type": "chat-template loss masks for SFT are not supported yet",
-    "--disable-rollout-global-dataset": "rollouts always read --prompt-data; a custom data source is not supported "
-                                        "yet",
+    "--disable-rollout-global-dataset": "rollouts always read a data source (--prompt-data, or the class of "
+                                        "--data-source-path, which then saves and loads its own state)",
     "--rollout-data-transport": "rollout data goes to the trainers through Ray's object store",
     "--http-proxy": "set the HTTP proxy in the environment (HTTP_PROXY / NO_PROXY)",
     "--use-distributed-post": "requests go to the engines through one client; distributed posting is not "

@@ -72,21 +72,11 @@ class RolloutManager:
         try:
             from transformers import AutoTokenizer
 
-            from slimeflow.stages.rl.data_source import BufferedDataSource, DataSource, pop_first
             from slimeflow.stages.rl.rewards import RewardScorer
 
             self.loop = asyncio.new_event_loop()
             self.tokenizer = AutoTokenizer.from_pretrained(setup.hf_checkpoint)
-            source = DataSource.from_prompt_data(setup.prompt_data,
-                                                 n_samples_per_prompt=config.batch.n_samples_per_prompt,
-                                                 shuffle=config.data.rollout_shuffle, seed=config.data.rollout_seed)
-            from slimeflow.stages.rl.slime_plugins import buffer_filter as slime_buffer_filter
-            from slimeflow.stages.rl.slime_plugins import slime_args
-
-            buffer_filter = (slime_buffer_filter(load_plugin(config.rollout.buffer_filter_path, "buffer-filter-path"),
-                                                 slime_args(config))
-                             if config.rollout.buffer_filter_path else pop_first)
-            self.data = BufferedDataSource(source, buffer_filter)
+            self.data = _data_source(config, setup)
             self.eval_sets = {name: _prompts(uri) for name, uri in setup.eval_prompt_data.items()}
             self.scorer = RewardScorer(config.reward, seed=config.data.rollout_seed, post_processed=bool(
                 config.algorithm.custom_reward_post_process_path))
@@ -131,7 +121,10 @@ class RolloutManager:
         from slimeflow.stages.rl.types import PackedBatch
 
         # The loop's first rollout follows its first push; with --debug-rollout-only no trainer pushes weights.
-        self.first_rollout_id = rollout_id if self.first_rollout_id is None else self.first_rollout_id
+        if self.first_rollout_id is None:
+            self.first_rollout_id = rollout_id
+            if hasattr(self.data, "start"):  # a --data-source-path class: slime's load(start_rollout_id - 1)
+                self.data.start(rollout_id)
         version = (served_version(rollout_id, self.first_rollout_id, self.config.weight_sync.update_weights_interval)
                    if weight_version is None else weight_version)
         ctx = self._context(None if self.config.debug.debug_rollout_only else str(version))
@@ -261,8 +254,16 @@ class RolloutManager:
     def state_dict(self, trained: int | None = None) -> dict[str, Any]:
         """The data position and the buffer (partial samples included; saved with every checkpoint), and with --async
         the rollouts in flight after rollout `trained`: their prompts are past the data position, so a resume that
-        lost them would skip them."""
-        state = self.data.state_dict()
+        lost them would skip them. A --data-source-path class saves its own state here, as after rollout `trained`
+        (slime's save(rollout_id) at each checkpoint)."""
+        from slimeflow.stages.rl.slime_data_source import PluginDataSource
+
+        if isinstance(self.data, PluginDataSource):
+            if trained is None:
+                raise ValueError("a --data-source-path class saves its state as after a rollout: pass its id")
+            state = self.data.save(trained)
+        else:
+            state = self.data.state_dict()
         kept = [self.in_flight[k].to_dict() for k in sorted(self.in_flight) if trained is None or k > trained]
         if kept:
             state["in_flight"] = kept
@@ -298,6 +299,26 @@ class InFlight:
         from slimeflow.stages.rl.types import Sample
 
         return cls(int(data["rollout_id"]), [Sample.from_dict(s) for s in data["samples"]], dict(data["metrics"]))
+
+
+def _data_source(config: TrainConfig, setup: RolloutSetup) -> Any:
+    """The rollout's data source: the class of --data-source-path (slime's API; args as slime's plug-ins get
+    them), else slimeflow's over --prompt-data with a buffer in front (--buffer-filter-path, default pop_first)."""
+    from slimeflow.stages.rl.data_source import BufferedDataSource, DataSource, pop_first
+    from slimeflow.stages.rl.slime_plugins import buffer_filter as slime_buffer_filter
+    from slimeflow.stages.rl.slime_plugins import slime_args
+
+    if config.data.data_source_path is not None:
+        from slimeflow.stages.rl.slime_data_source import PluginDataSource
+
+        cls = load_plugin(config.data.data_source_path, "data-source-path")
+        return PluginDataSource(cls, slime_args(config), config.batch.n_samples_per_prompt)
+    source = DataSource.from_prompt_data(setup.prompt_data, n_samples_per_prompt=config.batch.n_samples_per_prompt,
+                                         shuffle=config.data.rollout_shuffle, seed=config.data.rollout_seed)
+    buffer_filter = (slime_buffer_filter(load_plugin(config.rollout.buffer_filter_path, "buffer-filter-path"),
+                                         slime_args(config))
+                     if config.rollout.buffer_filter_path else pop_first)
+    return BufferedDataSource(source, buffer_filter)
 
 
 def weight_versions(samples: list[Sample]) -> dict[str, float]:
@@ -469,11 +490,13 @@ def _backend(config: TrainConfig, hf_checkpoint: str, rank: int, world_size: int
     The Megatron backend takes its model's shape from the checkpoint it starts from (--load's latest, else
     --ref-load), as slime's does; the torch backend from the HF checkpoint."""
     from slimeflow.stages.rl.backend.checkpoint import resolve_start
+    from slimeflow.stages.rl.slime_plugins import slime_args
 
     common = {"optimizer": config.optimizer, "algorithm": config.algorithm, "batch": config.batch,
               "seed": config.seed, "rank": rank, "world_size": world_size, "init_method": init_method or None,
               "total_steps": total_steps, "ref_load": config.checkpoint.ref_load,
-              "temperature": config.rollout.rollout_temperature}
+              "temperature": config.rollout.rollout_temperature,
+              "plugin_args": slime_args(config) if config.algorithm.custom_tis_function_path else None}
     if config.placement.train_backend == "megatron":
         from slimeflow.stages.rl.backend import megatron_checkpoint
         from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from slimeflow.config.base import ConfigModel, OptionalPositiveInt, PluginPath, PositiveInt
 from slimeflow.config.megatron import MegatronConfig
@@ -102,6 +102,20 @@ class DataConfig(ConfigModel):
     """Seed of the data order and of sampling."""
     rollout_max_prompt_len: OptionalPositiveInt = None
     """Drop prompts longer than this many tokens."""
+    data_source_path: PluginPath = None
+    """A data source class in place of slimeflow's (slime's contract: cls(args) with get_samples(num_samples) ->
+    list of groups, add_samples(groups), save(rollout_id), load(rollout_id), __len__); --prompt-data is then its
+    own business (args.prompt_data, as given) and --num-rollout is required."""
+
+    @field_validator("data_source_path")
+    @classmethod
+    def _slimes_default_is_ours(cls, value: str | None) -> str | None:
+        # slime's default class, named explicitly by some scripts, is what slimeflow's own data source does.
+        return None if value in SLIME_DEFAULT_DATA_SOURCES else value
+
+
+SLIME_DEFAULT_DATA_SOURCES = ("slime.rollout.data_source.RolloutDataSourceWithBuffer",
+                               "slime.rollout.data_source:RolloutDataSourceWithBuffer")
 
 
 class RolloutConfig(ConfigModel):
@@ -236,8 +250,13 @@ class AlgorithmConfig(ConfigModel):
     custom_tis_function_path: PluginPath = None
     """slime's TIS contract, fn(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, total_lengths,
     response_lengths) -> (pg_loss reweighted, loss masks (tokens rejected: 0), metrics), called in the policy loss
-    with --use-tis or --get-mismatch-metrics instead of the vanilla TIS (`args`: this algorithm config, which has
-    tis_clip and tis_clip_low)."""
+    with --use-tis or --get-mismatch-metrics instead of the vanilla TIS (`args`: slime's args of the run, every flag
+    and --custom-config-path's keys, as slime's mis.py reads them)."""
+    custom_pg_loss_reducer_function_path: PluginPath = None
+    """slime's get_pg_loss_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss) ->
+    reduce(pg_loss) -> the micro-batch's sum (default: each sample's masked mean, summed), in place of the default
+    reduction of pg_loss (e.g. Dr.GRPO's constant divisor); the loss is that sum over the global batch's sample (or
+    token) count, and the other metrics keep the default, as slime."""
     custom_reward_post_process_path: PluginPath = None
     """post_process(args, samples) -> (raw_rewards, rewards), on the rollout's samples (slime's contract); the
     estimators then take `rewards` as they are (no group normalisation, as in slime)."""
@@ -621,6 +640,9 @@ class TrainConfig(ConfigModel):
     megatron_config_path: str | None = None
     """slime's per-role Megatron YAML (megatron: [{role: actor, overrides: {flag: value}}]); the actor's overrides
     replace the command line's values (slimeflow.config.megatron_roles)."""
+    custom_config_path: str | None = None
+    """A YAML file of settings for plug-ins, as slime's: each key becomes an attribute of the `args` they get; a key
+    that is one of these flags sets it, over the command line (slime's precedence)."""
     batch: BatchConfig
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -637,6 +659,26 @@ class TrainConfig(ConfigModel):
     sglang: SglangConfig = Field(default_factory=SglangConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    _custom_args: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @property
+    def custom_args(self) -> dict[str, Any]:
+        """The plug-in settings of --custom-config-path (its keys that are not flags): attributes of slime's args."""
+        return dict(self._custom_args)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _custom_config_flags(cls, data: Any) -> Any:
+        """The flags that --custom-config-path's file sets, over those given (slime sets its keys after parsing)."""
+        if not isinstance(data, dict) or not data.get("custom_config_path"):
+            return data
+        from slimeflow.config.flags import merge
+        from slimeflow.stages.rl.custom_config import read_custom_config
+
+        flags, _ = read_custom_config(data["custom_config_path"])
+        plain = {key: value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
+                 for key, value in data.items()}
+        return merge(plain, flags)
 
     @model_validator(mode="before")
     @classmethod
@@ -654,6 +696,10 @@ class TrainConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _cross_group(self) -> TrainConfig:
+        if self.custom_config_path:
+            from slimeflow.stages.rl.custom_config import read_custom_config
+
+            self._custom_args = read_custom_config(self.custom_config_path)[1]
         over = self.rollout.over_sampling_batch_size
         if over is not None and over < self.batch.rollout_batch_size:
             raise ValueError(

@@ -198,5 +198,8 @@ class BufferedDataSource:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from `state`."""
+        if "source" not in state:
+            raise ValueError("the checkpoint's data-source state was saved by a --data-source-path class; resume with "
+                             "the same --data-source-path, or start without --load")
         self.source.load_state_dict(state["source"])
         self.buffer = [[Sample.from_dict(s) for s in group] for group in state["buffer"]]

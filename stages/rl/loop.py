@@ -73,7 +73,7 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
 
         if should_save(config.checkpoint.save_interval, rollout_id, num_rollout):
             with timer("save"):
-                result.checkpoint = actor_group.save(rollout_id, {"data_source": rollout_manager.state_dict(),
+                result.checkpoint = actor_group.save(rollout_id, {"data_source": rollout_manager.state_dict(rollout_id),
                                                                   "report": {**rollout_metrics, **train_metrics,
                                                                              **timer.seconds}})
 

@@ -119,10 +119,35 @@ def vanilla_tis(args: AlgorithmConfig, *, pg_loss: torch.Tensor, train_log_probs
     return pg_loss * weights, loss_masks, metrics
 
 
-def load_custom_tis(config: AlgorithmConfig) -> TisFunction | None:
-    """The function at --custom-tis-function-path, or None (vanilla_tis)."""
+def load_custom_tis(config: AlgorithmConfig, args: object = None) -> TisFunction | None:
+    """The function at --custom-tis-function-path, or None (vanilla_tis). Given `args` (slime's args of the run, with
+    --custom-config-path's keys, as slime passes its own), the function gets them in place of the algorithm config."""
     path = config.custom_tis_function_path
-    return None if path is None else load_plugin(path, "custom-tis-function-path")
+    if path is None:
+        return None
+    function = load_plugin(path, "custom-tis-function-path")
+    if args is None:
+        return function
+
+    def with_args(_config: AlgorithmConfig, **kwargs: object) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
+        return function(args, **kwargs)
+
+    return with_args
+
+
+PgLossReducer = Callable[[list[int], list[int], list[torch.Tensor], bool], Callable[[torch.Tensor], torch.Tensor]]
+"""slime's --custom-pg-loss-reducer-function-path: f(total_lengths, response_lengths, loss_masks,
+calculate_per_token_loss) -> reduce, where reduce(pg_loss) takes the micro-batch's per-token policy losses (flat,
+its samples' responses concatenated) and returns their SUM over the micro-batch, as slime's default
+sum_of_sample_mean does (each sample's masked mean, summed; per token: the masked values summed). slime then divides
+by the global batch's sample count (per token: its loss-masked token count); so does compute_loss. It replaces the
+reduction of pg_loss only: the other metrics keep the default (as slime)."""
+
+
+def load_custom_pg_loss_reducer(config: AlgorithmConfig) -> PgLossReducer | None:
+    """The function at --custom-pg-loss-reducer-function-path, or None (the default aggregation)."""
+    path = config.custom_pg_loss_reducer_function_path
+    return None if path is None else load_plugin(path, "custom-pg-loss-reducer-function-path")
 
 
 CustomLoss = Callable[[AlgorithmConfig, LossInputs, Reduce], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -137,11 +162,14 @@ def load_custom_loss(config: AlgorithmConfig) -> CustomLoss | None:
 
 
 def compute_loss(config: AlgorithmConfig, inputs: LossInputs, normalizer: LossNormalizer,
-                 custom: CustomLoss | None = None, tis_function: TisFunction | None = None) -> LossOutput:
-    """The loss of --loss-type for one micro-batch (`tis_function`: a custom TIS function, else vanilla_tis)."""
+                 custom: CustomLoss | None = None, tis_function: TisFunction | None = None,
+                 pg_loss_reducer: PgLossReducer | None = None) -> LossOutput:
+    """The loss of --loss-type for one micro-batch (`tis_function`: a custom TIS function, else vanilla_tis;
+    `pg_loss_reducer`: slime's custom pg-loss reducer, else the default aggregation)."""
     reduce = normalizer.reducer(inputs.loss_masks, config.calculate_per_token_loss)
     if config.loss_type == "policy_loss":
-        return policy_loss(config, inputs, reduce, tis_function)
+        pg_reduce = None if pg_loss_reducer is None else _pg_reduce(pg_loss_reducer, config, inputs, normalizer)
+        return policy_loss(config, inputs, reduce, tis_function, pg_reduce)
     if config.loss_type == "sft_loss":
         return sft_loss(inputs, reduce)
     if custom is None:
@@ -151,7 +179,9 @@ def compute_loss(config: AlgorithmConfig, inputs: LossInputs, normalizer: LossNo
 
 
 def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce,
-                tis_function: TisFunction | None = None) -> LossOutput:
+                tis_function: TisFunction | None = None,
+                pg_reduce: Callable[[list[torch.Tensor]], Callable[[torch.Tensor], torch.Tensor]] | None = None
+                ) -> LossOutput:
     """pg_loss - entropy_coef * entropy + kl_loss_coef * kl_loss (slime's policy_loss_function).
 
     The old policy's log-probs are the trainer's, or the engine's with --use-rollout-logprobs. With --use-tis, or
@@ -162,7 +192,8 @@ def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce,
     rollout engine's log-probs are given, train_rollout_logprob_abs_diff (|trainer's log-prob - engine's| per token:
     the old policy's, or the current one's with --use-rollout-logprobs, as slime logs it: near 0 when the engines
     serve the trainer's weights, so a weight-sync or numerics problem shows here); each aggregated like the loss
-    over the original masks.
+    over the original masks. `pg_reduce(masks)`, when given, aggregates pg_loss instead (a custom pg-loss reducer,
+    given the TIS function's masks when TIS ran, as slime).
     """
     lengths = [lp.numel() for lp in inputs.log_probs]
     agg = _flat_reduce(reduce, lengths)
@@ -185,13 +216,14 @@ def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce,
                                                    config.eps_clip_c)
 
     metrics: dict[str, torch.Tensor] = {}
-    pg_agg = agg
+    pg_agg, pg_masks = agg, inputs.loss_masks
     if config.use_tis or config.get_mismatch_metrics:
         if inputs.rollout_log_probs is None:
             raise ValueError("--use-tis / --get-mismatch-metrics need the rollout engine's log-probs of every sample")
         weighted, masks, tis_metrics = (tis_function or vanilla_tis)(
             config, pg_loss=losses, train_log_probs=inputs.old_log_probs, rollout_log_probs=inputs.rollout_log_probs,
             loss_masks=inputs.loss_masks, total_lengths=inputs.total_lengths, response_lengths=lengths)
+        pg_masks = masks
         if config.use_tis or tis_function is not None:
             losses = weighted
             if masks is not inputs.loss_masks:
@@ -201,7 +233,7 @@ def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce,
     if rollout is not None:
         compared = log_probs if config.use_rollout_logprobs else old_log_probs
         metrics["train_rollout_logprob_abs_diff"] = agg((compared.detach() - rollout).abs())
-    pg_loss = pg_agg(losses)
+    pg_loss = pg_agg(losses) if pg_reduce is None else pg_reduce(pg_masks)(losses)
     loss = pg_loss
     metrics.update(pg_loss=pg_loss, pg_clipfrac=agg(clipfrac), ppo_kl=agg(ppo_kl.detach()))
     if inputs.entropy is not None:
@@ -217,6 +249,23 @@ def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce,
         loss = loss + config.kl_loss_coef * kl_loss
         metrics["kl_loss"] = kl_loss
     return LossOutput(loss=loss, metrics={k: v.detach() for k, v in metrics.items()})
+
+
+def _pg_reduce(reducer: PgLossReducer, config: AlgorithmConfig, inputs: LossInputs,
+               normalizer: LossNormalizer) -> Callable[[list[torch.Tensor]], Callable[[torch.Tensor], torch.Tensor]]:
+    """masks -> the custom reducer's sum over the micro-batch divided by the global batch's normaliser (its sample
+    count, or its token count per token), as slime scales the loss after the reducer."""
+    if inputs.total_lengths is None:
+        raise ValueError("--custom-pg-loss-reducer-function-path needs each sample's total length (prompt + response)")
+    per_token = config.calculate_per_token_loss
+    scale = normalizer.num_tokens if per_token else normalizer.num_samples
+    lengths = [lp.numel() for lp in inputs.log_probs]
+
+    def with_masks(masks: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        reduce = reducer(list(inputs.total_lengths), lengths, list(masks), per_token)
+        return lambda flat: torch.as_tensor(reduce(flat)) / scale
+
+    return with_masks
 
 
 def _flat_reduce(reduce: Reduce, lengths: list[int]) -> Callable[[torch.Tensor], torch.Tensor]:

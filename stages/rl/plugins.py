@@ -37,7 +37,11 @@ def load_plugin(path: str, flag: str) -> Callable[..., Any]:
     except Exception as exc:  # the module's own code failed (SyntaxError, an error at import time, ...)
         raise PluginError(f"--{flag} {path!r}: importing module {module_name!r} failed: {type(exc).__name__}: {exc}"
                           f"{_raised_at(exc)}; fix the module") from exc
-    if not hasattr(module, attr):
+    try:
+        present = hasattr(module, attr)
+    except ImportError as exc:  # a module that answers why it does not provide the name (slime_compat's)
+        raise PluginError(f"--{flag} {path!r}: {exc}") from exc
+    if not present:
         public = sorted(name for name in dir(module) if not name.startswith("_"))
         raise PluginError(
             f"--{flag} {path!r}: module {module_name!r} has no attribute {attr!r} "

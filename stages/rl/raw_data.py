@@ -35,7 +35,8 @@ def prepare_data(config: TrainConfig, storage: Storage, workdir: Path) -> tuple[
     root = workdir / "train" / "data"
     prepared: dict[str, PreparedSet] = {}
     data = config.data
-    if data.prompt_data is not None and is_raw(data.prompt_data, storage):
+    # A --data-source-path class reads --prompt-data itself (args.prompt_data, as the user gave it).
+    if data.prompt_data is not None and data.data_source_path is None and is_raw(data.prompt_data, storage):
         prepared["data.train"] = _prepare(TRAIN, data.prompt_data, mapping, storage, root)
         data = data.model_copy(update={"prompt_data": prepared["data.train"].prompt_data})
     evals, prepared_evals = prepare_eval_sets(config.eval.eval_prompt_data, mapping, storage, root)

@@ -36,7 +36,6 @@ SLIME_DEFAULTS: dict[str, Any] = {
     "rewards_normalization": True,
     "rollout_sample_hook_path": None,
     "eval_function_path": None,
-    "data_source_path": None,
 }
 
 
@@ -68,6 +67,7 @@ def slime_args(config: TrainConfig, *, router_url: str | None = None, num_engine
     # slime's --eval-prompt-data is one list: name, path, name, path, ...
     values["eval_prompt_data"] = [item for pair in config.eval.eval_prompt_data.items() for item in pair] or None
     values.pop("args", None)
+    values.update(config.custom_args)  # --custom-config-path's own keys, as slime sets them on its args
     if router_url is not None:
         parts = urlsplit(router_url)
         values.update(sglang_router_ip=parts.hostname, sglang_router_port=parts.port)
@@ -208,6 +208,9 @@ _CALLS: dict[str, tuple[tuple[int, ...], str]] = {
     "rollout-all-samples-process-path": ((3,), "process(args, all_samples, data_source)"),
     "custom-eval-rollout-log-function-path": ((4,), "log(rollout_id, args, data, extra_metrics) -> bool"),
     "custom-convert-samples-to-train-data-path": ((2,), "convert(args, samples) -> dict"),
+    "custom-pg-loss-reducer-function-path": ((4,), "get_pg_loss_reducer(total_lengths, response_lengths, loss_masks, "
+                                                   "calculate_per_token_loss) -> reduce(pg_loss)"),
+    "data-source-path": ((1,), "a class DataSource(args) with get_samples, add_samples, save, load and __len__"),
     "custom-rollout-log-function-path": ((5,), "log(rollout_id, args, samples, rollout_extra_metrics, "
                                                "rollout_time) -> bool"),
     "custom-megatron-init-path": ((1,), "custom_init(args)"),
@@ -233,6 +236,8 @@ def call_problem(flag: str, function: Callable[..., Any], *, group_rm: bool = Fa
         return ("this is slime's Megatron loss form loss(args, batch, logits, sum_of_sample_mean), which reads "
                 "Megatron's packed logits; slimeflow's custom loss is loss(config, inputs, reduce) -> (loss, "
                 "metrics) over per-sample log-probs (docs/rl-api.md): port the loss to it")
+    if flag == "data-source-path":
+        return data_source_problem(function)
     names = list(inspect.signature(function).parameters)
     if flag == "custom-model-provider-path":  # called by keyword, as slime calls it
         missing = [k for k in ("pre_process", "post_process") if not takes_keyword(function, k)]
@@ -251,4 +256,23 @@ def call_problem(flag: str, function: Callable[..., Any], *, group_rm: bool = Fa
         return f"{plugin_name(function)} takes no evaluation= keyword; it is called as {contract}"
     if flag == "custom-generate-function-path" and not inspect.iscoroutinefunction(function):
         return f"{plugin_name(function)} is not an async function; it is awaited as {contract}"
+    return None
+
+
+DATA_SOURCE_METHODS = ("get_samples", "add_samples", "save", "load", "__len__")
+"""slime's DataSource API (slime.rollout.data_source.DataSource)."""
+
+
+def data_source_problem(cls: Any) -> str | None:
+    """Why `cls` is not a data source class as slime instantiates one (`cls(args)`, then its DataSource methods)."""
+    if not isinstance(cls, type):
+        return f"{plugin_name(cls)} is not a class; slime instantiates the data source as cls(args)"
+    missing = [name for name in DATA_SOURCE_METHODS if not callable(getattr(cls, name, None))]
+    abstract = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing or abstract:
+        return (f"{plugin_name(cls)} lacks {', '.join(missing or abstract)}"
+                f"{' (abstract)' if abstract and not missing else ''}; a data source defines get_samples(num_samples), "
+                "add_samples(samples), save(rollout_id), load(rollout_id=None) and __len__()")
+    if not accepts(cls, 1):
+        return f"{plugin_name(cls)}.__init__ must take (self, args): slime instantiates the data source as cls(args)"
     return None

@@ -95,7 +95,7 @@ def post_process_rewards(function: Callable[..., Any], args: Any, groups: list[l
 
 
 def process_all_samples(function: Callable[..., Any], args: Any, kept: list[list[Sample]],
-                        finished: list[list[Sample]], source: SlimeDataSource) -> None:
+                        finished: list[list[Sample]], source: Any) -> None:
     """--rollout-all-samples-process-path, as slime: `process(args, all_samples, data_source)` on every finished
     group in prompt order, kept or filtered out; what it changes in the kept samples is carried back."""
     ordered = sorted(finished, key=lambda group: group[0].group_index)
@@ -123,7 +123,7 @@ def finish_rollout(ctx: Any, kept: list[list[Sample]], metrics: dict[str, float]
         metrics["rollout/removed_samples"] = float(apply_sample_filter(function, ctx.args, kept))
     if rollout.rollout_all_samples_process_path is not None:
         function = load_plugin(rollout.rollout_all_samples_process_path, "rollout-all-samples-process-path")
-        process_all_samples(function, ctx.args, kept, finished or kept, SlimeDataSource(data, ctx.rollout_id))
+        process_all_samples(function, ctx.args, kept, finished or kept, slime_view(data, ctx.rollout_id))
     if rollout.custom_rollout_log_function_path is not None:
         function = load_plugin(rollout.custom_rollout_log_function_path, "custom-rollout-log-function-path")
         if call_rollout_log(function, ctx.rollout_id, ctx.args, [s for g in kept for s in g], metrics,
@@ -164,6 +164,18 @@ class SlimeDataSource:
         return len(self.data)
 
 
+def slime_view(data: Any, rollout_id: int | None) -> Any:
+    """The data source a slime plug-in gets: the --data-source-path object itself (as slime passes it), else
+    slime's API over slimeflow's buffered data source."""
+    from slimeflow.stages.rl.slime_data_source import PluginDataSource
+
+    return data.source if isinstance(data, PluginDataSource) else SlimeDataSource(data, rollout_id)
+
+
+def _native(source: Any, view: Any, where: str) -> Sample:
+    return source.native(view, where) if isinstance(source, SlimeDataSource) else from_slime(view, view, where)
+
+
 def _leaves(value: Any) -> list[Any]:
     return [leaf for item in value for leaf in _leaves(item)] if isinstance(value, list) else [value]
 
@@ -177,13 +189,13 @@ def run_rollout_function(function: Callable[..., Any], ctx: Any, data: Any, roll
     from slimeflow.stages.rl.rollout import RolloutResult, rollout_metrics
 
     ctx.rollout_id = rollout_id
-    source = SlimeDataSource(data, rollout_id)
+    source = slime_view(data, rollout_id)
     where = f"--rollout-function-path {plugin_name(function)}"
     started = time.perf_counter()
     output = call_rollout_fn(function, ctx.args, rollout_id, source, evaluation=False)
     groups = []
     for group in output.samples:
-        samples = [source.native(view, where) for view in _leaves(group)]
+        samples = [_native(source, view, where) for view in _leaves(group)]
         for sample in samples:
             if sample.reward is None:
                 raise ValueError(f"{where} returned sample {sample.index} (group {sample.group_index}) without a "
@@ -245,7 +257,7 @@ def run_eval_function(function: Callable[..., Any], ctx: Any, data: Any, rollout
 
     ctx.rollout_id = rollout_id
     where = f"--eval-function-path {plugin_name(function)}"
-    output = call_rollout_fn(function, ctx.args, rollout_id, SlimeDataSource(data, rollout_id), evaluation=True)
+    output = call_rollout_fn(function, ctx.args, rollout_id, slime_view(data, rollout_id), evaluation=True)
     metrics = {k: float(v) for k, v in (output.metrics or {}).items() if isinstance(v, int | float)}
     for name, result in output.data.items():
         rewards = result.get("rewards") if isinstance(result, dict) else None

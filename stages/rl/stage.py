@@ -77,6 +77,10 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
         problems += check_model_args(config.megatron, json.loads(hf_config.read_text()), config.placement.train_backend)
     if config.debug.debug_train_only:
         problems += replay_problems(config)
+    elif config.data.data_source_path is not None:
+        if config.batch.num_rollout is None:  # slime counts len(data_source) // rollout_batch_size per epoch
+            problems.append(f"--num-epoch with --data-source-path {config.data.data_source_path}: the run does not "
+                            "count a custom data source's prompts before it starts; give --num-rollout instead")
     elif config.data.prompt_data is None:
         problems.append("--prompt-data is not set (a raw dataset, or the preprocess stage's train parquet)")
     problems += data_problems(config, ctx)
@@ -126,7 +130,7 @@ def data_problems(config: TrainConfig, ctx: StageContext) -> list[str]:
     from slimeflow.io.prompts import open_prompt_sets
 
     sets = {f"--eval-prompt-data {name}": uri for name, uri in config.eval.eval_prompt_data.items()}
-    if config.data.prompt_data is not None:
+    if config.data.prompt_data is not None and config.data.data_source_path is None:  # else the class reads it
         sets = {"--prompt-data": config.data.prompt_data, **sets}
     return open_prompt_sets(sets, ctx.storage)[1]
 
@@ -152,6 +156,8 @@ PLUGIN_FLAGS = {
     ("train_hooks", "custom_megatron_before_train_step_hook_path"): "custom-megatron-before-train-step-hook-path",
     ("train_hooks", "rollout_data_postprocess_path"): "rollout-data-postprocess-path",
     ("weight_sync", "custom_update_weight_post_write_path"): "custom-update-weight-post-write-path",
+    ("algorithm", "custom_pg_loss_reducer_function_path"): "custom-pg-loss-reducer-function-path",
+    ("data", "data_source_path"): "data-source-path",
 }
 
 

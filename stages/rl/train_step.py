@@ -189,6 +189,7 @@ def accumulate_gradients(backend: TorchBackend, batch: TrainBatch, indices: list
                             ref_log_probs=pick(prepared.ref_log_probs) if algo.use_kl_loss else None,
                             rollout_log_probs=pick(batch.rollout_log_probs),
                             entropy=entropy, total_lengths=[lengths[i] for i in rows])
-        return compute_loss(algo, inputs, normalizer, backend.custom_loss, backend.custom_tis)
+        return compute_loss(algo, inputs, normalizer, backend.custom_loss, backend.custom_tis,
+                            backend.custom_pg_loss_reducer)
 
     return backend.forward_backward(batch, micros, loss_of)

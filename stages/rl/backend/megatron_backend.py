@@ -47,7 +47,15 @@ from slimeflow.stages.rl.backend.torch_backend import (
     sum_over_ranks,
 )
 from slimeflow.stages.rl.config import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig
-from slimeflow.stages.rl.loss import CustomLoss, LossOutput, TisFunction, load_custom_loss, load_custom_tis
+from slimeflow.stages.rl.loss import (
+    CustomLoss,
+    LossOutput,
+    PgLossReducer,
+    TisFunction,
+    load_custom_loss,
+    load_custom_pg_loss_reducer,
+    load_custom_tis,
+)
 from slimeflow.stages.rl.offload import module_tensors, optimizer_tensors
 from slimeflow.stages.rl.train_hooks import TrainHooks, check_provided
 from slimeflow.stages.rl.types import TrainBatch
@@ -69,7 +77,8 @@ class MegatronBackend:
     def __init__(self, hf_checkpoint: str | Path, checkpoint: str | Path, optimizer: OptimizerConfig,
                  algorithm: AlgorithmConfig, batch: BatchConfig, parallel: MegatronConfig, seed: int = 1234,
                  rank: int = 0, world_size: int = 1, init_method: str | None = None, total_steps: int | None = None,
-                 ref_load: str | None = None, temperature: float = 1.0, hooks: TrainHooks | None = None):
+                 ref_load: str | None = None, temperature: float = 1.0, hooks: TrainHooks | None = None,
+                 plugin_args: Any = None):
         from megatron.core import parallel_state
 
         from slimeflow.checkpoint.torch_dist import read_common
@@ -122,7 +131,8 @@ class MegatronBackend:
             self.teacher_model = self._reference(algorithm.opd_teacher_load) if algorithm.needs_teacher else None
         self.custom_loss: CustomLoss | None = load_custom_loss(algorithm)
         self.custom_advantage: CustomAdvantage | None = load_custom_advantage(algorithm)
-        self.custom_tis: TisFunction | None = load_custom_tis(algorithm)
+        self.custom_tis: TisFunction | None = load_custom_tis(algorithm, plugin_args)  # slime's args
+        self.custom_pg_loss_reducer: PgLossReducer | None = load_custom_pg_loss_reducer(algorithm)
 
     @property
     def needs_reference(self) -> bool:

@@ -23,7 +23,15 @@ from slimeflow.stages.rl import algorithms as alg
 from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantage
 from slimeflow.stages.rl.backend.schedule import build_scheduler
 from slimeflow.stages.rl.config import AlgorithmConfig, BatchConfig, OptimizerConfig
-from slimeflow.stages.rl.loss import CustomLoss, LossOutput, TisFunction, load_custom_loss, load_custom_tis
+from slimeflow.stages.rl.loss import (
+    CustomLoss,
+    LossOutput,
+    PgLossReducer,
+    TisFunction,
+    load_custom_loss,
+    load_custom_pg_loss_reducer,
+    load_custom_tis,
+)
 from slimeflow.stages.rl.offload import module_tensors, optimizer_tensors
 from slimeflow.stages.rl.packing import pack_micro_batches
 from slimeflow.stages.rl.types import TrainBatch
@@ -90,7 +98,7 @@ class TorchBackend:
     def __init__(self, hf_checkpoint: str | Path, optimizer: OptimizerConfig, algorithm: AlgorithmConfig,
                  batch: BatchConfig, seed: int = 1234, rank: int = 0, world_size: int = 1,
                  init_method: str | None = None, total_steps: int | None = None, ref_load: str | None = None,
-                 device: torch.device | str | None = None, temperature: float = 1.0):
+                 device: torch.device | str | None = None, temperature: float = 1.0, plugin_args: Any = None):
         if temperature <= 0:
             raise ValueError(f"temperature {temperature}: the trainer's log-probs need a sampling temperature > 0")
         self.hf_checkpoint = Path(hf_checkpoint)
@@ -113,7 +121,8 @@ class TorchBackend:
         self.teacher_model = self._load_reference(algorithm.opd_teacher_load) if algorithm.needs_teacher else None
         self.custom_loss: CustomLoss | None = load_custom_loss(algorithm)
         self.custom_advantage: CustomAdvantage | None = load_custom_advantage(algorithm)
-        self.custom_tis: TisFunction | None = load_custom_tis(algorithm)
+        self.custom_tis: TisFunction | None = load_custom_tis(algorithm, plugin_args)  # slime's args
+        self.custom_pg_loss_reducer: PgLossReducer | None = load_custom_pg_loss_reducer(algorithm)
 
     @property
     def needs_reference(self) -> bool:

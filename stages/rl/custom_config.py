@@ -1,0 +1,50 @@
+"""--custom-config-path: a YAML file of extra `args` attributes for plug-ins, as slime reads it.
+
+slime loads the file after parsing its flags and sets every key as an attribute of `args`, over a flag of the same
+name (it logs that it overrides it). Here a key that is one of the train stage's flags sets that flag, over the
+command line and the run's YAML (slime's precedence); `sglang_X` / `router_X` keys go to the SGLang and router
+pass-through as their flags do; a key that names a slime flag slimeflow refuses is refused with the reason; every
+other key is a plug-in's own setting, an attribute of the `args` the plug-ins get (slime_plugins.slime_args).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+_PASSTHROUGH = {"sglang_": ("sglang", "args"), "router_": ("sglang", "router")}
+
+
+def read_custom_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the flags it sets, as a nested config tree; the plug-in settings, by key) of the YAML file at `path`.
+    Raises ValueError naming the file and every key it cannot take."""
+    from slimeflow.config.flags import FlagIndex, set_path
+    from slimeflow.config.pipeline import read_yaml
+    from slimeflow.config.slime_flags import refusal_reason
+    from slimeflow.stages.rl.config import TrainConfig
+
+    where = f"--custom-config-path {path}"
+    if not Path(path).is_file():
+        raise ValueError(f"{where}: no such file; give the YAML file of the plug-ins' settings (key: value)")
+    data = read_yaml(path)
+    index = FlagIndex(TrainConfig)
+    flags: dict[str, Any] = {}
+    custom: dict[str, Any] = {}
+    problems = []
+    for key, value in data.items():
+        name = str(key)
+        flag = "--" + name.replace("_", "-")
+        prefix = next((p for p in _PASSTHROUGH if name.startswith(p)), None)
+        if name == "custom_config_path":
+            problems.append(f"{name}: a custom config cannot name another one")
+        elif flag in index.by_flag:
+            set_path(flags, index.by_flag[flag].path, value)
+        elif prefix is not None:
+            set_path(flags, (*_PASSTHROUGH[prefix], name.removeprefix(prefix)), value)
+        elif refusal_reason(flag) is not None:
+            problems.append(f"{name}: slime's flag {flag}, which slimeflow does not take ({refusal_reason(flag)})")
+        else:
+            custom[name] = value
+    if problems:
+        raise ValueError(f"{where}: " + "; ".join(problems))
+    return flags, custom
