@@ -24,9 +24,9 @@ from slimeflow.config.pipeline import (
     TOP_INDEX,
     load_pipeline_config,
     load_stage_config,
-    read_yaml,
 )
 from slimeflow.config.slime_flags import deferring_refusals
+from slimeflow.config.yaml_file import read_yaml
 
 EXIT_CONFIG = 2
 CONVERT_DIRECTIONS = ("hf-to-torch-dist", "torch-dist-to-hf")

@@ -216,7 +216,7 @@ def test_infrastructure_from_config_else_environment():
 
 
 def test_the_example_grpo_yaml_is_a_valid_train_config():
-    from slimeflow.config.pipeline import read_yaml
+    from slimeflow.config.yaml_file import read_yaml
 
     data = read_yaml(Path(__file__).parent.parent / "examples" / "grpo-qwen3.yaml")
     config = load_stage_config("train", data["train"])
@@ -224,7 +224,7 @@ def test_the_example_grpo_yaml_is_a_valid_train_config():
 
 
 def test_the_megatron_demo_is_the_demo_with_the_megatron_backend():
-    from slimeflow.config.pipeline import read_yaml
+    from slimeflow.config.yaml_file import read_yaml
 
     examples = Path(__file__).parent.parent / "examples"
     torch_demo, megatron_demo = (load_pipeline_config(read_yaml(examples / name), [], {})

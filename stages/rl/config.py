@@ -675,7 +675,7 @@ class TrainConfig(ConfigModel):
         from slimeflow.config.flags import merge
         from slimeflow.stages.rl.custom_config import read_custom_config
 
-        flags, _ = read_custom_config(data["custom_config_path"])
+        flags, _ = read_custom_config(data["custom_config_path"], cls)
         plain = {key: value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
                  for key, value in data.items()}
         return merge(plain, flags)
@@ -699,7 +699,7 @@ class TrainConfig(ConfigModel):
         if self.custom_config_path:
             from slimeflow.stages.rl.custom_config import read_custom_config
 
-            self._custom_args = read_custom_config(self.custom_config_path)[1]
+            self._custom_args = read_custom_config(self.custom_config_path, type(self))[1]
         over = self.rollout.over_sampling_batch_size
         if over is not None and over < self.batch.rollout_batch_size:
             raise ValueError(

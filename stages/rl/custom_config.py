@@ -10,24 +10,27 @@ other key is a plug-in's own setting, an attribute of the `args` the plug-ins ge
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 _PASSTHROUGH = {"sglang_": ("sglang", "args"), "router_": ("sglang", "router")}
 
 
-def read_custom_config(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(the flags it sets, as a nested config tree; the plug-in settings, by key) of the YAML file at `path`.
-    Raises ValueError naming the file and every key it cannot take."""
+def read_custom_config(path: str, config_class: type[BaseModel]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the flags it sets, as a nested config tree; the plug-in settings, by key) of the YAML file at `path`, for
+    the train config `config_class` (whose flags a key may set). Raises ValueError naming the file and every key it
+    cannot take."""
     from slimeflow.config.flags import FlagIndex, set_path
-    from slimeflow.config.pipeline import read_yaml
     from slimeflow.config.slime_flags import refusal_reason
-    from slimeflow.stages.rl.config import TrainConfig
+    from slimeflow.config.yaml_file import read_yaml
 
     where = f"--custom-config-path {path}"
     if not Path(path).is_file():
         raise ValueError(f"{where}: no such file; give the YAML file of the plug-ins' settings (key: value)")
     data = read_yaml(path)
-    index = FlagIndex(TrainConfig)
+    index = FlagIndex(config_class)
     flags: dict[str, Any] = {}
     custom: dict[str, Any] = {}
     problems = []
