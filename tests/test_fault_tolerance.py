@@ -198,6 +198,10 @@ def test_what_fault_tolerance_cannot_restart_is_refused_at_parse_and_the_rest_is
     # A restarted engine gets the trainer's weights: one engine, and a weight-update group, are fine.
     for flags in ({"placement": {"rollout_num_gpus": 1}}, {"weight_sync": {"update_weight_transport": "nccl"}}):
         assert TrainConfig.model_validate({**base, **flags}).fault_tolerance.use_fault_tolerance
+    # ...as a process of its own, which can be killed and restarted (not a thread of the rollout manager)
+    assert not TrainConfig.model_validate(base).placement.engine_in_process
+    with pytest.raises(ValueError, match="--use-fault-tolerance with --engine-in-process: an engine serving from a"):
+        TrainConfig.model_validate({**base, "placement": {"engine_in_process": True}})
 
 
 class Placed:

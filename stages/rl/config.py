@@ -642,10 +642,15 @@ def check_fault_tolerance(config: TrainConfig) -> None:
             placement.offload_rollout,
             "the engines release their memory while the trainer trains, so a health check then would find them "
             "unable to generate; run fault-tolerant engines disaggregated"),
+        "--engine-in-process": (
+            placement.engine_in_process and "engine_in_process" in placement.model_fields_set,
+            "an engine serving from a thread of the rollout manager cannot be killed and restarted; leave it out "
+            "(fault-tolerant engines run as processes)"),
     }
     problems = [f"--use-fault-tolerance with {flag}: {reason}" for flag, (given, reason) in refused.items() if given]
     if problems:
         raise ValueError("; ".join(problems))
+    placement.__dict__["engine_in_process"] = False  # a lone engine gets a process of its own, to restart
 
 
 def check_async(config: TrainConfig) -> None:
