@@ -84,12 +84,15 @@ class HealthMonitor:
     @property
     def reissue_patience_s(self) -> float:
         """How long a request whose engine died is sent again before the rollout gives up: a full check cycle plus
-        an engine's start-up (what a recovery takes at worst)."""
+        an engine's start-up (what a recovery takes at worst; an SGLang server loads a large model for minutes)."""
         from slimeflow.stages.rl.engine.launch import ENGINE_READY_TIMEOUT_S
+        from slimeflow.stages.rl.engine.sglang_launch import SGLANG_READY_TIMEOUT_S
 
         s = self.settings
+        sglang = any(getattr(p, "engine_kind", "") == "sglang" for p in self.engines.processes)
         return s.rollout_health_check_first_wait + s.rollout_health_check_interval + \
-            s.rollout_health_check_timeout * len(self.engines.worker_urls) + ENGINE_READY_TIMEOUT_S
+            s.rollout_health_check_timeout * len(self.engines.worker_urls) + \
+            (SGLANG_READY_TIMEOUT_S if sglang else ENGINE_READY_TIMEOUT_S)
 
     @contextmanager
     def watching(self) -> Iterator[None]:
