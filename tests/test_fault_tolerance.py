@@ -265,3 +265,15 @@ def test_the_monitor_leaves_servers_started_elsewhere_alone():
     with monitor.watching():
         assert monitor._thread is None
     assert monitor.recoveries == [] and monitor.failure is None
+
+
+def test_the_trainer_gives_a_restarted_engine_only_the_version_it_last_pushed():
+    """TrainActor.push_to pushes its kept copy of the last push; asked for another version (its weights moved on, or
+    nothing was pushed yet) it refuses rather than hand the engine weights the rollout did not run on."""
+    from types import SimpleNamespace
+
+    from slimeflow.stages.rl.actors import TrainActor
+
+    for pushed, last in ((None, "last pushed none"), (("3", {}), "last pushed version 3")):
+        with pytest.raises(RuntimeError, match=f"needs weight version 4, but trainer rank 0 {last}"):
+            TrainActor.push_to(SimpleNamespace(pushed=pushed), ["http://127.0.0.1:1"], "4")
