@@ -27,7 +27,7 @@ from slimeflow.stages.rl.actors import RolloutManager, RolloutSetup
 from slimeflow.stages.rl.config import FaultToleranceConfig, TrainConfig
 from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
 from slimeflow.stages.rl.engines import EngineDiedError, EngineSet, ReissuingClient, RoutedClient
-from slimeflow.stages.rl.fault_tolerance import HealthMonitor, recover
+from slimeflow.stages.rl.fault_tolerance import HealthMonitor, recover, restore_weights
 from slimeflow.stages.rl.weight_sync import WeightSync
 
 GROUPS, SAMPLES = 4, 2
@@ -105,7 +105,7 @@ def test_an_engine_lost_mid_rollout_is_restarted_with_the_pushed_weights_and_the
     every_row_once(row_ids)
     assert metrics["rollout/weight_version_min"] == metrics["rollout/weight_version_max"] == rollout_id
     recovery = manager.monitor.recoveries[before]
-    assert len(manager.monitor.recoveries) == before + 1 and recovery.rank == 0
+    assert len(manager.monitor.recoveries) == before + 1 and recovery.rank == 0 and recovery.weights_from == "peer"
     assert ("hung" in recovery.reason) == (sig == signal.SIGSTOP), recovery.reason
     assert manager.engines.processes[0].process.pid != old_pid
     # Back at its URL, in the router, serving the pushed weights and version (the trainer's, not a copy of itself).
@@ -188,18 +188,67 @@ def test_an_abort_skips_an_engine_being_restarted_only_under_fault_tolerance():
         asyncio.run(RoutedClient(Flaky(), [Flaky(EngineRequestError(500, "x"))], tolerate_down=True).abort())
 
 
-@pytest.mark.parametrize("flags, refusal", [
-    ({"placement": {"rollout_num_gpus": 1}}, "1 engine: a restarted engine copies the current weights"),
-    ({"placement": {"rollout_num_gpus": 2, "rollout_external_engine_addrs": ["127.0.0.1:1"]}},
-     "--rollout-external-engine-addrs / --sglang-worker-urls: servers started elsewhere"),
-    ({"placement": {"rollout_num_gpus": 2}, "weight_sync": {"update_weight_transport": "nccl"}},
-     "--update-weight-transport nccl: a restarted engine is not in the trainer's weight-update group"),
-])
-def test_what_fault_tolerance_cannot_restart_is_refused_at_parse(flags, refusal):
+def test_what_fault_tolerance_cannot_restart_is_refused_at_parse_and_the_rest_is_taken():
     base = {"batch": {"rollout_batch_size": 2, "num_rollout": 1}, "fault_tolerance": {"use_fault_tolerance": True}}
-    with pytest.raises(ValueError, match="--use-fault-tolerance with " + refusal.replace("(", r"\(")):
-        TrainConfig.model_validate({**base, **flags})
-    assert TrainConfig.model_validate({**base, **flags, "fault_tolerance": {}}).fault_tolerance.rollout_health_check_interval == 30
+    external = {"placement": {"rollout_num_gpus": 2, "rollout_external_engine_addrs": ["127.0.0.1:1"]}}
+    with pytest.raises(ValueError, match="--use-fault-tolerance with --rollout-external-engine-addrs / "
+                                         "--sglang-worker-urls: servers started elsewhere"):
+        TrainConfig.model_validate({**base, **external})
+    assert TrainConfig.model_validate({**base, **external, "fault_tolerance": {}}).fault_tolerance.rollout_health_check_interval == 30
+    # A restarted engine gets the trainer's weights: one engine, and a weight-update group, are fine.
+    for flags in ({"placement": {"rollout_num_gpus": 1}}, {"weight_sync": {"update_weight_transport": "nccl"}}):
+        assert TrainConfig.model_validate({**base, **flags}).fault_tolerance.use_fault_tolerance
+    # ...as a process of its own, which can be killed and restarted (not a thread of the rollout manager)
+    assert not TrainConfig.model_validate(base).placement.engine_in_process
+    with pytest.raises(ValueError, match="--use-fault-tolerance with --engine-in-process: an engine serving from a"):
+        TrainConfig.model_validate({**base, "placement": {"engine_in_process": True}})
+
+
+class Placed:
+    """An engine handle as the monitor sees it (engine_actor.PlacedEngine's kind)."""
+
+    kind = "engine"
+
+    def __init__(self, engine_kind: str):
+        self.engine_kind = engine_kind
+
+
+def test_a_restarted_engine_without_an_embedded_peer_gets_the_trainers_weights():
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    sglang = EngineSet(urls, "http://127.0.0.1:3", "/model", processes=[Placed("sglang"), Placed("sglang")])
+    asked = []
+
+    def trainer(targets, version):
+        asked.append((targets, version))
+        return version
+
+    # SGLang servers offer no snapshot to copy: the trainer pushes the rollout's version to the restarted one only.
+    assert restore_weights(sglang, 1, "killed", "4", trainer) == ("4", "trainer") and asked == [([urls[1]], "4")]
+    lone = EngineSet(urls[:1], urls[0], "/model", processes=[Placed("embedded")])
+    assert restore_weights(lone, 0, "killed", "4", trainer) == ("4", "trainer")
+    assert restore_weights(lone, 0, "killed", None, None) == (None, "none")  # nothing pushed: the checkpoint it is
+    with pytest.raises(EngineDiedError, match="no live engine serves weight version 4 .* no trainer"):
+        restore_weights(lone, 0, "killed", "4", None)
+
+
+def test_a_lone_engines_requests_wait_for_its_recovery():
+    """Without a router a restarted engine is reached directly: nothing is sent until it has the current weights."""
+    engines = EngineSet(["http://127.0.0.1:1"], "http://127.0.0.1:1", "/model", reissue_s=30.0)
+    engines.recovering = True
+    client = engines.client().rollout
+    sent = Flaky()
+    client.client, client.pause_s = sent, 0.01
+
+    async def recovered_later():
+        waiting = asyncio.ensure_future(client.generate([1], {}, rid="r"))
+        await asyncio.sleep(0.1)
+        assert sent.calls == 0 and not waiting.done()
+        engines.recovering = False
+        return await waiting
+
+    assert asyncio.run(recovered_later()) == {"text": "ok", "rid": "r"} and sent.calls == 1
+    routed = EngineSet(["http://127.0.0.1:1", "http://127.0.0.1:2"], "http://127.0.0.1:3", "/model", reissue_s=30.0)
+    assert routed.client().rollout.gate is None  # behind a router it rejoins only once it serves them
 
 
 def test_the_monitor_leaves_servers_started_elsewhere_alone():
@@ -216,3 +265,15 @@ def test_the_monitor_leaves_servers_started_elsewhere_alone():
     with monitor.watching():
         assert monitor._thread is None
     assert monitor.recoveries == [] and monitor.failure is None
+
+
+def test_the_trainer_gives_a_restarted_engine_only_the_version_it_last_pushed():
+    """TrainActor.push_to pushes its kept copy of the last push; asked for another version (its weights moved on, or
+    nothing was pushed yet) it refuses rather than hand the engine weights the rollout did not run on."""
+    from types import SimpleNamespace
+
+    from slimeflow.stages.rl.actors import TrainActor
+
+    for pushed, last in ((None, "last pushed none"), (("3", {}), "last pushed version 3")):
+        with pytest.raises(RuntimeError, match=f"needs weight version 4, but trainer rank 0 {last}"):
+            TrainActor.push_to(SimpleNamespace(pushed=pushed), ["http://127.0.0.1:1"], "4")

@@ -266,7 +266,7 @@ def test_the_devices_are_handed_over_as_slimes_train_py_does(monkeypatch):
         ("manager", "release_memory", ["kv_cache"]), ("trainer", "train", 0, None),
         ("trainer", "offload"), ("manager", "resume_memory"), ("manager", "generate", 1),
         ("manager", "release_memory", None), ("trainer", "train", 1, None),
-        ("manager", "resume_memory", ["weights"]), ("trainer", "update_weights", "2"),
+        ("manager", "resume_memory", ["weights"]), ("trainer", "update_weights", "2", []),
         ("trainer", "offload"), ("manager", "resume_memory"), ("manager", "evaluate", "2")]
     assert metrics["offload/train/offloaded_bytes"] == 7.0 and metrics["offload/rollout_rss_drop_bytes"] == 5.0
     assert {"time/handover_to_rollout", "time/handover_to_train"} <= set(later)

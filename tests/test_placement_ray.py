@@ -1,11 +1,14 @@
 """Placement on a real Ray cluster of logical GPUs (issue 20, item 1): two raylets on loopback with 4 GPUs each
 (ray.cluster_utils.Cluster), one cluster for the module. Where every trainer rank and engine lands, colocated and
 disaggregated, on one node and across two; a rollout through engines started as Ray actors on their bundles; and,
-with --use-fault-tolerance, the loop through an engine killed mid-rollout and restarted on its bundle."""
+with --use-fault-tolerance, the loop through an SGLang server (the test-only stand-in, tests/data/fake_sglang)
+killed mid-rollout and restarted on its bundle."""
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +23,8 @@ from slimeflow.stages.rl.placement_plan import plan_placement
 pytestmark = pytest.mark.slow
 
 GPUS_PER_NODE = 4
+FAKE_SGLANG = Path(__file__).parent / "data" / "fake_sglang"
+"""A test-only `sglang` package: `sglang.launch_server` parses our command line and serves the embedded engine."""
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +38,9 @@ def cluster():
         # ray.init would turn the loopback address into the machine's (to reach clusters of several hosts), where
         # these raylets do not listen; Ray's own switch for single-host clusters keeps it.
         patch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
+        # The workers can import the stand-in `sglang`; the driver's choice of engine (placement.sglang_installed)
+        # sees it only in the test that puts it on its own sys.path.
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(FAKE_SGLANG), os.environ.get("PYTHONPATH")])))
         nodes = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 1, "num_gpus": GPUS_PER_NODE, "node_ip_address": "127.0.0.1", "include_dashboard": False,
             "_system_config": LOCAL_RAY_SYSTEM_CONFIG})
@@ -183,12 +191,13 @@ def test_a_rollout_through_engine_actors_pinned_to_their_bundles(cluster, tmp_pa
     assert all_gpus_free()  # everything given back
 
 
-def test_with_fault_tolerance_the_loop_survives_an_engine_actor_killed_mid_rollout(cluster, tmp_path):
-    """The train stage's own path (RolloutManager and TrainActor as Ray actors, engines as EngineActors on their
-    bundles): engine 0's server is SIGKILLed during rollout 0; the rollout completes, the trainer trains on it and
-    pushes version 1 to both engines (the restarted one, given version 0 by its peer, included), and rollout 1 is
-    generated with it."""
-    import os
+def test_with_fault_tolerance_the_loop_survives_an_sglang_server_killed_mid_rollout(cluster, tmp_path, monkeypatch):
+    """The train stage's own path (RolloutManager and TrainActor as Ray actors, the engine an EngineActor on its
+    bundle) with the SGLang launch path: the actor runs `sglang.launch_server` (the stand-in) with the command line
+    we build and waits for /health_generate. One engine, weights by broadcast (--update-weight-transport nccl, gloo
+    here): its server is SIGKILLed during rollout 0; it is restarted in its actor and given version 0 by the trainer
+    (no peer to copy, and SGLang has none to offer) in a weight-update group of its own; the rollout completes with
+    every prompt once, the trainer's next push regroups it and rollout 1 is generated with version 1."""
     import signal
     import threading
 
@@ -199,9 +208,11 @@ def test_with_fault_tolerance_the_loop_survives_an_engine_actor_killed_mid_rollo
     from slimeflow.stages.rl.placement import create_placement
     from slimeflow.stages.rl.stage import rollout_setup, with_defaults
 
+    monkeypatch.syspath_prepend(str(FAKE_SGLANG))
     config, ctx = train_config(tmp_path, **{
         "num-rollout": 2, "rollout-batch-size": 4, "n-samples-per-prompt": 2, "eval-interval": None,
-        "save-interval": None, "rollout-num-gpus": 2, "num-gpus-per-node": GPUS_PER_NODE,
+        "save-interval": None, "rollout-num-gpus": 1, "num-gpus-per-node": GPUS_PER_NODE,
+        "update-weight-transport": "nccl", "sglang": {"mem_fraction_static": 0.5},
         "use-fault-tolerance": True, "rollout-health-check-interval": 0.5, "rollout-health-check-timeout": 5})
     config = with_defaults(config, ctx)
     placement = create_placement(config, rollout_setup(config, ctx), total_steps=2, scratch=tmp_path)
@@ -227,13 +238,21 @@ def test_with_fault_tolerance_the_loop_survives_an_engine_actor_killed_mid_rollo
         _, metrics_1, rows_1 = placement.rollout_manager.generate(1)
         after = call(manager.engine_locations.remote(), "engine locations")["engines"][0]
         recoveries = call(manager.__ray_call__.remote(lambda self: self.monitor.recoveries), "recoveries")
+        log = call(manager.__ray_call__.remote(lambda self: ray.get(self.engines.processes[0].actor.log_tail.remote())),
+                   "the engine's log")
     finally:
         placement.shutdown()
-    assert [r.rank for r in recoveries] == [0] and after["pid"] != engine["pid"]
+    command = engine["command"]
+    assert "sglang.launch_server" in " ".join(command) and engine["url"].startswith("http://127.0.0.1:")
+    assert command[command.index("--tp-size") + 1] == "1" and command[command.index("--mem-fraction-static") + 1] == "0.5"
+    assert "--api-key" not in command and "test stand-in) parsed" in log and "'mem_fraction_static': 0.5" in log
+    assert [(r.rank, r.weights_from, r.weight_version) for r in recoveries] == [(0, "trainer", "0")]
     # restarted in its EngineActor: on its bundle (node and GPU) and at its URL
+    assert after["pid"] != engine["pid"]
     assert {k: after[k] for k in ("node_id", "gpu_ids", "url")} == {k: engine[k] for k in ("node_id", "gpu_ids", "url")}
     for rollout_rows in (rows, rows_1):
-        assert len(rollout_rows) == 4 and all(len(group) == 2 for group in rollout_rows)
+        assert len(rollout_rows) == 4 and all(len(group) == 2 and len(set(group)) == 1 for group in rollout_rows)
         assert len({group[0] for group in rollout_rows}) == 4  # each prompt once
-    assert metrics["rollout/weight_version_max"] == 0 and metrics_1["rollout/weight_version_min"] == 1
+    assert metrics["rollout/weight_version_min"] == metrics["rollout/weight_version_max"] == 0
+    assert metrics_1["rollout/weight_version_min"] == 1
     assert all_gpus_free()

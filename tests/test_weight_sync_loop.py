@@ -25,14 +25,16 @@ def test_the_weight_sync_flags_parse_under_slimes_names():
         load_stage_config("train", None, [*TRAIN, "--update-weight-transport", "ipc"])
 
 
-def test_the_health_check_flags_are_taken_and_fault_tolerance_needs_two_engines():
+def test_the_health_check_flags_are_taken_and_fault_tolerance_with_one_engine_too():
     ft = load_stage_config("train", None, [*TRAIN, "--rollout-health-check-interval", "10",
                                            "--rollout-health-check-timeout", "5",
                                            "--rollout-health-check-first-wait", "0"]).fault_tolerance
     assert (ft.rollout_health_check_interval, ft.rollout_health_check_timeout,
             ft.rollout_health_check_first_wait, ft.use_fault_tolerance) == (10.0, 5.0, 0.0, False)
-    with pytest.raises(ConfigError, match="--use-fault-tolerance with 1 engine: a restarted engine copies"):
-        load_stage_config("train", None, [*TRAIN, "--use-fault-tolerance"])
+    one = load_stage_config("train", None, [*TRAIN, "--use-fault-tolerance"])  # the trainer restores its weights
+    assert one.fault_tolerance.use_fault_tolerance and not one.placement.engine_in_process
+    with pytest.raises(ConfigError, match="--use-fault-tolerance with --engine-in-process"):
+        load_stage_config("train", None, [*TRAIN, "--use-fault-tolerance", "--engine-in-process"])
 
 
 @pytest.mark.slow

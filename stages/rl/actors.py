@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from slimeflow.stages.rl.rollout import RolloutContext
     from slimeflow.stages.rl.types import PackedBatch, Sample
 
+ENGINE_WEIGHTS_TIMEOUT_S = 1800.0
+"""How long a restarted engine may wait for the trainer's weights: with --async the trainer first ends the training
+step it is in."""
+
 # The driver imports this module only to create the actors: what they compute with (torch, transformers, the
 # rollout function) is imported inside them, which keeps ~0.8 s of torch import out of the driver's start-up.
 
@@ -61,9 +65,6 @@ class RolloutManager:
         self.config = config
         self.setup = setup
         self.first_rollout_id: int | None = None
-        if config.fault_tolerance.use_fault_tolerance and setup.engines_on and setup.engines_on.kind == "sglang":
-            raise ValueError("--use-fault-tolerance restarts embedded engines only: a restarted one copies the weights "
-                             "a live one serves (GET /get_weights_snapshot), which SGLang servers do not offer")
         # The engines import and load (seconds) while this actor sets up the rest, transformers' import included.
         launching = EngineSet.launch(setup.hf_checkpoint, config.sglang.args, setup.num_engines, setup.engine_threads,
                                      in_process=config.placement.engine_in_process, placed=setup.engines_on,
@@ -128,6 +129,7 @@ class RolloutManager:
         version = (served_version(rollout_id, self.first_rollout_id, self.config.weight_sync.update_weights_interval)
                    if weight_version is None else weight_version)
         ctx = self._context(None if self.config.debug.debug_rollout_only else str(version))
+        self.monitor.weight_version = ctx.weight_version  # what an engine restarted meanwhile must be given
         if rollout_id in self.in_flight:
             samples, metrics = self.in_flight[rollout_id].samples, self.in_flight[rollout_id].metrics
         else:
@@ -165,6 +167,7 @@ class RolloutManager:
 
             function = load_plugin(self.config.eval.eval_function_path, "eval-function-path")
             rollout_id = int(version) if version is not None and version.isdigit() else None
+            self.monitor.weight_version = version
             with self.monitor.watching():
                 return run_eval_function(function, self._context(version), self.data, rollout_id)
         if not self.eval_sets:
@@ -173,6 +176,7 @@ class RolloutManager:
         params = sampling_params(ro, ev.eval_max_response_len, ev.eval_temperature, ev.eval_top_p, ev.eval_top_k)
         settings = EvalSettings(ev.n_samples_per_eval_prompt, params)
         ctx = self._context(version)
+        self.monitor.weight_version = version
         ctx.rollout_id = int(version) if version is not None and version.isdigit() else None  # the loop's version
         return self._run(evaluate_sets(ctx, self.eval_sets, settings))
 
@@ -191,10 +195,21 @@ class RolloutManager:
         self._raise_monitor_failure()  # an engine lost that the router hid from the rollout, found by the last check
         return result
 
-    def recover_engines(self) -> None:
-        """With --use-fault-tolerance, before each weight push: restart an engine lost since the last rollout."""
+    def recover_engines(self) -> list[str]:
+        """With --use-fault-tolerance, before each weight push: restart an engine lost since the last rollout. Returns
+        the URLs of the engines restarted since the last push (the trainer regroups them, as slime reconnects its
+        new engines before pushing)."""
         self.monitor.check_now()
         self._raise_monitor_failure()
+        return self.monitor.take_restarted()
+
+    def connect_trainer(self, trainer: Any) -> None:
+        """With --use-fault-tolerance: trainer rank 0 (a TrainActor) gives a restarted engine the weights it last
+        pushed (TrainActor.push_to), when no live embedded peer serves them."""
+        def from_trainer(urls: list[str], version: str) -> str:
+            return ray.get(trainer.push_to.remote(urls, version), timeout=ENGINE_WEIGHTS_TIMEOUT_S)
+
+        self.monitor.from_trainer = from_trainer
 
     def _cancel_work(self, reason: str) -> None:
         """The health monitor's call (from its thread) when an engine failed without --use-fault-tolerance."""
@@ -448,16 +463,49 @@ class TrainActor:
         transport = {"nccl": "distributed", "disk": "disk", None: colocated}[sync.update_weight_transport]
         self.weight_sync = WeightSync(targets, sync.update_weight_buffer_size, transport,
                                       post_write=post_write_hook(self.config, self.hooks.args, targets))
+        self.pushed: tuple[str, dict[str, Any]] | None = None
+        """With --use-fault-tolerance: the version and a host copy of the weights last pushed, for push_to."""
         self.loop = asyncio.new_event_loop()
 
-    def update_weights(self, version: str) -> str:
+    def update_weights(self, version: str, restarted: list[str] | None = None) -> str:
         """Push the current weights to every engine as `version` (rank 0, after connect_engines); returns the
-        version. Every rank calls it: the Megatron backend gathers its TP/PP shards onto rank 0 first."""
+        version. Every rank calls it: the Megatron backend gathers its TP/PP shards onto rank 0 first. `restarted`:
+        engines restarted since the last push (fault tolerance), which the push regroups first."""
         self._onload()
         weights = self.backend.named_weights()
         if self.rank != 0:
             return version
-        return self.loop.run_until_complete(self.weight_sync.push(weights, version))
+        if restarted:
+            self.loop.run_until_complete(self.weight_sync.regroup())
+        pushed = self.loop.run_until_complete(self.weight_sync.push(weights, version))
+        if self.config.fault_tolerance.use_fault_tolerance:
+            # Copied: training changes the weights in place before the rollout of `version` has ended.
+            self.pushed = (version, {name: t.detach().to("cpu", copy=True) for name, t in weights.items()})
+        return pushed
+
+    def push_to(self, urls: list[str], version: str) -> str:
+        """--use-fault-tolerance, rank 0: give the restarted engines at `urls` the weights last pushed, as `version`,
+        through the transport in use (the distributed one in a group of their own, closed after). Raises when the
+        last push was another version."""
+        import dataclasses
+
+        from slimeflow.stages.rl.weight_sync import WeightSync
+
+        if self.pushed is None or self.pushed[0] != version:
+            last = "none" if self.pushed is None else f"version {self.pushed[0]}"
+            raise RuntimeError(f"a restarted engine needs weight version {version}, but trainer rank 0 last pushed "
+                               f"{last}")
+        main = self.weight_sync
+        targets = dataclasses.replace(main.targets, worker_urls=tuple(urls))
+        sync = WeightSync(targets, main.buffer_size, main.transport)
+
+        async def push() -> str:
+            try:
+                return await sync.push(self.pushed[1], version)
+            finally:
+                await sync.aclose()
+
+        return self.loop.run_until_complete(push())
 
     def save(self, rollout_id: int, extra_state: dict[str, Any]) -> str:
         self._onload()

@@ -496,11 +496,12 @@ class FaultToleranceConfig(ConfigModel):
     """Engine health checks while the RolloutManager generates or evaluates (fault_tolerance.HealthMonitor): each
     engine's /health_generate every `rollout_health_check_interval` s, after `rollout_health_check_first_wait` s. An
     engine that does not answer within `rollout_health_check_timeout` s is dead or hung: with --use-fault-tolerance it
-    is restarted in place with the live engines' weights and its requests re-issued; without, it is killed and the
+    is restarted in place with the current weights and its requests re-issued; without, it is killed and the
     rollout ends with an error naming it."""
 
     use_fault_tolerance: bool = False
-    """Restart a dead or hung engine (two or more engines this run started) instead of ending the run."""
+    """Restart a dead or hung engine this run started instead of ending the run; it gets the weights the trainer
+    last pushed (trainer rank 0 keeps a host copy of them), or a live embedded peer's copy."""
     rollout_health_check_interval: float = Field(30.0, gt=0)
     """Seconds between two health checks of an engine."""
     rollout_health_check_timeout: float = Field(30.0, gt=0)
@@ -748,31 +749,28 @@ def check_train_hooks(config: TrainConfig) -> None:
 
 
 def check_fault_tolerance(config: TrainConfig) -> None:
-    """--use-fault-tolerance restarts engines this run started and copies the weights a live engine serves into the
-    restarted one: what cannot give it that is refused with the reason."""
+    """--use-fault-tolerance restarts engines this run started and gives the restarted one the trainer's weights
+    (fault_tolerance.restore_weights): what it cannot restart is refused with the reason."""
     if not config.fault_tolerance.use_fault_tolerance:
         return
     placement = config.placement
-    engines = (placement.rollout_num_gpus or 1) // placement.rollout_num_gpus_per_engine
     refused = {
         "--rollout-external-engine-addrs / --sglang-worker-urls": (
             bool(placement.rollout_external_engine_addrs or config.sglang.args.get("worker_urls")),
             "servers started elsewhere cannot be restarted by this run"),
-        "--update-weight-transport nccl": (
-            config.weight_sync.update_weight_transport == "nccl",
-            "a restarted engine is not in the trainer's weight-update group; use the default HTTP transport"),
         "--offload-rollout (colocated)": (
             placement.offload_rollout,
             "the engines release their memory while the trainer trains, so a health check then would find them "
             "unable to generate; run fault-tolerant engines disaggregated"),
-        f"{engines} engine": (
-            engines < 2 and not config.debug.debug_train_only,
-            "a restarted engine copies the current weights from a live one, so it needs two or more engines (raise "
-            "--rollout-num-gpus)"),
+        "--engine-in-process": (
+            placement.engine_in_process and "engine_in_process" in placement.model_fields_set,
+            "an engine serving from a thread of the rollout manager cannot be killed and restarted; leave it out "
+            "(fault-tolerant engines run as processes)"),
     }
     problems = [f"--use-fault-tolerance with {flag}: {reason}" for flag, (given, reason) in refused.items() if given]
     if problems:
         raise ValueError("; ".join(problems))
+    placement.__dict__["engine_in_process"] = False  # a lone engine gets a process of its own, to restart
 
 
 def check_async(config: TrainConfig) -> None:

@@ -110,8 +110,10 @@ class PlacedEngine:
 
     kind = "engine"
 
-    def __init__(self, actor: Any, rank: int):
+    def __init__(self, actor: Any, rank: int, engine_kind: str = "embedded"):
         self.actor, self.rank = actor, rank
+        self.engine_kind = engine_kind
+        """EngineSpec.kind: "sglang" servers have no /get_weights_snapshot for a restarted peer to copy."""
         self.url: str | None = None
 
     def wait_ready(self, path: str, timeout_s: float) -> None:
@@ -149,8 +151,8 @@ def start_engine_actors(specs: list[EngineSpec], bundles: list[int], placement_g
     from slimeflow.stages.rl.remote import hosted
 
     remote = ray.remote(hosted(EngineActor))
-    return [PlacedEngine(remote.options(**engine_actor_options(placement_group, bundle)).remote(spec), spec.rank)
-            for spec, bundle in zip(specs, bundles, strict=True)]
+    return [PlacedEngine(remote.options(**engine_actor_options(placement_group, bundle)).remote(spec), spec.rank,
+                         spec.kind) for spec, bundle in zip(specs, bundles, strict=True)]
 
 
 def engine_actor_options(placement_group: Any, bundle: int) -> dict[str, Any]:

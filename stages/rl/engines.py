@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +52,9 @@ class EngineSet:
     api_key: str | None = field(default=None, repr=False)
     reissue_s: float | None = None
     """With --use-fault-tolerance: for how long a generate whose engine died is sent again (ReissuingClient)."""
+    recovering: bool = False
+    """An engine is being restarted and given the current weights (fault_tolerance.recover): a lone engine, which
+    rollouts reach without a router, must take no request until it has them."""
     _client: RoutedClient | None = field(default=None, init=False, repr=False)
 
     @classmethod
@@ -121,7 +124,10 @@ class EngineSet:
         if self._client is None:
             rollout: Any = EngineClient(self.rollout_url, api_key=self.api_key)
             if self.reissue_s is not None:
-                rollout = ReissuingClient(rollout, self.reissue_s)
+                # Behind a router a restarted engine is back only once it serves the current weights; a lone one is
+                # reached directly, so its requests wait for the end of its recovery.
+                gate = None if self.routed else (lambda: not self.recovering)
+                rollout = ReissuingClient(rollout, self.reissue_s, gate=gate)
             self._client = RoutedClient(rollout, [EngineClient(url, api_key=self.api_key) for url in self.worker_urls],
                                         tolerate_down=self.reissue_s is not None)
         return self._client
@@ -229,12 +235,14 @@ class ReissuingClient:
     connection broke) is sent again until `patience_s` has passed, and reaches a live engine (the router's others, or
     the restarted one); one answered 5xx (the router lost its worker, or the engine failed) at most
     `server_errors` times, so that an engine error that repeats still reaches the rollout. A request that was
-    answered is never sent again."""
+    answered is never sent again. `gate`: while it returns False (an engine reached directly is being recovered, and
+    may serve stale weights), nothing is sent."""
 
     server_errors = 3
 
-    def __init__(self, client: EngineClient, patience_s: float, pause_s: float = 0.2):
-        self.client, self.patience_s, self.pause_s = client, patience_s, pause_s
+    def __init__(self, client: EngineClient, patience_s: float, pause_s: float = 0.2,
+                 gate: Callable[[], bool] | None = None):
+        self.client, self.patience_s, self.pause_s, self.gate = client, patience_s, pause_s, gate
         self.url = client.url
         self.reissued = 0
 
@@ -251,6 +259,8 @@ class ReissuingClient:
     async def _again(self, send: Any) -> Any:
         deadline, answered_5xx = time.monotonic() + self.patience_s, 0
         while True:
+            while self.gate is not None and not self.gate() and time.monotonic() < deadline:
+                await asyncio.sleep(self.pause_s)
             try:
                 return await send()
             except EngineUnavailableError:

@@ -9,9 +9,15 @@ before a push): weights are pushed between rollouts only, so the weights a live 
 
 An engine that does not answer (its process died, or it hangs: SIGSTOP, a stuck kernel) is:
 - with --use-fault-tolerance: taken out of sglang-router, killed, started again on the same port (on its bundle,
-  through its EngineActor when it has one), given the weights and version a live engine serves, and put back.
-  Its requests in flight fail when it is killed and are sent again to the live engines (engines.ReissuingClient);
-  a request answered once is never sent again, so no sample is lost or counted twice.
+  through its EngineActor when it has one), given the weight version the rollout runs on, and put back. The weights
+  come, as slime's restarted engines get them, from the trainer (TrainActor.push_to: the weights it last pushed,
+  through the transport in use; with the distributed one the engine joins a group of its own, and the trainer's
+  next push makes a new group of every engine, as slime reconnects its new engines). One shortcut stays: a
+  restarted embedded engine copies a live embedded peer that serves that version (GET /get_weights_snapshot, ours
+  only), which needs no trainer (with --async the trainer is busy training while the rollout runs).
+  Its requests in flight fail when it is killed and are sent again (engines.ReissuingClient) only to engines at the
+  rollout's version: it joins the router again only once it serves it, and a lone engine (no router) takes no
+  request until then. A request answered once is never sent again, so no sample is lost or counted twice.
 - without: killed, and the rollout is cancelled and ends with EngineDiedError naming the engine, why and its log
   tail (never a hang: the router would otherwise wait on a stopped engine for hours).
 """
@@ -47,9 +53,12 @@ class Recovery:
     url: str
     reason: str
     seconds: float
-    weight_version: str
+    weight_version: str | None
     phases: dict[str, float]
     """Seconds of each step: router_out, restart (until /health answers), weights, router_in."""
+    weights_from: str = "peer"
+    """Where its weights came from: "peer" (a live embedded engine's copy), "trainer" (TrainActor.push_to) or "none"
+    (no version to restore: nothing was pushed, it serves the checkpoint as every engine does)."""
 
 
 class HealthMonitor:
@@ -60,6 +69,12 @@ class HealthMonitor:
                  on_failure: Callable[[str], None] | None = None):
         self.engines, self.settings, self.on_failure = engines, settings, on_failure
         self.recoveries: list[Recovery] = []
+        self.weight_version: str | None = None
+        """The version the engines serve (the rollout's; set by the RolloutManager): what a restarted one must get."""
+        self.from_trainer: WeightSource | None = None
+        """Pushes the trainer's last pushed weights to engine URLs as a version (None: no trainer, peers only)."""
+        self.restarted: list[str] = []
+        """Engines restarted since `take_restarted`: the trainer's next push regroups them (weight_sync.regroup)."""
         self.failure: str | None = None
         """Why the monitor gave up on an engine: killed without --use-fault-tolerance, or not restartable with it
         (None: it has not)."""
@@ -69,12 +84,15 @@ class HealthMonitor:
     @property
     def reissue_patience_s(self) -> float:
         """How long a request whose engine died is sent again before the rollout gives up: a full check cycle plus
-        an engine's start-up (what a recovery takes at worst)."""
+        an engine's start-up (what a recovery takes at worst; an SGLang server loads a large model for minutes)."""
         from slimeflow.stages.rl.engine.launch import ENGINE_READY_TIMEOUT_S
+        from slimeflow.stages.rl.engine.sglang_launch import SGLANG_READY_TIMEOUT_S
 
         s = self.settings
+        sglang = any(getattr(p, "engine_kind", "") == "sglang" for p in self.engines.processes)
         return s.rollout_health_check_first_wait + s.rollout_health_check_interval + \
-            s.rollout_health_check_timeout * len(self.engines.worker_urls) + ENGINE_READY_TIMEOUT_S
+            s.rollout_health_check_timeout * len(self.engines.worker_urls) + \
+            (SGLANG_READY_TIMEOUT_S if sglang else ENGINE_READY_TIMEOUT_S)
 
     @contextmanager
     def watching(self) -> Iterator[None]:
@@ -101,6 +119,11 @@ class HealthMonitor:
         if self._restartable() and self.failure is None:
             with self._client() as http:
                 self._check_all(http, final=True)
+
+    def take_restarted(self) -> list[str]:
+        """The URLs of the engines restarted since the last call (before each push, as slime's num_new_engines)."""
+        restarted, self.restarted = self.restarted, []
+        return restarted
 
     def _restartable(self) -> bool:
         """Whether this run started every engine as a process it can kill and restart (external servers, whose
@@ -143,7 +166,8 @@ class HealthMonitor:
         log.warning("rollout engine %d at %s failed its health check (%s): restarting it", rank,
                     self.engines.worker_urls[rank], reason)
         try:
-            self.recoveries.append(recover(self.engines, rank, reason))
+            self.recoveries.append(recover(self.engines, rank, reason, self.weight_version, self.from_trainer))
+            self.restarted.append(self.engines.worker_urls[rank])
         except Exception as err:  # the rollout must end with this reason, not wait for the engine
             self._give_up(f"rollout engine {rank} at {self.engines.worker_urls[rank]} failed its health check "
                           f"({reason}) and could not be restarted: {type(err).__name__}: {err}")
@@ -170,11 +194,15 @@ def check(http: httpx.Client, url: str) -> str | None:
     return None
 
 
-def recover(engines: EngineSet, rank: int, reason: str) -> Recovery:
-    """Take engine `rank` out of the router, restart it at its URL, copy a live engine's weights and version into
-    it, and put it back; raises EngineDiedError when no live engine is left to copy from."""
+WeightSource = Callable[[list[str], str], str]
+"""(engine URLs, version) -> the version they serve after the trainer pushed to them."""
+
+
+def recover(engines: EngineSet, rank: int, reason: str, version: str | None = None,
+            from_trainer: WeightSource | None = None) -> Recovery:
+    """Take engine `rank` out of the router, restart it at its URL, give it weight `version` (restore_weights), and
+    put it back. While it runs, a lone engine's rollout client holds its requests (`engines.recovering`)."""
     from slimeflow.stages.rl.engine.launch import ENGINE_READY_TIMEOUT_S
-    from slimeflow.stages.rl.engines import EngineDiedError
 
     started = time.monotonic()
     phases: dict[str, float] = {}
@@ -183,36 +211,62 @@ def recover(engines: EngineSet, rank: int, reason: str) -> Recovery:
         phases[name] = time.monotonic() - started - sum(phases.values())
 
     url, handle = engines.worker_urls[rank], engines.processes[rank]
-    if engines.routed:
-        _leave_router(engines, url)
-    step("router_out")
-    handle.restart()
-    handle.wait_ready("/health", ENGINE_READY_TIMEOUT_S)
-    step("restart")
-    peers = [u for u in engines.worker_urls if u != url]
-    version = asyncio.run(_copy_weights(peers, url, engines.api_key))
+    engines.recovering = True
+    try:
+        if engines.routed:
+            _leave_router(engines, url)
+        step("router_out")
+        handle.restart()
+        handle.wait_ready("/health", ENGINE_READY_TIMEOUT_S)
+        step("restart")
+        served, source = restore_weights(engines, rank, reason, version, from_trainer)
+        step("weights")
+        if engines.routed:
+            _join_router(engines, url)
+        step("router_in")
+    finally:
+        engines.recovering = False
+    return Recovery(rank, url, reason, time.monotonic() - started, served, phases, source)
+
+
+def restore_weights(engines: EngineSet, rank: int, reason: str, version: str | None,
+                    from_trainer: WeightSource | None) -> tuple[str | None, str]:
+    """Give restarted engine `rank` weight `version`: a live embedded peer's copy when one serves it (no trainer
+    involved: the quickest mid-rollout), else the trainer's push. (served version, "peer" | "trainer" | "none");
+    raises EngineDiedError when neither can. `version` None: nothing was pushed, so the checkpoint it loaded is what
+    every engine serves, unless a peer says otherwise (its copy is taken then)."""
+    from slimeflow.stages.rl.engines import EngineDiedError
+
+    url = engines.worker_urls[rank]
+    embedded = [getattr(p, "engine_kind", "embedded") == "embedded" for p in engines.processes[:len(engines.worker_urls)]]
+    peers = [u for i, u in enumerate(engines.worker_urls) if u != url and embedded[i]] if embedded[rank] else []
+    copied = asyncio.run(_copy_weights(peers, url, engines.api_key, version)) if peers else None
+    if copied is not None:
+        return copied, "peer"
     if version is None:
-        raise EngineDiedError(f"rollout engine {rank} at {url} was restarted ({reason}), but no other engine answers "
-                              f"to copy the current weights from ({peers}): every engine of the run is down")
-    step("weights")
-    if engines.routed:
-        _join_router(engines, url)
-    step("router_in")
-    return Recovery(rank, url, reason, time.monotonic() - started, version, phases)
+        return None, "none"
+    if from_trainer is None:
+        raise EngineDiedError(f"rollout engine {rank} at {url} was restarted ({reason}), but no live engine serves "
+                              f"weight version {version} to copy and no trainer is connected to push it")
+    return from_trainer([url], version), "trainer"
 
 
-async def _copy_weights(peers: list[str], target: str, api_key: str | None) -> str | None:
-    """The weights and version of the first peer that answers, into `target`; None when none answers."""
+async def _copy_weights(peers: list[str], target: str, api_key: str | None, version: str | None) -> str | None:
+    """The weights and version of the first peer that answers with `version` (any, when None), into `target`; None
+    when none does."""
     async with EngineClient(target, api_key=api_key) as into:
         for peer in peers:
             async with EngineClient(peer, api_key=api_key, retries=0) as source:
                 try:
-                    tensors, version = await source.weights_snapshot()
+                    tensors, served = await source.weights_snapshot()
                 except (ConnectionError, RuntimeError) as err:
                     log.warning("could not copy weights from %s: %s", peer, err)
                     continue
-            await into.update_weights_from_tensor(tensors, version)
-            return version
+            if version is not None and served != version:
+                log.warning("not copying weights from %s: it serves version %s, not %s", peer, served, version)
+                continue
+            await into.update_weights_from_tensor(tensors, served)
+            return served
     return None
 
 

@@ -105,8 +105,9 @@ class RolloutManagerHandle:
             self.colocation.for_rollout()
         return call(self.actor.evaluate.remote(version), f"evaluation with weights {version}")
 
-    def recover_engines(self) -> None:
-        call(self.actor.recover_engines.remote(), "checking the rollout engines before a weight push")
+    def recover_engines(self) -> list[str]:
+        """Restart an engine lost since the last rollout; the URLs of those restarted since the last push."""
+        return call(self.actor.recover_engines.remote(), "checking the rollout engines before a weight push")
 
     def state_dict(self, trained: int | None = None) -> dict[str, Any]:
         """The data-source state to save after rollout `trained` (with --async, the rollouts generated past it)."""
@@ -141,13 +142,14 @@ class ActorGroup:
     """The TrainActors (one per data-parallel rank), called together."""
 
     def __init__(self, actors: list[Any], pushes_weights: bool = True, colocation: Colocation | None = None,
-                 before_push: Callable[[], None] | None = None):
+                 before_push: Callable[[], list[str]] | None = None):
         self.actors = actors
         self.pushes_weights = pushes_weights
         """False with --debug-train-only: there is no engine to push to."""
         self.colocation = colocation
         self.before_push = before_push
-        """With --use-fault-tolerance: RolloutManagerHandle.recover_engines (every engine up before a push)."""
+        """With --use-fault-tolerance: RolloutManagerHandle.recover_engines (every engine up before a push; the
+        restarted ones are regrouped by the push)."""
 
     def _all(self, method: str, *args: Any, what: str) -> list[Any]:
         return call([getattr(a, method).remote(*args) for a in self.actors], what)
@@ -166,9 +168,9 @@ class ActorGroup:
         if self.pushes_weights:
             if self.colocation is not None:
                 self.colocation.for_weight_push()
-            if self.before_push is not None:  # after the engines took their memory back (colocated)
-                self.before_push()
-            self._all("update_weights", str(version), what=f"pushing weights {version}")
+            # after the engines took their memory back (colocated)
+            restarted = self.before_push() if self.before_push is not None else []
+            self._all("update_weights", str(version), restarted, what=f"pushing weights {version}")
 
 
 class NoTrainer:
@@ -246,6 +248,8 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
         targets = call(manager.weight_targets.remote(), "starting the rollout manager (engines)")
         if actors and targets is not None:
             call(actors[0].connect_engines.remote(targets), "connecting the trainer to the engines")
+            if config.fault_tolerance.use_fault_tolerance:  # a restarted engine gets the trainer's weights
+                call(manager.connect_trainer.remote(actors[0]), "connecting the rollout manager to the trainer")
     except LoopError:
         for actor in [manager, *actors]:
             ray.kill(actor)

@@ -143,6 +143,16 @@ class WeightSync:
         *_, self.group = await asyncio.gather(*joining, own)
         return self.group
 
+    async def regroup(self) -> None:
+        """Some engines were restarted (fault tolerance) and are no longer in the distributed transport's group: leave
+        it (each live engine too; a restarted one knows no such group), so that the next push makes a new one of
+        every engine, as slime reconnects its new engines. Nothing to do for the other transports."""
+        if self.group is not None:
+            await asyncio.gather(*(c.control("/destroy_weights_update_group", {"group_name": self.group.name})
+                                   for c in self.clients), return_exceptions=True)
+            self.group.close()
+            self.group = None
+
     def _write_hf(self, named_tensors: Mapping[str, Any], version: str) -> str:
         from safetensors.torch import save_file
 
