@@ -132,12 +132,9 @@ NOT_BUILT = ("the Megatron backend does not build it yet (this version: TP, SP, 
 MEGATRON_NOT_BUILT = {
     "context_parallel_size": "context parallelism: " + NOT_BUILT + "; on a CPU it cannot run at all (megatron-core's "
                              "local attention asserts context parallel size 1)",
-    "moe_grouped_gemm": "grouped-GEMM experts need Transformer Engine's layer spec (GPUs); the Megatron backend "
-                        "builds megatron-core's local spec, whose experts run one after another (SequentialMLP)",
-    "moe_permute_fusion": "the fused token permutation is a Transformer Engine kernel (GPUs); the local spec "
-                          "permutes tokens in torch",
 }
-"""The Megatron parallelism flags the Megatron backend refuses, with the reason."""
+"""The Megatron parallelism flags the Megatron backend refuses, with the reason. Those that need Transformer Engine's
+kernels (--moe-grouped-gemm, --moe-permute-fusion) are refused where it is missing (rl.backend.megatron_kernels)."""
 
 
 _REFUSED_BY: dict[str, dict[str, str]] = {
