@@ -48,8 +48,9 @@ def main_weights(backend) -> dict[str, torch.Tensor]:
 
 def bf16_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
     """Load the checkpoint's weights, train on the job's batch; rank 0's steps, bf16 model weights, fp32 main
-    weights (None with the distributed optimizer) and what reached megatron-core."""
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+    weights (None with the distributed optimizer) and what reached megatron-core. With job["save"]: save then, zero
+    the main parameters, resume from the save and return the main parameters it restored ("resumed")."""
+    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint, save_checkpoint
 
     backend = make_backend(job, rank, world)
     try:
@@ -58,6 +59,13 @@ def bf16_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | Non
         distributed = job["config"].megatron.use_distributed_optimizer
         result = {"steps": steps, "weights": backend.named_weights(),
                   "main": None if distributed else main_weights(backend), "reached": reached(backend)}
+        if "save" in job:
+            result["checkpoint"] = save_checkpoint(backend, job["save"], 0, {"rollout_id": 0}).uri
+            for group in backend.optimizer.param_groups:
+                for main in group["params"]:
+                    main.data.zero_()
+            load_checkpoint(backend, result["checkpoint"])
+            result["resumed"] = main_weights(backend)
     finally:
         backend.close()
     return result if rank == 0 else None
@@ -98,7 +106,9 @@ def test_a_bf16_step_matches_the_torch_backends_bf16_step(converted, tmp_path):
     rounding flips moves it up to 2 lr apart: per weight matrix, at most 2% of the entries differ by more than
     lr / 2 (measured <= 0.4%) and none by more than 2 lr plus bf16's rounding of the start weights; the update
     directions agree (cosine >= 0.95; measured >= 0.99). Norm weights (~1, bf16 spacing 2^-7) do not move in the
-    bf16 model at this lr, only in the main parameters: why those are compared."""
+    bf16 model at this lr, only in the main parameters: why those are compared. The run is then saved and resumed:
+    bf16 weights and fp32 main parameters in the checkpoint, as Megatron-LM's, restored exactly."""
+    from slimeflow.checkpoint.torch_dist import tensor_metadata
     from slimeflow.stages.rl.backend.torch_backend import TorchBackend
 
     config = bf16_config(**SLIME_FLAGS)
@@ -108,8 +118,8 @@ def test_a_bf16_step_matches_the_torch_backends_bf16_step(converted, tmp_path):
     batch.rollout_log_probs = torch_backend.compute_log_probs(batch).log_probs  # the torch backend's bf16 ones
     before = {k: v.clone() for k, v in torch_backend.named_weights().items()}
     expected = train_steps(torch_backend, batch, config, 0, 1)[0]
-    got = bf16_job(0, 1, make_job(converted["tmp"], "bf16-vs-torch", converted["hf"], converted["release"], batch,
-                                  config))
+    got = bf16_job(0, 1, {**make_job(converted["tmp"], "bf16-vs-torch", converted["hf"], converted["release"],
+                                     batch, config), "save": str(tmp_path / "save")})
     step = got["steps"][0]
     assert set(step) == set(expected)
     for key in ("entropy", "grad_norm", "pg_loss", "lr"):
@@ -137,8 +147,14 @@ def test_a_bf16_step_matches_the_torch_backends_bf16_step(converted, tmp_path):
         assert (diff > LR / 2).float().mean() <= 0.02, name
         cosine = torch.nn.functional.cosine_similarity(update.flatten(), expected_update.flatten(), dim=0)
         assert cosine >= 0.95, (name, cosine)
-        # the bf16 model holds its main parameters rounded
+        # the bf16 model holds its main parameters rounded; a resume restores them from the checkpoint exactly
         torch.testing.assert_close(got["weights"][name], main.bfloat16(), atol=0, rtol=0)
+        torch.testing.assert_close(got["resumed"][name], main, atol=0, rtol=0)
+    # Megatron-LM's checkpoint of a bf16 run: bf16 model weights, the fp32 main parameters in the optimizer state
+    saved = tensor_metadata(got["checkpoint"])
+    assert {dtype for key, (_, dtype) in saved.items() if not key.startswith("optimizer.")} == {torch.bfloat16}
+    assert {dtype for key, (_, dtype) in saved.items() if key.startswith("optimizer.")} == {torch.float32}
+    assert "optimizer.state.fp32_param.decoder.layers.self_attention.linear_qkv.weight" in saved
 
 
 @pytest.mark.slow
