@@ -237,8 +237,11 @@ def test_te_only_kernels_are_refused_without_transformer_engine_by_name():
         assert [p.split(":")[0] for p in problems] == ["--moe-grouped-gemm", "--moe-permute-fusion",
                                                        "--attention-backend fused"]
         assert all(why in p for p in problems)
+        assert kernel_problems(MegatronConfig(attention_backend="unfused"), kernels)[0].endswith("flash or auto")
     assert kernel_problems(flags, GPU_WITH_TE) == []
-    assert kernel_problems(MegatronConfig(attention_backend="flash"), CPU) == []
+    assert [kernel_problems(MegatronConfig(attention_backend=b), CPU) for b in ("flash", "auto")] == [[], []]
+    assert "not built with Transformer Engine's" in kernel_problems(MegatronConfig(attention_backend="local"),
+                                                                    GPU_WITH_TE)[0]
 
 
 def test_the_spec_and_its_name_map_follow_cuda_and_transformer_engine():

@@ -37,7 +37,6 @@ from slimeflow.stages.rl.backend.megatron_kernels import (
     kernel_problems,
     transformer_fields,
     unwrapped,
-    uses_sdpa,
 )
 from slimeflow.stages.rl.backend.megatron_layout import (
     check_moe,
@@ -164,8 +163,8 @@ class MegatronBackend:
         for stage in range(self.virtual_stages or 1):
             vp_stage = stage if self.virtual_stages else None
             model = gpt_model_from_args(
-                self.args, parallel=parallel, vp_stage=vp_stage, parallel_output=False,
-                sdpa=uses_sdpa(self.parallel), te=self.kernels.te_spec,
+                self.args, parallel=parallel, vp_stage=vp_stage, parallel_output=False, sdpa=True,
+                te=self.kernels.te_spec,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
                 post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
             model.to(self.device).eval()  # dropout is 0; eval as the torch backend: log-probs do not depend on mode

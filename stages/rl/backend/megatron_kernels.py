@@ -56,16 +56,15 @@ def kernel_problems(parallel: MegatronConfig, kernels: Kernels) -> list[str]:
         if parallel.moe_permute_fusion:
             problems.append(f"--moe-permute-fusion: the fused token permutation is a Transformer Engine kernel, and "
                             f"{where}; the local spec permutes tokens in torch: drop the flag")
-        if parallel.attention_backend == "fused":
-            problems.append(f"--attention-backend fused: cuDNN's fused attention runs inside Transformer Engine, and "
-                            f"{where}; use flash or auto (torch's fused attention) or unfused/local (megatron's own)")
+        if parallel.attention_backend in ("fused", "unfused", "local"):
+            problems.append(f"--attention-backend {parallel.attention_backend}: the local spec computes attention with "
+                            "torch's fused scaled_dot_product_attention (its flash kernel on a CPU); megatron's unfused "
+                            "attention builds its causal mask on a CUDA device, and cuDNN's fused attention runs inside "
+                            f"Transformer Engine, and {where}: use --attention-backend flash or auto")
+    elif parallel.attention_backend == "local":
+        problems.append("--attention-backend local: megatron's local attention is not built with Transformer Engine's "
+                        "layer spec; use flash, fused, unfused or auto (Transformer Engine's attention)")
     return problems
-
-
-def uses_sdpa(parallel: MegatronConfig) -> bool:
-    """On the local spec: torch's fused attention (flash on a CPU) for --attention-backend auto/flash, megatron's
-    own unfused DotProductAttention (which --attention-softmax-in-fp32 steers) for unfused/local."""
-    return parallel.attention_backend in ("auto", "flash")
 
 
 def transformer_fields(parallel: MegatronConfig, bf16: bool, kernels: Kernels) -> dict[str, Any]:
