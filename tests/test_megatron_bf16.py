@@ -133,7 +133,7 @@ def test_a_bf16_step_matches_the_torch_backends_bf16_step(converted, tmp_path):
         "grad_reduce_in_fp32": True, "wrapper": "Float16Module", "param_dtypes": {torch.bfloat16},
         "main_grad_dtypes": {torch.float32}, "optimizers": ["Float16OptimizerWithFloat16Params"],
         "optimizer_bf16": True, "linear_qkv": "ColumnParallelLinear"}  # the local spec's
-    assert got["reached"]["attention_backend"].name == "flash"
+    assert got["reached"]["attention_backend"].name == "auto"  # flash steers TE only; here torch's fused attention
     assert all(w.dtype == torch.bfloat16 for w in got["weights"].values())  # what the engines get, as slime's
     trained = torch_backend.named_weights()
     assert set(got["main"]) == set(trained)
@@ -214,6 +214,9 @@ def test_fusions_run_with_transformer_engine_unless_turned_off():
     fusions = ("apply_rope_fusion", "masked_softmax_fusion", "gradient_accumulation_fusion")
     on_te = transformer_fields(MegatronConfig(), bf16=True, kernels=GPU_WITH_TE)
     assert all(on_te[f] for f in fusions)
+    assert transformer_fields(MegatronConfig(attention_backend="flash"), True, GPU_WITH_TE)["attention_backend"].name \
+        == "flash"
+    assert transformer_fields(MegatronConfig(attention_backend="flash"), True, CPU)["attention_backend"].name == "auto"
     for kernels in (CPU, GPU_WITHOUT_TE):
         assert not any(transformer_fields(MegatronConfig(), True, kernels)[f] for f in fusions)
     for flag, field in zip(("no_rope_fusion", "no_masked_softmax_fusion", "no_gradient_accumulation_fusion"),

@@ -68,7 +68,10 @@ def kernel_problems(parallel: MegatronConfig, kernels: Kernels) -> list[str]:
 
 
 def transformer_fields(parallel: MegatronConfig, bf16: bool, kernels: Kernels) -> dict[str, Any]:
-    """TransformerConfig's precision, fusion and attention-backend fields from the flags."""
+    """TransformerConfig's precision, fusion and attention-backend fields from the flags. The attention backend
+    picks Transformer Engine's attention (megatron sets TE's NVTE_*_ATTN variables in the process from it, and
+    refuses a second model with another): it is set with TE's spec only; the local spec runs torch's fused attention
+    for flash and auto alike (kernel_problems refuses the others)."""
     import torch
     from megatron.core.transformer.enums import AttnBackend
 
@@ -79,7 +82,7 @@ def transformer_fields(parallel: MegatronConfig, bf16: bool, kernels: Kernels) -
             "apply_rope_fusion": fused and not parallel.no_rope_fusion,
             "masked_softmax_fusion": fused and not parallel.no_masked_softmax_fusion,
             "gradient_accumulation_fusion": fused and not parallel.no_gradient_accumulation_fusion,
-            "attention_backend": AttnBackend[parallel.attention_backend]}
+            "attention_backend": AttnBackend[parallel.attention_backend] if fused else AttnBackend.auto}
 
 
 def grad_reduce_in_fp32(parallel: MegatronConfig, bf16: bool) -> bool:
