@@ -96,13 +96,12 @@ _CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTe
                     "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
 
 
-def _type_names_as_cuda(method: classmethod) -> classmethod:
-    """`method` (a classmethod) run while a CPU tensor's `type()` names the CUDA type of its dtype."""
+def _run_with_cuda_type_names(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` run while a CPU tensor's `type()` names the CUDA type of its dtype."""
     import torch
 
-    function = method.__func__
-
-    def run(cls: type, *args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
         own_type = torch.Tensor.type
 
         def type_(tensor: Any, *type_args: Any, **type_kwargs: Any) -> Any:
@@ -111,11 +110,19 @@ def _type_names_as_cuda(method: classmethod) -> classmethod:
 
         torch.Tensor.type = type_
         try:
-            return function(cls, *args, **kwargs)
+            return function(*args, **kwargs)
         finally:
             torch.Tensor.type = own_type
 
-    return classmethod(run)
+    return run
+
+
+def _type_names_as_cuda(method: Any) -> Any:
+    """`method` (a classmethod or a plain method) run while a CPU tensor's `type()` names the CUDA type of its
+    dtype."""
+    if isinstance(method, classmethod):
+        return classmethod(_run_with_cuda_type_names(method.__func__))
+    return _run_with_cuda_type_names(method)
 
 
 def _with_adam_state(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -244,6 +251,12 @@ SHIMS: tuple[Shim, ...] = (
          why="DistributedOptimizer sorts the parameters it shards by `param.type()`, accepting only the names "
              "'torch.cuda.FloatTensor', 'torch.cuda.HalfTensor' and 'torch.cuda.BFloat16Tensor' (a CPU parameter's "
              "is 'torch.FloatTensor': TypeError); while it builds them, a CPU tensor's type() names the CUDA type."),
+    Shim(_class("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params"), "__init__",
+         _type_names_as_cuda, wraps=True,
+         why="--bf16 without the distributed optimizer: Float16OptimizerWithFloat16Params sorts the parameters into "
+             "bf16 ones (given fp32 main copies) and fp32 ones by `param.type()`, accepting only the CUDA names (a "
+             "CPU bf16 parameter's is 'torch.BFloat16Tensor': TypeError); while it does, type() names the CUDA "
+             "type."),
     Shim(_class("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"), "state_dict", _with_adam_state,
          wraps=True,
          why="without Apex or Transformer Engine (torch's Adam), DistributedOptimizer.state_dict asserts that every "

@@ -32,6 +32,7 @@ def test_every_shim_says_why_and_is_tested_here():
                      ("megatron.core.optimizer.clip_grads", "torch"), ("megatron.core.utils", "torch"),
                      ("megatron.core.pipeline_parallel.schedules", "torch"),
                      ("DistributedOptimizer", "_build_model_and_main_param_groups"),
+                     ("Float16OptimizerWithFloat16Params", "__init__"),
                      ("DistributedOptimizer", "state_dict"),
                      ("DistributedOptimizer", "_set_main_param_and_optimizer_states"),
                      ("megatron.core.transformer.moe.token_dispatcher", "torch"),
@@ -144,6 +145,26 @@ def test_the_distributed_optimizer_needs_cpu_tensor_types_named_as_cuda(megatron
     with _compat.megatron_on_cpu():
         assert sum(map(len, distributed_optimizer().model_fp32_groups)) == 2  # the Linear's weight and bias
     assert torch.ones(1).type() == "torch.FloatTensor"  # restored
+
+
+def test_the_bf16_optimizer_needs_cpu_tensor_types_named_as_cuda():
+    """--bf16 without the distributed optimizer: megatron's mixed-precision optimizer gives each bf16 parameter an
+    fp32 main copy, recognising bf16 parameters by their CUDA type name."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    def build():
+        param = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+        return Float16OptimizerWithFloat16Params(torch.optim.AdamW([param]), OptimizerConfig(lr=1e-3, bf16=True),
+                                                 None, lambda *args: None)
+
+    with all_shims_but(Float16OptimizerWithFloat16Params, "__init__"), \
+            pytest.raises(TypeError, match="torch.cuda.BFloat16Tensor"):
+        build()
+    with _compat.megatron_on_cpu():
+        optimizer = build()
+    assert [main.dtype for main in optimizer.fp32_from_float16_groups[0]] == [torch.float32]
+    assert torch.ones(1, dtype=torch.bfloat16).type() == "torch.BFloat16Tensor"  # restored
 
 
 def test_a_fresh_distributed_optimizers_state_dict_needs_the_adam_state_stand_in(megatron_world):

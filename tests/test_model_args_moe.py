@@ -90,16 +90,20 @@ def test_moe_flags_on_a_dense_model_are_refused():
 
 def test_megatrons_moe_runtime_flags_are_the_megatron_backends():
     """Taken by the parser; the torch backend refuses each one set (it runs HF's experts); the Megatron backend
-    takes them but the two that need Transformer Engine's kernels."""
+    takes them, the two that need Transformer Engine's kernels where it is installed (megatron_kernels)."""
+    from slimeflow.stages.rl.backend.megatron_kernels import Kernels, kernel_problems
+
     config = megatron(*DEEPSEEK_V3_ARGS, *DEEPSEEK_V3_RUNTIME)
     assert config.moe_token_dispatcher_type == "alltoall" and config.moe_router_bias_update_rate == 0.0
     torch_refused = [p.split(" ", 1)[0] for p in check_model_args(config, DEEPSEEK_V3, "torch")]
     assert sorted(torch_refused) == ["--moe-grouped-gemm", "--moe-permute-fusion", "--moe-router-bias-update-rate",
                                      "--moe-router-dtype", "--moe-router-load-balancing-type",
                                      "--moe-token-dispatcher-type"]  # --moe-aux-loss-coeff 0 is the default
-    megatron_refused = check_model_args(config, DEEPSEEK_V3, "megatron")
-    assert [p.split(" ", 1)[0] for p in megatron_refused] == ["--moe-grouped-gemm", "--moe-permute-fusion"]
+    assert check_model_args(config, DEEPSEEK_V3, "megatron") == []
+    megatron_refused = kernel_problems(config, Kernels(cuda=False, transformer_engine=False))
+    assert [p.split(":", 1)[0] for p in megatron_refused] == ["--moe-grouped-gemm", "--moe-permute-fusion"]
     assert all("Transformer Engine" in p for p in megatron_refused)
+    assert kernel_problems(config, Kernels(cuda=True, transformer_engine=True)) == []
 
 
 def test_moe_layer_freq_reads_megatrons_forms():

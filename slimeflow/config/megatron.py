@@ -144,6 +144,23 @@ class MegatronConfig(ConfigModel):
     moe_permute_fusion: bool = False
     """Fused token permutation (Transformer Engine, GPUs)."""
 
+    # Precision and kernels (Megatron-LM's flags that slime's scripts pass): read by the Megatron backend only, as
+    # megatron-core's TransformerConfig / DDP config fields (stages/rl/backend/megatron_kernels.py).
+    attention_softmax_in_fp32: bool = False
+    """Attention softmax in fp32 under --bf16 (TransformerConfig's; torch's fused attention, the CPU path, always
+    computes it in fp32)."""
+    accumulate_allreduce_grads_in_fp32: bool = False
+    """Under --bf16, accumulate and reduce gradients in fp32 buffers (bf16 ones otherwise)."""
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
+    """Attention kernel: Transformer Engine's flash, fused (cuDNN) or unfused attention (auto: TE picks); without TE,
+    torch's fused attention (flash or auto only)."""
+    no_rope_fusion: bool = False
+    """Do not fuse the rotary embedding (fused: Transformer Engine's kernel, GPUs)."""
+    no_masked_softmax_fusion: bool = False
+    """Do not fuse scale, mask and softmax (fused: a CUDA kernel)."""
+    no_gradient_accumulation_fusion: bool = False
+    """Do not fuse the weight-gradient GEMM with its accumulation into main_grad (fused: Transformer Engine)."""
+
     @model_validator(mode="after")
     def _check_recompute(self) -> MegatronConfig:
         """megatron-core's rules for the recompute flags, at parse time: full recomputation names its method and

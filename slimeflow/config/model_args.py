@@ -34,6 +34,12 @@ MOE_RUNTIME = (
 )
 """Megatron's MoE runtime flags: how experts are fed and trained (megatron-core's router and dispatcher)."""
 
+MEGATRON_KERNELS = (
+    "attention_softmax_in_fp32", "accumulate_allreduce_grads_in_fp32", "attention_backend", "no_rope_fusion",
+    "no_masked_softmax_fusion", "no_gradient_accumulation_fusion",
+)
+"""Megatron-LM's precision and kernel flags: megatron-core settings of the Megatron backend's model and DDP."""
+
 
 def _experts(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The HF config's experts in Megatron's names (empty for a dense model or an unknown architecture)."""
@@ -132,12 +138,9 @@ NOT_BUILT = ("the Megatron backend does not build it yet (this version: TP, SP, 
 MEGATRON_NOT_BUILT = {
     "context_parallel_size": "context parallelism: " + NOT_BUILT + "; on a CPU it cannot run at all (megatron-core's "
                              "local attention asserts context parallel size 1)",
-    "moe_grouped_gemm": "grouped-GEMM experts need Transformer Engine's layer spec (GPUs); the Megatron backend "
-                        "builds megatron-core's local spec, whose experts run one after another (SequentialMLP)",
-    "moe_permute_fusion": "the fused token permutation is a Transformer Engine kernel (GPUs); the local spec "
-                          "permutes tokens in torch",
 }
-"""The Megatron parallelism flags the Megatron backend refuses, with the reason."""
+"""The Megatron parallelism flags the Megatron backend refuses, with the reason. Those that need Transformer Engine's
+kernels (--moe-grouped-gemm, --moe-permute-fusion) are refused where it is missing (rl.backend.megatron_kernels)."""
 
 
 _REFUSED_BY: dict[str, dict[str, str]] = {
@@ -145,7 +148,7 @@ _REFUSED_BY: dict[str, dict[str, str]] = {
     "convert": {field: "the converter writes one torch_dist checkpoint that any parallel layout loads (Megatron "
                 "reshards it), so it takes no parallel, recompute, optimizer or MoE runtime setting but "
                 "--tensor-model-parallel-size (the vocabulary padding): remove it"
-                for field in (*MEGATRON_ONLY, *MOE_RUNTIME) if field != "tensor_model_parallel_size"},
+                for field in (*MEGATRON_ONLY, *MOE_RUNTIME, *MEGATRON_KERNELS) if field != "tensor_model_parallel_size"},
     "megatron": {field: f"{reason}; remove it" for field, reason in MEGATRON_NOT_BUILT.items()},
     "torch": dict.fromkeys(MEGATRON_ONLY, "Megatron parallelism, recompute or distributed optimizer, read only by "
                            "--train-backend megatron; the torch backend trains data-parallel over --actor-num-nodes x "
@@ -154,6 +157,9 @@ _REFUSED_BY: dict[str, dict[str, str]] = {
 _REFUSED_BY["torch"].update(dict.fromkeys(MOE_RUNTIME, "a Megatron MoE runtime flag (router, dispatcher, kernels), read "
                                           "only by --train-backend megatron; the torch backend runs the HF model's "
                                           "own experts: remove it"))
+_REFUSED_BY["torch"].update(dict.fromkeys(MEGATRON_KERNELS, "a Megatron-LM precision or kernel flag, read only by "
+                                          "--train-backend megatron; the torch backend's --bf16 autocasts its fp32 "
+                                          "weights (fp32 gradients, torch's fused attention): remove it"))
 """Per backend, the parallelism/recompute flags it refuses when set away from their defaults, with the reason."""
 
 

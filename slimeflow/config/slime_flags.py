@@ -20,21 +20,35 @@ NOT_YET_SUPPORTED: dict[str, str] = {
     "--dump-details": "use --save-debug-rollout-data DIR/rollout_data/{rollout_id}.pt (the rollout half of it)",
 }
 
-_MEGATRON = ("a Megatron-LM flag that the Megatron training backend (--train-backend megatron) does not read yet "
-             "(it runs megatron-core's local layer spec in fp32); the torch backend needs no such setting")
+_MEGATRON = ("a Megatron-LM flag that the Megatron training backend (--train-backend megatron) does not read yet; "
+             "the torch backend needs no such setting")
 _MTP = "multi-token prediction layers are not supported yet"
 _NEW_ATTENTION_FAMILIES = "those families' gated attention is not supported yet either"
 _SANDWICH = ("GLM4's sandwich norms come from its HF config (model_type glm4), which the torch backend and the "
              "converter read; the Megatron backend takes them from the checkpoint's args, not from this flag")
 
 # Megatron-LM flags that slime's scripts/run-*.sh and scripts/models/*.sh pass (THUDM/slime 624b824a8).
+# (--bf16's precision flags, the fusion switches, --attention-backend and --lr-warmup-fraction are taken: the
+# Megatron backend sets them as megatron-core fields, stages/rl/backend/megatron_kernels.py.)
 NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (
-    "--attention-backend", "--attention-softmax-in-fp32", "--accumulate-allreduce-grads-in-fp32",
-    "--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--overlap-cpu-optimizer-d2h-h2d",
-    "--no-rope-fusion", "--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion",
-    "--decoder-last-pipeline-num-layers", "--spec", "--rotary-interleaved", "--no-position-embedding",
-    "--allgather-cp", "--lr-warmup-fraction", "--deterministic-mode",
+    "--decoder-last-pipeline-num-layers", "--rotary-interleaved", "--no-position-embedding",
 )})
+NOT_YET_SUPPORTED.update({
+    "--use-precision-aware-optimizer": ("megatron's precision-aware optimizer (main parameters and Adam state in "
+                                        "bf16) is Transformer Engine's FusedAdam, a GPU kernel; it is not built: the "
+                                        "Megatron backend keeps fp32 main parameters and Adam state (--bf16)"),
+    "--optimizer-cpu-offload": ("megatron's HybridDeviceOptimizer steps on the host while the GPU works; it is not "
+                                "built (on a CPU there is nothing to offload): use --offload-train to move the "
+                                "trainer's state off the devices during rollout"),
+    "--overlap-cpu-optimizer-d2h-h2d": "an option of --optimizer-cpu-offload, which is not built",
+    "--spec": ("a custom layer-spec module is not read: the Megatron backend builds Transformer Engine's spec on GPUs "
+               "with TE and megatron-core's local spec elsewhere, from the model family"),
+    "--allgather-cp": "context parallelism is not built (and cannot run on a CPU: megatron's local attention asserts "
+                      "context parallel size 1)",
+    "--deterministic-mode": ("megatron-core's deterministic mode (deterministic NCCL and Transformer Engine "
+                             "attention, torch.use_deterministic_algorithms) is not built: CPU runs over gloo are "
+                             "deterministic already, GPU runs are not promised bitwise repeatable"),
+})
 _CRITIC = ("PPO with a critic is not built yet: slime trains a value model beside the actor for "
            "--advantage-estimator ppo (value loss clipped by --value-clip, --num-critic-only-steps warm-up); the "
            "trainer here has no value model, so use grpo, gspo, cispo or reinforce_plus_plus(_baseline)")

@@ -62,8 +62,9 @@ class SequenceParallelNorm(TorchNorm):
     TAG = True
 
 
-def sandwich_norm_layer() -> type:
-    """A TransformerLayer with RMSNorm on the attention and MLP outputs before each residual add (GLM4)."""
+def sandwich_norm_layer(norm: Any = None) -> type:
+    """A TransformerLayer with RMSNorm on the attention and MLP outputs before each residual add (GLM4); the norms
+    are built as `norm` (None: as the layer's input norm, the local spec's; TE's spec fuses that one away)."""
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -71,7 +72,7 @@ def sandwich_norm_layer() -> type:
         def __init__(self, config, submodules, *args, **kwargs):
             super().__init__(config, submodules, *args, **kwargs)
             for name in ("post_self_attn_layernorm", "post_mlp_layernorm"):
-                setattr(self, name, build_module(submodules.input_layernorm, config=config,
+                setattr(self, name, build_module(norm or submodules.input_layernorm, config=config,
                                                  hidden_size=config.hidden_size, eps=config.layernorm_epsilon))
             self.self_attn_bda = _normed(self.self_attn_bda, self.post_self_attn_layernorm)
             self.mlp_bda = _normed(self.mlp_bda, self.post_mlp_layernorm)
@@ -127,10 +128,39 @@ _MLA_KEYS = {
 }
 
 
+def key_map(args: argparse.Namespace, moe: bool | None = None, te: bool = False) -> dict[str, str]:
+    """How a layer's parameter names map onto the checkpoint's, which are Transformer Engine's: nothing to map for
+    TE's spec (`te`); the local spec's norms keyed as TE fuses them (see layer_spec)."""
+    if te:
+        return {}
+    experts = getattr(args, "num_experts", None) if moe is not False else None
+    mla = bool(getattr(args, "multi_latent_attention", False))
+    # As for dense attention: TE fuses the input norm into linear_qkv and the pre-MLP norm into fc1. MLA keeps its
+    # input norm (TE: TENorm), an MoE layer its pre-MLP norm (no fused fc1 to hold it).
+    return {**({} if mla else {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}),
+            **({} if experts else {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}), **(_MLA_KEYS if mla else {})}
+
+
+def te_layer_spec(args: argparse.Namespace, moe: bool | None = None, grouped_gemm: bool = False):
+    """Transformer Engine's layer spec for these args (GPUs with TE): megatron-core's, experts as TEGroupedMLP with
+    `grouped_gemm`, GLM4's sandwich norms as TENorm. Its names are the checkpoint's (key_map: none)."""
+    from megatron.core.extensions.transformer_engine import TENorm
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    experts = getattr(args, "num_experts", None) if moe is not False else None
+    spec = get_gpt_layer_with_transformer_engine_spec(
+        num_experts=experts, moe_grouped_gemm=grouped_gemm, qk_layernorm=args.qk_layernorm,
+        multi_latent_attention=bool(getattr(args, "multi_latent_attention", False)))
+    if getattr(args, "post_self_attn_layernorm", False):
+        return ModuleSpec(module=sandwich_norm_layer(TENorm), submodules=spec.submodules)
+    return spec
+
+
 def layer_spec(args: argparse.Namespace, moe: bool | None = None, sdpa: bool = False):
     """The local layer spec for these args: megatron-core's, with sandwich norms when the args ask for them, and
-    parameters keyed as Transformer Engine's specs key them. `moe`: an expert layer (None: whenever the args have
-    experts); `sdpa`: torch's fused causal attention (`sdpa_attention`), for MLA too (mla_core_attention)."""
+    parameters keyed as Transformer Engine's specs key them (key_map). `moe`: an expert layer (None: whenever the
+    args have experts); `sdpa`: torch's fused causal attention (`sdpa_attention`), for MLA too (mla_core_attention)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -138,11 +168,7 @@ def layer_spec(args: argparse.Namespace, moe: bool | None = None, sdpa: bool = F
     mla = bool(getattr(args, "multi_latent_attention", False))
     spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=args.qk_layernorm,
                                     multi_latent_attention=mla, normalization=args.normalization)
-    # The local spec's key map, as for dense attention: TE fuses the input norm into linear_qkv and the pre-MLP
-    # norm into fc1. MLA keeps its input norm (TE: TENorm), an MoE layer its pre-MLP norm (no fused fc1 to hold it).
-    keys = {**({} if mla else {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}),
-            **({} if experts else {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"})}
-    submodules = replace(spec.submodules, sharded_state_dict_keys_map={**keys, **(_MLA_KEYS if mla else {})})
+    submodules = replace(spec.submodules, sharded_state_dict_keys_map=key_map(args, moe))
     if mla:
         attention = spec.submodules.self_attention
         submodules = replace(submodules, self_attention=ModuleSpec(
@@ -174,26 +200,36 @@ def _with_torch_norms(attention: Any) -> Any:
     return replace(attention, submodules=replace(attention.submodules, **norms))
 
 
-def block_spec(args: argparse.Namespace, config: Any, sdpa: bool = False, vp_stage: int | None = None):
+def block_spec(args: argparse.Namespace, config: Any, sdpa: bool = False, vp_stage: int | None = None,
+               te: bool = False):
     """This pipeline stage's layer specs (one per layer: dense and expert layers alternate when moe_layer_freq is a
     list, DeepSeek's first dense layers) and the final norm, under megatron's initialised parallel state.
-    `config`: the model's TransformerConfig (its pipeline split); `sdpa`: see layer_spec; `vp_stage`: the virtual
-    pipeline chunk (None without interleaving)."""
+    `config`: the model's TransformerConfig (its pipeline split; moe_grouped_gemm); `sdpa`: see layer_spec;
+    `vp_stage`: the virtual pipeline chunk (None without interleaving); `te`: Transformer Engine's specs."""
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    def spec(moe: bool | None):
+        grouped = bool(getattr(config, "moe_grouped_gemm", False))
+        return te_layer_spec(args, moe, grouped) if te else layer_spec(args, moe=moe, sdpa=sdpa)
+
     freq = getattr(args, "moe_layer_freq", 1)
     if isinstance(freq, list):
-        dense, moe = layer_spec(args, moe=False, sdpa=sdpa), layer_spec(args, moe=True, sdpa=sdpa)
+        dense, moe = spec(False), spec(True)
         specs = [moe if is_moe else dense for is_moe in freq]
     else:
-        specs = [layer_spec(args, sdpa=sdpa)] * args.num_layers
+        specs = [spec(None)] * args.num_layers
     first = get_transformer_layer_offset(config, vp_stage)
+    final_norm: Any = SequenceParallelNorm
+    if te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        final_norm = TENorm
     return TransformerBlockSubmodules(layer_specs=specs[first: first + get_num_layers_to_build(config, vp_stage)],
-                                      layer_norm=SequenceParallelNorm)
+                                      layer_norm=final_norm)
 
 
 def _moe_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -226,8 +262,10 @@ def _mla_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def gpt_model_from_args(args: argparse.Namespace, dtype: torch.dtype = torch.float32,
                         parallel: dict[str, Any] | None = None, pre_process: bool = True, post_process: bool = True,
-                        parallel_output: bool = True, sdpa: bool = False, vp_stage: int | None = None):
-    """A megatron-core GPTModel (local layer spec, CPU initialisation) of the shape in a checkpoint's args.
+                        parallel_output: bool = True, sdpa: bool = False, vp_stage: int | None = None,
+                        te: bool = False):
+    """A megatron-core GPTModel (local layer spec, or Transformer Engine's with `te`; CPU initialisation) of the
+    shape in a checkpoint's args.
 
     `parallel`: further TransformerConfig fields (tensor/pipeline parallel sizes, ...), under megatron's
     initialised parallel state; pre_process/post_process: this pipeline stage holds the embedding / the output
@@ -239,7 +277,7 @@ def gpt_model_from_args(args: argparse.Namespace, dtype: torch.dtype = torch.flo
     from slimeflow._compat import megatron_on_cpu
 
     mla = _mla_config(args)
-    config = (MLATransformerConfig if mla else TransformerConfig)(
+    fields = dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels, normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
@@ -247,9 +285,12 @@ def gpt_model_from_args(args: argparse.Namespace, dtype: torch.dtype = torch.flo
         add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
         rotary_interleaved=getattr(args, "rotary_interleaved", False), hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, bias_dropout_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, params_dtype=dtype, **{**_moe_config(args), **mla, **(parallel or {})})
+        gradient_accumulation_fusion=False, params_dtype=dtype)
+    # `parallel` may set any field, the precision and fusion ones above too (the backend's megatron_kernels)
+    config = (MLATransformerConfig if mla else TransformerConfig)(
+        **{**fields, **_moe_config(args), **mla, **(parallel or {})})
     with megatron_on_cpu():  # MLA's constructor needs it (a shim there); nested in the backend's, it changes nothing
-        return GPTModel(config, block_spec(args, config, sdpa, vp_stage), vocab_size=args.padded_vocab_size,
+        return GPTModel(config, block_spec(args, config, sdpa, vp_stage, te), vocab_size=args.padded_vocab_size,
                         max_sequence_length=args.max_position_embeddings, position_embedding_type="rope",
                         rotary_percent=getattr(args, "rotary_percent", 1.0), rotary_base=int(args.rotary_base),
                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

@@ -325,6 +325,8 @@ class OptimizerConfig(ConfigModel):
     """Decay after warm-up."""
     lr_warmup_iters: int = Field(0, ge=0)
     """Linear warm-up steps."""
+    lr_warmup_fraction: float | None = Field(None, ge=0, lt=1)
+    """Linear warm-up as a fraction of the decay steps (Megatron-LM's; instead of --lr-warmup-iters)."""
     lr_decay_iters: OptionalPositiveInt = None
     """Steps over which the learning rate decays (default: the whole run)."""
     weight_decay: float = Field(0.0, ge=0)
@@ -339,6 +341,14 @@ class OptimizerConfig(ConfigModel):
     """Gradient-norm clip (0 disables it)."""
     bf16: bool = False
     """Train in bfloat16 (fp32 otherwise)."""
+
+    @model_validator(mode="after")
+    def _check_warmup(self) -> OptimizerConfig:
+        """Megatron-LM's rule: the warm-up is given in steps or as a fraction, not both."""
+        if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
+            raise ValueError(f"--lr-warmup-fraction {self.lr_warmup_fraction} with --lr-warmup-iters "
+                             f"{self.lr_warmup_iters}: give the warm-up one way; drop one of them")
+        return self
 
 
 class CheckpointConfig(ConfigModel):

@@ -3,7 +3,7 @@ slimeflow/config/model_args.py checks against the HF config."""
 
 from __future__ import annotations
 
-from slimeflow.config.model_args import NOT_BUILT
+from slimeflow.stages.rl.backend.megatron_kernels import Kernels, kernel_problems
 from slimeflow.stages.rl.config import TrainConfig
 
 
@@ -28,8 +28,8 @@ def megatron_backend_problems(config: TrainConfig) -> list[str]:
         problems.append(f"{ranks} training ranks (--actor-num-nodes x --actor-num-gpus-per-node) are not a multiple "
                         f"of --tensor-model-parallel-size x --pipeline-model-parallel-size = {model_parallel}")
     problems += _parallel_problems(config)
-    if config.optimizer.bf16:
-        problems.append("--bf16 with --train-backend megatron: " + NOT_BUILT + " (it trains in fp32)")
+    # What this machine's kernels cannot run (the trainers check again where they run)
+    problems += kernel_problems(config.megatron, Kernels.detect())
     return problems
 
 

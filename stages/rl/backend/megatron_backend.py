@@ -30,6 +30,14 @@ import torch
 
 from slimeflow._compat import megatron_on_cpu
 from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantage
+from slimeflow.stages.rl.backend.megatron_kernels import (
+    Kernels,
+    grad_reduce_in_fp32,
+    in_precision,
+    kernel_problems,
+    transformer_fields,
+    unwrapped,
+)
 from slimeflow.stages.rl.backend.megatron_layout import (
     check_moe,
     moe_runtime,
@@ -78,7 +86,7 @@ class MegatronBackend:
                  algorithm: AlgorithmConfig, batch: BatchConfig, parallel: MegatronConfig, seed: int = 1234,
                  rank: int = 0, world_size: int = 1, init_method: str | None = None, total_steps: int | None = None,
                  ref_load: str | None = None, temperature: float = 1.0, hooks: TrainHooks | None = None,
-                 plugin_args: Any = None):
+                 plugin_args: Any = None, kernels: Kernels | None = None):
         from megatron.core import parallel_state
 
         from slimeflow.checkpoint.torch_dist import read_common
@@ -89,6 +97,10 @@ class MegatronBackend:
         self.optimizer_config, self.algorithm, self.batch, self.parallel = optimizer, algorithm, batch, parallel
         self.rank, self.world_size = rank, world_size
         self.device = default_device()
+        self.kernels = kernels or Kernels.detect()  # the layer spec and fused kernels this machine runs
+        problems = kernel_problems(parallel, self.kernels)
+        if problems:
+            raise ValueError("; ".join(problems))
         # megatron's parallel state lives in process groups, so even one rank has one.
         self._owns_group = init_process_group(rank, world_size, init_method, self.device, single_rank_too=True)
         tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
@@ -123,7 +135,8 @@ class MegatronBackend:
             raise ValueError(f"{checkpoint}: its padded vocabulary ({self.args.padded_vocab_size}) does not split over "
                              f"--tensor-model-parallel-size {tp}; convert it again with that tensor-parallel size")
         with self.on_device():
-            self.model = self._wrapped(self._build())  # this rank's model chunks, each in megatron's DDP
+            # this rank's model chunks, each in megatron's DDP (and under --bf16 in a Float16Module)
+            self.model = self._wrapped(in_precision(self._build(), optimizer.bf16))
             self.optimizer = self._megatron_optimizer()
             self.scheduler = self._param_scheduler(total_steps)
             self.ref_model = self._reference(ref_load) if self.needs_reference else None
@@ -157,7 +170,8 @@ class MegatronBackend:
                     "expert_model_parallel_size": self.parallel.expert_model_parallel_size,
                     "expert_tensor_parallel_size": (self.parallel.expert_tensor_parallel_size
                                                     or self.parallel.tensor_model_parallel_size),
-                    "pipeline_dtype": torch.float32,
+                    **transformer_fields(self.parallel, self.optimizer_config.bf16, self.kernels),
+                    **({"moe_grouped_gemm": self.parallel.moe_grouped_gemm} if self.kernels.te_spec else {}),
                     # gloo's batched p2p silently corrupts the interleaved schedule (megatron-on-cpu.md)
                     "batch_p2p_comm": False, "calculate_per_token_loss": True,
                     "sequence_parallel": self.sequence_parallel, **self._recompute(),
@@ -173,7 +187,7 @@ class MegatronBackend:
                                "--custom-model-provider-path")
             else:
                 model = gpt_model_from_args(self.args, parallel=parallel, vp_stage=vp_stage, parallel_output=False,
-                                            sdpa=True, **ends)
+                                            sdpa=True, te=self.kernels.te_spec, **ends)
             model.to(self.device).eval()  # dropout is 0; eval as the torch backend: log-probs do not depend on mode
             model.requires_grad_(trainable)
             chunks.append(model)
@@ -200,7 +214,7 @@ class MegatronBackend:
                              "reference model's torch_dist checkpoint, as in slime)")
         chunks = self._build(trainable=False)
         load_weights(chunks, ref_load)
-        return chunks
+        return in_precision(chunks, self.optimizer_config.bf16)
 
     def _wrapped(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
         """Each chunk in megatron's DDP (contiguous fp32 gradient buffers, summed over DP ranks when the step
@@ -212,7 +226,7 @@ class MegatronBackend:
         )
 
         wrapped = [DistributedDataParallel(model.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=self.parallel.use_distributed_optimizer,
+            grad_reduce_in_fp32=grad_reduce_in_fp32(self.parallel, self.optimizer_config.bf16), overlap_grad_reduce=False, use_distributed_optimizer=self.parallel.use_distributed_optimizer,
             average_in_collective=False), module=model, disable_bucketing=i > 0)  # gloo has no ReduceOp.AVG
             for i, model in enumerate(chunks)]
         config = chunks[0].config
@@ -227,12 +241,11 @@ class MegatronBackend:
         from megatron.core.optimizer import get_megatron_optimizer
 
         o = self.optimizer_config
-        if o.bf16:
-            raise ValueError("--bf16 with --train-backend megatron is not built yet: the Megatron backend trains "
-                             "in fp32 in this version")
+        # --bf16: megatron's mixed-precision optimizer, its fp32 main parameters stepped from the bf16 model's
         config = MegatronOptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
                                          adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                                         clip_grad=o.clip_grad, params_dtype=torch.float32,
+                                         clip_grad=o.clip_grad, bf16=o.bf16,
+                                         params_dtype=torch.bfloat16 if o.bf16 else torch.float32,
                                          use_distributed_optimizer=self.parallel.use_distributed_optimizer)
         return get_megatron_optimizer(config, self.model)
 
@@ -241,12 +254,13 @@ class MegatronBackend:
         per parameter group, which is what leaves norms and biases undecayed)."""
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from slimeflow.stages.rl.backend.schedule import decay_steps
+        from slimeflow.stages.rl.backend.schedule import decay_steps, warmup_steps
 
         o = self.optimizer_config
-        decay = decay_steps(o, total_steps) or max(o.lr_warmup_iters, 1)
+        warmup = warmup_steps(o, total_steps)  # --lr-warmup-iters, or --lr-warmup-fraction of the decay steps
+        decay = decay_steps(o, total_steps) or max(warmup, 1)
         return OptimizerParamScheduler(self.optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
-                                       lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=max(decay, o.lr_warmup_iters),
+                                       lr_warmup_steps=warmup, lr_decay_steps=max(decay, warmup),
                                        lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay,
                                        end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
 
@@ -261,8 +275,8 @@ class MegatronBackend:
 
     @property
     def modules(self) -> list[torch.nn.Module]:
-        """The policy's GPTModel chunks (this rank's shards), without the DDP wrappers."""
-        return [ddp.module for ddp in self.model]
+        """The policy's GPTModel chunks (this rank's shards), without the DDP (and Float16Module) wrappers."""
+        return [unwrapped(ddp) for ddp in self.model]
 
     # -- forward and backward -----------------------------------------------------------------------------------
 

@@ -185,6 +185,9 @@ def load_checkpoint(backend: MegatronBackend, ref_or_uri: CheckpointRef | str | 
         loaded = dist_checkpointing.load(_sharded_state(backend, None, True, resume, with_rng), str(directory))
         assign(backend.modules, loaded, ref.uri)
         if not resume:
+            # --bf16: the optimizer's fp32 main parameters are copies of the model's, as Megatron-LM refreshes
+            # them after loading weights only (nothing to do in fp32: the optimizer steps the model's own)
+            backend.optimizer.reload_model_params()
             return {}
         backend.optimizer.load_state_dict(loaded["optimizer"])
         backend.scheduler.load_state_dict(loaded["opt_param_scheduler"])

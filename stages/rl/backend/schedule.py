@@ -25,14 +25,27 @@ def decay_steps(config: OptimizerConfig, total_steps: int | None) -> int | None:
     return steps
 
 
+def warmup_steps(config: OptimizerConfig, total_steps: int | None) -> float:
+    """Warm-up steps: --lr-warmup-iters, or --lr-warmup-fraction x the decay steps (Megatron-LM's rule; a
+    fraction need not give a whole number of steps). ValueError when a fraction is given and the decay steps are
+    not known."""
+    if config.lr_warmup_fraction is None:
+        return config.lr_warmup_iters
+    steps = config.lr_decay_iters or total_steps
+    if steps is None:
+        raise ValueError(f"--lr-warmup-fraction {config.lr_warmup_fraction} is a fraction of the decay steps: give "
+                         "--lr-decay-iters (or the run's total optimizer steps), or use --lr-warmup-iters")
+    return config.lr_warmup_fraction * steps
+
+
 def lr_at(config: OptimizerConfig, step: int, total_steps: int | None = None) -> float:
     """The learning rate of optimizer step `step` (0-based), Megatron's formula.
 
-    Warm-up: lr x step / lr_warmup_iters while step <= lr_warmup_iters; after the decay steps: min_lr;
+    Warm-up: lr x step / warmup while step <= warmup (warmup_steps); after the decay steps: min_lr;
     in between: min_lr + coeff x (lr - min_lr), coeff = 1 - r (linear) or (1 + cos(pi r)) / 2 (cosine),
     r = (step - warmup) / (decay - warmup); constant: lr.
     """
-    warmup = config.lr_warmup_iters
+    warmup = warmup_steps(config, total_steps)
     if warmup > 0 and step <= warmup:
         return config.lr * step / warmup
     if config.lr_decay_style == "constant":
@@ -53,4 +66,5 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimizerConfig,
                     total_steps: int | None) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR whose step-k learning rate is lr_at(config, k); its state_dict holds the step count."""
     decay_steps(config, total_steps)  # fail at construction, not at the first decaying step
+    warmup_steps(config, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(config, step, total_steps) / config.lr)
