@@ -142,15 +142,18 @@ def test_the_megatron_backend_trains_moe_families_as_the_torch_backend(family, r
     assert max((got["weights"][k] - trained[k]).abs().max().item() for k in trained if k not in biases) <= 0.1 * LR
 
 
-def _dynamic_ep2_config():
-    """EP 2 packing micro-batches under --max-tokens-per-gpu 16: in the first step one rank packs one, the other two
-    (checked below), so the first splits its micro-batch to run as many."""
+def _etp1_dynamic_batch_config():
+    """TP 2 x EP 2 with experts whole on each rank (--expert-tensor-parallel-size 1), tokens gathered, micro-batches
+    packed under --max-tokens-per-gpu 16: in the first step one data-parallel rank packs one, the other two (checked
+    below), so the first splits its micro-batch to run as many."""
     from slimeflow.stages.rl.packing import pack_micro_batches
     from slimeflow.stages.rl.train_step import plan_steps
 
     config = make_config(batch={"use_dynamic_batch_size": True, "max_tokens_per_gpu": 16, "global_batch_size": 4},
                          optimizer={"lr": LR}, algorithm={"use_kl_loss": True, "kl_loss_coef": 0.1},
-                         megatron={"expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"})
+                         megatron={"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
+                                   "expert_tensor_parallel_size": 1, "sequence_parallel": True,
+                                   "moe_token_dispatcher_type": "allgather"})
     batch = make_batch()
     counts = {len(pack_micro_batches([batch.total_lengths[i] for i in plan_steps(batch, 4, rank, 2, True)[0][1]], 16))
               for rank in range(2)}
@@ -159,20 +162,21 @@ def _dynamic_ep2_config():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ep2-allgather-dynamic-batch", "tp2xep2-sp-alltoall"])
-def test_expert_parallel_equals_one_process(qwen3_moe, moe_one_process, tmp_path, layout):
-    """EP 2: each rank holds 2 of the 4 experts (and is its own data-parallel replica), tokens gathered over the
-    expert-parallel ranks, micro-batches packed under a token budget (a rank that packs fewer splits its own to run
-    as many as the other). TP 2 x EP 2 (4 ranks): experts split over the tensor-parallel ranks too, sequence
-    parallel (megatron-core's MoE layer requires it), tokens sent all-to-all (slime's scripts' choice) with uneven
-    gathers over the expert-tensor-parallel ranks (CPU shims in _compat). Micro-batches padded to one shape for
-    gloo's even gathers; tolerances _compare_with_one_process's (measured: weights within 6.5e-6 at TP 2 x EP 2)."""
-    if layout.startswith("ep2"):
-        world, config = 2, _dynamic_ep2_config()
+@pytest.mark.parametrize("layout", ["etp1-allgather-dynamic-batch", "etp2-alltoall"])
+def test_tensor_x_expert_parallel_equals_one_process(qwen3_moe, moe_one_process, tmp_path, layout):
+    """TP 2 x EP 2 (4 ranks, 2 data-parallel replicas; each rank holds 2 of the 4 experts), sequence parallel
+    (megatron-core's MoE layer requires it with TP). etp1: the experts whole on each rank, tokens gathered over the
+    expert-parallel ranks, micro-batches packed under a token budget (a replica that packs fewer splits its own to
+    run as many as the other). etp2: the experts split over the tensor-parallel ranks too, tokens sent all-to-all
+    (slime's scripts' choice) with uneven gathers over the expert-tensor-parallel ranks (CPU shims in _compat).
+    Micro-batches padded to one shape for gloo's even gathers; tolerances _compare_with_one_process's (measured:
+    weights within 6.5e-6). EP 2 alone: test_an_expert_parallel_checkpoint_resumes_at_another_expert_parallel_size."""
+    if layout.startswith("etp1"):
+        config = _etp1_dynamic_batch_config()
     else:
-        world, config = 4, two_step_config(tensor_model_parallel_size=2, expert_model_parallel_size=2,
-                                           sequence_parallel=True, moe_token_dispatcher_type="alltoall")
-    run = run_world(world, layout, tmp_path, qwen3_moe["hf"], qwen3_moe["release"], moe_one_process["batch"], config)
+        config = two_step_config(tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True,
+                                 moe_token_dispatcher_type="alltoall")
+    run = run_world(4, layout, tmp_path, qwen3_moe["hf"], qwen3_moe["release"], moe_one_process["batch"], config)
     first = run["steps"][0]
     assert first["ppo_kl"] == 0.0 and first["train_rollout_logprob_abs_diff"] <= 1e-6
     _compare_with_one_process(run, moe_one_process)
