@@ -310,3 +310,27 @@ def test_an_expert_parallel_checkpoint_resumes_at_another_expert_parallel_size(q
                         ref_load=str(qwen3_moe["release"]))
     assert resumed["steps"] == uninterrupted["steps"]
     assert all(torch.equal(resumed["weights"][k], v) for k, v in uninterrupted["weights"].items())
+
+
+def test_an_optimizer_split_change_is_refused_where_it_does_not_reshard(monkeypatch):
+    """A checkpoint of two optimizers (dense and expert: EP > 1) resumed by one (EP 1): resharded when saved without
+    chained_N. prefixes; refused by name when saved with them (an earlier slimeflow's) or with the distributed
+    optimizer (not built)."""
+    from types import SimpleNamespace
+
+    from slimeflow.io.checkpoints import CheckpointError
+    from slimeflow.stages.rl.backend import megatron_checkpoint
+
+    monkeypatch.setattr(megatron_checkpoint, "read_common", lambda directory: {"optimizer": {0: {}, 1: {}}})
+    sharding = megatron_checkpoint.SHARDING
+
+    def changed(optimizers: int, distributed: bool = False, **metadata) -> bool:
+        backend = SimpleNamespace(optimizer=SimpleNamespace(chained_optimizers=[None] * optimizers),
+                                  parallel=MegatronConfig(use_distributed_optimizer=distributed))
+        return megatron_checkpoint._optimizer_split_changed(backend, "ckpt", Path("."), {**sharding, **metadata})
+
+    assert not changed(2) and changed(1)
+    with pytest.raises(CheckpointError, match="ckpt holds the optimizer state split .* chained_0. / chained_1."):
+        changed(1, chained_optim_avoid_prefix=False)
+    with pytest.raises(CheckpointError, match="--use-distributed-optimizer that resharding is not built"):
+        changed(1, distributed=True)

@@ -11,7 +11,8 @@
 Each rank writes and reads only its own shards, so a checkpoint loads at another TP/PP layout (or virtual
 pipeline) than it was saved at; the RNG states are per (pipeline, tensor) rank, so, as Megatron-LM does, they are
 restored only at the layout they were saved at (common.pt's args record it). An MoE model's optimizer state under
-expert parallelism is split in two (dense and expert parameters); it reshards to another expert-parallel size. Staging, commit and refusals follow the torch backend's checkpoints (checkpoint.py): a save is staged in
+expert parallelism is split in two (dense and expert parameters); it reshards to another expert-parallel size.
+Staging, commit and refusals follow the torch backend's checkpoints (checkpoint.py): a save is staged in
 `<root>/.iter_XXXXXXX.tmp-*` (claimed by rank 0), moved into place when complete and only then committed.
 """
 
