@@ -208,6 +208,39 @@ def _split_sizes_on_host(tensor: Any, as_numpy: bool = False, record_stream: boo
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
+def _uneven_gather_padded(original: Callable[..., Any]) -> Callable[..., Any]:
+    """mappings._gather_along_first_dim with uneven `output_split_sizes` on gloo: every rank's rows padded to the
+    largest share, gathered evenly, the padding cut (even gathers are megatron's own)."""
+    import torch
+
+    def gather(input_: Any, group: Any, output_split_sizes: Any = None, use_global_buffer: bool = False) -> Any:
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        padded = input_.new_zeros((max(output_split_sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        pieces = [torch.empty_like(padded) for _ in output_split_sizes]
+        torch.distributed.all_gather(pieces, padded, group=group)
+        return torch.cat([piece[:rows] for piece, rows in zip(pieces, output_split_sizes, strict=True)])
+
+    return gather
+
+
+def _uneven_reduce_scatter_by_all_reduce(original: Callable[..., Any]) -> Callable[..., Any]:
+    """mappings._reduce_scatter_along_first_dim with uneven `input_split_sizes` on gloo: the whole tensor summed
+    over the group, each rank keeping its own rows (even reduce-scatters are megatron's own)."""
+    import torch
+
+    def reduce_scatter(input_: Any, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False) -> Any:
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.clone(memory_format=torch.contiguous_format)
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return total[start: start + input_split_sizes[group.rank()]].clone()
+
+    return reduce_scatter
+
+
 def _no_sync() -> None:
     return None
 
@@ -287,6 +320,16 @@ SHIMS: tuple[Shim, ...] = (
     Shim(_module("megatron.core.transformer.moe.token_dispatcher"), "maybe_move_tensor_to_cpu", _split_sizes_on_host,
          why="the all-to-all dispatcher moves its split sizes to the host as numpy only from a CUDA tensor; on the "
              "host they stay tensors, which gloo's all_to_all_single rejects as split sizes."),
+    Shim(_module("megatron.core.tensor_parallel.mappings"), "_gather_along_first_dim", _uneven_gather_padded,
+         wraps=True,
+         why="with expert and tensor parallelism the all-to-all dispatcher gathers each expert-tensor-parallel rank's "
+             "tokens, uneven counts, through all_gather into pieces of their sizes; gloo's all_gather takes only "
+             "pieces of the input's size (RuntimeError 'invalid tensor size'). Padded to one size, gathered, cut."),
+    Shim(_module("megatron.core.tensor_parallel.mappings"), "_reduce_scatter_along_first_dim",
+         _uneven_reduce_scatter_by_all_reduce, wraps=True,
+         why="the all-to-all dispatcher's combine (and the gather's backward) reduce-scatters those uneven token "
+             "counts; gloo's reduce_scatter checks every piece against the output's size (a fatal check). Summed "
+             "whole with all_reduce, each rank keeping its rows."),
     Shim(_module("megatron.core.transformer.multi_latent_attention"), "HAVE_TE", False,
          why="megatron-core 0.16.1's MLA imports Transformer Engine's names through a module that stands in "
              "placeholders when TE is absent, so it believes TE is there and `isinstance(linear_proj, TELinear)` "

@@ -36,7 +36,9 @@ def test_every_shim_says_why_and_is_tested_here():
                      ("DistributedOptimizer", "state_dict"),
                      ("DistributedOptimizer", "_set_main_param_and_optimizer_states"),
                      ("megatron.core.transformer.moe.token_dispatcher", "torch"),
-                     ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu")}
+                     ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"),
+                     ("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim"),
+                     ("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim")}
     assert all(len(shim.why) > 40 for shim in _compat.SHIMS)
 
 
@@ -290,6 +292,30 @@ def test_alltoall_split_sizes_need_the_host_numpy_shim(megatron_world):
     out = torch.empty(3)
     torch.distributed.all_to_all_single(out, tokens, shimmed, shimmed)
     assert torch.equal(out, tokens)
+
+
+def test_uneven_gathers_and_reduce_scatters_need_the_gloo_stand_ins(megatron_world):
+    """gloo's all_gather and reduce_scatter take pieces of one size only (the input's, the output's): the uneven
+    forms megatron's all-to-all dispatcher uses with expert and tensor parallelism fail (the reduce-scatter with a
+    fatal check, so it is shown in a child process). One rank shows the size check; the stand-ins' results at two
+    ranks are checked by test_megatron_vpp_ep's TP 2 x EP 2 run against one process."""
+    from megatron.core.tensor_parallel import mappings
+
+    with pytest.raises(RuntimeError, match="invalid tensor size"):
+        torch.distributed.all_gather([torch.empty(4, 2)], torch.ones(3, 2))
+    script = ("import tempfile, torch; torch.distributed.init_process_group('gloo', init_method='file://' + "
+              "tempfile.mktemp(), rank=0, world_size=1); "
+              "torch.distributed.reduce_scatter(torch.empty(2, 2), [torch.ones(3, 2)])")
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert child.returncode != 0 and "Check failed: outputs[0].sizes()" in child.stderr
+    group = torch.distributed.group.WORLD
+    original = mappings._gather_along_first_dim
+    with _compat.megatron_on_cpu():
+        assert mappings._gather_along_first_dim is not original
+        tokens = torch.arange(6.0).reshape(3, 2)
+        assert torch.equal(mappings._gather_along_first_dim(tokens, group, [3]), tokens)  # one rank: unchanged
+        assert torch.equal(mappings._reduce_scatter_along_first_dim(tokens, group, [3]), tokens)
+    assert mappings._gather_along_first_dim is original
 
 
 def test_multi_latent_attention_needs_the_have_te_shim(megatron_world):

@@ -45,22 +45,20 @@ def _parallel_problems(config: TrainConfig) -> list[str]:
         problems.append(f"--num-layers-per-virtual-pipeline-stage {m.num_layers_per_virtual_pipeline_stage}: "
                         f"--num-layers {m.num_layers} does not split into --pipeline-model-parallel-size "
                         f"{m.pipeline_model_parallel_size} x stages of that many layers")
-    tp, ep = m.tensor_model_parallel_size, m.expert_model_parallel_size
-    if m.expert_tensor_parallel_size not in (None, tp):
-        problems.append(f"--expert-tensor-parallel-size {m.expert_tensor_parallel_size}: the Megatron backend splits "
-                        f"experts over the tensor-parallel ranks as the rest of the model (--tensor-model-parallel-size "
-                        f"{tp}); another expert tensor parallel size is not built yet: drop it or set it to {tp}")
-    if ep > 1 and ranks % (ep * tp * m.pipeline_model_parallel_size):
+    tp, ep, etp = m.tensor_model_parallel_size, m.expert_model_parallel_size, m.expert_tensor_parallel_size
+    if etp not in (None, 1, tp):
+        problems.append(f"--expert-tensor-parallel-size {etp}: the Megatron backend splits experts over the "
+                        f"tensor-parallel ranks as the rest of the model ({tp}, the default) or not at all (1); other "
+                        f"sizes are not built (unverified against a one-process run): use 1 or {tp}")
+    etp = tp if etp is None else etp
+    if ep > 1 and ranks % (ep * etp * m.pipeline_model_parallel_size):
         problems.append(f"{ranks} training ranks are not a multiple of --expert-model-parallel-size {ep} x "
-                        f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size "
+                        f"--expert-tensor-parallel-size {etp} x --pipeline-model-parallel-size "
                         f"{m.pipeline_model_parallel_size}")
-    if ep > 1 and config.batch.use_dynamic_batch_size:
-        problems.append("--use-dynamic-batch-size with --expert-model-parallel-size > 1: expert-parallel ranks "
-                        "exchange tokens in every micro-batch, so they must run as many; use --micro-batch-size")
-    if ep > 1 and tp > 1:
-        problems.append("--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 is not built yet "
-                        "(megatron-core needs sequence parallelism there, and on gloo uneven token gathers); use one "
-                        "of the two")
+    if tp > 1 and (ep > 1 or m.num_experts) and not m.sequence_parallel:
+        problems.append(f"an MoE model at --tensor-model-parallel-size {tp} trains with --sequence-parallel only "
+                        "(megatron-core's MoE layer raises when it trains tensor-parallel without it); add "
+                        "--sequence-parallel")
     if m.moe_token_dispatcher_type == "flex":
         problems.append("--moe-token-dispatcher-type flex: DeepEP / HybridEP dispatch (GPU kernels) is not built; "
                         "use allgather or alltoall")

@@ -65,6 +65,7 @@ from slimeflow.stages.rl.loss import (
     load_custom_tis,
 )
 from slimeflow.stages.rl.offload import module_tensors, optimizer_tensors
+from slimeflow.stages.rl.packing import pack_micro_batches
 from slimeflow.stages.rl.train_hooks import TrainHooks, check_provided
 from slimeflow.stages.rl.types import TrainBatch
 
@@ -281,7 +282,24 @@ class MegatronBackend:
     # -- forward and backward -----------------------------------------------------------------------------------
 
     def micro_batches(self, lengths: list[int]) -> list[list[int]]:
-        return plan_micro_batches(self.batch, lengths)
+        """This rank's micro-batches of its share (`lengths`: tokens per sample). Under expert parallelism every rank
+        runs as many (each micro-batch exchanges tokens with the other expert-parallel ranks): with
+        --use-dynamic-batch-size a rank that packs fewer splits its fullest ones until it has the most any rank
+        packs, as slime evens out the count (collective then: every rank calls it)."""
+        planned = plan_micro_batches(self.batch, lengths)
+        if self.parallel.expert_model_parallel_size == 1 or not self.batch.use_dynamic_batch_size:
+            return planned
+        most = torch.tensor(len(planned))
+        torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX)
+        if int(most) == len(planned):
+            return planned
+        if int(most) > len(lengths):
+            raise ValueError(f"--use-dynamic-batch-size with --expert-model-parallel-size "
+                             f"{self.parallel.expert_model_parallel_size}: another rank packs {int(most)} micro-batches, "
+                             f"this rank has {len(lengths)} samples to split into as many; raise --max-tokens-per-gpu "
+                             f"(now {self.batch.max_tokens_per_gpu}) or the samples per step (--global-batch-size)")
+        assert self.batch.max_tokens_per_gpu is not None  # BatchConfig validates it with dynamic batch sizes
+        return pack_micro_batches(lengths, self.batch.max_tokens_per_gpu, min_micro_batches=int(most))
 
     @torch.no_grad()
     def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = False, reference: bool = False,
@@ -377,8 +395,9 @@ class MegatronBackend:
         counts = sorted({count for _, _, count in shapes})
         if len(counts) > 1:
             raise ValueError(f"the data-parallel ranks run {counts} micro-batches this step; with "
-                             "--expert-model-parallel-size > 1 every rank must run as many (fixed --micro-batch-size, "
-                             "not --use-dynamic-batch-size)")
+                             "--expert-model-parallel-size > 1 every rank must run as many: give every rank as many "
+                             "samples per step (--global-batch-size a multiple of the data-parallel size x "
+                             "--micro-batch-size)")
         return max(r for r, _, _ in shapes), max(n for _, n, _ in shapes)
 
     def _metrics(self, pieces: list[dict[str, torch.Tensor]]) -> dict[str, float]:

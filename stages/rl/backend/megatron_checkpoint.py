@@ -11,7 +11,8 @@
 Each rank writes and reads only its own shards, so a checkpoint loads at another TP/PP layout (or virtual
 pipeline) than it was saved at; the RNG states are per (pipeline, tensor) rank, so, as Megatron-LM does, they are
 restored only at the layout they were saved at (common.pt's args record it). An MoE model's optimizer state under
-expert parallelism is split in two (dense and expert parameters): it resumes at its own expert-parallel size only. Staging, commit and refusals follow the torch backend's checkpoints (checkpoint.py): a save is staged in
+expert parallelism is split in two (dense and expert parameters); it reshards to another expert-parallel size.
+Staging, commit and refusals follow the torch backend's checkpoints (checkpoint.py): a save is staged in
 `<root>/.iter_XXXXXXX.tmp-*` (claimed by rank 0), moved into place when complete and only then committed.
 """
 
@@ -47,27 +48,31 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True,
-            "chained_optim_avoid_prefix": False}
+            "chained_optim_avoid_prefix": True}
 """How the optimizer state is laid out (also saved as the checkpoint's content metadata, which Megatron-LM reads
 back). With --use-distributed-optimizer, the data-parallel ranks' shards of the Adam state are gathered on DP rank 0
 over gloo, in CPU memory (mem_efficient), and saved per parameter in its shape (`optimizer.state.exp_avg.<key>`, as
 without it), so the state reshards to any parallel layout; Megatron-LM's default, dp_reshardable, saves the flat
 buffers, resumable at another DP size only. Without it the setting changes nothing. An MoE model under expert
-parallelism is stepped by two optimizers (dense and expert parameters): their states keep their chained_0. /
-chained_1. prefixes, which is how a resume tells that split from one optimizer's (_check_optimizer_split)."""
+parallelism is stepped by two optimizers (dense and expert parameters), without it by one: their Adam states are
+saved under the parameters' keys without the chained_0. / chained_1. prefixes (as Megatron-LM saves them), so they
+reshard across a change of --expert-model-parallel-size (_optimizer_across_split). Checkpoints saved with the
+prefixes (earlier slimeflow) resume at their own split only; the load reads the checkpoint's own metadata."""
 
 
 def _sharded_state(backend: MegatronBackend, rollout_id: int | None, is_loading: bool,
-                   with_training_state: bool, with_rng: bool = True) -> dict[str, Any]:
+                   with_training_state: bool, with_rng: bool = True,
+                   sharding: dict[str, Any] | None = None) -> dict[str, Any]:
     """What every rank saves (or declares to load): its model shards, and with the training state its optimizer
-    shards, the schedule and its RNG states, under Megatron-LM's top-level names."""
+    shards (laid out by `sharding`, SHARDING unless given: a load declares the checkpoint's), the schedule and its
+    RNG states, under Megatron-LM's top-level names."""
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     state: dict[str, Any] = model_state(backend.modules)
     if with_training_state:
         state["optimizer"] = backend.optimizer.sharded_state_dict(dict(state), is_loading=is_loading,
-                                                                  metadata=SHARDING)
+                                                                  metadata=sharding or SHARDING)
     if with_training_state and with_rng:
         pp, tp = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()
         state["rng_state"] = ShardedObject(
@@ -175,21 +180,24 @@ def load_checkpoint(backend: MegatronBackend, ref_or_uri: CheckpointRef | str | 
     directory = local_root(ref.uri)
     verify_checkpoint(directory)
     resume = not weights_only and has_resume_state(ref, directory)
-    if resume:
-        _check_optimizer_split(backend, ref.uri, directory)
+    sharding = dist_checkpointing.load_content_metadata(str(directory)) or SHARDING
+    split_changed = resume and _optimizer_split_changed(backend, ref.uri, directory, sharding)
     with_rng = resume and _same_layout(backend, directory)
     if resume and not with_rng:
         logger.warning("%s was saved at another tensor/pipeline parallel layout: its weights and optimizer state are "
                        "resharded, its per-rank RNG states are not restored (as Megatron-LM)", ref.uri)
     with backend.on_device(), reading(directory):
-        loaded = dist_checkpointing.load(_sharded_state(backend, None, True, resume, with_rng), str(directory))
+        declared = _sharded_state(backend, None, True, resume, with_rng, sharding)
+        own = _own_values(declared["optimizer"]) if split_changed else None
+        loaded = dist_checkpointing.load(declared, str(directory))
         assign(backend.modules, loaded, ref.uri)
         if not resume:
             # --bf16: the optimizer's fp32 main parameters are copies of the model's, as Megatron-LM refreshes
             # them after loading weights only (nothing to do in fp32: the optimizer steps the model's own)
             backend.optimizer.reload_model_params()
             return {}
-        backend.optimizer.load_state_dict(loaded["optimizer"])
+        optimizer_state = loaded["optimizer"] if own is None else _optimizer_across_split(own, loaded["optimizer"])
+        backend.optimizer.load_state_dict(optimizer_state)
         backend.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if with_rng:
         from megatron.core import tensor_parallel
@@ -240,18 +248,95 @@ _OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
 parameters are stepped by two, keyed chained_0., chained_1., as Megatron-LM saves them)."""
 
 
-def _check_optimizer_split(backend: MegatronBackend, uri: str, directory: Path) -> None:
-    """CheckpointError when the checkpoint's optimizer state is split otherwise than this run's optimizer: megatron
-    steps an MoE model's expert parameters with an optimizer of their own under expert parallelism (keys chained_0.,
-    chained_1.), with one optimizer without it; dist_checkpointing cannot map one onto the other."""
-    saved = any(key.startswith("chained_") for key in tensor_metadata(directory))
+def _optimizer_split_changed(backend: MegatronBackend, uri: str, directory: Path, sharding: dict[str, Any]) -> bool:
+    """Whether the checkpoint's optimizer state is split otherwise than this run's optimizer: megatron steps an MoE
+    model's expert parameters with an optimizer of their own under expert parallelism, all with one without it.
+    Their Adam states reshard (saved under the parameters' keys); CheckpointError where they cannot: saved with
+    chained_N. prefixes, or with the distributed optimizer (its resharding across the split is not verified)."""
+    saved = _chained(read_common(directory).get("optimizer"))
     mine = len(getattr(backend.optimizer, "chained_optimizers", ())) > 1
-    if saved != mine:
+    if saved == mine:
+        return False
+    why = None
+    if not sharding.get("chained_optim_avoid_prefix", False):
+        why = "its optimizer states are saved under chained_0. / chained_1. prefixes (an earlier slimeflow's layout)"
+    elif backend.parallel.use_distributed_optimizer:
+        why = "with --use-distributed-optimizer that resharding is not built"
+    if why is not None:
         raise CheckpointError(
             f"{uri} holds the optimizer state {'split over' if saved else 'of'} "
             f"{'a dense and an expert optimizer' if saved else 'one optimizer'}, this run has "
-            f"{'two' if mine else 'one'}: resuming across a change of --expert-model-parallel-size is not built. "
-            f"Resume at the layout it was saved at, or train on from its weights with --ref-load {uri} and a new --save")
+            f"{'two' if mine else 'one'} (a change of --expert-model-parallel-size): {why}. Resume at the layout it "
+            f"was saved at, or train on from its weights with --ref-load {uri} and a new --save")
+    return True
+
+
+def _chained(optimizer_state: Any) -> bool:
+    """Whether a (common) optimizer state dict is a ChainedOptimizer's of several optimizers (keyed 0, 1, ...)."""
+    return isinstance(optimizer_state, dict) and 0 in optimizer_state
+
+
+class _Loaded:
+    """Marks, in _own_values' copy, where a loaded tensor goes."""
+
+
+_LOADED = _Loaded()
+
+
+def _own_values(declared: Any) -> Any:
+    """The declared optimizer state's structure with its own non-tensor values (parameter groups), _LOADED where
+    a tensor is declared: what this run's optimizer takes, before dist_checkpointing.load fills it."""
+    from megatron.core.dist_checkpointing.mapping import (
+        LocalNonpersistentObject,
+        ShardedBase,
+        ShardedTensorFactory,
+    )
+
+    if isinstance(declared, dict):
+        return {key: _own_values(value) for key, value in declared.items()}
+    if isinstance(declared, list):
+        return [_own_values(value) for value in declared]
+    if isinstance(declared, ShardedBase | ShardedTensorFactory):
+        return _LOADED
+    return declared.unwrap() if isinstance(declared, LocalNonpersistentObject) else declared
+
+
+def _optimizer_across_split(own: Any, loaded: Any) -> Any:
+    """This run's optimizer state from a checkpoint saved by another split (one optimizer against a dense and an
+    expert one): the Adam states loaded under the parameters' keys, this run's own parameter groups (the schedule's
+    load sets their lr and weight decay) and the saved Adam step count (the optimizers share one)."""
+    steps = list(_values_of(loaded, "common_step"))
+
+    def fill(template: Any, values: Any) -> Any:
+        if template is _LOADED:
+            return values
+        if isinstance(template, dict):
+            return {key: fill(value, values.get(key) if isinstance(values, dict) else None)
+                    for key, value in template.items()}
+        if isinstance(template, list):
+            return [fill(value, values[i] if isinstance(values, list) and i < len(values) else None)
+                    for i, value in enumerate(template)]
+        return template
+
+    state = fill(own, loaded)
+    for optimizer in (state.values() if _chained(state) else [state]):
+        optimizer["state"].pop("common_step", None)
+        if steps:
+            optimizer["state"]["common_step"] = steps[0]
+    return state
+
+
+def _values_of(tree: Any, name: str) -> Any:
+    """Every value under the key `name` in a nested dict/list."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if key == name:
+                yield value
+            else:
+                yield from _values_of(value, name)
+    elif isinstance(tree, list):
+        for value in tree:
+            yield from _values_of(value, name)
 
 
 def has_resume_state(ref: CheckpointRef, directory: Path) -> bool:
