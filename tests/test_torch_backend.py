@@ -167,6 +167,32 @@ def test_lr_schedule_follows_megatron():
     assert seen == pytest.approx([lr_at(cosine, s, 10) for s in range(12)])
 
 
+def test_warm_up_without_decay_steps_runs_in_megatrons_scheduler_and_a_too_long_one_is_refused():
+    """--lr-warmup-iters with the constant schedule and no decay steps known: megatron-core's scheduler (which needs
+    warm-up < decay) gets decay steps after the warm-up, and gives lr_at's values; a decaying schedule whose warm-up
+    outlasts its decay is refused by both backends with the flags to change (megatron-core only asserts)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from slimeflow.stages.rl.backend.schedule import schedule_steps
+
+    constant = OptimizerConfig(lr=1.0, lr_warmup_iters=5)
+    warmup, decay = schedule_steps(constant, None)
+    assert (warmup, decay) == (5, 6)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1.0, min_lr=0.0, lr_warmup_steps=warmup,
+                                        lr_decay_steps=decay, lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
+                                        wd_incr_steps=1, wd_incr_style="constant")
+    seen = []
+    for _ in range(9):
+        seen.append(optimizer.param_groups[0]["lr"])
+        scheduler.step(1)
+    assert seen == pytest.approx([lr_at(constant, s) for s in range(9)])
+    too_long = OptimizerConfig(lr_warmup_iters=10, lr_decay_style="cosine")
+    for make in (lambda: schedule_steps(too_long, 10), lambda: build_scheduler(optimizer, too_long, 10)):
+        with pytest.raises(ValueError, match="10 warm-up steps .* not fewer than the 10 decay steps"):
+            make()
+
+
 DP_CONFIG = {"batch": {"balance_data": True, "micro_batch_size": 2, "global_batch_size": 4}, "optimizer": {"lr": 1e-3}}
 
 

@@ -255,13 +255,12 @@ class MegatronBackend:
         per parameter group, which is what leaves norms and biases undecayed)."""
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from slimeflow.stages.rl.backend.schedule import decay_steps, warmup_steps
+        from slimeflow.stages.rl.backend.schedule import schedule_steps
 
         o = self.optimizer_config
-        warmup = warmup_steps(o, total_steps)  # --lr-warmup-iters, or --lr-warmup-fraction of the decay steps
-        decay = decay_steps(o, total_steps) or max(warmup, 1)
+        warmup, decay = schedule_steps(o, total_steps)  # the torch backend's schedule (schedule.lr_at), too
         return OptimizerParamScheduler(self.optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
-                                       lr_warmup_steps=warmup, lr_decay_steps=max(decay, warmup),
+                                       lr_warmup_steps=warmup, lr_decay_steps=decay,
                                        lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay,
                                        end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
 

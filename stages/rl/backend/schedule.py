@@ -38,6 +38,22 @@ def warmup_steps(config: OptimizerConfig, total_steps: int | None) -> float:
     return config.lr_warmup_fraction * steps
 
 
+def schedule_steps(config: OptimizerConfig, total_steps: int | None) -> tuple[float, int]:
+    """(warm-up steps, decay steps) as megatron-core's OptimizerParamScheduler takes them, which needs warm-up to end
+    before decay does. A constant schedule never decays, so its decay steps only have to come after the warm-up.
+    ValueError when a decaying schedule's warm-up is not shorter than its decay (Megatron-LM asserts)."""
+    warmup, decay = warmup_steps(config, total_steps), decay_steps(config, total_steps)
+    if config.lr_decay_style == "constant":
+        return warmup, max(decay or 1, math.floor(warmup) + 1)
+    assert decay is not None  # decay_steps raised otherwise
+    if warmup >= decay:
+        raise ValueError(f"--lr-decay-style {config.lr_decay_style}: {warmup:g} warm-up steps (--lr-warmup-iters / "
+                         f"--lr-warmup-fraction) are not fewer than the {decay} decay steps (--lr-decay-iters, else "
+                         "the run's optimizer steps): warm-up must end before the decay does; lower the warm-up or "
+                         "raise --lr-decay-iters")
+    return warmup, decay
+
+
 def lr_at(config: OptimizerConfig, step: int, total_steps: int | None = None) -> float:
     """The learning rate of optimizer step `step` (0-based), Megatron's formula.
 
@@ -65,6 +81,5 @@ def lr_at(config: OptimizerConfig, step: int, total_steps: int | None = None) ->
 def build_scheduler(optimizer: torch.optim.Optimizer, config: OptimizerConfig,
                     total_steps: int | None) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR whose step-k learning rate is lr_at(config, k); its state_dict holds the step count."""
-    decay_steps(config, total_steps)  # fail at construction, not at the first decaying step
-    warmup_steps(config, total_steps)
+    schedule_steps(config, total_steps)  # fail at construction, not at the first decaying step
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(config, step, total_steps) / config.lr)
