@@ -1,6 +1,7 @@
 """Weight sync into an embedded engine on the same host, against a memcpy of the same bytes.
 
     .venv/bin/python benchmarks/weight_sync.py [--hidden 768] [--layers 6] [--repeats 5] [--rollouts 8]
+        [--transports tensor,shared_memory,distributed]
 
 One engine process serves a random Llama-style model (float32; its size is printed). For each transport the
 trainer side uses ("tensor": safetensors bodies over HTTP; "shared_memory": a /dev/shm file the engine copies from,
@@ -81,6 +82,8 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=8)
     parser.add_argument("--buffer-mb", type=float, default=512.0, help="--update-weight-buffer-size in MiB")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine and of the memcpy")
+    parser.add_argument("--transports", default="tensor,shared_memory,distributed",
+                        help="comma-separated, of tensor, shared_memory, distributed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)  # the memcpy runs with the engine's thread count (OpenMP teams spin)
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "| load before:", os.getloadavg())
@@ -99,7 +102,7 @@ def main() -> None:
         key = new_api_key()
         with start_engine(model_dir, num_threads=args.threads, api_key=key) as engine:
             targets = WeightTargets((engine.url,), str(model_dir), api_key=key)
-            for transport in ("tensor", "shared_memory", "distributed"):
+            for transport in args.transports.split(","):
                 sync = WeightSync(targets, int(args.buffer_mb * 2**20), transport)
 
                 async def measure(sync: WeightSync = sync, transport: str = transport) -> tuple[list, dict]:
