@@ -4,11 +4,11 @@
         [--transports tensor,shared_memory,distributed]
 
 One engine process serves a random Llama-style model (float32; its size is printed). For each transport the
-trainer side uses ("tensor": safetensors bodies over HTTP; "shared_memory": a /dev/shm file the engine copies from,
-what --colocate uses; "distributed": broadcast in a gloo group), a
-`WeightSync` pushes the whole model `--repeats` times in buckets of `--buffer-mb`; every push is timed from the
-call to the answer of the engine that has applied it (the engine parses, checks for NaN/Inf and copies into its
-parameters). The baseline is `Tensor.copy_` of the same tensors into preallocated ones in this process (one
+trainer side uses ("tensor": safetensors bodies over HTTP; "shared_memory": what --colocate uses, the trainer
+writes the tensors once into a /dev/shm segment that the engine checks and then serves from; "distributed":
+broadcast in a gloo group), a `WeightSync` pushes the whole model `--repeats` times in buckets of `--buffer-mb`;
+every push is timed from the call to the answer of the engine that has applied it (the engine checks for NaN/Inf,
+and for the HTTP and gloo paths parses or receives the tensors and copies them into its parameters). The baseline is `Tensor.copy_` of the same tensors into preallocated ones in this process (one
 memcpy, the least any update must do), timed just before each push, so that each pair sees the same load; the
 figure is the median of the pairs' ratios (push bytes/s over memcpy bytes/s; goal >= 0.5x), with their spread
 (min-max) and the load average before and after.

@@ -430,7 +430,12 @@ class TrainActor:
         weights = self.backend.named_weights()
         if self.rank != 0:
             return version
-        return self.loop.run_until_complete(self.weight_sync.push(weights, version))
+        self.loop.run_until_complete(self.weight_sync.push(weights, version))
+        if self.config.placement.offload_rollout:
+            # The engines release their weights before the next push: with no mapping of this rank's the segment's
+            # memory goes with them (the next push writes new files, a small cost beside their reload from disk).
+            self.weight_sync.drop_segment()
+        return version
 
     def save(self, rollout_id: int, extra_state: dict[str, Any]) -> str:
         self._onload()

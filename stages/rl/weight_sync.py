@@ -175,9 +175,14 @@ class WeightSync:
                 shutil.copy2(item, target / item.name)
         return str(target)
 
-    async def aclose(self) -> None:
+    def drop_segment(self) -> None:
+        """Unmap the shared segment on this side (engines serving from it keep their own mappings); the next push
+        writes new files."""
         if self.segment is not None:
             self.segment.close()
+
+    async def aclose(self) -> None:
+        self.drop_segment()
         if self.group is not None:
             await self._all("/destroy_weights_update_group", {"group_name": self.group.name})
             self.group.close()

@@ -56,6 +56,8 @@ def add_control_routes(app: FastAPI, state: EngineState, read_json: ReadJson) ->
     async def release_memory_occupation(request: Request):
         tags = memory_tags(await read_json(request))
         await asyncio.wrap_future(state.batcher.release_memory(tags))
+        if "weights" in tags:  # parameters that were views of a trainer's segment are gone: let its pages go too
+            state.segments.clear()
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def resume_memory_occupation(request: Request):
