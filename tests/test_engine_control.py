@@ -200,6 +200,24 @@ def test_shared_memory_pushes_serve_the_trainers_bytes_and_a_refused_one_keeps_t
     asyncio.run(run())
 
 
+def test_a_full_dev_shm_is_refused_before_any_write_with_the_fix(monkeypatch):
+    import errno
+
+    from slimeflow.stages.rl.engine import shared_segment
+
+    tried = []
+
+    def full(fd, offset, size):
+        tried.append(os.readlink(f"/proc/self/fd/{fd}"))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shared_segment.os, "posix_fallocate", full)
+    writer = shared_segment.SegmentWriter()
+    with pytest.raises(OSError, match=r"no room for a 4096-byte weight segment.*--shm-size"):
+        writer.begin({"w": torch.zeros(1024)})
+    assert len(tried) == 1 and not os.path.exists(tried[0]) and writer.slots == [None, None]  # nothing left behind
+
+
 def test_shared_memory_updates_read_only_the_trainers_segment_files(engine, tmp_path):
     elsewhere = tmp_path / "slimeflow-weights-x"
     elsewhere.write_bytes(b"\0" * 64)

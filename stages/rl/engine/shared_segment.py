@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 import weakref
 from pathlib import Path
@@ -48,7 +49,13 @@ class _Segment:
     def __init__(self, size: int) -> None:
         self.path = SEGMENT_DIR / f"{PREFIX}{uuid.uuid4().hex}"
         with open(self.path, "wb") as file:
-            file.truncate(size)
+            try:  # reserve the pages now: a full tmpfs would otherwise kill the first write into them (SIGBUS)
+                os.posix_fallocate(file.fileno(), 0, size)
+            except OSError as err:
+                _unlink(self.path)
+                raise OSError(err.errno, f"{SEGMENT_DIR} has no room for a {size}-byte weight segment ({err.strerror}"
+                              f"; {shutil.disk_usage(SEGMENT_DIR).free} bytes free): enlarge it (docker "
+                              "--shm-size) or use --update-weight-transport nccl") from None
         self.buffer = torch.from_file(str(self.path), shared=True, size=size, dtype=torch.uint8)
         self.unlink = weakref.finalize(self, _unlink, self.path)
 
