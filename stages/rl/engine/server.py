@@ -79,7 +79,7 @@ class EngineState:
     """The address this engine serves on (and joins weight-update groups from)."""
     requests_received: int = 0
     segments: dict[str, torch.Tensor] = field(default_factory=dict)
-    """The trainer's shared-memory segment, mapped once (shared_segment.read_segment)."""
+    """The trainer's shared-memory segments (its two slots), each mapped once (shared_segment.read_segment)."""
     # Tokenising a long `text` takes seconds: done here, never on the event loop that answers /health.
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize"))

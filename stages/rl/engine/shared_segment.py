@@ -71,15 +71,17 @@ class SegmentWriter:
         self._offset = 0
 
     @property
+    def current(self) -> _Segment | None:
+        """The slot being written, or else the one served from (None before the first push)."""
+        return self.slots[self.serving if self._writing is None else self._writing]
+
+    @property
     def path(self) -> Path | None:
-        """The file of the slot being written, or else of the one served from."""
-        slot = self.slots[self.serving if self._writing is None else self._writing]
-        return slot.path if slot is not None else None
+        return self.current.path if self.current is not None else None
 
     @property
     def buffer(self) -> torch.Tensor | None:
-        slot = self.slots[self.serving if self._writing is None else self._writing]
-        return slot.buffer if slot is not None else None
+        return self.current.buffer if self.current is not None else None
 
     def begin(self, named_tensors: Any) -> None:
         """Start a version of these tensors in the slot no engine serves from (a new file when it is too small)."""
