@@ -1,16 +1,19 @@
 """Weight sync into an embedded engine on the same host, against a memcpy of the same bytes.
 
     .venv/bin/python benchmarks/weight_sync.py [--hidden 768] [--layers 6] [--repeats 5] [--rollouts 8]
+        [--transports tensor,shared_memory,distributed]
 
 One engine process serves a random Llama-style model (float32; its size is printed). For each transport the
-trainer side uses ("tensor": safetensors bodies over HTTP; "shared_memory": a /dev/shm file the engine copies from,
-what --colocate uses; "distributed": broadcast in a gloo group), a
-`WeightSync` pushes the whole model `--repeats` times in buckets of `--buffer-mb`; every push is timed from the
-call to the answer of the engine that has applied it (the engine parses, checks for NaN/Inf and copies into its
-parameters). The baseline is `Tensor.copy_` of the same tensors into preallocated ones in this process (one
+trainer side uses ("tensor": safetensors bodies over HTTP; "shared_memory": what --colocate uses, the trainer
+writes the tensors once into a /dev/shm segment that the engine checks and then serves from; "distributed":
+broadcast in a gloo group), a `WeightSync` pushes the whole model `--repeats` times in buckets of `--buffer-mb`;
+every push is timed from the call to the answer of the engine that has applied it (the engine checks for NaN/Inf,
+and for the HTTP and gloo paths parses or receives the tensors and copies them into its parameters). The baseline is `Tensor.copy_` of the same tensors into preallocated ones in this process (one
 memcpy, the least any update must do), timed just before each push, so that each pair sees the same load; the
 figure is the median of the pairs' ratios (push bytes/s over memcpy bytes/s; goal >= 0.5x), with their spread
-(min-max) and the load average before and after.
+(min-max) and the load average before and after. The same ratio of CPU seconds (the trainer's process and every
+thread of the engine's, against the memcpy's) is printed beside it: on a loaded machine the wall time of a push is
+mostly its four thread wake-ups waiting for a core, which the CPU time leaves out.
 
 Then the loop's pattern: `--rollouts` rollouts that push after every Nth (stages/rl/loop.should_push), for N = 1
 and 4, giving seconds of weight sync per rollout (medians over `--repeats` runs).
@@ -36,26 +39,42 @@ from slimeflow.stages.rl.loop import should_push
 from slimeflow.stages.rl.weight_sync import WeightSync
 
 
-def memcpy_seconds(weights: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> float:
-    start = time.perf_counter()
+def memcpy_seconds(weights: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """(wall, CPU) seconds of copying `weights` into `targets`."""
+    start, cpu = time.perf_counter(), time.process_time()
     for name, t in weights.items():
         targets[name].copy_(t)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
-async def paired_seconds(sync: WeightSync, weights: dict[str, torch.Tensor], repeats: int,
-                         tag: str) -> list[tuple[float, float]]:
-    """(memcpy seconds, push seconds) pairs, each memcpy timed right before its push."""
+def engine_cpu_seconds(pid: int) -> float:
+    """CPU seconds of every thread of process `pid` so far (schedstat: nanoseconds, unlike /proc/PID/stat's ticks)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended meanwhile
+    return total / 1e9
+
+
+async def paired_seconds(sync: WeightSync, weights: dict[str, torch.Tensor], repeats: int, tag: str,
+                         engine_pid: int) -> list[tuple[float, float, float, float]]:
+    """(memcpy wall, push wall, memcpy CPU, push CPU of this process and the engine's) per push, each memcpy timed
+    right before its push. Under load the wall times mostly wait for a core (each push wakes four threads in two
+    processes); the CPU times count the passes over the bytes."""
     targets = {name: torch.empty_like(t) for name, t in weights.items()}
     memcpy_seconds(weights, targets)  # touch every page once: the engine's parameters are resident too
     await sync.push(weights, f"{tag}-warm")  # the distributed transport makes its group here
-    pairs = []
+    rows = []
     for i in range(repeats):
-        copy = memcpy_seconds(weights, targets)
-        start = time.perf_counter()
+        copy, copy_cpu = memcpy_seconds(weights, targets)
+        start, cpu, engine_cpu = time.perf_counter(), time.process_time(), engine_cpu_seconds(engine_pid)
         await sync.push(weights, f"{tag}-{i}")
-        pairs.append((copy, time.perf_counter() - start))
-    return pairs
+        push = time.perf_counter() - start
+        push_cpu = time.process_time() - cpu + engine_cpu_seconds(engine_pid) - engine_cpu
+        rows.append((copy, push, copy_cpu, push_cpu))
+    return rows
 
 
 async def per_rollout_seconds(sync: WeightSync, weights: dict[str, torch.Tensor], interval: int,
@@ -81,6 +100,8 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=8)
     parser.add_argument("--buffer-mb", type=float, default=512.0, help="--update-weight-buffer-size in MiB")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine and of the memcpy")
+    parser.add_argument("--transports", default="tensor,shared_memory,distributed",
+                        help="comma-separated, of tensor, shared_memory, distributed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)  # the memcpy runs with the engine's thread count (OpenMP teams spin)
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "| load before:", os.getloadavg())
@@ -99,12 +120,12 @@ def main() -> None:
         key = new_api_key()
         with start_engine(model_dir, num_threads=args.threads, api_key=key) as engine:
             targets = WeightTargets((engine.url,), str(model_dir), api_key=key)
-            for transport in ("tensor", "shared_memory", "distributed"):
+            for transport in args.transports.split(","):
                 sync = WeightSync(targets, int(args.buffer_mb * 2**20), transport)
 
                 async def measure(sync: WeightSync = sync, transport: str = transport) -> tuple[list, dict]:
                     try:
-                        pairs = await paired_seconds(sync, weights, args.repeats, transport)
+                        pairs = await paired_seconds(sync, weights, args.repeats, transport, engine.process.pid)
                         per_rollout = {n: [await per_rollout_seconds(sync, weights, n, args.rollouts)
                                            for _ in range(args.repeats)] for n in (1, 4)}
                         return pairs, per_rollout
@@ -112,13 +133,17 @@ def main() -> None:
                         await sync.aclose()
 
                 pairs, per_rollout = asyncio.run(measure())
-                copies, pushes = [c for c, _ in pairs], [p for _, p in pairs]
-                ratios = [c / p for c, p in pairs]
+                copies, pushes = [row[0] for row in pairs], [row[1] for row in pairs]
+                ratios = [c / p for c, p, _, _ in pairs]
+                cpu_ratios = [c / p for _, _, c, p in pairs]
+                copy_cpu, push_cpu = (statistics.median(row[k] for row in pairs) for k in (2, 3))
                 print(f"{transport}: median {statistics.median(pushes):.4f} s per update "
                       f"({nbytes / statistics.median(pushes) / 2**30:.2f} GiB/s; spread {spread(pushes)}) against "
                       f"memcpy {statistics.median(copies):.4f} s ({nbytes / statistics.median(copies) / 2**30:.2f} "
                       f"GiB/s; spread {spread(copies)}): {statistics.median(ratios):.2f}x memcpy (spread "
-                      f"{min(ratios):.2f}-{max(ratios):.2f}); weight sync per rollout over "
+                      f"{min(ratios):.2f}-{max(ratios):.2f}); CPU time: memcpy {copy_cpu:.4f} s, push "
+                      f"{push_cpu:.4f} s (trainer + engine), {statistics.median(cpu_ratios):.2f}x (spread {min(cpu_ratios):.2f}-"
+                      f"{max(cpu_ratios):.2f}); weight sync per rollout over "
                       f"{args.rollouts} rollouts: interval 1 {statistics.median(per_rollout[1]):.4f} s "
                       f"(spread {spread(per_rollout[1])}), interval 4 {statistics.median(per_rollout[4]):.4f} s "
                       f"(spread {spread(per_rollout[4])})")

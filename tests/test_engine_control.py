@@ -153,6 +153,71 @@ def test_bucketed_pushes_reach_the_engine_as_one_version(engine, reference, mode
         dict(reference.named_parameters()), "v0"))
 
 
+@pytest.mark.slow  # 20 s in the file's run at load 17 (three weight snapshots of 63 MB over HTTP, ~30 pushes)
+def test_shared_memory_pushes_serve_the_trainers_bytes_and_a_refused_one_keeps_the_old_version(engine, reference,
+                                                                                              model_dir):
+    """The engine serves from the trainer's segment (two slots, written in turn): every push arrives bit for bit,
+    a refused push leaves the served version untouched (though written into the other slot), and the next push
+    goes to fresh files; one refused in its last bucket leaves the engines paused until a complete push; an HTTP
+    update afterwards gets storage of its own instead of writing into the segment."""
+    versions = {tag: shifted_weights(reference, seed) for tag, seed in (("a", 11), ("b", 12), ("d", 13))}
+    bad = {**versions["a"], "model.norm.weight": torch.full_like(versions["a"]["model.norm.weight"], float("nan"))}
+
+    async def run() -> None:
+        sync = WeightSync(WeightTargets((engine.url,), str(model_dir), api_key=KEY), transport="shared_memory")
+        client = EngineClient(engine.url, api_key=KEY)
+
+        async def served_equals(weights: dict[str, torch.Tensor], version: str) -> None:
+            tensors, served = await client.weights_snapshot()
+            assert served == version
+            assert all(torch.equal(tensors[name], t) for name, t in weights.items())
+
+        try:
+            await sync.push(versions["a"], "shm-a")  # slot 0
+            await sync.push(versions["b"], "shm-b")  # slot 1
+            await served_equals(versions["b"], "shm-b")
+            first_slot = sync.segment.slots[0]
+            with pytest.raises(EngineRequestError, match="keeps serving weight version 'shm-b'"):
+                await sync.push(bad, "shm-c")  # written into slot 0 while the engine serves slot 1
+            await served_equals(versions["b"], "shm-b")
+            await sync.push(versions["d"], "shm-d")
+            assert sync.segment.slots[0] is not first_slot and sync.segment.slots[1] is None  # fresh files
+            await served_equals(versions["d"], "shm-d")
+            sync.buffer_size = 4 * 2**20  # NaN in the last of several buckets: the engines stay paused, and say why
+            last = {**versions["a"], "lm_head.weight": torch.full_like(versions["a"]["lm_head.weight"], float("inf"))}
+            with pytest.raises(RuntimeError, match=r"bucket (\d+) of \1 failed with \d+ applied before it.*paused"):
+                await sync.push(last, "shm-e")
+            await sync.push(versions["d"], "shm-d")  # a complete version continues them
+            assert (await client.generate(PROMPT, GREEDY))["meta_info"]["weight_version"] == "shm-d"
+            segment_copy = sync.segment.buffer.clone()
+            await WeightSync(WeightTargets((engine.url,), str(model_dir), api_key=KEY)).push(
+                dict(reference.named_parameters()), "v0")  # over HTTP, back to the module's weights
+            assert torch.equal(sync.segment.buffer, segment_copy)
+        finally:
+            await client.aclose()
+            await sync.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_full_dev_shm_is_refused_before_any_write_with_the_fix(monkeypatch):
+    import errno
+
+    from slimeflow.stages.rl.engine import shared_segment
+
+    tried = []
+
+    def full(fd, offset, size):
+        tried.append(os.readlink(f"/proc/self/fd/{fd}"))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shared_segment.os, "posix_fallocate", full)
+    writer = shared_segment.SegmentWriter()
+    with pytest.raises(OSError, match=r"no room for a 4096-byte weight segment.*--shm-size"):
+        writer.begin({"w": torch.zeros(1024)})
+    assert len(tried) == 1 and not os.path.exists(tried[0]) and writer.slots == [None, None]  # nothing left behind
+
+
 def test_shared_memory_updates_read_only_the_trainers_segment_files(engine, tmp_path):
     elsewhere = tmp_path / "slimeflow-weights-x"
     elsewhere.write_bytes(b"\0" * 64)

@@ -481,6 +481,10 @@ class TrainActor:
         if self.config.fault_tolerance.use_fault_tolerance:
             # Copied: training changes the weights in place before the rollout of `version` has ended.
             self.pushed = (version, {name: t.detach().to("cpu", copy=True) for name, t in weights.items()})
+        if self.config.placement.offload_rollout:
+            # The engines release their weights before the next push: with no mapping of this rank's the segment's
+            # memory goes with them (the next push writes new files, a small cost beside their reload from disk).
+            self.weight_sync.drop_segment()
         return pushed
 
     def push_to(self, urls: list[str], version: str) -> str:

@@ -1,6 +1,7 @@
 """The trainer's side of weight sync: HF-named tensors to every engine of a run, as one weight version, in buckets.
 
-Embedded engines take the tensors over HTTP (`/update_weights_from_tensor`), or, with --update-weight-transport
+Embedded engines take the tensors over HTTP (`/update_weights_from_tensor`), colocated ones through a /dev/shm
+segment they then serve from (shared_segment.py: one copy in all, the trainer's), or, with --update-weight-transport
 nccl, by broadcast in a process group of trainer rank 0 and every engine (`/init_weights_update_group` +
 `/update_weights_from_distributed`, SGLang's protocol; gloo on CPU); external SGLang servers load an HF directory
 written to `--sglang-weights-dir` through `/update_weights_from_disk`. Buckets hold at most
@@ -69,23 +70,43 @@ class WeightSync:
         self.group: Any = None  # the WeightGroup of the distributed transport, made at the first push
         self.segment: Any = None  # the SegmentWriter of the shared_memory transport
         self.buckets_sent = 0
+        self.paused = False  # the engines are paused: a push of several buckets is under way or failed part-way
 
     async def push(self, named_tensors: Mapping[str, Any], version: str) -> str:
         """Every engine serves `version` afterwards; raises naming the engine that did not take it."""
-        if self.transport != "disk":
-            # An embedded engine answers once it serves `version` (and every rollout answer is checked against the
-            # rollout's version), so asking it again would only cost a round trip (~1 ms of a ~12 ms update).
-            parts = list(buckets(named_tensors, self.buffer_size))
-            send = {"tensor": self._send_tensors, "shared_memory": self._send_shared,
-                    "distributed": self._send_distributed}[self.transport]
-            if len(parts) > 1:
-                await self._all("/pause_generation")
-            for part in parts:
+        if self.transport == "disk":
+            return await self._push_disk(named_tensors, version)
+        # An embedded engine answers once it serves `version` (and every rollout answer is checked against the
+        # rollout's version), so asking it again would only cost a round trip (~1 ms of a ~12 ms update).
+        parts = list(buckets(named_tensors, self.buffer_size))
+        send = {"tensor": self._send_tensors, "shared_memory": self._send_shared,
+                "distributed": self._send_distributed}[self.transport]
+        if self.transport == "shared_memory":
+            self._segment().begin(named_tensors)
+        if len(parts) > 1 and not self.paused:
+            await self._all("/pause_generation")
+            self.paused = True
+        for i, part in enumerate(parts):
+            try:
                 await send(part, version)
-            if len(parts) > 1:
-                await self._all("/continue_generation")
-            self.buckets_sent += len(parts)
-            return version
+            except Exception as err:
+                if self.segment is not None:
+                    self.segment.abandon()
+                if len(parts) == 1:
+                    raise  # each engine took all of it or none (its answer says which version it serves)
+                raise RuntimeError(
+                    f"weight version {version!r}: bucket {i + 1} of {len(parts)} failed with {i} applied before it, "
+                    "so the engines' weights may mix two versions; they stay paused (no answer mixes versions) "
+                    f"until a complete version is pushed: {err}") from err
+        if self.segment is not None:
+            self.segment.commit()
+        if self.paused:
+            await self._all("/continue_generation")
+            self.paused = False
+        self.buckets_sent += len(parts)
+        return version
+
+    async def _push_disk(self, named_tensors: Mapping[str, Any], version: str) -> str:
         path = self._write_hf(named_tensors, version)
         if self.post_write is not None:
             self.post_write(path)
@@ -102,11 +123,16 @@ class WeightSync:
     async def _send_tensors(self, part: dict[str, Any], version: str) -> None:
         await asyncio.gather(*(c.update_weights_from_tensor(part, version) for c in self.clients))
 
-    async def _send_shared(self, part: dict[str, Any], version: str) -> None:
-        """Copy the bucket into a /dev/shm file once; every engine copies it from there into its model."""
-        from slimeflow.stages.rl.engine.shared_segment import LOAD_FORMAT, SegmentWriter
+    def _segment(self) -> Any:
+        from slimeflow.stages.rl.engine.shared_segment import SegmentWriter
 
         self.segment = self.segment or SegmentWriter()
+        return self.segment
+
+    async def _send_shared(self, part: dict[str, Any], version: str) -> None:
+        """Write the bucket once into the shared segment's free slot; every engine serves from it after checking."""
+        from slimeflow.stages.rl.engine.shared_segment import LOAD_FORMAT
+
         body = {"serialized_named_tensors": [self.segment.write(part)], "load_format": LOAD_FORMAT,
                 "weight_version": version, "flush_cache": False}
         await self._all("/update_weights_from_tensor", body)
@@ -165,9 +191,14 @@ class WeightSync:
                 shutil.copy2(item, target / item.name)
         return str(target)
 
-    async def aclose(self) -> None:
+    def drop_segment(self) -> None:
+        """Unmap the shared segment on this side (engines serving from it keep their own mappings); the next push
+        writes new files."""
         if self.segment is not None:
             self.segment.close()
+
+    async def aclose(self) -> None:
+        self.drop_segment()
         if self.group is not None:
             await self._all("/destroy_weights_update_group", {"group_name": self.group.name})
             self.group.close()

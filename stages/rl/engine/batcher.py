@@ -38,6 +38,7 @@ from slimeflow.stages.rl.engine.sampling import BadRequestError, SamplingParams,
 from slimeflow.stages.rl.engine.weights import (
     LoadedModel,
     apply_update,
+    check_finite,
     check_update,
     free_weights,
     restore_weights,
@@ -162,6 +163,7 @@ class Batcher:
         self._paused = False
         self._released: frozenset[str] = frozenset()  # MEMORY_TAGS whose memory is freed (release_memory)
         self._freed_shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._borrowed: frozenset[int] = frozenset()  # ids of parameters that are views of a trainer's segment
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="engine-scheduler", daemon=True)
 
@@ -259,19 +261,22 @@ class Batcher:
     def resume(self) -> Future:
         return self._call(lambda: setattr(self, "_paused", False))
 
-    def update_weights(self, update: dict[str, torch.Tensor], weight_version: str | None) -> Future:
-        """Check and copy HF-named tensors into the model between steps, aborting running sequences first.
+    def update_weights(self, update: dict[str, torch.Tensor], weight_version: str | None,
+                       adopt: bool = False) -> Future:
+        """Check HF-named tensors and put them into the model between steps, aborting running sequences first.
 
         Resolves to the number of aborted sequences, or fails with BadRequestError (nothing changed) when a
-        name or shape does not match the model. `weight_version` None keeps the current version string.
+        name or shape does not match the model or a value is NaN or Inf. `weight_version` None keeps the current version string. `adopt`:
+        parameters become views of the tensors where dtypes match (a trainer's shared segment: weights.apply_update).
         """
 
         def run() -> int:
             if "weights" in self._released:
                 raise BadRequestError("the engine's weights are released: POST /resume_memory_occupation first")
             check_update(self._loaded.model.state_dict(), update)
+            check_finite(update, self._weight_version)  # here, not on another thread: one wake-up per update
             aborted = self._abort(lambda seq: seq in self._running)
-            apply_update(self._loaded.model, update)
+            self._borrowed = apply_update(self._loaded.model, update, self._borrowed, adopt)
             self._forward.refresh()
             if weight_version is not None:
                 self._weight_version = weight_version
@@ -305,6 +310,7 @@ class Batcher:
                 self._kv = None
             if "weights" in tags and "weights" not in self._released:
                 self._freed_shapes = free_weights(self._loaded.model)
+                self._borrowed = frozenset()
             self._released = self._released | tags
 
         return self._call(run)

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 
 from slimeflow.stages.rl.engine.sampling import BadRequestError
 from slimeflow.stages.rl.engine.weight_group import WeightGroup, parse_dtype
-from slimeflow.stages.rl.engine.weights import check_finite, read_own_checkpoint
+from slimeflow.stages.rl.engine.weights import read_own_checkpoint
 
 if TYPE_CHECKING:
     from slimeflow.stages.rl.engine.server import EngineState
@@ -56,6 +56,8 @@ def add_control_routes(app: FastAPI, state: EngineState, read_json: ReadJson) ->
     async def release_memory_occupation(request: Request):
         tags = memory_tags(await read_json(request))
         await asyncio.wrap_future(state.batcher.release_memory(tags))
+        if "weights" in tags:  # parameters that were views of a trainer's segment are gone: let its pages go too
+            state.segments.clear()
 
     @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
     async def resume_memory_occupation(request: Request):
@@ -103,7 +105,6 @@ def add_control_routes(app: FastAPI, state: EngineState, read_json: ReadJson) ->
             raise BadRequestError(f"no weight-update group {name!r}: POST /init_weights_update_group first")
         empty = _allocate(body)
         tensors = await asyncio.to_thread(_receive, groups[name], empty)
-        await asyncio.to_thread(check_finite, tensors, state.batcher.weight_version)
         version = body.get("weight_version")
         aborted = await asyncio.wrap_future(state.batcher.update_weights(tensors, version))
         return {"success": True, "message": f"updated {len(tensors)} tensors; aborted {aborted} running requests"}

@@ -43,7 +43,6 @@ from slimeflow.stages.rl.engine.shared_segment import LOAD_FORMAT, read_segment
 from slimeflow.stages.rl.engine.weights import (
     ForbiddenError,
     LoadedModel,
-    check_finite,
     load_model,
     read_checkpoint,
     update_body_limit,
@@ -80,7 +79,7 @@ class EngineState:
     """The address this engine serves on (and joins weight-update groups from)."""
     requests_received: int = 0
     segments: dict[str, torch.Tensor] = field(default_factory=dict)
-    """The trainer's shared-memory segment, mapped once (shared_segment.read_segment)."""
+    """The trainer's shared-memory segments (its two slots), each mapped once (shared_segment.read_segment)."""
     # Tokenising a long `text` takes seconds: done here, never on the event loop that answers /health.
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize"))
@@ -185,7 +184,7 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
         path = body.get("model_path")
         if not isinstance(path, str) or not path:
             raise BadRequestError('update_weights_from_disk needs {"model_path": "<HF checkpoint dir>"}')
-        tensors = await asyncio.to_thread(_read_update, path, state)
+        tensors = await asyncio.to_thread(read_checkpoint, path, state.weights_dir)
         aborted = await asyncio.wrap_future(state.batcher.update_weights(tensors, body.get("weight_version")))
         state.model_path, state.model_path_version = path, state.batcher.weight_version
         return {"success": True, "message": f"loaded {len(tensors)} tensors from {path}; aborted {aborted} "
@@ -193,7 +192,8 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request, weight_version: str | None = None):
-        if request.headers.get("content-type", "").startswith("application/json"):
+        shared = request.headers.get("content-type", "").startswith("application/json")
+        if shared:
             body = await _json(request)
             tensors = _shared_tensors(body, state)
             weight_version = body.get("weight_version", weight_version)
@@ -205,8 +205,8 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
                 raise BadRequestError(
                     f"the body is not safetensors bytes ({err}); send safetensors.torch.save(named_tensors)"
                 ) from None
-        await asyncio.to_thread(check_finite, tensors, state.batcher.weight_version)
-        aborted = await asyncio.wrap_future(state.batcher.update_weights(tensors, weight_version))
+        # The trainer never writes the slot of a segment an engine serves from (shared_segment.py): serve from it.
+        aborted = await asyncio.wrap_future(state.batcher.update_weights(tensors, weight_version, adopt=shared))
         return {"success": True, "message": f"updated {len(tensors)} tensors; aborted {aborted} running requests"}
 
     @app.get("/get_weights_snapshot")
@@ -247,12 +247,6 @@ def _shared_tensors(body: dict, state: EngineState) -> dict[str, torch.Tensor]:
                               f"load_format {LOAD_FORMAT!r} and one segment description (pickled tensors are not "
                               "read); or send safetensors bytes")
     return read_segment(entries[0], state.segments)
-
-
-def _read_update(path: str, state: EngineState) -> dict[str, torch.Tensor]:
-    tensors = read_checkpoint(path, state.weights_dir)
-    check_finite(tensors, state.batcher.weight_version)
-    return tensors
 
 
 async def _parse(state: EngineState, body: dict) -> tuple[list[GenerateRequest], bool]:

@@ -1,18 +1,26 @@
-"""Weight updates through a shared-memory file, for engines on the trainer's host: the CPU counterpart of the CUDA-IPC
+"""Weight updates through shared memory, for engines on the trainer's host: the CPU counterpart of the CUDA-IPC
 handles SGLang's /update_weights_from_tensor takes from colocated trainers.
 
-The trainer copies a bucket into a file under /dev/shm once (`SegmentWriter`) and sends its description as the one
-entry of SGLang's `serialized_named_tensors`, with `load_format` LOAD_FORMAT; the engine maps the file and copies
-straight from it into its parameters (`read_segment`), so the bytes cross no socket and are parsed by nobody. The
-description is JSON (never a pickle): {"path", "size", "tensors": [[name, dtype, shape, offset], ...]}. The engine
-maps only files named PREFIX* directly under /dev/shm, once, and keeps the mapping; once every engine has mapped it,
-the trainer removes the file's name (`SegmentWriter.mapped`), so that a killed run leaves nothing in /dev/shm.
+The trainer writes each tensor of a weight version once into a file under /dev/shm (`SegmentWriter`) and sends
+each bucket's description as the one entry of SGLang's `serialized_named_tensors`, with `load_format`
+LOAD_FORMAT; the engine maps the file (`read_segment`), checks the tensors and makes its parameters views of them:
+no serialisation, no socket, no copy on the engine's side. The description is JSON (never a pickle): {"path",
+"size", "tensors": [[name, dtype, shape, offset], ...]}.
+
+Because engines serve from the segment, the trainer keeps two (slots) and writes a version into the one no engine
+serves from: version k goes to slot k % 2 only once every engine has taken version k - 1 from the other slot
+(`commit`). After a failed push no slot is known to be free (an engine may have taken part of it), so both are
+dropped (`abandon`) and the next push writes fresh files; engines keep their mappings of the old ones for as long
+as they serve from them. The engine maps only files named PREFIX* directly under /dev/shm, once, and keeps the
+mappings of the last two; once every engine has mapped a file, the trainer removes its name (`mapped`), so that a
+killed run leaves nothing in /dev/shm.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 import weakref
 from pathlib import Path
@@ -26,49 +34,106 @@ from slimeflow.stages.rl.engine.weight_group import parse_dtype
 SEGMENT_DIR = Path("/dev/shm")
 PREFIX = "slimeflow-weights-"
 LOAD_FORMAT = "slimeflow_shared_memory"
+MAPPINGS_KEPT = 2
+"""Segments an engine keeps mapped: the trainer's two slots."""
 _ALIGN = 64
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _Segment:
+    """One /dev/shm file mapped into this process; its name is removed by `unlink` (or at exit)."""
+
+    def __init__(self, size: int) -> None:
+        self.path = SEGMENT_DIR / f"{PREFIX}{uuid.uuid4().hex}"
+        with open(self.path, "wb") as file:
+            try:  # reserve the pages now: a full tmpfs would otherwise kill the first write into them (SIGBUS)
+                os.posix_fallocate(file.fileno(), 0, size)
+            except OSError as err:
+                _unlink(self.path)
+                raise OSError(err.errno, f"{SEGMENT_DIR} has no room for a {size}-byte weight segment ({err.strerror}"
+                              f"; {shutil.disk_usage(SEGMENT_DIR).free} bytes free): enlarge it (docker "
+                              "--shm-size) or use --update-weight-transport nccl") from None
+        self.buffer = torch.from_file(str(self.path), shared=True, size=size, dtype=torch.uint8)
+        self.unlink = weakref.finalize(self, _unlink, self.path)
+
+
 class SegmentWriter:
-    """The trainer's segment: one file, grown when a bucket needs more, removed by `close` (or at exit)."""
+    """The trainer's two slots. A push is `begin` (the bytes of the whole version), `write` per bucket (its
+    description), then `commit` once every engine took every bucket, or `abandon` when any did not."""
 
     def __init__(self) -> None:
-        self.path: Path | None = None
-        self.buffer: torch.Tensor | None = None
-        self._finalizer: Any = None
+        self.slots: list[_Segment | None] = [None, None]
+        self.serving = 1  # the slot of the last committed version; the next version goes to the other one
+        self._writing: int | None = None
+        self._offset = 0
+
+    @property
+    def current(self) -> _Segment | None:
+        """The slot being written, or else the one served from (None before the first push)."""
+        return self.slots[self.serving if self._writing is None else self._writing]
+
+    @property
+    def path(self) -> Path | None:
+        return self.current.path if self.current is not None else None
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        return self.current.buffer if self.current is not None else None
+
+    def begin(self, named_tensors: Any) -> None:
+        """Start a version of these tensors in the slot no engine serves from (a new file when it is too small)."""
+        size = max(_ALIGN, sum(_aligned(_nbytes(t)) for t in named_tensors.values()))
+        target = 1 - self.serving
+        slot = self.slots[target]
+        if slot is None or slot.buffer.numel() < size:
+            if slot is not None:
+                slot.unlink()
+            self.slots[target] = _Segment(size)
+        self._writing, self._offset = target, 0
 
     def write(self, part: dict[str, torch.Tensor]) -> str:
-        """Copy `part` into the segment; its description, for the engine."""
-        layout, offset = [], 0
+        """Copy `part` into the slot after the buckets written before it; its description, for the engine."""
+        if self._writing is None:
+            raise RuntimeError("SegmentWriter.write before begin: start each version with begin(all its tensors)")
+        segment = self.slots[self._writing]
+        assert segment is not None
+        entries = []
         for name, tensor in part.items():
-            layout.append((name, tensor, offset))
-            offset += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
-        buffer = self._segment(max(offset, _ALIGN))
-        for _, tensor, start in layout:
-            nbytes = tensor.numel() * tensor.element_size()
-            buffer[start:start + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
-        return json.dumps({"path": str(self.path), "size": buffer.numel(), "tensors": [
-            [name, str(t.dtype).removeprefix("torch."), list(t.shape), start] for name, t, start in layout]})
-
-    def _segment(self, size: int) -> torch.Tensor:
-        if self.buffer is None or self.buffer.numel() < size:
-            self.close()
-            self.path = SEGMENT_DIR / f"{PREFIX}{uuid.uuid4().hex}"
-            with open(self.path, "wb") as file:
-                file.truncate(size)
-            self.buffer = torch.from_file(str(self.path), shared=True, size=size, dtype=torch.uint8)
-            self._finalizer = weakref.finalize(self, _unlink, self.path)
-        return self.buffer
+            nbytes, start = _nbytes(tensor), self._offset
+            if start + nbytes > segment.buffer.numel():
+                raise ValueError(f"bucket tensor {name} ({nbytes} bytes) does not fit the version begun: pass "
+                                 "every tensor of the version to begin")
+            segment.buffer[start:start + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+            entries.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), start])
+            self._offset = start + _aligned(nbytes)
+        return json.dumps({"path": str(segment.path), "size": segment.buffer.numel(), "tensors": entries})
 
     def mapped(self) -> None:
-        """Every engine has mapped the segment: remove its name (the mappings, and so the memory, stay)."""
-        if self._finalizer is not None:
-            self._finalizer()
+        """Every engine has mapped the slot being written: remove its name (the mappings, and the memory, stay)."""
+        if self._writing is not None and self.slots[self._writing] is not None:
+            self.slots[self._writing].unlink()
+
+    def commit(self) -> None:
+        """Every engine serves the version just written: its slot is now the one not to write."""
+        if self._writing is not None:
+            self.serving, self._writing = self._writing, None
+
+    def abandon(self) -> None:
+        """A push failed: no slot is known to be unserved, so write the next version into new files."""
+        self.close()
 
     def close(self) -> None:
-        self.buffer = None
-        if self._finalizer is not None:
-            self._finalizer()
+        for slot in self.slots:
+            if slot is not None:
+                slot.unlink()
+        self.slots, self.serving, self._writing = [None, None], 1, None
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def _unlink(path: Path) -> None:
@@ -79,18 +144,20 @@ def _unlink(path: Path) -> None:
 
 
 def read_segment(description: str, cache: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors a SegmentWriter described, as views of the mapped file (`cache`: mappings by path, kept between
-    updates); BadRequestError when the description is malformed or names another file."""
+    """The tensors a SegmentWriter described, as views of the mapped file (`cache`: mappings by path, in order of
+    use, kept between updates; views outlive their mapping's entry); BadRequestError when the description is
+    malformed or names another file."""
     try:
         spec = json.loads(description)
         path, size, entries = str(spec["path"]), int(spec["size"]), spec["tensors"]
     except (ValueError, KeyError, TypeError) as err:
         raise BadRequestError(f"{LOAD_FORMAT}: the description is not the trainer's segment JSON ({err})") from None
-    buffer = cache.get(path)
+    buffer = cache.pop(path, None)
     if buffer is None or buffer.numel() != size:
         buffer = _map(path, size)
-        cache.clear()  # the trainer keeps one segment: an older mapping is of a file it replaced
-        cache[path] = buffer
+    cache[path] = buffer  # the most recent last: the trainer's two slots stay, a file it replaced goes
+    while len(cache) > MAPPINGS_KEPT:
+        cache.pop(next(iter(cache)))
     tensors = {}
     try:
         for name, dtype, shape, offset in entries:

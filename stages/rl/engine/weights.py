@@ -124,12 +124,32 @@ def update_body_limit(model: PreTrainedModel) -> tuple[int, str]:
     return limit, "send only the served model's tensors, in float32 or narrower"
 
 
-def apply_update(model: PreTrainedModel, update: dict[str, torch.Tensor]) -> None:
-    """Copy checked tensors into the model in place (cast to its dtype and device); tied tensors share storage."""
+def apply_update(model: PreTrainedModel, update: dict[str, torch.Tensor], borrowed: frozenset[int] = frozenset(),
+                 adopt: bool = False) -> frozenset[int]:
+    """Put checked tensors into the model (cast to its dtype and device); tied tensors share storage.
+
+    `adopt`: a parameter whose update has its dtype and device becomes a view of the update's tensor (no copy; the
+    caller guarantees nobody writes that memory while the model serves from it: a trainer's shared segment).
+    `borrowed`: the ids of parameters that are such views now; one updated without adoption gets storage of its own
+    again instead of being written through. Returns the ids of the parameters that are views afterwards.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
     own = model.state_dict()
+    views = set(borrowed)
     with torch.no_grad():
         for name, tensor in update.items():
-            own[name].copy_(tensor.to(dtype=own[name].dtype, device=own[name].device))
+            param = params.get(name)
+            if param is None:  # a buffer
+                own[name].copy_(tensor.to(dtype=own[name].dtype, device=own[name].device))
+            elif adopt and tensor.dtype == param.dtype and tensor.device == param.device and tensor.is_contiguous():
+                param.data = tensor
+                views.add(id(param))
+            elif id(param) in views:
+                param.data = torch.empty_like(param.data, memory_format=torch.contiguous_format).copy_(tensor)
+                views.discard(id(param))
+            else:
+                param.data.copy_(tensor.to(dtype=param.dtype, device=param.device))
+    return frozenset(views)
 
 
 def free_weights(model: PreTrainedModel) -> dict[str, tuple[torch.Size, torch.dtype]]:
