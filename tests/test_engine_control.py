@@ -8,6 +8,7 @@ weights again.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 
@@ -320,3 +321,30 @@ def test_slimes_on_policy_distillation_reward_pair_runs_against_the_engine_as_te
             logits = reference(torch.tensor([sample.tokens])).logits[0, :-1]
         logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample.tokens[1:])[:, None])[:, 0]
         torch.testing.assert_close(sample.teacher_log_probs, logp[-sample.response_length:], atol=1e-4, rtol=1e-4)
+
+
+def test_after_an_engine_restart_the_next_shared_memory_push_writes_files_every_engine_can_map():
+    """The segment's file names are removed once the engines have mapped them, so a restarted engine (fault
+    tolerance) could not map the slot the next push writes into: regroup() drops the segment for new files."""
+    import asyncio
+
+    from slimeflow.stages.rl.engines import WeightTargets
+    from slimeflow.stages.rl.weight_sync import WeightSync
+
+    sync = WeightSync(WeightTargets(worker_urls=(), hf_checkpoint="unused"), transport="shared_memory")
+    writer, version = sync._segment(), {"w": torch.ones(8)}
+
+    def push() -> str:
+        writer.begin(version)
+        path = json.loads(writer.write(version))["path"]
+        writer.mapped()  # every engine mapped it: its name goes
+        writer.commit()
+        return path
+
+    first, second = push(), push()  # both slots written, mapped and unlinked
+    assert not os.path.exists(first) and not os.path.exists(second)
+    asyncio.run(sync.regroup())
+    writer.begin(version)
+    fresh = json.loads(writer.write(version))["path"]
+    assert fresh not in (first, second) and os.path.exists(fresh)  # a restarted engine can map it
+    writer.close()

@@ -172,7 +172,10 @@ class WeightSync:
     async def regroup(self) -> None:
         """Some engines were restarted (fault tolerance) and are no longer in the distributed transport's group: leave
         it (each live engine too; a restarted one knows no such group), so that the next push makes a new one of
-        every engine, as slime reconnects its new engines. Nothing to do for the other transports."""
+        every engine, as slime reconnects its new engines. The shared segment's files are dropped too: their names
+        are gone once the engines have mapped them, so a restarted engine could not map them; the next push writes new
+        ones for every engine. Nothing to do for the other transports."""
+        self.drop_segment()
         if self.group is not None:
             await asyncio.gather(*(c.control("/destroy_weights_update_group", {"group_name": self.group.name})
                                    for c in self.clients), return_exceptions=True)
