@@ -16,9 +16,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from slimeflow.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
+from slimeflow.engine.launch import new_api_key, start_engine
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
-from slimeflow.stages.rl.engine.launch import new_api_key, start_engine
 from slimeflow.stages.rl.engines import EngineDiedError, EngineSet, WeightTargets
 from slimeflow.stages.rl.weight_sync import WeightSync, buckets
 

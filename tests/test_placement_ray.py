@@ -175,7 +175,7 @@ def test_a_rollout_through_engine_actors_pinned_to_their_bundles(cluster, tmp_pa
     engine_gpus = [e["gpu_ids"][0] for e in engines]
     assert [int(g) for g in trainer_gpus] < engine_gpus[:1] and engine_gpus == sorted(engine_gpus)
     assert [e["base_gpu_id"] for e in engines] == engine_gpus and {e["node_id"] for e in engines} == {trainer_node}
-    assert all(e["url"].startswith("http://127.0.0.1:") and "slimeflow.stages.rl.engine.server" in e["command"]
+    assert all(e["url"].startswith("http://127.0.0.1:") and "slimeflow.engine.server" in e["command"]
                for e in engines)
     router = where["router"]
     assert router[router.index("--queue-size") + 1] == "7" and "--disable-circuit-breaker" in router

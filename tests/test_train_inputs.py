@@ -9,11 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from slimeflow.config.train import TrainConfig
 from slimeflow.io.storage import Storage
+from slimeflow.preprocess.writer import schema_for
 from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.preprocess.writer import schema_for
 from slimeflow.stages.rl import stage
-from slimeflow.stages.rl.config import TrainConfig
 
 
 def prompt_parquet(path, rows: int):

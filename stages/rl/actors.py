@@ -20,17 +20,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
 
-from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.config.train import TrainConfig
+from slimeflow.rollout.plugins import load_plugin
 from slimeflow.stages.rl.engines import WeightTargets
-from slimeflow.stages.rl.plugins import load_plugin
 from slimeflow.stages.rl.remote import ActorFailure
 
 T = TypeVar("T")
 
 if TYPE_CHECKING:
+    from slimeflow.rollout.rollout import RolloutContext
+    from slimeflow.rollout.types import PackedBatch, Sample
     from slimeflow.stages.rl.placement_group import EnginePlacement
-    from slimeflow.stages.rl.rollout import RolloutContext
-    from slimeflow.stages.rl.types import PackedBatch, Sample
 
 # The driver imports this module only to create the actors: what they compute with (torch, transformers, the
 # rollout function) is imported inside them, which keeps ~0.8 s of torch import out of the driver's start-up.
@@ -72,16 +72,16 @@ class RolloutManager:
         try:
             from transformers import AutoTokenizer
 
-            from slimeflow.stages.rl.data_source import BufferedDataSource, DataSource, pop_first
-            from slimeflow.stages.rl.rewards import RewardScorer
+            from slimeflow.rollout.data_source import BufferedDataSource, DataSource, pop_first
+            from slimeflow.rollout.rewards import RewardScorer
 
             self.loop = asyncio.new_event_loop()
             self.tokenizer = AutoTokenizer.from_pretrained(setup.hf_checkpoint)
             source = DataSource.from_prompt_data(setup.prompt_data,
                                                  n_samples_per_prompt=config.batch.n_samples_per_prompt,
                                                  shuffle=config.data.rollout_shuffle, seed=config.data.rollout_seed)
-            from slimeflow.stages.rl.slime_plugins import buffer_filter as slime_buffer_filter
-            from slimeflow.stages.rl.slime_plugins import slime_args
+            from slimeflow.rollout.slime_plugins import buffer_filter as slime_buffer_filter
+            from slimeflow.rollout.slime_plugins import slime_args
 
             buffer_filter = (slime_buffer_filter(load_plugin(config.rollout.buffer_filter_path, "buffer-filter-path"),
                                                  slime_args(config))
@@ -109,8 +109,8 @@ class RolloutManager:
         freeze_startup_heap()
 
     def _context(self, version: str | None) -> RolloutContext:
-        from slimeflow.stages.rl.config import staleness_bound
-        from slimeflow.stages.rl.rollout import RolloutContext
+        from slimeflow.config.train import staleness_bound
+        from slimeflow.rollout.rollout import RolloutContext
 
         return RolloutContext(self.config, self.tokenizer, self.engines.client(), self.scorer,
                               concurrency=self.setup.concurrency, weight_version=version,
@@ -124,11 +124,11 @@ class RolloutManager:
         With --async the rollout is kept while it may be in flight (generated, not yet trained: until rollout
         `rollout_id` + --async-buffer-size + 1 is asked for) and goes into `state_dict`; a rollout restored from a
         checkpoint by `load_state_dict` is handed out as it was generated, without touching the data source."""
+        from slimeflow.rollout.rollout import generate_rollout
+        from slimeflow.rollout.slime_rollout_hooks import train_batch
+        from slimeflow.rollout.types import PackedBatch
         from slimeflow.stages.rl.debug_data import row_ids, save_rollout
         from slimeflow.stages.rl.loop import served_version
-        from slimeflow.stages.rl.rollout import generate_rollout
-        from slimeflow.stages.rl.slime_rollout_hooks import train_batch
-        from slimeflow.stages.rl.types import PackedBatch
 
         # The loop's first rollout follows its first push; with --debug-rollout-only no trainer pushes weights.
         self.first_rollout_id = rollout_id if self.first_rollout_id is None else self.first_rollout_id
@@ -141,7 +141,7 @@ class RolloutManager:
             if self.config.rollout.rollout_function_path is None:
                 result = self._run(generate_rollout(ctx, self.data, rollout_id))
             else:  # slime's contract: a synchronous function that runs its coroutines on slime's background loop
-                from slimeflow.stages.rl.slime_rollout_hooks import run_rollout_function
+                from slimeflow.rollout.slime_rollout_hooks import run_rollout_function
 
                 function = load_plugin(self.config.rollout.rollout_function_path, "rollout-function-path")
                 try:
@@ -164,11 +164,11 @@ class RolloutManager:
 
     def evaluate(self, version: str | None) -> dict[str, float]:
         """Every eval set with the eval sampling settings (eval_* flags, else the rollout's)."""
-        from slimeflow.stages.rl.evaluation import EvalSettings, evaluate_sets
-        from slimeflow.stages.rl.rollout import sampling_params
+        from slimeflow.rollout.evaluation import EvalSettings, evaluate_sets
+        from slimeflow.rollout.rollout import sampling_params
 
         if self.config.eval.eval_function_path is not None:
-            from slimeflow.stages.rl.slime_rollout_hooks import run_eval_function
+            from slimeflow.rollout.slime_rollout_hooks import run_eval_function
 
             function = load_plugin(self.config.eval.eval_function_path, "eval-function-path")
             rollout_id = int(version) if version is not None and version.isdigit() else None
@@ -295,7 +295,7 @@ class InFlight:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> InFlight:
-        from slimeflow.stages.rl.types import Sample
+        from slimeflow.rollout.types import Sample
 
         return cls(int(data["rollout_id"]), [Sample.from_dict(s) for s in data["samples"]], dict(data["metrics"]))
 
@@ -304,7 +304,7 @@ def weight_versions(samples: list[Sample]) -> dict[str, float]:
     """The oldest and newest policy version that generated the rollout's trained tokens, as the engines reported
     them (a continued partial sample's oldest is its first part's, unless masked out of the loss); the async loop's
     staleness is the trained version minus these. None when an engine reports no version."""
-    from slimeflow.stages.rl.rollout import OLDEST_WEIGHT_VERSION
+    from slimeflow.rollout.rollout import OLDEST_WEIGHT_VERSION
 
     newest = [s.metadata.get("weight_version") for s in samples]
     oldest = [s.metadata.get(OLDEST_WEIGHT_VERSION, s.metadata.get("weight_version")) for s in samples]
@@ -326,10 +326,10 @@ class ReplayRolloutManager:
 
     def generate(self, rollout_id: int) -> tuple[PackedBatch, dict[str, float], list[list[str]]]:
         """The saved rollout `rollout_id`: (train batch, no rollout metrics (nothing was generated), row ids)."""
+        from slimeflow.rollout.slime_plugins import slime_args
+        from slimeflow.rollout.slime_rollout_hooks import train_batch
+        from slimeflow.rollout.types import PackedBatch
         from slimeflow.stages.rl.debug_data import load_rollout, row_ids, save_rollout
-        from slimeflow.stages.rl.slime_plugins import slime_args
-        from slimeflow.stages.rl.slime_rollout_hooks import train_batch
-        from slimeflow.stages.rl.types import PackedBatch
 
         samples = load_rollout(self.template, rollout_id, self.config.batch.n_samples_per_prompt)
         if self.config.debug.save_debug_rollout_data is not None:
@@ -369,7 +369,7 @@ class TrainActor:
 
         import torch
 
-        from slimeflow.stages.rl.offload import StateOffload
+        from slimeflow.offload import StateOffload
 
         if num_threads:
             torch.set_num_threads(num_threads)

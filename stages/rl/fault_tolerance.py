@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from slimeflow.stages.rl.engine.client import EngineClient
+from slimeflow.engine.client import EngineClient
 
 if TYPE_CHECKING:
-    from slimeflow.stages.rl.config import FaultToleranceConfig
+    from slimeflow.config.train import FaultToleranceConfig
     from slimeflow.stages.rl.engines import EngineSet
 
 log = logging.getLogger("slimeflow.fault_tolerance")
@@ -70,7 +70,7 @@ class HealthMonitor:
     def reissue_patience_s(self) -> float:
         """How long a request whose engine died is sent again before the rollout gives up: a full check cycle plus
         an engine's start-up (what a recovery takes at worst)."""
-        from slimeflow.stages.rl.engine.launch import ENGINE_READY_TIMEOUT_S
+        from slimeflow.engine.launch import ENGINE_READY_TIMEOUT_S
 
         s = self.settings
         return s.rollout_health_check_first_wait + s.rollout_health_check_interval + \
@@ -173,7 +173,7 @@ def check(http: httpx.Client, url: str) -> str | None:
 def recover(engines: EngineSet, rank: int, reason: str) -> Recovery:
     """Take engine `rank` out of the router, restart it at its URL, copy a live engine's weights and version into
     it, and put it back; raises EngineDiedError when no live engine is left to copy from."""
-    from slimeflow.stages.rl.engine.launch import ENGINE_READY_TIMEOUT_S
+    from slimeflow.engine.launch import ENGINE_READY_TIMEOUT_S
     from slimeflow.stages.rl.engines import EngineDiedError
 
     started = time.monotonic()

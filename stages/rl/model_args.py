@@ -4,7 +4,7 @@ slimeflow/config/model_args.py checks against the HF config."""
 from __future__ import annotations
 
 from slimeflow.config.model_args import NOT_BUILT
-from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.config.train import TrainConfig
 
 
 def megatron_backend_problems(config: TrainConfig) -> list[str]:

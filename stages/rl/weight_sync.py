@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from slimeflow.stages.rl.engine.client import EngineClient
+from slimeflow.engine.client import EngineClient
 from slimeflow.stages.rl.engines import WeightTargets
 
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
@@ -98,7 +98,7 @@ class WeightSync:
 
     async def _send_shared(self, part: dict[str, Any], version: str) -> None:
         """Copy the bucket into a /dev/shm file once; every engine copies it from there into its model."""
-        from slimeflow.stages.rl.engine.shared_segment import LOAD_FORMAT, SegmentWriter
+        from slimeflow.engine.shared_segment import LOAD_FORMAT, SegmentWriter
 
         self.segment = self.segment or SegmentWriter()
         body = {"serialized_named_tensors": [self.segment.write(part)], "load_format": LOAD_FORMAT,
@@ -124,8 +124,8 @@ class WeightSync:
 
     async def _connect(self) -> Any:
         """Make the group: this trainer is rank 0 and hosts the rendezvous; engine i joins as rank i + 1."""
-        from slimeflow.stages.rl.engine.launch import free_port
-        from slimeflow.stages.rl.engine.weight_group import WeightGroup
+        from slimeflow.engine.launch import free_port
+        from slimeflow.engine.weight_group import WeightGroup
 
         port, world = free_port(), len(self.clients) + 1
         name = f"slimeflow-weights-{uuid.uuid4().hex[:8]}"

@@ -29,6 +29,9 @@ from typing import Any
 import torch
 
 from slimeflow._compat import megatron_on_cpu
+from slimeflow.config.train import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig
+from slimeflow.offload import module_tensors, optimizer_tensors
+from slimeflow.rollout.types import TrainBatch
 from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantage
 from slimeflow.stages.rl.backend.megatron_layout import (
     check_moe,
@@ -46,10 +49,7 @@ from slimeflow.stages.rl.backend.torch_backend import (
     seed_everything,
     sum_over_ranks,
 )
-from slimeflow.stages.rl.config import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig
 from slimeflow.stages.rl.loss import CustomLoss, LossOutput, TisFunction, load_custom_loss, load_custom_tis
-from slimeflow.stages.rl.offload import module_tensors, optimizer_tensors
-from slimeflow.stages.rl.types import TrainBatch
 
 LossOf = Callable[[list[int], LogProbs], LossOutput]
 

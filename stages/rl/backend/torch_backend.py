@@ -18,15 +18,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from slimeflow.config.train import AlgorithmConfig, BatchConfig, OptimizerConfig
 from slimeflow.families.experts import fuse_experts, split_experts
+from slimeflow.offload import module_tensors, optimizer_tensors
+from slimeflow.rollout.types import TrainBatch
 from slimeflow.stages.rl import algorithms as alg
 from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantage
 from slimeflow.stages.rl.backend.schedule import build_scheduler
-from slimeflow.stages.rl.config import AlgorithmConfig, BatchConfig, OptimizerConfig
 from slimeflow.stages.rl.loss import CustomLoss, LossOutput, TisFunction, load_custom_loss, load_custom_tis
-from slimeflow.stages.rl.offload import module_tensors, optimizer_tensors
 from slimeflow.stages.rl.packing import pack_micro_batches
-from slimeflow.stages.rl.types import TrainBatch
 
 
 @dataclass

@@ -168,7 +168,7 @@ class RewardConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _refuse_unbuilt(self) -> RewardConfig:
-        from slimeflow.stages.rl.rule_rewards import refuse_unbuilt  # rule_rewards is heavier than a config
+        from slimeflow.rollout.rule_rewards import refuse_unbuilt  # rule_rewards is heavier than a config
 
         refuse_unbuilt(self.rm_type)
         return self
@@ -475,7 +475,7 @@ class SglangConfig(ConfigModel):
     def unread(self, launches_sglang: bool) -> list[str]:
         """The --sglang-* flags given that no server would get, with the reason, one line each: all server
         arguments when the engines are not SGLang servers launched here, else those slimeflow sets itself."""
-        from slimeflow.stages.rl.engine.sglang_launch import SET_BY_SLIMEFLOW
+        from slimeflow.engine.sglang_launch import SET_BY_SLIMEFLOW
 
         problems = [f"--sglang-{key.replace('_', '-')}: not taken ({SET_BY_SLIMEFLOW[key]}); remove it"
                     for key in sorted(self.server_args()) if key in SET_BY_SLIMEFLOW]

@@ -10,12 +10,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from slimeflow.config.train import TrainConfig
+from slimeflow.rollout.plugins import load_plugin
+from slimeflow.rollout.slime_plugins import from_slime, plugin_name, takes_keyword, to_slime
+from slimeflow.rollout.types import Sample, Status
 from slimeflow.slime_compat.utils.types import Sample as SlimeSample
 from slimeflow.slime_compat.utils.types import floats
-from slimeflow.stages.rl.config import TrainConfig
-from slimeflow.stages.rl.plugins import load_plugin
-from slimeflow.stages.rl.slime_plugins import from_slime, plugin_name, takes_keyword, to_slime
-from slimeflow.stages.rl.types import Sample, Status
 
 
 async def apply_sample_hooks(hooks: Sequence[Callable[..., Any]], args: Any, samples: list[Sample], *,
@@ -172,9 +172,9 @@ def run_rollout_function(function: Callable[..., Any], ctx: Any, data: Any, roll
     """--rollout-function-path, as slime calls it: `generate_rollout(args, rollout_id, data_source,
     evaluation=False)` -> RolloutFnTrainOutput or list[list[Sample]] (a group may nest lists of samples). Every
     sample must carry its reward (a dict is reduced with --reward-key). Returns the rollout's RolloutResult."""
+    from slimeflow.rollout.rewards import reward_value
+    from slimeflow.rollout.rollout import RolloutResult, rollout_metrics
     from slimeflow.slime_compat.rollout.base_types import call_rollout_fn
-    from slimeflow.stages.rl.rewards import reward_value
-    from slimeflow.stages.rl.rollout import RolloutResult, rollout_metrics
 
     ctx.rollout_id = rollout_id
     source = SlimeDataSource(data, rollout_id)
@@ -209,7 +209,7 @@ def train_batch(config: TrainConfig, args: Any, samples: list[Sample]) -> Any:
     A key that would change training in slime but that slimeflow's trainer does not read is an error."""
     import torch
 
-    from slimeflow.stages.rl.types import TrainBatch
+    from slimeflow.rollout.types import TrainBatch
 
     path = config.algorithm.custom_convert_samples_to_train_data_path
     if path is None:

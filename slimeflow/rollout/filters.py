@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from slimeflow.stages.rl.plugins import load_plugin
-from slimeflow.stages.rl.types import Sample, Status
+from slimeflow.rollout.plugins import load_plugin
+from slimeflow.rollout.types import Sample, Status
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def check_reward_nonzero_std(group: Sequence[Sample]) -> FilterOutcome:
 def load_group_filter(path: str | None, args: Any = None) -> GroupFilter | None:
     """The filter at --dynamic-sampling-filter-path (None when unset): slime's `f(args, samples)` (given `args`,
     returning DynamicFilterOutput or a bool) or slimeflow's `f(group)`."""
-    from slimeflow.stages.rl.slime_plugins import group_filter
+    from slimeflow.rollout.slime_plugins import group_filter
 
     return None if path is None else group_filter(load_plugin(path, "dynamic-sampling-filter-path"), args)
 
