@@ -47,3 +47,11 @@ s#\bstages/rl/config\.py#slimeflow/config/train.py#g
 s#\bstages/rl/types\.py#slimeflow/rollout/types.py#g
 s#\bstages/rl/engine/#slimeflow/engine/#g
 s/from slimeflow\.stages\.rl import answers\b/from slimeflow.rollout import answers/g
+s/from slimeflow\.stages\.rl\.actors import call$/from slimeflow.stages.rl.remote import call/g
+s/from slimeflow\.stages\.rl\.actors import LoopError$/from slimeflow.stages.rl.remote import LoopError/g
+s/from slimeflow\.stages\.rl\.actors import LoopError, call$/from slimeflow.stages.rl.remote import LoopError, call/g
+s/from slimeflow\.stages\.rl\.backend\.torch_backend import rng_state, set_rng_state$/from slimeflow.stages.rl.backend.rng import rng_state, set_rng_state/g
+s/from slimeflow\.rollout\.filters import load_group_filter$/from slimeflow.rollout.slime_plugins import load_group_filter/g
+s/from slimeflow\.rollout\.slime_rollout_hooks import run_rollout_function$/from slimeflow.rollout.slime_rollout_functions import run_rollout_function/g
+s/from slimeflow\.rollout\.slime_rollout_hooks import run_eval_function$/from slimeflow.rollout.slime_rollout_functions import run_eval_function/g
+s/from slimeflow\.stages\.preprocess\.stage import \(MANIFEST, \)\?preprocess$/from slimeflow.preprocess.pipeline import \1preprocess/g

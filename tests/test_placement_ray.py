@@ -127,8 +127,8 @@ def test_more_gpus_than_the_cluster_has_is_a_clear_error(cluster):
 
 
 def test_an_engine_that_dies_at_start_reaches_the_caller_with_its_log(cluster, tmp_path):
-    from slimeflow.stages.rl.actors import LoopError
     from slimeflow.stages.rl.engine_actor import EngineSpec, start_engine_actors
+    from slimeflow.stages.rl.remote import LoopError
 
     group = placed("--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1")
     try:
@@ -149,8 +149,8 @@ def test_a_rollout_through_engine_actors_pinned_to_their_bundles(cluster, tmp_pa
     generated and trained on."""
     from test_train_e2e import train_config
 
-    from slimeflow.stages.rl.actors import call
     from slimeflow.stages.rl.placement import create_placement
+    from slimeflow.stages.rl.remote import call
     from slimeflow.stages.rl.stage import rollout_setup, with_defaults
 
     config, ctx = train_config(tmp_path, **{
@@ -195,8 +195,8 @@ def test_with_fault_tolerance_the_loop_survives_an_engine_actor_killed_mid_rollo
     import httpx
     from test_train_e2e import train_config
 
-    from slimeflow.stages.rl.actors import call
     from slimeflow.stages.rl.placement import create_placement
+    from slimeflow.stages.rl.remote import call
     from slimeflow.stages.rl.stage import rollout_setup, with_defaults
 
     config, ctx = train_config(tmp_path, **{

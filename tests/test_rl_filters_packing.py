@@ -10,8 +10,8 @@ from slimeflow.rollout.filters import (
     DynamicSampler,
     FilterOutcome,
     check_reward_nonzero_std,
-    load_group_filter,
 )
+from slimeflow.rollout.slime_plugins import load_group_filter
 from slimeflow.rollout.types import Sample
 from slimeflow.stages.rl.packing import (
     balanced_partition,

@@ -339,7 +339,7 @@ def test_slimes_megatron_advantage_form_is_refused_at_start_up():
 
 def test_a_rollout_function_in_slimes_form_runs_with_slimes_data_source(make_ctx):
     from slimeflow.rollout.plugins import load_plugin
-    from slimeflow.rollout.slime_rollout_hooks import run_rollout_function
+    from slimeflow.rollout.slime_rollout_functions import run_rollout_function
     from slimeflow.slime_compat.rollout.sglang_rollout import GenerateState
     from slimeflow.stages.rl.stage import check_plugins
 
@@ -438,7 +438,7 @@ def test_an_eval_function_in_slimes_form_gives_slimes_eval_metrics(make_ctx):
     import slime_style_hooks
 
     from slimeflow.rollout.plugins import load_plugin
-    from slimeflow.rollout.slime_rollout_hooks import run_eval_function
+    from slimeflow.rollout.slime_rollout_functions import run_eval_function
     from slimeflow.stages.rl.stage import check_plugins
 
     slime_style_hooks.EVAL_LOGGED.clear()
@@ -465,7 +465,7 @@ def test_dict_labels_reach_a_slime_reward_as_slime_gives_them(make_ctx):
 
 def test_generate_and_rm_group_rewards_the_group_with_group_rm(make_ctx):
     from slimeflow.rollout.plugins import load_plugin
-    from slimeflow.rollout.slime_rollout_hooks import run_rollout_function
+    from slimeflow.rollout.slime_rollout_functions import run_rollout_function
     from slimeflow.slime_compat.rollout.sglang_rollout import GenerateState
 
     cfg = config(rollout={"rollout_function_path": "slime_style_rollout.generate_rollout",

@@ -111,8 +111,7 @@ def test_an_actor_failure_reaches_the_driver_with_its_type_and_message():
     import ray
 
     from slimeflow.cluster import LOCAL_RAY_SYSTEM_CONFIG
-    from slimeflow.stages.rl.actors import LoopError, call
-    from slimeflow.stages.rl.remote import hosted
+    from slimeflow.stages.rl.remote import LoopError, call, hosted
 
     started = not ray.is_initialized()  # an in-process train test earlier in the session may have left its Ray up
     if started:

@@ -23,7 +23,6 @@ import ray
 from slimeflow.config.train import TrainConfig
 from slimeflow.rollout.plugins import load_plugin
 from slimeflow.stages.rl.engines import WeightTargets
-from slimeflow.stages.rl.remote import ActorFailure
 
 T = TypeVar("T")
 
@@ -141,7 +140,7 @@ class RolloutManager:
             if self.config.rollout.rollout_function_path is None:
                 result = self._run(generate_rollout(ctx, self.data, rollout_id))
             else:  # slime's contract: a synchronous function that runs its coroutines on slime's background loop
-                from slimeflow.rollout.slime_rollout_hooks import run_rollout_function
+                from slimeflow.rollout.slime_rollout_functions import run_rollout_function
 
                 function = load_plugin(self.config.rollout.rollout_function_path, "rollout-function-path")
                 try:
@@ -168,7 +167,7 @@ class RolloutManager:
         from slimeflow.rollout.rollout import sampling_params
 
         if self.config.eval.eval_function_path is not None:
-            from slimeflow.rollout.slime_rollout_hooks import run_eval_function
+            from slimeflow.rollout.slime_rollout_functions import run_eval_function
 
             function = load_plugin(self.config.eval.eval_function_path, "eval-function-path")
             rollout_id = int(version) if version is not None and version.isdigit() else None
@@ -490,27 +489,6 @@ def freeze_startup_heap() -> None:
     for the life of the process. Otherwise every full collection walks all of it: in the RolloutManager one came
     every ~50 rollouts and stalled that rollout 250 ms (a 256-sample rollout takes ~15 ms)."""
     gc.freeze()
-
-
-class LoopError(RuntimeError):
-    """A failure inside an actor, re-raised on the driver with the actor, the call and the cause's message."""
-
-
-def call(ref: Any, what: str) -> Any:
-    """ray.get with the cause's own type and message instead of a stack of Ray wrappers; the actor's traceback
-    (from an actor class made with remote.hosted) is a note on the LoopError."""
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as err:
-        cause = err.cause if getattr(err, "cause", None) is not None else err
-        error = LoopError(f"{what} failed: {cause}" if isinstance(cause, ActorFailure)
-                          else f"{what} failed: {type(cause).__name__}: {cause}")
-        if isinstance(cause, ActorFailure):
-            error.add_note(f"raised in the actor:\n{cause.traceback_text}")
-        raise error from None
-    except ray.exceptions.RayActorError as err:
-        last = next((line for line in reversed(str(err).splitlines()) if line.strip()), "")
-        raise LoopError(f"{what} failed: the actor died ({type(err).__name__}: {last}); see its log above") from None
 
 
 def _resident(pids: list[int]) -> int:

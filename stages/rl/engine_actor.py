@@ -115,7 +115,7 @@ class PlacedEngine:
         self.url: str | None = None
 
     def wait_ready(self, path: str, timeout_s: float) -> None:
-        from slimeflow.stages.rl.actors import call
+        from slimeflow.stages.rl.remote import call
 
         self.url = call(self.actor.wait_ready.remote(path, timeout_s), f"starting rollout engine {self.rank}")
 
@@ -130,7 +130,7 @@ class PlacedEngine:
 
     def restart(self) -> None:
         """Kill the server and start it again in its actor, on the same bundle and port; `wait_ready` follows."""
-        from slimeflow.stages.rl.actors import call
+        from slimeflow.stages.rl.remote import call
 
         call(self.actor.restart.remote(), f"restarting rollout engine {self.rank}")
 

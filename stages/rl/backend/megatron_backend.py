@@ -38,6 +38,7 @@ from slimeflow.stages.rl.backend.megatron_layout import (
     moe_runtime,
     virtual_pipeline_stages,
 )
+from slimeflow.stages.rl.backend.rng import seed_everything
 from slimeflow.stages.rl.backend.torch_backend import (
     LogProbs,
     RowLayout,
@@ -46,7 +47,6 @@ from slimeflow.stages.rl.backend.torch_backend import (
     plan_micro_batches,
     response_log_probs,
     scoring_model,
-    seed_everything,
     sum_over_ranks,
 )
 from slimeflow.stages.rl.loss import CustomLoss, LossOutput, TisFunction, load_custom_loss, load_custom_tis
