@@ -2,6 +2,8 @@
 
 `--rollout-batch-size 32` sets `TrainConfig.batch.rollout_batch_size`; every leaf name is unique across the tree,
 so a slime flag list maps onto it flag for flag (slimeflow.config.flags). Functions take the group they use.
+It lives with the shared configs, not in the train stage, because the rollout library reads it too (the evaluate
+stage builds one for its rollouts).
 """
 
 from __future__ import annotations
