@@ -4,8 +4,9 @@
 
 `--family deepseek_v3` writes a ~2 GB DeepSeek-V3-style mixture of experts instead (8 layers by default: MLA, one
 dense first layer, 16 experts of which each layer stores every one, a shared expert, the fp32 expert bias), whose
-experts the converter stacks per layer and whose layers it keys one by one; with two processes each rank converts
-8 of every MoE layer's 16 experts (expert-sharded), and prints what it read and held.
+experts the converter writes as shards of each layer's [experts, ...] tensor straight from the HF files, and whose
+layers it keys one by one; with two processes each rank converts 8 of every MoE layer's 16 experts
+(expert-sharded), and prints what it read and held.
 
 Prints, for 1 and 2 conversion processes: wall time as a ratio to `cp -r` + `sync` of the HF directory, timed
 after a `sync` so that it flushes only the copy (goal <= 2x); cp and the two conversions run interleaved for
@@ -186,6 +187,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="cp, 1 and 2 processes, interleaved this many times")
     parser.add_argument("--workdir", default=tempfile.gettempdir())
     options = parser.parse_args()
+    Path(options.workdir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="convert-bench-", dir=options.workdir))
     try:
         hf = work / "hf"

@@ -39,12 +39,12 @@ import psutil
 import torch
 from transformers import AutoModelForCausalLM
 
+from slimeflow.engine.batcher import Batcher, GenerateRequest
+from slimeflow.engine.client import EngineClient
+from slimeflow.engine.launch import new_api_key, start_engine
+from slimeflow.engine.sampling import SamplingParams
+from slimeflow.engine.weights import load_model
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
-from slimeflow.stages.rl.engine.client import EngineClient
-from slimeflow.stages.rl.engine.launch import new_api_key, start_engine
-from slimeflow.stages.rl.engine.sampling import SamplingParams
-from slimeflow.stages.rl.engine.weights import load_model
 
 SPEC = TinyModelSpec(family="llama", hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                      num_key_value_heads=4, intermediate_size=512, max_position_embeddings=1024, seed=0)

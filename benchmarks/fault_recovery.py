@@ -31,10 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from slimeflow.config.train import FaultToleranceConfig
+from slimeflow.engine.client import EngineClient
+from slimeflow.engine.launch import ENGINE_READY_TIMEOUT_S, launch_engine
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl.config import FaultToleranceConfig
-from slimeflow.stages.rl.engine.client import EngineClient
-from slimeflow.stages.rl.engine.launch import ENGINE_READY_TIMEOUT_S, launch_engine
 from slimeflow.stages.rl.engines import EngineSet
 from slimeflow.stages.rl.fault_tolerance import HealthMonitor, Recovery
 from slimeflow.stages.rl.weight_sync import WeightSync

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from megatron_step import make_batch  # benchmarks/ is on the path when a script here runs
 
+from slimeflow.config.train import TrainConfig
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl.config import TrainConfig
-from slimeflow.stages.rl.types import TrainBatch
+from slimeflow.rollout.types import TrainBatch
 
 LR = 1e-5
 MODELS = {

@@ -100,9 +100,9 @@ def draw_batch(model, tokenizer, rows: list[dict], gen: torch.Generator, tilt: f
 def slimeflow_step(backend, config, samples) -> tuple[dict, dict, torch.Tensor]:
     """train_on_rollout's body for one rollout of one optimizer step: (metrics, gradients before the step,
     advantages)."""
+    from slimeflow.rollout.types import TrainBatch
     from slimeflow.stages.rl.train_step import accumulate_gradients, plan_steps
     from slimeflow.stages.rl.train_step import prepare as prepare_train
-    from slimeflow.stages.rl.types import TrainBatch
 
     batch = TrainBatch.from_samples(samples)
     plan = plan_steps(batch, config.batch.global_batch_size, 0, 1, config.batch.balance_data)
@@ -177,8 +177,8 @@ def diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> str:
 def rollout(tokenizer, rows: list[dict], prompts, responses, log_probs) -> list:
     """The batch as slimeflow's rollout hands it over: scored Samples in group order (text decoded as its engine
     does, skip_special_tokens off; rewards by its prefix_match)."""
-    from slimeflow.stages.rl.rule_rewards import prefix_match_reward
-    from slimeflow.stages.rl.types import Sample, Status
+    from slimeflow.rollout.rule_rewards import prefix_match_reward
+    from slimeflow.rollout.types import Sample, Status
 
     samples = []
     for g, (row, ids, tokens, lps) in enumerate(zip(rows, prompts, responses, log_probs, strict=True)):

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
+from slimeflow.config.train import TrainConfig
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl.config import TrainConfig
-from slimeflow.stages.rl.types import TrainBatch
+from slimeflow.rollout.types import TrainBatch
 
 
 def make_batch(samples: int, prompt: int, response: int, seed: int = 0) -> TrainBatch:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from slimeflow.stages.rl.offload import StateOffload, module_tensors, optimizer_tensors
+from slimeflow.offload import StateOffload, module_tensors, optimizer_tensors
 
 
 def state(weight_mib: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

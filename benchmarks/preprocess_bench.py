@@ -42,8 +42,8 @@ def make_data(path: Path, rows: int, seed: int = 0) -> None:
 
 def run_stage(data: Path, out: Path, tokenizer_dir: Path | None) -> int:
     from slimeflow.io.storage import Storage
+    from slimeflow.preprocess.config import PreprocessConfig
     from slimeflow.stages.base import StageContext
-    from slimeflow.stages.preprocess.config import PreprocessConfig
     from slimeflow.stages.preprocess.stage import run
 
     config = PreprocessConfig(input=[str(data)], output=str(out), input_key="prompt", label_key="label",

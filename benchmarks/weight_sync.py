@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
+from slimeflow.engine.launch import new_api_key, start_engine
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl.engine.launch import new_api_key, start_engine
 from slimeflow.stages.rl.engines import WeightTargets
 from slimeflow.stages.rl.loop import should_push
 from slimeflow.stages.rl.weight_sync import WeightSync

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from slimeflow.config.train import TrainConfig
+from slimeflow.preprocess.config import PreprocessConfig
 from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.evaluate.config import EvaluateConfig
 from slimeflow.stages.export.config import ExportConfig
-from slimeflow.stages.preprocess.config import PreprocessConfig
-from slimeflow.stages.rl.config import TrainConfig
 
 Manifests = dict[str, dict[str, Any]]
 

@@ -20,7 +20,7 @@ LENGTHS = [(7, 3), (9, 4), (5, 2), (12, 5), (6, 3), (10, 1), (8, 4), (11, 6)]
 
 
 def make_batch(seed: int = 0):
-    from slimeflow.stages.rl.types import TrainBatch
+    from slimeflow.rollout.types import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     tokens = [torch.randint(3, 250, (total,), generator=g) for total, _ in LENGTHS]
@@ -32,7 +32,7 @@ def make_batch(seed: int = 0):
 
 
 def make_config(**groups):
-    from slimeflow.stages.rl.config import TrainConfig
+    from slimeflow.config.train import TrainConfig
 
     batch = {"rollout_batch_size": 4, "n_samples_per_prompt": 2, "num_rollout": 1, **groups.pop("batch", {})}
     return TrainConfig(batch=batch, **groups)

@@ -8,8 +8,8 @@ from typing import Any
 
 from slimeflow.io.storage import Storage
 from slimeflow.manifest import Manifest
+from slimeflow.preprocess.config import PreprocessConfig
 from slimeflow.stages.base import StageContext
-from slimeflow.stages.preprocess.config import PreprocessConfig
 from slimeflow.stages.preprocess.stage import run
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import test_rollout
 from test_rollout import ScriptedEngine, config, prompts, run
 
+from slimeflow.config.train import TrainConfig, staleness_bound
+from slimeflow.rollout.data_source import START_ROLLOUT_ID, BufferedDataSource, DataSource
+from slimeflow.rollout.rollout import OLDEST_WEIGHT_VERSION
+from slimeflow.rollout.types import Sample, Status
 from slimeflow.stages.rl.actors import InFlight, RolloutManager, weight_versions
-from slimeflow.stages.rl.config import TrainConfig, staleness_bound
-from slimeflow.stages.rl.data_source import START_ROLLOUT_ID, BufferedDataSource, DataSource
-from slimeflow.stages.rl.rollout import OLDEST_WEIGHT_VERSION
-from slimeflow.stages.rl.types import Sample, Status
 
 make_ctx = test_rollout.make_ctx  # the fixture: make(engine, config, version) -> a RolloutContext
 

@@ -19,6 +19,7 @@ import torch
 from slimeflow.checkpoint import safe_pickle
 from slimeflow.checkpoint.integrity import CHECKSUMS
 from slimeflow.checkpoint.torch_dist import read_common, tensor_metadata
+from slimeflow.config.train import TrainConfig
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.io.checkpoints import CheckpointError
 from slimeflow.stages.rl.backend import checkpoint as ckpt
@@ -29,7 +30,6 @@ from slimeflow.stages.rl.backend.checkpoint import (
     save_checkpoint,
 )
 from slimeflow.stages.rl.backend.torch_backend import TorchBackend
-from slimeflow.stages.rl.config import TrainConfig
 
 CONFIG = TrainConfig(batch={"rollout_batch_size": 2, "num_rollout": 4})
 

@@ -9,7 +9,7 @@ import pytest
 
 from slimeflow.config.flags import ConfigError, FlagIndex, leaves
 from slimeflow.config.pipeline import STAGE_CONFIGS, load_pipeline_config, load_stage_config
-from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.config.train import TrainConfig
 
 SEEDS = Path(__file__).parent / "data" / "seed_scripts"
 

@@ -13,8 +13,8 @@ import torch
 
 from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config
+from slimeflow.rollout.types import Sample, Status, TrainBatch
 from slimeflow.stages.rl import loop
-from slimeflow.stages.rl.types import Sample, Status, TrainBatch
 
 TRAIN = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "2"]
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from slimeflow.engine import decode_kernel
+from slimeflow.engine.native import NativeForward, _onednn_linear
+from slimeflow.engine.weights import load_model
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl.engine import decode_kernel
-from slimeflow.stages.rl.engine.native import NativeForward, _onednn_linear
-from slimeflow.stages.rl.engine.weights import load_model
 
 
 @pytest.fixture(scope="module")

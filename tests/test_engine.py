@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from slimeflow.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
+from slimeflow.engine.launch import free_port, new_api_key, start_engine, start_router
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
-from slimeflow.stages.rl.engine.launch import free_port, new_api_key, start_engine, start_router
 
 SPEC = TinyModelSpec(seed=1)
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256, 50, 43, 50, 61], [256, 84, 104, 101, 32, 99, 97, 116, 32, 115]]
@@ -326,7 +326,7 @@ def test_unreachable_engine_fails_fast_naming_the_url():
     (-1, 1.0, [0.5, 0.3, 0.2]), (2, 1.0, [0.625, 0.375, 0.0]), (-1, 0.6, [0.625, 0.375, 0.0]), (1, 1.0, [1.0, 0.0, 0.0]),
 ])
 def test_sampling_follows_top_k_top_p_by_inverse_cdf(top_k, top_p, expected):
-    from slimeflow.stages.rl.engine.sampling import SamplingParams, sample_rows
+    from slimeflow.engine.sampling import SamplingParams, sample_rows
 
     # A grid of uniforms stands in for the per-request generators: the token frequencies are the distribution.
     grid = (torch.arange(1000, dtype=torch.float32) + 0.5) / 1000
@@ -340,7 +340,7 @@ def test_sampling_follows_top_k_top_p_by_inverse_cdf(top_k, top_p, expected):
 
 def test_logprobs_are_of_the_tempered_distribution_and_greedy_rows_of_the_raw_one():
     """As SGLang returns them and the trainer recomputes them: log_softmax(logits / temperature)."""
-    from slimeflow.stages.rl.engine.sampling import SamplingParams, sample_rows
+    from slimeflow.engine.sampling import SamplingParams, sample_rows
 
     logits = torch.tensor([[0.1, 2.0, -1.0, 0.7]] * 3)
     params = [SamplingParams(temperature=0.5), SamplingParams(temperature=1.5, top_k=2), SamplingParams(temperature=0)]
@@ -352,8 +352,8 @@ def test_logprobs_are_of_the_tempered_distribution_and_greedy_rows_of_the_raw_on
 
 
 def test_kv_batch_matches_plain_forward_through_joins_leaves_and_growth(reference):
-    from slimeflow.stages.rl.engine import kv_batch
-    from slimeflow.stages.rl.engine.native import HFForward
+    from slimeflow.engine import kv_batch
+    from slimeflow.engine.native import HFForward
 
     forward = HFForward(reference)
 
@@ -402,7 +402,7 @@ def test_an_in_process_engine_answers_as_the_process_does_and_stops_with_its_thr
     engine process for the same seed, weight updates, and stop() frees the thread and the port."""
     import threading
 
-    from slimeflow.stages.rl.engine.server import EngineThread
+    from slimeflow.engine.server import EngineThread
     from slimeflow.stages.rl.engines import EngineSet
 
     launching = EngineSet.launch(str(model_dir), {}, num_engines=1, threads=1, in_process=True)
@@ -427,7 +427,7 @@ def test_an_in_process_engine_answers_as_the_process_does_and_stops_with_its_thr
 
 
 def test_an_in_process_engine_that_cannot_load_says_why_and_two_engines_stay_processes(tmp_path):
-    from slimeflow.stages.rl.engine.launch import EngineProcess
+    from slimeflow.engine.launch import EngineProcess
     from slimeflow.stages.rl.engines import EngineSet
 
     launching = EngineSet.launch(str(tmp_path / "no-model"), {}, num_engines=1, threads=1, in_process=True)

@@ -17,9 +17,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from slimeflow.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
+from slimeflow.engine.launch import new_api_key, start_engine
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
-from slimeflow.stages.rl.engine.launch import new_api_key, start_engine
 from slimeflow.stages.rl.engines import EngineDiedError, EngineSet, WeightTargets
 from slimeflow.stages.rl.weight_sync import WeightSync, buckets
 
@@ -204,7 +204,7 @@ def test_shared_memory_pushes_serve_the_trainers_bytes_and_a_refused_one_keeps_t
 def test_a_full_dev_shm_is_refused_before_any_write_with_the_fix(monkeypatch):
     import errno
 
-    from slimeflow.stages.rl.engine import shared_segment
+    from slimeflow.engine import shared_segment
 
     tried = []
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from slimeflow.engine import kv_batch, native
+from slimeflow.engine.batcher import Batcher, GenerateRequest
+from slimeflow.engine.decode_kernel import load_decode_attention
+from slimeflow.engine.native import HFForward, NativeForward, select_forward
+from slimeflow.engine.sampling import SamplingParams
+from slimeflow.engine.weights import apply_update, load_model
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl.engine import kv_batch, native
-from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
-from slimeflow.stages.rl.engine.decode_kernel import load_decode_attention
-from slimeflow.stages.rl.engine.native import HFForward, NativeForward, select_forward
-from slimeflow.stages.rl.engine.sampling import SamplingParams
-from slimeflow.stages.rl.engine.weights import apply_update, load_model
 
 CPU = torch.device("cpu")
 PROMPTS = [[72, 101, 108, 108, 111], [50, 43], [84, 104, 101, 32, 99, 97, 116, 32, 115, 97, 116]]

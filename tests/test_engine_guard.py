@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from slimeflow.engine.client import EngineClient, EngineRequestError
+from slimeflow.engine.launch import new_api_key, start_engine
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError
-from slimeflow.stages.rl.engine.launch import new_api_key, start_engine
 
 KEY = new_api_key()
 AUTH = {"Authorization": f"Bearer {KEY}"}

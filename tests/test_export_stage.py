@@ -75,9 +75,9 @@ def test_export_refuses_missing_inputs_and_non_checkpoints(release, tmp_path):
 
 
 def test_pipeline_wiring_feeds_each_stage_the_outputs_before_it():
+    from slimeflow.config.train import TrainConfig
     from slimeflow.flows import wiring
     from slimeflow.stages.evaluate.config import EvaluateConfig
-    from slimeflow.stages.rl.config import TrainConfig
 
     m = {"model": {"stage": "model", "outputs": {"hf_checkpoint": "/m"}},
          "convert": {"stage": "convert", "outputs": {"torch_dist": "/ref", "checkpoint": "/ref/release"}},

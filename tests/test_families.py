@@ -80,7 +80,7 @@ def test_each_familys_tiny_model_has_exactly_the_tensors_its_spec_maps(tmp_path,
 def test_the_engine_runs_its_native_forward_exactly_for_the_families_whose_spec_says_so(tmp_path, family, caplog):
     from transformers import AutoModelForCausalLM
 
-    from slimeflow.stages.rl.engine.native import NativeForward, select_forward
+    from slimeflow.engine.native import NativeForward, select_forward
 
     hf = build_tiny_model(tmp_path / "hf", TinyModelSpec(family=family, num_hidden_layers=1))
     forward = select_forward(AutoModelForCausalLM.from_pretrained(hf))
@@ -132,9 +132,9 @@ def new_family_dirs(glm4_dir, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("family", ["glm4", "qwen3_moe", "deepseek_v3", "glm4_moe"])
 def test_the_engine_serves_the_family_through_transformers_forward(new_family_dirs, family):
-    from slimeflow.stages.rl.engine.batcher import Batcher, GenerateRequest
-    from slimeflow.stages.rl.engine.sampling import SamplingParams
-    from slimeflow.stages.rl.engine.weights import load_model
+    from slimeflow.engine.batcher import Batcher, GenerateRequest
+    from slimeflow.engine.sampling import SamplingParams
+    from slimeflow.engine.weights import load_model
 
     loaded = load_model(str(new_family_dirs[family]), device="cpu")
     params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True, sampling_seed=5)
@@ -159,10 +159,10 @@ def test_the_engine_serves_the_family_through_transformers_forward(new_family_di
 def _trained_backend(hf_dir: Path):
     """A torch backend on `hf_dir` after one optimizer step (lr 1e-2) on a rollout of 2 groups of 2; and the
     parameters it started from."""
+    from slimeflow.config.train import TrainConfig
+    from slimeflow.rollout.types import TrainBatch
     from slimeflow.stages.rl.backend.torch_backend import TorchBackend
-    from slimeflow.stages.rl.config import TrainConfig
     from slimeflow.stages.rl.train_step import train_on_rollout
-    from slimeflow.stages.rl.types import TrainBatch
 
     config = TrainConfig(batch={"rollout_batch_size": 2, "n_samples_per_prompt": 2, "num_rollout": 1},
                          optimizer={"lr": 1e-2})
@@ -426,8 +426,8 @@ def test_kimi_k2s_model_type_is_read_as_deepseek_v3(new_family_dirs, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from slimeflow.checkpoint.hf_source import inspect_hf_dir
+    from slimeflow.engine.weights import load_model
     from slimeflow.families.hf import load_causal_lm
-    from slimeflow.stages.rl.engine.weights import load_model
 
     kimi = Path(shutil.copytree(new_family_dirs["deepseek_v3"], tmp_path / "kimi"))
     config = json.loads((kimi / "config.json").read_text())

@@ -22,10 +22,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from slimeflow.config.train import FaultToleranceConfig, TrainConfig
+from slimeflow.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.rl.actors import RolloutManager, RolloutSetup
-from slimeflow.stages.rl.config import FaultToleranceConfig, TrainConfig
-from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
 from slimeflow.stages.rl.engines import EngineDiedError, EngineSet, ReissuingClient, RoutedClient
 from slimeflow.stages.rl.fault_tolerance import HealthMonitor, recover, restore_weights
 from slimeflow.stages.rl.weight_sync import WeightSync

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from slimeflow.config.train import TrainConfig
 from slimeflow.stages.rl import loop
-from slimeflow.stages.rl.config import TrainConfig
 
 
 class Recorder:

@@ -267,9 +267,9 @@ def test_warmup_fraction_is_a_fraction_of_the_decay_steps_in_both_schedules():
     and the torch backend's lr_at gives the same learning rate at every step."""
     from types import SimpleNamespace
 
+    from slimeflow.config.train import OptimizerConfig
     from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend
     from slimeflow.stages.rl.backend.schedule import lr_at
-    from slimeflow.stages.rl.config import OptimizerConfig
 
     config = OptimizerConfig(lr=1.0, min_lr=0.1, lr_warmup_fraction=0.25, lr_decay_style="linear", lr_decay_iters=10)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)

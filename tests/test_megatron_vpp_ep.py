@@ -14,8 +14,8 @@ import torch
 from megatron_steps import make_backend, make_batch, make_config, make_job, run_world, train_job, train_steps
 from test_megatron_backend import LR, _compare_with_one_process, converted, rollout_batch, two_step_config
 
+from slimeflow.config.train import MegatronConfig
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl.config import MegatronConfig
 
 __all__ = ["converted"]  # the 2-layer Llama fixture, shared
 

@@ -157,7 +157,7 @@ def test_slimes_qwen3_4b_run_script_is_refused_only_for_what_needs_megatron():
 
 def test_a_config_that_went_through_json_checks_only_what_was_given():
     """Prefect parameters and the train stage's subprocess tests round-trip the config through JSON."""
-    from slimeflow.stages.rl.config import TrainConfig
+    from slimeflow.config.train import TrainConfig
 
     config = TrainConfig.model_validate_json(train_config().model_dump_json())
     assert check_model_args(config.megatron, QWEN3_4B, "torch") == []

@@ -12,7 +12,7 @@ import torch
 
 from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config
-from slimeflow.stages.rl.offload import StateOffload, module_tensors, optimizer_tensors, resident_bytes
+from slimeflow.offload import StateOffload, module_tensors, optimizer_tensors, resident_bytes
 
 TRAIN = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "2"]
 

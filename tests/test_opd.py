@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from slimeflow.config.train import AlgorithmConfig, TrainConfig
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.rollout.types import PackedBatch, Sample, Status, TrainBatch
 from slimeflow.stages.rl.advantages import AdvantageInputs, compute_advantages
 from slimeflow.stages.rl.backend.torch_backend import TorchBackend
-from slimeflow.stages.rl.config import AlgorithmConfig, TrainConfig
 from slimeflow.stages.rl.train_step import prepare, train_on_rollout
-from slimeflow.stages.rl.types import PackedBatch, Sample, Status, TrainBatch
 
 LENGTHS = [(7, 3), (9, 4), (5, 2), (12, 5)]
 
@@ -145,7 +145,7 @@ def test_sglang_teacher_log_probs_come_with_the_samples_and_their_absence_is_nam
 
 def test_a_slime_post_process_storing_a_tensor_reaches_slimeflows_sample():
     """slime's post_process_rewards stores a float32 tensor in sample.teacher_log_probs."""
-    from slimeflow.stages.rl.slime_plugins import from_slime, to_slime
+    from slimeflow.rollout.slime_plugins import from_slime, to_slime
 
     origin = Sample(group_index=0, index=0, prompt="p", tokens=[1, 2, 3], response_length=2)
     theirs = to_slime(origin)
@@ -159,9 +159,9 @@ def test_the_teachers_answer_is_kept_for_the_post_process_which_sets_teacher_log
     import asyncio
 
     from slimeflow import slime_compat
-    from slimeflow.stages.rl.config import RewardConfig
-    from slimeflow.stages.rl.rewards import RewardScorer
-    from slimeflow.stages.rl.slime_rollout_hooks import post_process_rewards
+    from slimeflow.config.train import RewardConfig
+    from slimeflow.rollout.rewards import RewardScorer
+    from slimeflow.rollout.slime_rollout_hooks import post_process_rewards
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "data" / "slime_plugins"))
     slime_compat.install()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from slimeflow.config.pipeline import load_stage_config
-from slimeflow.stages.rl.engine.sglang_launch import (
+from slimeflow.engine.sglang_launch import (
     router_options,
     server_arg_problems,
     sglang_server_command,

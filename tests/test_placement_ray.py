@@ -135,8 +135,8 @@ def test_more_gpus_than_the_cluster_has_is_a_clear_error(cluster):
 
 
 def test_an_engine_that_dies_at_start_reaches_the_caller_with_its_log(cluster, tmp_path):
-    from slimeflow.stages.rl.actors import LoopError
     from slimeflow.stages.rl.engine_actor import EngineSpec, start_engine_actors
+    from slimeflow.stages.rl.remote import LoopError
 
     group = placed("--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1")
     try:
@@ -157,8 +157,8 @@ def test_a_rollout_through_engine_actors_pinned_to_their_bundles(cluster, tmp_pa
     generated and trained on."""
     from test_train_e2e import train_config
 
-    from slimeflow.stages.rl.actors import call
     from slimeflow.stages.rl.placement import create_placement
+    from slimeflow.stages.rl.remote import call
     from slimeflow.stages.rl.stage import rollout_setup, with_defaults
 
     config, ctx = train_config(tmp_path, **{
@@ -183,7 +183,7 @@ def test_a_rollout_through_engine_actors_pinned_to_their_bundles(cluster, tmp_pa
     engine_gpus = [e["gpu_ids"][0] for e in engines]
     assert [int(g) for g in trainer_gpus] < engine_gpus[:1] and engine_gpus == sorted(engine_gpus)
     assert [e["base_gpu_id"] for e in engines] == engine_gpus and {e["node_id"] for e in engines} == {trainer_node}
-    assert all(e["url"].startswith("http://127.0.0.1:") and "slimeflow.stages.rl.engine.server" in e["command"]
+    assert all(e["url"].startswith("http://127.0.0.1:") and "slimeflow.engine.server" in e["command"]
                for e in engines)
     router = where["router"]
     assert router[router.index("--queue-size") + 1] == "7" and "--disable-circuit-breaker" in router
@@ -204,8 +204,8 @@ def test_with_fault_tolerance_the_loop_survives_an_sglang_server_killed_mid_roll
     import httpx
     from test_train_e2e import train_config
 
-    from slimeflow.stages.rl.actors import call
     from slimeflow.stages.rl.placement import create_placement
+    from slimeflow.stages.rl.remote import call
     from slimeflow.stages.rl.stage import rollout_setup, with_defaults
 
     monkeypatch.syspath_prepend(str(FAKE_SGLANG))

@@ -68,7 +68,7 @@ def test_token_counts_of_ascii_and_unicode_texts_are_the_tokenizers_own(tmp_path
     """ASCII texts skip a Unicode-form normalizer (Qwen's NFC); texts that need it, mixed among them, keep it."""
     from transformers import AutoTokenizer
 
-    from slimeflow.stages.preprocess.tokens import PromptTokenizer
+    from slimeflow.preprocess.tokens import PromptTokenizer
 
     model_dir = build_tiny_model(tmp_path / family, TinyModelSpec.from_uri(f"tiny:{family}?seed=0"))
     counter = PromptTokenizer(str(model_dir), need_template=False)
@@ -310,7 +310,7 @@ import json, os, signal, sys
 from pathlib import Path
 from slimeflow.io.storage import S3Config, Storage
 from slimeflow.stages.base import StageContext
-from slimeflow.stages.preprocess.config import PreprocessConfig
+from slimeflow.preprocess.config import PreprocessConfig
 from slimeflow.stages.preprocess.stage import run
 
 args = json.loads(sys.argv[1])
@@ -353,7 +353,7 @@ import json, os, signal, sys
 from pathlib import Path
 from slimeflow.io.storage import Storage
 from slimeflow.stages.base import StageContext
-from slimeflow.stages.preprocess.config import PreprocessConfig
+from slimeflow.preprocess.config import PreprocessConfig
 from slimeflow.stages.preprocess.stage import run
 
 args = json.loads(sys.argv[1])
@@ -380,7 +380,7 @@ def test_the_staging_left_by_a_killed_run_is_removed_by_the_next_and_a_live_runs
     (work / "preprocess-abcdefgh").mkdir()  # our name, no lock yet: a run creating it right now
     run_stage(tmp_path, input_key="prompt", input=[str(source)])
     assert sorted(p.name for p in work.iterdir()) == ["preprocess-abcdefgh", "preprocess-notes"]
-    from slimeflow.stages.preprocess.staging import staging_dir
+    from slimeflow.preprocess.staging import staging_dir
 
     with staging_dir(work) as live:  # a concurrent run, alive while this one runs
         run_stage(tmp_path, input_key="prompt", input=[str(source)])

@@ -13,8 +13,8 @@ from preprocess_helpers import assert_count_identity, messages, run_stage, write
 from slimeflow.io.prompts import PromptDataset, iter_prompts
 from slimeflow.io.storage import Storage
 from slimeflow.manifest import Manifest
-from slimeflow.stages.preprocess.tokens import TokenStats
-from slimeflow.stages.preprocess.writer import Deduper
+from slimeflow.preprocess.tokens import TokenStats
+from slimeflow.preprocess.writer import Deduper
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_the_pipeline_renders_with_the_model_stage_tokenizer(prefect_harness, tm
 
 
 def test_jsonl_lines_longer_than_a_read_chunk_and_an_unterminated_last_line(tmp_path):
-    from slimeflow.stages.preprocess.sources import READ_CHUNK
+    from slimeflow.preprocess.sources import READ_CHUNK
 
     long = "y" * (READ_CHUNK + READ_CHUNK // 2)  # crosses two chunk boundaries
     source = tmp_path / "a.jsonl"

@@ -13,14 +13,14 @@ import pytest
 from preprocess_helpers import write_jsonl
 from test_train_inputs import prompt_parquet
 
+from slimeflow.config.train import TrainConfig
 from slimeflow.io.prompts import PromptDataset
 from slimeflow.io.storage import Storage
+from slimeflow.preprocess.inline import is_raw
+from slimeflow.rollout.data_source import DataSource
+from slimeflow.rollout.raw_data import prepare_data
 from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.preprocess.inline import is_raw
 from slimeflow.stages.rl import stage
-from slimeflow.stages.rl.config import TrainConfig
-from slimeflow.stages.rl.data_source import DataSource
-from slimeflow.stages.rl.raw_data import prepare_data
 
 ROWS = [{"question": "1+1=", "answer": "2"}, {"question": "2+1=", "answer": "3"}, {"question": "3+1=", "answer": "4"}]
 

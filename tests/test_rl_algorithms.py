@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
+from slimeflow.config.train import AlgorithmConfig
 from slimeflow.stages.rl import algorithms as alg
 from slimeflow.stages.rl.advantages import AdvantageInputs, compute_advantages
-from slimeflow.stages.rl.config import AlgorithmConfig
 
 
 def t(*values: float) -> torch.Tensor:

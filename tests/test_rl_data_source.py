@@ -7,8 +7,8 @@ import json
 import pytest
 from preprocess_helpers import messages, run_stage, write_jsonl
 
-from slimeflow.stages.rl.data_source import START_ROLLOUT_ID, BufferedDataSource, DataSource, pop_first
-from slimeflow.stages.rl.types import Sample, Status
+from slimeflow.rollout.data_source import START_ROLLOUT_ID, BufferedDataSource, DataSource, pop_first
+from slimeflow.rollout.types import Sample, Status
 
 PROMPTS = [{"prompt": f"question {i}", "label": str(i), "metadata": {"rm_type": "math"}, "row_id": f"r{i}"}
            for i in range(7)]

@@ -6,19 +6,19 @@ import random
 
 import pytest
 
-from slimeflow.stages.rl.filters import (
+from slimeflow.rollout.filters import (
     DynamicSampler,
     FilterOutcome,
     check_reward_nonzero_std,
-    load_group_filter,
 )
+from slimeflow.rollout.slime_plugins import load_group_filter
+from slimeflow.rollout.types import Sample
 from slimeflow.stages.rl.packing import (
     balanced_partition,
     pack_micro_batches,
     padded_micro_batches,
     split_for_data_parallel,
 )
-from slimeflow.stages.rl.types import Sample
 
 
 def group(*rewards: float, failed: bool = False) -> list[Sample]:
@@ -36,7 +36,7 @@ def test_check_reward_nonzero_std():
 
 def test_over_sampling_until_enough_groups_pass():
     sampler = DynamicSampler(target_groups=3, over_sampling_batch_size=4,
-                             group_filter=load_group_filter("slimeflow.stages.rl.filters:check_reward_nonzero_std"))
+                             group_filter=load_group_filter("slimeflow.rollout.filters:check_reward_nonzero_std"))
     assert sampler.groups_to_request() == 4
     assert sampler.groups_to_request() == 0  # 4 in flight can still reach 3
     outcomes = [sampler.offer(g) for g in (group(1, 1), group(1, 0), group(0, 0), group(1, 0, failed=True))]

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from slimeflow.stages.rl.config import AlgorithmConfig
+from slimeflow.config.train import AlgorithmConfig
+from slimeflow.rollout.plugins import PluginError
 from slimeflow.stages.rl.loss import LossInputs, LossNormalizer, compute_loss, load_custom_loss
 from slimeflow.stages.rl.packing import pack_micro_batches
-from slimeflow.stages.rl.plugins import PluginError
 
 
 def t(*values: float) -> torch.Tensor:

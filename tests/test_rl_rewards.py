@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from slimeflow.stages.rl import answers
-from slimeflow.stages.rl.answers import MathJudge
-from slimeflow.stages.rl.config import RewardConfig
-from slimeflow.stages.rl.rewards import RemoteReward, RewardScorer
-from slimeflow.stages.rl.rule_rewards import builtin_reward
-from slimeflow.stages.rl.types import Sample, Status
+from slimeflow.config.train import RewardConfig
+from slimeflow.rollout import answers
+from slimeflow.rollout.answers import MathJudge
+from slimeflow.rollout.rewards import RemoteReward, RewardScorer
+from slimeflow.rollout.rule_rewards import builtin_reward
+from slimeflow.rollout.types import Sample, Status
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from slimeflow.config.train import AlgorithmConfig
+from slimeflow.rollout.plugins import PluginError, load_plugin
+from slimeflow.rollout.types import Sample, Status, TrainBatch
 from slimeflow.stages.rl.advantages import AdvantageInputs, compute_advantages, load_custom_advantage
-from slimeflow.stages.rl.config import AlgorithmConfig
-from slimeflow.stages.rl.plugins import PluginError, load_plugin
-from slimeflow.stages.rl.types import Sample, Status, TrainBatch
 
 NOT_A_FUNCTION = 3
 
@@ -77,7 +77,7 @@ def test_a_plugin_module_that_fails_on_import_names_its_flag(tmp_path, monkeypat
 
 
 def test_plugin_path_in_slime_dotted_form():
-    assert load_plugin("slimeflow.stages.rl.data_source.pop_first", "buffer-filter-path").__name__ == "pop_first"
+    assert load_plugin("slimeflow.rollout.data_source.pop_first", "buffer-filter-path").__name__ == "pop_first"
 
 
 def rank_advantage(config, inputs):

@@ -10,11 +10,11 @@ import pytest
 
 from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config
-from slimeflow.stages.rl.answers import MathJudge
-from slimeflow.stages.rl.config import RewardConfig
-from slimeflow.stages.rl.rewards import RewardScorer
-from slimeflow.stages.rl.rule_rewards import builtin_reward
-from slimeflow.stages.rl.types import Sample, Status
+from slimeflow.config.train import RewardConfig
+from slimeflow.rollout.answers import MathJudge
+from slimeflow.rollout.rewards import RewardScorer
+from slimeflow.rollout.rule_rewards import builtin_reward
+from slimeflow.rollout.types import Sample, Status
 
 TABLE_DIR = Path(__file__).parent / "data" / "rm_hub"
 RM_TYPES = ("math", "deepscaler", "dapo", "f1", "gpqa", "boxed")

@@ -8,18 +8,18 @@ import math
 
 import pytest
 
-from slimeflow.stages.rl.config import TrainConfig
-from slimeflow.stages.rl.data_source import START_ROLLOUT_ID, BufferedDataSource, DataSource
-from slimeflow.stages.rl.evaluation import EvalSettings, evaluate_sets, pass_at_k, score_set
-from slimeflow.stages.rl.rewards import RewardScorer
-from slimeflow.stages.rl.rollout import (
+from slimeflow.config.train import TrainConfig
+from slimeflow.rollout.data_source import START_ROLLOUT_ID, BufferedDataSource, DataSource
+from slimeflow.rollout.evaluation import EvalSettings, evaluate_sets, pass_at_k, score_set
+from slimeflow.rollout.rewards import RewardScorer
+from slimeflow.rollout.rollout import (
     RolloutContext,
     RolloutError,
     WeightVersionError,
     generate_rollout,
     sampling_params,
 )
-from slimeflow.stages.rl.types import Sample, Status
+from slimeflow.rollout.types import Sample, Status
 
 
 class CharTokenizer:
@@ -131,7 +131,7 @@ def test_dynamic_sampling_over_samples_until_enough_groups_pass(make_ctx):
     engine = ScriptedEngine({"a1": "1", "b2": "9", "c3": "3", "d4": "4"})
     mixed = {"e5": "5"}
     engine.answers.update(mixed)
-    cfg = config(rollout={"dynamic_sampling_filter_path": "slimeflow.stages.rl.filters:check_reward_nonzero_std",
+    cfg = config(rollout={"dynamic_sampling_filter_path": "slimeflow.rollout.filters:check_reward_nonzero_std",
                           "over_sampling_batch_size": 2}, batch={"rollout_batch_size": 1})
     source = DataSource(prompts("a1", "b2", "c3", "d4", "e5"), n_samples_per_prompt=2)
     right_on_even_samples_only(engine, "e5")  # that prompt's group is mixed
@@ -234,7 +234,7 @@ def test_wrong_plugin_paths_are_named_before_anything_starts(tmp_path):
     from slimeflow.stages.rl.stage import check_plugins
 
     cfg = config(rollout={"custom_generate_function_path": "no_such_module:generate"},
-                 reward={"custom_rm_path": "slimeflow.stages.rl.rewards:no_such_reward"})
+                 reward={"custom_rm_path": "slimeflow.rollout.rewards:no_such_reward"})
     with pytest.raises(StageInputError) as err:
         check_plugins(cfg)
     message = str(err.value)
@@ -245,8 +245,8 @@ def test_wrong_plugin_paths_are_named_before_anything_starts(tmp_path):
 def test_an_engine_url_that_does_not_answer_is_a_clear_error_not_a_hang():
     import time
 
-    from slimeflow.stages.rl.engine.client import EngineUnavailableError
-    from slimeflow.stages.rl.engine.launch import free_port
+    from slimeflow.engine.client import EngineUnavailableError
+    from slimeflow.engine.launch import free_port
     from slimeflow.stages.rl.engines import EngineSet
 
     url = f"http://127.0.0.1:{free_port()}"
@@ -265,7 +265,7 @@ class RecordingEngine:
         self.bad, self.requests = set(bad), []
 
     async def generate_batch(self, input_ids, sampling_params, *, return_logprob=True, rids=None):
-        from slimeflow.stages.rl.engine.client import EngineRequestError
+        from slimeflow.engine.client import EngineRequestError
 
         self.requests.append((list(input_ids), rids))
         if any(ids[0] in self.bad for ids in input_ids):
@@ -289,7 +289,7 @@ def test_batched_generates_issued_together_go_as_one_request_and_each_caller_get
 
 
 def test_a_rejected_merged_request_fails_only_the_bad_caller():
-    from slimeflow.stages.rl.engine.client import EngineRequestError
+    from slimeflow.engine.client import EngineRequestError
     from slimeflow.stages.rl.engines import Coalescer
 
     engine = RecordingEngine(bad={1})
@@ -308,7 +308,7 @@ def test_a_rejected_merged_request_fails_only_the_bad_caller():
 def test_a_train_batch_crosses_ray_as_flat_tensors_and_comes_back_equal():
     import torch
 
-    from slimeflow.stages.rl.types import PackedBatch, TrainBatch
+    from slimeflow.rollout.types import PackedBatch, TrainBatch
 
     samples = [Sample(prompt="p", index=i, group_index=i // 2, tokens=list(range(3 + i)), response_length=1 + i % 2,
                       reward=float(i), rollout_log_probs=[-0.1] * (1 + i % 2), status=Status.COMPLETED,

@@ -16,12 +16,12 @@ import torch
 from test_rollout import CharTokenizer, ScriptedEngine, config, prompts, right_on_even_samples_only, run
 
 from slimeflow import slime_compat
-from slimeflow.stages.rl.data_source import BufferedDataSource, DataSource
-from slimeflow.stages.rl.evaluation import EvalSettings, evaluate_sets
-from slimeflow.stages.rl.rewards import RewardScorer
-from slimeflow.stages.rl.rollout import RolloutContext
-from slimeflow.stages.rl.slime_plugins import buffer_filter, slime_args
-from slimeflow.stages.rl.types import Status
+from slimeflow.rollout.data_source import BufferedDataSource, DataSource
+from slimeflow.rollout.evaluation import EvalSettings, evaluate_sets
+from slimeflow.rollout.rewards import RewardScorer
+from slimeflow.rollout.rollout import RolloutContext
+from slimeflow.rollout.slime_plugins import buffer_filter, slime_args
+from slimeflow.rollout.types import Status
 
 PLUGINS = Path(__file__).parent / "data" / "slime_plugins"
 
@@ -234,7 +234,7 @@ def test_buffer_filter_with_slimes_pop_first_signature():
     data.buffer = source.get_groups(3)
     taken = data.get_groups(2)
     assert [g[0].prompt for g in taken] == ["c3", "b2"] and [g[0].prompt for g in data.buffer] == ["a1"]
-    assert all(type(s).__module__ == "slimeflow.stages.rl.types" for g in taken for s in g)
+    assert all(type(s).__module__ == "slimeflow.rollout.types" for g in taken for s in g)
     slime_compat.install()
     from slime.rollout.data_source import pop_first
 
@@ -265,7 +265,7 @@ def test_the_startup_check_calls_nothing_it_cannot_call():
                            "custom_generate_function_path": "slime_style_multi_turn:generate_two_turns"},
                   reward={"custom_rm_path": "slime_style_hooks:parity_reward"})
     check_plugins(fine)
-    check_plugins(config(rollout={"dynamic_sampling_filter_path": "slimeflow.stages.rl.filters:check_reward_nonzero_std"}))
+    check_plugins(config(rollout={"dynamic_sampling_filter_path": "slimeflow.rollout.filters:check_reward_nonzero_std"}))
     bad = config(rollout={"custom_generate_function_path": "slime_style_hooks:not_async_generate",
                           "buffer_filter_path": "slime_style_hooks:three_arguments"},
                  algorithm={"loss_type": "custom_loss", "custom_loss_function_path": "slime_style_hooks:slime_megatron_loss"})
@@ -353,9 +353,9 @@ def test_slimes_megatron_advantage_form_is_refused_at_start_up():
 
 
 def test_a_rollout_function_in_slimes_form_runs_with_slimes_data_source(make_ctx):
+    from slimeflow.rollout.plugins import load_plugin
+    from slimeflow.rollout.slime_rollout_functions import run_rollout_function
     from slimeflow.slime_compat.rollout.sglang_rollout import GenerateState
-    from slimeflow.stages.rl.plugins import load_plugin
-    from slimeflow.stages.rl.slime_rollout_hooks import run_rollout_function
     from slimeflow.stages.rl.stage import check_plugins
 
     cfg = config(rollout={"rollout_function_path": "slime_style_rollout.generate_rollout",
@@ -420,8 +420,8 @@ def test_the_eval_log_function_gets_slimes_eval_data(make_ctx):
 
 
 def test_convert_samples_to_train_data_builds_the_train_batch(make_ctx):
+    from slimeflow.rollout.slime_rollout_hooks import train_batch
     from slimeflow.stages.rl.advantages import AdvantageInputs, compute_advantages
-    from slimeflow.stages.rl.slime_rollout_hooks import train_batch
 
     cfg = config(algorithm={"custom_convert_samples_to_train_data_path": "slime_style_hooks:to_train_data"})
     result = run(make_ctx(ScriptedEngine({"a1": "1", "b2": "0"}), cfg),
@@ -452,8 +452,8 @@ def test_an_args_attribute_slimeflow_lacks_says_why():
 def test_an_eval_function_in_slimes_form_gives_slimes_eval_metrics(make_ctx):
     import slime_style_hooks
 
-    from slimeflow.stages.rl.plugins import load_plugin
-    from slimeflow.stages.rl.slime_rollout_hooks import run_eval_function
+    from slimeflow.rollout.plugins import load_plugin
+    from slimeflow.rollout.slime_rollout_functions import run_eval_function
     from slimeflow.stages.rl.stage import check_plugins
 
     slime_style_hooks.EVAL_LOGGED.clear()
@@ -479,9 +479,9 @@ def test_dict_labels_reach_a_slime_reward_as_slime_gives_them(make_ctx):
 
 
 def test_generate_and_rm_group_rewards_the_group_with_group_rm(make_ctx):
+    from slimeflow.rollout.plugins import load_plugin
+    from slimeflow.rollout.slime_rollout_functions import run_rollout_function
     from slimeflow.slime_compat.rollout.sglang_rollout import GenerateState
-    from slimeflow.stages.rl.plugins import load_plugin
-    from slimeflow.stages.rl.slime_rollout_hooks import run_rollout_function
 
     cfg = config(rollout={"rollout_function_path": "slime_style_rollout.generate_rollout",
                           "custom_generate_function_path": "slime_style_hooks:record_evaluation"},

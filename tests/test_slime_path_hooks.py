@@ -15,14 +15,14 @@ from test_tis_mismatch import ROLLOUT, approx, hand_batch
 from slimeflow import slime_compat
 from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config
+from slimeflow.config.train import AlgorithmConfig, TrainConfig
+from slimeflow.rollout.data_source import BufferedDataSource, DataSource
+from slimeflow.rollout.plugins import load_plugin
+from slimeflow.rollout.slime_data_source import PluginDataSource
+from slimeflow.rollout.slime_plugins import slime_args
 from slimeflow.stages.rl import loop
 from slimeflow.stages.rl.actors import RolloutManager
-from slimeflow.stages.rl.config import AlgorithmConfig, TrainConfig
-from slimeflow.stages.rl.data_source import BufferedDataSource, DataSource
 from slimeflow.stages.rl.loss import LossNormalizer, compute_loss, load_custom_pg_loss_reducer
-from slimeflow.stages.rl.plugins import load_plugin
-from slimeflow.stages.rl.slime_data_source import PluginDataSource
-from slimeflow.stages.rl.slime_plugins import slime_args
 from slimeflow.stages.rl.stage import plugin_problems
 
 PLUGINS = Path(__file__).parent / "data" / "slime_plugins"
@@ -189,8 +189,8 @@ def test_slimes_default_class_means_slimeflows_data_source_and_its_base_classes_
 
 def test_the_rollout_manager_builds_the_class_and_leaves_prompt_data_to_it(tmp_path):
     from slimeflow.io.storage import Storage
+    from slimeflow.rollout.raw_data import prepare_data
     from slimeflow.stages.rl.actors import RolloutSetup, _data_source
-    from slimeflow.stages.rl.raw_data import prepare_data
 
     raw = tmp_path / "prompts.jsonl"
     raw.write_text('{"input": "x"}\n')  # raw data: slimeflow would preprocess it for its own data source
@@ -215,8 +215,8 @@ def test_a_custom_data_source_needs_num_rollout_but_no_prompt_data(tmp_path):
 
 
 def test_a_rollout_function_gets_the_data_source_object_itself(tmp_path, make_ctx):
+    from slimeflow.rollout.slime_rollout_functions import run_rollout_function
     from slimeflow.slime_compat.rollout.sglang_rollout import GenerateState
-    from slimeflow.stages.rl.slime_rollout_hooks import run_rollout_function
 
     cfg = _with_custom(tmp_path, rollout={"rollout_function_path": "slime_style_rollout.generate_rollout",
                                           "custom_generate_function_path": "slime_style_hooks:record_evaluation"})

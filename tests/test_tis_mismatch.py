@@ -11,12 +11,12 @@ import torch
 
 from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config
+from slimeflow.config.train import AlgorithmConfig, TrainConfig
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.rollout.types import TrainBatch
 from slimeflow.stages.rl.backend.torch_backend import TorchBackend
-from slimeflow.stages.rl.config import AlgorithmConfig, TrainConfig
 from slimeflow.stages.rl.loss import LossInputs, LossNormalizer, compute_loss
 from slimeflow.stages.rl.train_step import train_on_rollout
-from slimeflow.stages.rl.types import TrainBatch
 
 
 def t(*values: float) -> torch.Tensor:

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from slimeflow.config.train import OptimizerConfig, TrainConfig
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.rollout.types import TrainBatch
 from slimeflow.stages.rl.backend.schedule import build_scheduler, lr_at
 from slimeflow.stages.rl.backend.torch_backend import TorchBackend
-from slimeflow.stages.rl.config import OptimizerConfig, TrainConfig
 from slimeflow.stages.rl.train_step import Prepared, accumulate_gradients, train_on_rollout
-from slimeflow.stages.rl.types import TrainBatch
 
 LENGTHS = [(7, 3), (9, 4), (5, 2), (12, 5), (6, 3), (10, 1), (8, 4), (11, 6)]
 """(prompt + response tokens, response tokens) of the test rollout: 4 groups of 2."""

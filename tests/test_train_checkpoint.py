@@ -11,16 +11,16 @@ import pytest
 import torch
 
 from slimeflow.checkpoint.hf_write import write_hf
+from slimeflow.config.train import TrainConfig
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.io import checkpoints
 from slimeflow.io.storage import Storage
+from slimeflow.rollout.types import TrainBatch
 from slimeflow.stages.rl.backend import checkpoint as ckpt
 from slimeflow.stages.rl.backend import ownership
 from slimeflow.stages.rl.backend.checkpoint import load_checkpoint, resolve_start, save_checkpoint
 from slimeflow.stages.rl.backend.torch_backend import TorchBackend
-from slimeflow.stages.rl.config import TrainConfig
 from slimeflow.stages.rl.train_step import train_on_rollout
-from slimeflow.stages.rl.types import TrainBatch
 
 CONFIG = TrainConfig(batch={"rollout_batch_size": 2, "n_samples_per_prompt": 2, "num_rollout": 4},
                      optimizer={"lr": 1e-3, "lr_warmup_iters": 1, "lr_decay_style": "cosine", "min_lr": 1e-4})

@@ -90,9 +90,9 @@ def train_section(tmp_path: Path, model: str = MODEL, **overrides) -> dict:
     `tmp_path` (the model stage builds `model`): --hf-checkpoint, --prompt-data and --eval-prompt-data filled in."""
     from slimeflow.config.model import ModelConfig
     from slimeflow.io.storage import Storage
+    from slimeflow.preprocess.config import PreprocessConfig
     from slimeflow.stages.base import StageContext
     from slimeflow.stages.model.stage import run as model_run
-    from slimeflow.stages.preprocess.config import PreprocessConfig
     from slimeflow.stages.preprocess.stage import run as preprocess_run
 
     ctx = StageContext(Storage(), tmp_path, str(tmp_path))
@@ -109,9 +109,9 @@ def train_section(tmp_path: Path, model: str = MODEL, **overrides) -> dict:
 def train_config(tmp_path: Path, model: str = MODEL, **overrides):
     """A train-stage config over the demo data (train_section) and the stage context of `tmp_path`."""
     from slimeflow.config.pipeline import load_stage_config
+    from slimeflow.config.train import TrainConfig
     from slimeflow.io.storage import Storage
     from slimeflow.stages.base import StageContext
-    from slimeflow.stages.rl.config import TrainConfig
 
     config = load_stage_config("train", train_section(tmp_path, model, **overrides))
     assert isinstance(config, TrainConfig)
@@ -146,7 +146,7 @@ import json, sys
 from pathlib import Path
 from slimeflow.io.storage import Storage
 from slimeflow.stages.base import StageContext
-from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.config.train import TrainConfig
 from slimeflow.stages.rl.stage import run
 config = TrainConfig.model_validate_json(Path(sys.argv[1]).read_text())
 run(config, StageContext(Storage(), Path(sys.argv[2]), sys.argv[2]))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.config.train import TrainConfig
 
 PLUGINS = Path(__file__).parent / "data" / "slime_plugins"
 
@@ -39,8 +39,8 @@ class RecordingServer:
 
 
 def test_the_post_write_hook_runs_after_the_files_are_written_and_before_the_engines_load(plugin, tmp_path):
+    from slimeflow.rollout.slime_plugins import slime_args
     from slimeflow.stages.rl.engines import WeightTargets
-    from slimeflow.stages.rl.slime_plugins import slime_args
     from slimeflow.stages.rl.train_hooks import post_write_hook
     from slimeflow.stages.rl.weight_sync import WeightSync
 
@@ -82,9 +82,9 @@ def test_hooks_that_cannot_take_slimes_call_are_named_at_start_up(plugin):
 def test_a_ranks_rollout_data_is_its_own_samples_and_its_changes_land_on_them():
     """With several data-parallel ranks slime's rollout_data is the rank's partition: here samples 1 and 3 of 4.
     The hook's replaced advantages and in-place loss-mask edits go back to those samples, and only to them."""
+    from slimeflow.rollout.types import TrainBatch
     from slimeflow.stages.rl.train_hooks import TrainHooks, postprocess_rollout_data
     from slimeflow.stages.rl.train_step import Prepared
-    from slimeflow.stages.rl.types import TrainBatch
 
     seen = {}
 

@@ -9,11 +9,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from slimeflow.config.train import TrainConfig
 from slimeflow.io.storage import Storage
+from slimeflow.preprocess.writer import schema_for
 from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.preprocess.writer import schema_for
 from slimeflow.stages.rl import stage
-from slimeflow.stages.rl.config import TrainConfig
 
 
 def prompt_parquet(path, rows: int):
@@ -111,8 +111,7 @@ def test_an_actor_failure_reaches_the_driver_with_its_type_and_message():
     import ray
 
     from slimeflow.cluster import LOCAL_RAY_SYSTEM_CONFIG
-    from slimeflow.stages.rl.actors import LoopError, call
-    from slimeflow.stages.rl.remote import hosted
+    from slimeflow.stages.rl.remote import LoopError, call, hosted
 
     started = not ray.is_initialized()  # an in-process train test earlier in the session may have left its Ray up
     if started:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from slimeflow.checkpoint.torch_dist import ExpertRows
 from slimeflow.families import (
     FAMILIES,
     GLOBAL_RULES,
@@ -425,11 +426,30 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape, layers: It
     return out
 
 
+def expert_rows(hf: Mapping[str, torch.Tensor], shape: ModelShape, experts: range) -> dict[str, ExpertRows]:
+    """Routed experts [experts.start, experts.stop) of every MoE layer, each Megatron expert tensor as the HF
+    tensors whose concatenation on dim 0 is each expert's row (gate and up; down), left unfused: torch_dist writes
+    each as a shard of its own. `hf` is read as in hf_to_megatron."""
+    out = {}
+    for name, rule, prefix in _placed(shape, None, (), expert_rules(shape)):
+        _check_expert_fusion(rule)
+        per_expert = _hf_names(rule, shape)
+        out[name] = ExpertRows(experts.start, shape.num_experts,
+                               [[hf[prefix + part] for part in per_expert[e]] for e in experts])
+    return out
+
+
+def _check_expert_fusion(rule: Rule) -> None:
+    """Per-expert rules fuse by concatenation on dim 0 (a copy is one part), which is what lets an expert's row be
+    written as its parts."""
+    if rule.fusion not in ("copy", "gate_up"):
+        raise ValueError(f"{rule.megatron}: per-expert rules fuse by copy or gate_up, not {rule.fusion}")
+
+
 def _stacked_experts(rule: Rule, parts: list[list[torch.Tensor]]) -> torch.Tensor:
     """Each expert's parts fused (copy or gate_up) straight into its row of one [experts, ...] tensor: one copy of
     the experts' bytes, where fusing then stacking made two (measured: benchmarks/README.md, MoE conversion)."""
-    if rule.fusion not in ("copy", "gate_up"):
-        raise ValueError(f"{rule.megatron}: per-expert rules fuse by copy or gate_up, not {rule.fusion}")
+    _check_expert_fusion(rule)
     first = parts[0]
     rows = sum(t.shape[0] for t in first)
     stacked = first[0].new_empty((len(parts), rows, *first[0].shape[1:]))

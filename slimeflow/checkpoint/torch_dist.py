@@ -41,23 +41,28 @@ def _has_extra_state(module: str, leaf: str) -> bool:
 
 
 @dataclass(frozen=True)
-class ExpertSlice:
-    """This rank's routed experts when the ranks split them (expert parallelism): rows [start, start + rows) of
-    the expert axis of `total`; `fragments`: how many equal slices there are (None: unequal slices, which
-    dist_checkpointing keeps as an irregular grid)."""
+class ExpertRows:
+    """A routed-expert tensor [experts, rows, ...] given by its rows and never assembled: `parts[i]`, concatenated on
+    dim 0, is the row of expert `first + i` of `total` (fc1: gate, up; fc2: down), each part an equal block. Each
+    part is written as a shard of its own, as it is: a memory-mapped HF tensor goes from the page cache to the
+    checkpoint in the forked writer, and nothing copies the experts' bytes in the converting process."""
 
-    start: int
+    first: int
     total: int
-    fragments: int | None
+    parts: list[list[torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.numel() * part.element_size() for parts in self.parts for part in parts)
 
 
-def sharded_state_dict(tensors: Mapping[str, torch.Tensor], num_layers: int, stacked: bool = True,
-                       experts: ExpertSlice | None = None) -> dict:
+def sharded_state_dict(tensors: Mapping[str, torch.Tensor | ExpertRows], num_layers: int,
+                       stacked: bool = True) -> dict:
     """megatron-core ShardedTensors (and `_extra_state` ShardedObjects) for this rank's tensors.
 
     `stacked`: layer i's tensor is shard [i] of `decoder.layers.<name>` [num_layers, ...]; else (layers that differ,
-    megatron-core's non-homogeneous layers) it is the whole of `decoder.layers.<i>.<name>`. `experts`: the routed
-    experts' tensors hold only this rank's slice of the expert axis (None: all of it)."""
+    megatron-core's non-homogeneous layers) it is the whole of `decoder.layers.<i>.<name>`. A routed-expert tensor
+    may be given as ExpertRows (a rank's experts, or all of them), whose parts become the shards."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     out: dict = {}
@@ -71,24 +76,18 @@ def sharded_state_dict(tensors: Mapping[str, torch.Tensor], num_layers: int, sta
         module, leaf = inner.rsplit(".", 1)
         extra = f"{prefix}{module}._extra_state"
         outer, offsets = ((num_layers,), (layer,)) if stacked else ((), ())
-        if module in _EXPERT_LINEARS and experts is not None:
-            # The layer axis as a real one (a view), not prepended: torch's planner misreads a prepended axis
-            # of a tensor sharded unevenly.
-            data = tensor.unsqueeze(0) if stacked else tensor
-            out[name] = ShardedTensor(
-                prefix + inner, data, data.dtype, tuple(data.shape),
-                (*outer, experts.total, *tensor.shape[1:]), (*offsets, experts.start, *[0] * (tensor.ndim - 1)),
-                (*outer, experts.fragments, *[1] * (tensor.ndim - 1)) if experts.fragments else None,
-                replica_id=_REPLICA)
+        if isinstance(tensor, ExpertRows):
+            out.update(_expert_shards(prefix + inner, name, tensor, layer_axis))
+            experts = range(tensor.first, tensor.first + len(tensor.parts))
+            total = tensor.total
         else:
             out[name] = ShardedTensor.from_rank_offsets(prefix + inner, tensor, *layer_axis, replica_id=_REPLICA,
                                                         prepend_axis_num=len(layer_axis))
+            experts, total = range(tensor.shape[0]), tensor.shape[0]
         if module in _EXPERT_LINEARS:
             if leaf == "weight":
-                first, total = (experts.start, experts.total) if experts else (0, tensor.shape[0])
                 out.update({f"decoder.layers.{layer}.{module}.{expert}._extra_state": ShardedObject(
-                    extra, None, (*outer, total), (*offsets, expert), replica_id=_REPLICA)
-                    for expert in range(first, first + tensor.shape[0])})
+                    extra, None, (*outer, total), (*offsets, expert), replica_id=_REPLICA) for expert in experts})
         elif _has_extra_state(module, leaf):
             # megatron-core gives an object with no sharded axis the shape (1,)
             out[f"decoder.layers.{layer}.{module}._extra_state"] = ShardedObject(
@@ -96,10 +95,22 @@ def sharded_state_dict(tensors: Mapping[str, torch.Tensor], num_layers: int, sta
     return out
 
 
-def save_torch_dist(tensors: Mapping[str, torch.Tensor], args: argparse.Namespace, checkpoint_dir: str | Path,
-                    iteration: int = 1, experts: ExpertSlice | None = None) -> None:
-    """Write this rank's share of a torch_dist checkpoint into `checkpoint_dir` (collective over all ranks);
-    `experts`: its routed experts are that slice of the expert axis (sharded_state_dict).
+def _expert_shards(key: str, name: str, rows: ExpertRows, layer_axis: tuple[tuple[int, int, int], ...]) -> dict:
+    """One ShardedTensor per part of each expert's row of `key`: block j of the rows of expert e, on the expert axis
+    (after the layer axis when layers are stacked) and the row axis."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    axis = len(layer_axis)
+    return {f"{name}.{rows.first + i}.{j}": ShardedTensor.from_rank_offsets(
+        key, part, *layer_axis, (axis, rows.first + i, rows.total), (axis + 1, j, len(parts)), replica_id=_REPLICA,
+        prepend_axis_num=axis + 1)
+        for i, parts in enumerate(rows.parts) for j, part in enumerate(parts)}
+
+
+def save_torch_dist(tensors: Mapping[str, torch.Tensor | ExpertRows], args: argparse.Namespace,
+                    checkpoint_dir: str | Path, iteration: int = 1) -> None:
+    """Write this rank's share of a torch_dist checkpoint into `checkpoint_dir` (collective over all ranks); its
+    routed experts may be ExpertRows (sharded_state_dict).
 
     `checkpoint_dir` is the checkpoint directory itself (e.g. <root>/iter_0000001); committing it (the tracker)
     is the caller's job, after every rank has returned: slimeflow.io.checkpoints.commit.
@@ -111,8 +122,7 @@ def save_torch_dist(tensors: Mapping[str, torch.Tensor], args: argparse.Namespac
     from slimeflow._compat import in_process_write_results, megatron_on_cpu
 
     # megatron-core keys each layer on its own when MoE and dense layers alternate (moe_layer_freq a list).
-    state = sharded_state_dict(tensors, args.num_layers, not isinstance(getattr(args, "moe_layer_freq", 1), list),
-                               experts)
+    state = sharded_state_dict(tensors, args.num_layers, not isinstance(getattr(args, "moe_layer_freq", 1), list))
     state.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration)
     Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

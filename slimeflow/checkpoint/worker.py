@@ -38,11 +38,11 @@ from slimeflow.checkpoint.mapping import (
     ModelShape,
     dense_rules,
     expert_hf_tensors,
-    expert_rules,
+    expert_rows,
     hf_to_megatron,
     megatron_args,
 )
-from slimeflow.checkpoint.torch_dist import ExpertSlice, save_torch_dist
+from slimeflow.checkpoint.torch_dist import ExpertRows, save_torch_dist
 
 JOB_TIMEOUT = timedelta(minutes=60)
 
@@ -171,11 +171,13 @@ def convert_share(job: Job, rank: int, importing: threading.Thread | None = None
     dtype = getattr(torch, job.dtype)
     share = job.shares[rank]
     hf = LazySafetensors(job.hf_dir, job.weight_map)
-    tensors = hf_to_megatron(hf, shape, share.layers, share.globals_, dense_rules(shape))
-    if share.experts[1] > share.experts[0]:  # its slice of every MoE layer's routed experts
-        tensors.update(hf_to_megatron(hf, shape, None, (), expert_rules(shape), range(*share.experts)))
+    tensors: dict[str, torch.Tensor | ExpertRows] = dict(
+        hf_to_megatron(hf, shape, share.layers, share.globals_, dense_rules(shape)))
+    if share.experts[1] > share.experts[0]:  # its slice of every MoE layer's routed experts, written unassembled
+        tensors.update(expert_rows(hf, shape, range(*share.experts)))
     args = megatron_args(shape, dtype, job.make_vocab_size_divisible_by, job.tensor_model_parallel_size)
-    counts = {"tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+    counts = {"tensors": len(tensors), "bytes": sum(t.nbytes if isinstance(t, ExpertRows) else
+                                                    t.numel() * t.element_size() for t in tensors.values()),
               "experts": list(share.experts), "read_tensors": len(hf.read), "read_bytes": sum(hf.read.values()),
               "read_experts": [e for e in range(shape.num_experts) if any(
                   name in hf.read for layer in range(shape.num_layers) for name in expert_hf_tensors(shape, layer, [e]))]}
@@ -183,7 +185,7 @@ def convert_share(job: Job, rank: int, importing: threading.Thread | None = None
     if importing is not None:
         importing.join()
     try:
-        save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration, expert_slice(job.shares, rank))
+        save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # a failed save raises torch's CheckpointException, a BaseException
@@ -191,15 +193,6 @@ def convert_share(job: Job, rank: int, importing: threading.Thread | None = None
             raise no_space_left(Path(job.checkpoint_dir), f"rank {rank}'s share", counts["bytes"]) from err
         raise
     return {**counts, "read_at": read, "saved_at": time.time()}
-
-
-def expert_slice(shares: list[Share], rank: int) -> ExpertSlice | None:
-    """Rank `rank`'s slice of the routed experts, when several ranks split them (None: one rank holds them all)."""
-    spans = [share.experts for share in shares if share.experts[1] > share.experts[0]]
-    if len(spans) < 2:
-        return None
-    equal = len({stop - start for start, stop in spans}) == 1
-    return ExpertSlice(shares[rank].experts[0], spans[-1][1], len(spans) if equal else None)
 
 
 def _backend(rank: int) -> str:

@@ -20,11 +20,11 @@ from slimeflow.config.flags import ConfigError, FlagIndex, merge, nest_keys, par
 from slimeflow.config.infra import InfraConfig
 from slimeflow.config.model import ModelConfig
 from slimeflow.config.slime_flags import deferred, explain_unknown
+from slimeflow.config.train import MegatronConfig, TrainConfig
+from slimeflow.preprocess.config import PreprocessConfig
 from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.evaluate.config import EvaluateConfig
 from slimeflow.stages.export.config import ExportConfig
-from slimeflow.stages.preprocess.config import PreprocessConfig
-from slimeflow.stages.rl.config import MegatronConfig, TrainConfig
 
 STAGE_CONFIGS: dict[str, type[ConfigModel]] = {
     "model": ModelConfig,

@@ -73,7 +73,7 @@ class FamilySpec:
     rope_overrides: Mapping[str, Any] = field(default_factory=dict)
     """The same inside the config's `rope_parameters` (GLM4 rotates half of each head: partial_rotary_factor)."""
     native_forward: bool = False
-    """The engine's native forward (stages/rl/engine/native.py) computes this family; else transformers' does."""
+    """The engine's native forward (slimeflow/engine/native.py) computes this family; else transformers' does."""
     tiny_defaults: Mapping[str, Any] = field(default_factory=dict)
     """Values of the tiny factory's family-specific fields (e.g. the experts of a mixture of experts): the tiny spec's
     fields where it has them, else HF config fields."""

@@ -48,7 +48,7 @@ class EvaluateConfig(ConfigModel):
     @field_validator("rm_type")
     @classmethod
     def _refuse_unbuilt(cls, rm_type: str | None) -> str | None:
-        from slimeflow.stages.rl.rule_rewards import refuse_unbuilt  # imported when an rm_type is given only
+        from slimeflow.rollout.rule_rewards import refuse_unbuilt  # imported when an rm_type is given only
 
         refuse_unbuilt(rm_type)
         return rm_type

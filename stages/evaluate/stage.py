@@ -9,22 +9,22 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slimeflow.config.train import DataConfig
 from slimeflow.io import checkpoints
 from slimeflow.io.storage import join, local_path
 from slimeflow.manifest import Manifest
+from slimeflow.rollout.raw_data import PreparedSet, manifest_entries, prepare_eval_sets, preprocess_config
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.evaluate.config import EvaluateConfig
-from slimeflow.stages.rl.config import DataConfig
-from slimeflow.stages.rl.raw_data import PreparedSet, manifest_entries, prepare_eval_sets, preprocess_config
 
 if TYPE_CHECKING:
-    from slimeflow.stages.rl.engine.client import EngineClient
+    from slimeflow.engine.client import EngineClient
 
 
 def run(config: EvaluateConfig, ctx: StageContext) -> Manifest:
     """Evaluate; the manifest's metrics hold eval/<set>/avg_at_<n> and eval/<set>/pass_at_<k> for every set."""
-    from slimeflow.stages.rl.engine.client import EngineClient
-    from slimeflow.stages.rl.engine.launch import start_engine
+    from slimeflow.engine.client import EngineClient
+    from slimeflow.engine.launch import start_engine
 
     sets, prepared = _eval_sets(config, ctx)
     model_dir, source = _model_dir(config, ctx)
@@ -41,10 +41,10 @@ def run(config: EvaluateConfig, ctx: StageContext) -> Manifest:
 async def _evaluate(config: EvaluateConfig, model_dir: str, client: EngineClient, sets: dict) -> dict[str, float]:
     from transformers import AutoTokenizer
 
-    from slimeflow.stages.rl.config import TrainConfig
-    from slimeflow.stages.rl.evaluation import EvalSettings, evaluate_sets
-    from slimeflow.stages.rl.rewards import RewardScorer
-    from slimeflow.stages.rl.rollout import RolloutContext, sampling_params
+    from slimeflow.config.train import TrainConfig
+    from slimeflow.rollout.evaluation import EvalSettings, evaluate_sets
+    from slimeflow.rollout.rewards import RewardScorer
+    from slimeflow.rollout.rollout import RolloutContext, sampling_params
 
     train = TrainConfig.model_validate({
         "batch": {"rollout_batch_size": 1, "num_rollout": 1},

@@ -1,2 +1,3 @@
-"""The RL core: Sample and TrainBatch, the data source and buffer, rewards, dynamic sampling, advantages, losses
-and packing, as plain torch/Python (docs/rl-api.md). The train stage's engines and backends build on it."""
+"""The train stage: slime's loop on Ray (loop.py, async_loop.py), its actors and placement, advantages, losses,
+packing, the training backends (torch, megatron-core) and weight sync. Sample, rollout and rewards are the
+rollout library's (slimeflow/rollout/), the engine the engine library's (slimeflow/engine/)."""

@@ -20,17 +20,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
 
-from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.config.train import TrainConfig
+from slimeflow.rollout.plugins import load_plugin
 from slimeflow.stages.rl.engines import WeightTargets
-from slimeflow.stages.rl.plugins import load_plugin
-from slimeflow.stages.rl.remote import ActorFailure
 
 T = TypeVar("T")
 
 if TYPE_CHECKING:
+    from slimeflow.rollout.rollout import RolloutContext
+    from slimeflow.rollout.types import PackedBatch, Sample
     from slimeflow.stages.rl.placement_group import EnginePlacement
-    from slimeflow.stages.rl.rollout import RolloutContext
-    from slimeflow.stages.rl.types import PackedBatch, Sample
 
 ENGINE_WEIGHTS_TIMEOUT_S = 1800.0
 """How long a restarted engine may wait for the trainer's weights: with --async the trainer first ends the training
@@ -73,7 +72,7 @@ class RolloutManager:
         try:
             from transformers import AutoTokenizer
 
-            from slimeflow.stages.rl.rewards import RewardScorer
+            from slimeflow.rollout.rewards import RewardScorer
 
             self.loop = asyncio.new_event_loop()
             self.tokenizer = AutoTokenizer.from_pretrained(setup.hf_checkpoint)
@@ -100,8 +99,8 @@ class RolloutManager:
         freeze_startup_heap()
 
     def _context(self, version: str | None) -> RolloutContext:
-        from slimeflow.stages.rl.config import staleness_bound
-        from slimeflow.stages.rl.rollout import RolloutContext
+        from slimeflow.config.train import staleness_bound
+        from slimeflow.rollout.rollout import RolloutContext
 
         return RolloutContext(self.config, self.tokenizer, self.engines.client(), self.scorer,
                               concurrency=self.setup.concurrency, weight_version=version,
@@ -115,11 +114,11 @@ class RolloutManager:
         With --async the rollout is kept while it may be in flight (generated, not yet trained: until rollout
         `rollout_id` + --async-buffer-size + 1 is asked for) and goes into `state_dict`; a rollout restored from a
         checkpoint by `load_state_dict` is handed out as it was generated, without touching the data source."""
+        from slimeflow.rollout.rollout import generate_rollout
+        from slimeflow.rollout.slime_rollout_hooks import train_batch
+        from slimeflow.rollout.types import PackedBatch
         from slimeflow.stages.rl.debug_data import row_ids, save_rollout
         from slimeflow.stages.rl.loop import served_version
-        from slimeflow.stages.rl.rollout import generate_rollout
-        from slimeflow.stages.rl.slime_rollout_hooks import train_batch
-        from slimeflow.stages.rl.types import PackedBatch
 
         # The loop's first rollout follows its first push; with --debug-rollout-only no trainer pushes weights.
         if self.first_rollout_id is None:
@@ -136,7 +135,7 @@ class RolloutManager:
             if self.config.rollout.rollout_function_path is None:
                 result = self._run(generate_rollout(ctx, self.data, rollout_id))
             else:  # slime's contract: a synchronous function that runs its coroutines on slime's background loop
-                from slimeflow.stages.rl.slime_rollout_hooks import run_rollout_function
+                from slimeflow.rollout.slime_rollout_functions import run_rollout_function
 
                 function = load_plugin(self.config.rollout.rollout_function_path, "rollout-function-path")
                 try:
@@ -159,11 +158,11 @@ class RolloutManager:
 
     def evaluate(self, version: str | None) -> dict[str, float]:
         """Every eval set with the eval sampling settings (eval_* flags, else the rollout's)."""
-        from slimeflow.stages.rl.evaluation import EvalSettings, evaluate_sets
-        from slimeflow.stages.rl.rollout import sampling_params
+        from slimeflow.rollout.evaluation import EvalSettings, evaluate_sets
+        from slimeflow.rollout.rollout import sampling_params
 
         if self.config.eval.eval_function_path is not None:
-            from slimeflow.stages.rl.slime_rollout_hooks import run_eval_function
+            from slimeflow.rollout.slime_rollout_functions import run_eval_function
 
             function = load_plugin(self.config.eval.eval_function_path, "eval-function-path")
             rollout_id = int(version) if version is not None and version.isdigit() else None
@@ -271,7 +270,7 @@ class RolloutManager:
         the rollouts in flight after rollout `trained`: their prompts are past the data position, so a resume that
         lost them would skip them. A --data-source-path class saves its own state here, as after rollout `trained`
         (slime's save(rollout_id) at each checkpoint)."""
-        from slimeflow.stages.rl.slime_data_source import PluginDataSource
+        from slimeflow.rollout.slime_data_source import PluginDataSource
 
         if isinstance(self.data, PluginDataSource):
             if trained is None:
@@ -311,7 +310,7 @@ class InFlight:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> InFlight:
-        from slimeflow.stages.rl.types import Sample
+        from slimeflow.rollout.types import Sample
 
         return cls(int(data["rollout_id"]), [Sample.from_dict(s) for s in data["samples"]], dict(data["metrics"]))
 
@@ -319,12 +318,12 @@ class InFlight:
 def _data_source(config: TrainConfig, setup: RolloutSetup) -> Any:
     """The rollout's data source: the class of --data-source-path (slime's API; args as slime's plug-ins get
     them), else slimeflow's over --prompt-data with a buffer in front (--buffer-filter-path, default pop_first)."""
-    from slimeflow.stages.rl.data_source import BufferedDataSource, DataSource, pop_first
-    from slimeflow.stages.rl.slime_plugins import buffer_filter as slime_buffer_filter
-    from slimeflow.stages.rl.slime_plugins import slime_args
+    from slimeflow.rollout.data_source import BufferedDataSource, DataSource, pop_first
+    from slimeflow.rollout.slime_plugins import buffer_filter as slime_buffer_filter
+    from slimeflow.rollout.slime_plugins import slime_args
 
     if config.data.data_source_path is not None:
-        from slimeflow.stages.rl.slime_data_source import PluginDataSource
+        from slimeflow.rollout.slime_data_source import PluginDataSource
 
         cls = load_plugin(config.data.data_source_path, "data-source-path")
         return PluginDataSource(cls, slime_args(config), config.batch.n_samples_per_prompt)
@@ -340,7 +339,7 @@ def weight_versions(samples: list[Sample]) -> dict[str, float]:
     """The oldest and newest policy version that generated the rollout's trained tokens, as the engines reported
     them (a continued partial sample's oldest is its first part's, unless masked out of the loss); the async loop's
     staleness is the trained version minus these. None when an engine reports no version."""
-    from slimeflow.stages.rl.rollout import OLDEST_WEIGHT_VERSION
+    from slimeflow.rollout.rollout import OLDEST_WEIGHT_VERSION
 
     newest = [s.metadata.get("weight_version") for s in samples]
     oldest = [s.metadata.get(OLDEST_WEIGHT_VERSION, s.metadata.get("weight_version")) for s in samples]
@@ -362,10 +361,10 @@ class ReplayRolloutManager:
 
     def generate(self, rollout_id: int) -> tuple[PackedBatch, dict[str, float], list[list[str]]]:
         """The saved rollout `rollout_id`: (train batch, no rollout metrics (nothing was generated), row ids)."""
+        from slimeflow.rollout.slime_plugins import slime_args
+        from slimeflow.rollout.slime_rollout_hooks import train_batch
+        from slimeflow.rollout.types import PackedBatch
         from slimeflow.stages.rl.debug_data import load_rollout, row_ids, save_rollout
-        from slimeflow.stages.rl.slime_plugins import slime_args
-        from slimeflow.stages.rl.slime_rollout_hooks import train_batch
-        from slimeflow.stages.rl.types import PackedBatch
 
         samples = load_rollout(self.template, rollout_id, self.config.batch.n_samples_per_prompt)
         if self.config.debug.save_debug_rollout_data is not None:
@@ -405,7 +404,7 @@ class TrainActor:
 
         import torch
 
-        from slimeflow.stages.rl.offload import StateOffload
+        from slimeflow.offload import StateOffload
 
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -541,8 +540,8 @@ def _backend(config: TrainConfig, hf_checkpoint: str, rank: int, world_size: int
 
     The Megatron backend takes its model's shape from the checkpoint it starts from (--load's latest, else
     --ref-load), as slime's does; the torch backend from the HF checkpoint."""
+    from slimeflow.rollout.slime_plugins import slime_args
     from slimeflow.stages.rl.backend.checkpoint import resolve_start
-    from slimeflow.stages.rl.slime_plugins import slime_args
 
     common = {"optimizer": config.optimizer, "algorithm": config.algorithm, "batch": config.batch,
               "seed": config.seed, "rank": rank, "world_size": world_size, "init_method": init_method or None,
@@ -572,27 +571,6 @@ def freeze_startup_heap() -> None:
     for the life of the process. Otherwise every full collection walks all of it: in the RolloutManager one came
     every ~50 rollouts and stalled that rollout 250 ms (a 256-sample rollout takes ~15 ms)."""
     gc.freeze()
-
-
-class LoopError(RuntimeError):
-    """A failure inside an actor, re-raised on the driver with the actor, the call and the cause's message."""
-
-
-def call(ref: Any, what: str) -> Any:
-    """ray.get with the cause's own type and message instead of a stack of Ray wrappers; the actor's traceback
-    (from an actor class made with remote.hosted) is a note on the LoopError."""
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as err:
-        cause = err.cause if getattr(err, "cause", None) is not None else err
-        error = LoopError(f"{what} failed: {cause}" if isinstance(cause, ActorFailure)
-                          else f"{what} failed: {type(cause).__name__}: {cause}")
-        if isinstance(cause, ActorFailure):
-            error.add_note(f"raised in the actor:\n{cause.traceback_text}")
-        raise error from None
-    except ray.exceptions.RayActorError as err:
-        last = next((line for line in reversed(str(err).splitlines()) if line.strip()), "")
-        raise LoopError(f"{what} failed: the actor died ({type(err).__name__}: {last}); see its log above") from None
 
 
 def _resident(pids: list[int]) -> int:

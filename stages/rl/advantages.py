@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from slimeflow.config.train import AlgorithmConfig
+from slimeflow.rollout.plugins import load_plugin
 from slimeflow.stages.rl import algorithms as alg
-from slimeflow.stages.rl.config import AlgorithmConfig
-from slimeflow.stages.rl.plugins import load_plugin
 
 
 @dataclass

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from slimeflow.stages.rl.config import staleness_bound
+from slimeflow.config.train import staleness_bound
 from slimeflow.stages.rl.loop import LoopResult, Metrics, Reporter, Timer, evaluate, should_run, should_save
 from slimeflow.stages.rl.placement import Placement
 

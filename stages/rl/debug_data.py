@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the driver reads only rollout_path: torch stays out of its start-up (see test_loop)
-    from slimeflow.stages.rl.types import Sample
+    from slimeflow.rollout.types import Sample
 
 
 def rollout_path(template: str, rollout_id: int) -> Path:
@@ -58,7 +58,7 @@ def load_rollout(template: str, rollout_id: int, n_samples_per_prompt: int) -> l
 
 
 def _samples(data: Any, where: str, n_samples_per_prompt: int) -> list[Sample]:
-    from slimeflow.stages.rl.types import Sample
+    from slimeflow.rollout.types import Sample
 
     fields = {f.name for f in dataclasses.fields(Sample)}
     if not isinstance(data, dict) or not isinstance(data.get("samples"), list):

@@ -49,7 +49,7 @@ class EngineActor:
     """Starts the server of `spec` on this actor's node (a free port on its address) and owns its process."""
 
     def __init__(self, spec: EngineSpec):
-        from slimeflow.stages.rl.engine.launch import free_port, launch_engine
+        from slimeflow.engine.launch import free_port, launch_engine
 
         self.spec = spec
         self.host = ray.util.get_node_ip_address()
@@ -62,7 +62,7 @@ class EngineActor:
     def wait_ready(self, path: str, timeout_s: float) -> str:
         """The server's URL once it answers `path` (an SGLang server: /health_generate, as slime waits for it, within
         SGLANG_READY_TIMEOUT_S); raises with its log tail when it dies or does not answer in time."""
-        from slimeflow.stages.rl.engine.sglang_launch import SGLANG_READY_PATH, SGLANG_READY_TIMEOUT_S
+        from slimeflow.engine.sglang_launch import SGLANG_READY_PATH, SGLANG_READY_TIMEOUT_S
 
         if self.spec.kind == "sglang":
             path, timeout_s = SGLANG_READY_PATH, SGLANG_READY_TIMEOUT_S
@@ -94,8 +94,8 @@ class EngineActor:
 
 
 def _start_sglang(spec: EngineSpec, host: str) -> Any:
-    from slimeflow.stages.rl.engine.launch import EngineProcess, free_port
-    from slimeflow.stages.rl.engine.sglang_launch import SGLANG_API_KEY_ENV, sglang_server_command
+    from slimeflow.engine.launch import EngineProcess, free_port
+    from slimeflow.engine.sglang_launch import SGLANG_API_KEY_ENV, sglang_server_command
 
     port = free_port(host)
     command = sglang_server_command(sys.executable, spec.model_path, host=host, port=port,
@@ -117,7 +117,7 @@ class PlacedEngine:
         self.url: str | None = None
 
     def wait_ready(self, path: str, timeout_s: float) -> None:
-        from slimeflow.stages.rl.actors import call
+        from slimeflow.stages.rl.remote import call
 
         self.url = call(self.actor.wait_ready.remote(path, timeout_s), f"starting rollout engine {self.rank}")
 
@@ -132,7 +132,7 @@ class PlacedEngine:
 
     def restart(self) -> None:
         """Kill the server and start it again in its actor, on the same bundle and port; `wait_ready` follows."""
-        from slimeflow.stages.rl.actors import call
+        from slimeflow.stages.rl.remote import call
 
         call(self.actor.restart.remote(), f"restarting rollout engine {self.rank}")
 

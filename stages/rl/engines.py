@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from slimeflow.stages.rl.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
+from slimeflow.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
 
 if TYPE_CHECKING:
     from slimeflow.stages.rl.placement_group import EnginePlacement
@@ -74,7 +74,7 @@ class EngineSet:
         on placement-group bundles instead (placement_group.EnginePlacement), as many as it has bundles.
         `router_args`: the --router-* flags of the sglang-router started in front of two or more engines.
         `external_addrs`: --rollout-external-engine-addrs, servers started elsewhere (as --sglang-worker-urls)."""
-        from slimeflow.stages.rl.engine.sglang_launch import router_options
+        from slimeflow.engine.sglang_launch import router_options
 
         router = router_options(router_args or {}, sglang_args.get("router_request_timeout_secs"))
         external = external_addrs or sglang_args.get("worker_urls")
@@ -91,7 +91,7 @@ class EngineSet:
                                api_key=str(key) if key else None)
             # As slime: a router of ours in front of several servers, unless one is given.
             return EngineLaunch(hf_checkpoint, external=external_set, router=router if not given_router else None)
-        from slimeflow.stages.rl.engine.launch import launch_engine, launch_engine_thread, new_api_key
+        from slimeflow.engine.launch import launch_engine, launch_engine_thread, new_api_key
 
         key = sglang_args.get("api_key")
         launching = EngineLaunch(hf_checkpoint, api_key=str(key) if key else new_api_key(), router=router)
@@ -172,7 +172,7 @@ class EngineLaunch:
     def ready(self) -> EngineSet:
         """The EngineSet once every embedded engine answers /health (and the router, with two or more, lists
         them all), or once every external server answers; a failure stops what was started and raises."""
-        from slimeflow.stages.rl.engine.launch import ENGINE_READY_TIMEOUT_S, start_router
+        from slimeflow.engine.launch import ENGINE_READY_TIMEOUT_S, start_router
 
         if self.external is not None:
             asyncio.run(self.external.check_health())

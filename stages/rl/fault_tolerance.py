@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from slimeflow.stages.rl.engine.client import EngineClient
+from slimeflow.engine.client import EngineClient
 
 if TYPE_CHECKING:
-    from slimeflow.stages.rl.config import FaultToleranceConfig
+    from slimeflow.config.train import FaultToleranceConfig
     from slimeflow.stages.rl.engines import EngineSet
 
 log = logging.getLogger("slimeflow.fault_tolerance")
@@ -85,8 +85,8 @@ class HealthMonitor:
     def reissue_patience_s(self) -> float:
         """How long a request whose engine died is sent again before the rollout gives up: a full check cycle plus
         an engine's start-up (what a recovery takes at worst; an SGLang server loads a large model for minutes)."""
-        from slimeflow.stages.rl.engine.launch import ENGINE_READY_TIMEOUT_S
-        from slimeflow.stages.rl.engine.sglang_launch import SGLANG_READY_TIMEOUT_S
+        from slimeflow.engine.launch import ENGINE_READY_TIMEOUT_S
+        from slimeflow.engine.sglang_launch import SGLANG_READY_TIMEOUT_S
 
         s = self.settings
         sglang = any(getattr(p, "engine_kind", "") == "sglang" for p in self.engines.processes)
@@ -202,7 +202,7 @@ def recover(engines: EngineSet, rank: int, reason: str, version: str | None = No
             from_trainer: WeightSource | None = None) -> Recovery:
     """Take engine `rank` out of the router, restart it at its URL, give it weight `version` (restore_weights), and
     put it back. While it runs, a lone engine's rollout client holds its requests (`engines.recovering`)."""
-    from slimeflow.stages.rl.engine.launch import ENGINE_READY_TIMEOUT_S
+    from slimeflow.engine.launch import ENGINE_READY_TIMEOUT_S
 
     started = time.monotonic()
     phases: dict[str, float] = {}

@@ -12,9 +12,10 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from slimeflow.stages.rl.placement import Placement
+if TYPE_CHECKING:  # placement.py builds the actors, which read this file's cadence (should_push, served_version)
+    from slimeflow.stages.rl.placement import Placement
 
 Metrics = dict[str, float]
 

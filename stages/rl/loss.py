@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slimeflow.config.train import AlgorithmConfig
+from slimeflow.rollout.plugins import load_plugin
 from slimeflow.stages.rl import algorithms as alg
-from slimeflow.stages.rl.config import AlgorithmConfig
-from slimeflow.stages.rl.plugins import load_plugin
 
 Reduce = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 """Per-sample token values -> this micro-batch's share of the global-batch aggregate."""

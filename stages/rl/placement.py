@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from slimeflow.cluster import cpu_threads, has_gpus
-from slimeflow.stages.rl.actors import LoopError, RolloutSetup, TrainActor, call, rollout_manager_class
-from slimeflow.stages.rl.config import TrainConfig
+from slimeflow.config.train import TrainConfig
+from slimeflow.stages.rl.actors import RolloutSetup, TrainActor, rollout_manager_class
 from slimeflow.stages.rl.engine_actor import sglang_installed
 from slimeflow.stages.rl.placement_group import PlacedGroup, create_placement_group
 from slimeflow.stages.rl.placement_plan import plan_placement
-from slimeflow.stages.rl.remote import hosted
+from slimeflow.stages.rl.remote import LoopError, call, hosted
 
 if TYPE_CHECKING:
-    from slimeflow.stages.rl.types import TrainBatch
+    from slimeflow.rollout.types import TrainBatch
 
 
 class Colocation:

@@ -14,7 +14,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from slimeflow.stages.rl.config import PlacementConfig, TrainConfig
+from slimeflow.config.train import PlacementConfig, TrainConfig
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def flag_problems(config: TrainConfig, sglang_server_args: set[str] | None) -> l
     """What the placement, engine and router flags ask for that this run cannot do, one line each (checked when
     the train stage starts, before Ray). `sglang_server_args`: the installed SGLang server's argument names
     (sglang_launch.installed_server_args); None where SGLang is not installed and the engines are embedded."""
-    from slimeflow.stages.rl.engine.sglang_launch import router_flag_problems, server_arg_problems
+    from slimeflow.engine.sglang_launch import router_flag_problems, server_arg_problems
 
     placement, sglang = config.placement, config.sglang
     external = placement.rollout_external_engine_addrs or sglang.args.get("worker_urls")

@@ -1,4 +1,5 @@
-"""Ray actor classes whose failures reach the driver whole: the exception's type, message and traceback.
+"""Ray actor classes whose failures reach the driver whole: the exception's type, message and traceback, and
+`call`, the driver's ray.get that re-raises them as a LoopError.
 
 Ray loses them in two ways: an exception raised in an actor's __init__ kills the actor, and every later call
 gets only `ActorDiedError` (the cause is text in the actor's log); an exception that does not pickle arrives as
@@ -13,6 +14,8 @@ import inspect
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+import ray
 
 
 class ActorFailure(RuntimeError):
@@ -67,3 +70,24 @@ def _reporting(method: Callable[..., Any]) -> Callable[..., Any]:
             self._in_call = False
 
     return call
+
+
+class LoopError(RuntimeError):
+    """A failure inside an actor, re-raised on the driver with the actor, the call and the cause's message."""
+
+
+def call(ref: Any, what: str) -> Any:
+    """ray.get with the cause's own type and message instead of a stack of Ray wrappers; the actor's traceback
+    (from an actor class made with remote.hosted) is a note on the LoopError."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as err:
+        cause = err.cause if getattr(err, "cause", None) is not None else err
+        error = LoopError(f"{what} failed: {cause}" if isinstance(cause, ActorFailure)
+                          else f"{what} failed: {type(cause).__name__}: {cause}")
+        if isinstance(cause, ActorFailure):
+            error.add_note(f"raised in the actor:\n{cause.traceback_text}")
+        raise error from None
+    except ray.exceptions.RayActorError as err:
+        last = next((line for line in reversed(str(err).splitlines()) if line.strip()), "")
+        raise LoopError(f"{what} failed: the actor died ({type(err).__name__}: {last}); see its log above") from None

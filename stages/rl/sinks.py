@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from slimeflow.config.train import LoggingConfig
 from slimeflow.stages.base import StageInputError
-from slimeflow.stages.rl.config import LoggingConfig
 
 LogMetrics = Callable[[dict[str, float], int], None]
 

@@ -18,21 +18,21 @@ from typing import Any
 from slimeflow.checkpoint.hf_source import fingerprint
 from slimeflow.cluster import init_ray, scratch_dir
 from slimeflow.config.model_args import check_model_args
+from slimeflow.config.train import TrainConfig
+from slimeflow.engine.sglang_launch import installed_server_args
 from slimeflow.io import checkpoints
 from slimeflow.io.storage import join
 from slimeflow.manifest import Manifest, content_hash
+from slimeflow.rollout.plugins import PluginError, load_plugin
+from slimeflow.rollout.raw_data import PreparedSet, manifest_entries, prepare_data
 from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.rl import async_loop, loop
 from slimeflow.stages.rl.actors import RolloutSetup
 from slimeflow.stages.rl.backend.ownership import claim_root
-from slimeflow.stages.rl.config import TrainConfig
-from slimeflow.stages.rl.engine.sglang_launch import installed_server_args
 from slimeflow.stages.rl.model_args import megatron_backend_problems
 from slimeflow.stages.rl.placement import create_placement
 from slimeflow.stages.rl.placement_plan import flag_problems
 from slimeflow.stages.rl.plots import plot_curves
-from slimeflow.stages.rl.plugins import PluginError, load_plugin
-from slimeflow.stages.rl.raw_data import PreparedSet, manifest_entries, prepare_data
 from slimeflow.stages.rl.sinks import close_sinks, fan_out, open_sinks
 
 
@@ -163,7 +163,7 @@ PLUGIN_FLAGS = {
 
 def plugin_problems(flag: str, path: str | None, group_rm: bool) -> list[str]:
     """Why the plug-in at `path` cannot be loaded or called as --`flag` is (empty when it can, or path is None)."""
-    from slimeflow.stages.rl.slime_plugins import call_problem
+    from slimeflow.rollout.slime_plugins import call_problem
 
     if path is None:
         return []

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from slimeflow.stages.rl.config import TrainConfig
-from slimeflow.stages.rl.plugins import load_plugin
+from slimeflow.config.train import TrainConfig
+from slimeflow.rollout.plugins import load_plugin
 
 Hook = Callable[..., Any]
 RUN_LAYOUT = frozenset({
@@ -49,7 +49,7 @@ class TrainHooks:
 
     @classmethod
     def load(cls, config: TrainConfig) -> TrainHooks:
-        from slimeflow.stages.rl.slime_plugins import slime_args
+        from slimeflow.rollout.slime_plugins import slime_args
 
         h = config.train_hooks
 

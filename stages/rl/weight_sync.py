@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from slimeflow.stages.rl.engine.client import EngineClient
+from slimeflow.engine.client import EngineClient
 from slimeflow.stages.rl.engines import WeightTargets
 
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
@@ -124,14 +124,14 @@ class WeightSync:
         await asyncio.gather(*(c.update_weights_from_tensor(part, version) for c in self.clients))
 
     def _segment(self) -> Any:
-        from slimeflow.stages.rl.engine.shared_segment import SegmentWriter
+        from slimeflow.engine.shared_segment import SegmentWriter
 
         self.segment = self.segment or SegmentWriter()
         return self.segment
 
     async def _send_shared(self, part: dict[str, Any], version: str) -> None:
         """Write the bucket once into the shared segment's free slot; every engine serves from it after checking."""
-        from slimeflow.stages.rl.engine.shared_segment import LOAD_FORMAT
+        from slimeflow.engine.shared_segment import LOAD_FORMAT
 
         body = {"serialized_named_tensors": [self.segment.write(part)], "load_format": LOAD_FORMAT,
                 "weight_version": version, "flush_cache": False}
@@ -156,8 +156,8 @@ class WeightSync:
 
     async def _connect(self) -> Any:
         """Make the group: this trainer is rank 0 and hosts the rendezvous; engine i joins as rank i + 1."""
-        from slimeflow.stages.rl.engine.launch import free_port
-        from slimeflow.stages.rl.engine.weight_group import WeightGroup
+        from slimeflow.engine.launch import free_port
+        from slimeflow.engine.weight_group import WeightGroup
 
         port, world = free_port(), len(self.clients) + 1
         name = f"slimeflow-weights-{uuid.uuid4().hex[:8]}"

@@ -1,7 +1,7 @@
 """slime.rollout.on_policy_distillation: the reward pair slime's on-policy distillation (OPD) runs with.
 
 `--custom-rm-path slime.rollout.on_policy_distillation.reward_func` asks the teacher server at `--rm-url` (an
-SGLang server, or slimeflow's engine: `python -m slimeflow.stages.rl.engine.server --model-path TEACHER`) to
+SGLang server, or slimeflow's engine: `python -m slimeflow.engine.server --model-path TEACHER`) to
 score each sample's tokens: a /generate of no new tokens that returns the input tokens' log-probs.
 `--custom-reward-post-process-path slime.rollout.on_policy_distillation.post_process_rewards` keeps the last
 response_length of them as the sample's `teacher_log_probs` and scores every sample 0, so that the learning signal
@@ -25,7 +25,7 @@ async def reward_func(args: Any, sample: Sample, **kwargs: Any) -> dict[str, Any
     if not getattr(args, "rm_url", None):
         raise ValueError("slime.rollout.on_policy_distillation.reward_func posts to the teacher server at --rm-url, "
                          "which is not set: start the teacher (an SGLang server, or `python -m "
-                         "slimeflow.stages.rl.engine.server --model-path TEACHER`) and pass its /generate URL")
+                         "slimeflow.engine.server --model-path TEACHER`) and pass its /generate URL")
     payload = {"input_ids": list(sample.tokens), "return_logprob": True, "logprob_start_len": 0,
                "sampling_params": {"temperature": args.rollout_temperature, "max_new_tokens": 0,
                                    "skip_special_tokens": False}}

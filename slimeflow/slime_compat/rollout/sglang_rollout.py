@@ -1,7 +1,7 @@
 """slime.rollout.sglang_rollout: `GenerateState`, `generate`, `generate_and_rm` and `get_model_url` for slime's
 custom generate functions, over the running router's (or engine's) SGLang HTTP API, as slime's.
 
-`args` is the namespace slimeflow gives plug-ins (slimeflow.stages.rl.slime_plugins.slime_args): slime's attribute
+`args` is the namespace slimeflow gives plug-ins (slimeflow.rollout.slime_plugins.slime_args): slime's attribute
 names, with `sglang_router_ip` / `sglang_router_port` of the engine or router the rollout talks to.
 """
 

@@ -1,7 +1,7 @@
 """slime.utils.types: slime's `Sample`, with its fields, `Sample.Status` and methods, for slime's plug-ins.
 
-slimeflow's own record is `slimeflow.stages.rl.types.Sample`; the rollout converts to this one before it calls a
-slime plug-in and back after (slimeflow.stages.rl.slime_plugins). `Sample.Status` is slimeflow's `Status` (same
+slimeflow's own record is `slimeflow.rollout.types.Sample`; the rollout converts to this one before it calls a
+slime plug-in and back after (slimeflow.rollout.slime_plugins). `Sample.Status` is slimeflow's `Status` (same
 members and values as slime's), so a status compares equal on both sides. Multimodal inputs, top-p replay and
 routed-expert replay are carried as fields but not produced: slimeflow's engines do not return them.
 """
@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from slimeflow.stages.rl.types import Status as _Status
+from slimeflow.rollout.types import Status as _Status
 
 
 def _ints(values: Any) -> list[int]:

@@ -41,7 +41,7 @@ from slimeflow.io import checkpoints
 from slimeflow.io.checkpoints import RELEASE, CheckpointError, CheckpointRef
 from slimeflow.io.storage import Storage, local_path
 from slimeflow.stages.rl.backend.ownership import local_root
-from slimeflow.stages.rl.backend.torch_backend import rng_state, set_rng_state
+from slimeflow.stages.rl.backend.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from slimeflow.stages.rl.backend.torch_backend import TorchBackend

@@ -29,6 +29,9 @@ from typing import Any
 import torch
 
 from slimeflow._compat import megatron_on_cpu
+from slimeflow.config.train import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig
+from slimeflow.offload import module_tensors, optimizer_tensors
+from slimeflow.rollout.types import TrainBatch
 from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantage
 from slimeflow.stages.rl.backend.megatron_kernels import (
     Kernels,
@@ -43,6 +46,7 @@ from slimeflow.stages.rl.backend.megatron_layout import (
     moe_runtime,
     virtual_pipeline_stages,
 )
+from slimeflow.stages.rl.backend.rng import seed_everything
 from slimeflow.stages.rl.backend.torch_backend import (
     LogProbs,
     RowLayout,
@@ -51,10 +55,8 @@ from slimeflow.stages.rl.backend.torch_backend import (
     plan_micro_batches,
     response_log_probs,
     scoring_model,
-    seed_everything,
     sum_over_ranks,
 )
-from slimeflow.stages.rl.config import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig
 from slimeflow.stages.rl.loss import (
     CustomLoss,
     LossOutput,
@@ -64,10 +66,8 @@ from slimeflow.stages.rl.loss import (
     load_custom_pg_loss_reducer,
     load_custom_tis,
 )
-from slimeflow.stages.rl.offload import module_tensors, optimizer_tensors
 from slimeflow.stages.rl.packing import pack_micro_batches
 from slimeflow.stages.rl.train_hooks import TrainHooks, check_provided
-from slimeflow.stages.rl.types import TrainBatch
 
 LossOf = Callable[[list[int], LogProbs], LossOutput]
 

@@ -38,7 +38,7 @@ from slimeflow.io.checkpoints import RELEASE, CheckpointError, CheckpointRef
 from slimeflow.io.storage import Storage
 from slimeflow.stages.rl.backend.checkpoint import EXTRA_STATE, SIDE_DIR, reading
 from slimeflow.stages.rl.backend.ownership import local_root
-from slimeflow.stages.rl.backend.torch_backend import rng_state, set_rng_state
+from slimeflow.stages.rl.backend.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from slimeflow.stages.rl.config import MegatronConfig
+from slimeflow.config.train import MegatronConfig
 
 
 def virtual_pipeline_stages(num_layers: int, parallel: MegatronConfig) -> int | None:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from slimeflow.stages.rl.config import OptimizerConfig
+from slimeflow.config.train import OptimizerConfig
 
 
 def decay_steps(config: OptimizerConfig, total_steps: int | None) -> int | None:

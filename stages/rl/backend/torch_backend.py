@@ -9,20 +9,21 @@ slime's RL runs, so the trainer's log-probs of a batch do not depend on the mode
 from __future__ import annotations
 
 import contextlib
-import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from slimeflow.config.train import AlgorithmConfig, BatchConfig, OptimizerConfig
 from slimeflow.families.experts import fuse_experts, split_experts
+from slimeflow.offload import module_tensors, optimizer_tensors
+from slimeflow.rollout.types import TrainBatch
 from slimeflow.stages.rl import algorithms as alg
 from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantage
+from slimeflow.stages.rl.backend.rng import seed_everything
 from slimeflow.stages.rl.backend.schedule import build_scheduler
-from slimeflow.stages.rl.config import AlgorithmConfig, BatchConfig, OptimizerConfig
 from slimeflow.stages.rl.loss import (
     CustomLoss,
     LossOutput,
@@ -32,9 +33,7 @@ from slimeflow.stages.rl.loss import (
     load_custom_pg_loss_reducer,
     load_custom_tis,
 )
-from slimeflow.stages.rl.offload import module_tensors, optimizer_tensors
 from slimeflow.stages.rl.packing import pack_micro_batches
-from slimeflow.stages.rl.types import TrainBatch
 
 
 @dataclass
@@ -392,27 +391,3 @@ def ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """The concatenation of arange(start, start + length) for each (start, length), without a Python loop."""
     offsets = torch.cumsum(lengths, 0) - lengths
     return torch.repeat_interleave(starts - offsets, lengths) + torch.arange(int(lengths.sum()))
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python, numpy and torch (CPU and CUDA) alike on every rank: replicas must stay identical."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states: python, numpy, torch CPU and (when present) CUDA."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """The inverse of rng_state (CUDA states only when saved and a GPU is present)."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])

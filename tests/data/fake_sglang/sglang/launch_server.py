@@ -29,7 +29,7 @@ def main(argv: list[str]) -> None:
                  "engine serves on one device")
     shown = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
     print(f"sglang.launch_server (test stand-in) parsed {shown}", flush=True)
-    from slimeflow.stages.rl.engine.server import main as serve
+    from slimeflow.engine.server import main as serve
 
     serve(["--model-path", args.model_path, "--host", args.host, "--port", str(args.port),
            "--seed", str(args.random_seed), "--parent-pid", str(os.getppid()),

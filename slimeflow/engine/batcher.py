@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from slimeflow.stages.rl.engine import kv_batch
-from slimeflow.stages.rl.engine.lanes import Lanes
-from slimeflow.stages.rl.engine.native import select_forward
-from slimeflow.stages.rl.engine.sampling import BadRequestError, SamplingParams, sample_rows
-from slimeflow.stages.rl.engine.weights import (
+from slimeflow.engine import kv_batch
+from slimeflow.engine.lanes import Lanes
+from slimeflow.engine.native import select_forward
+from slimeflow.engine.sampling import BadRequestError, SamplingParams, sample_rows
+from slimeflow.engine.weights import (
     LoadedModel,
     apply_update,
     check_finite,

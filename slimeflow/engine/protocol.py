@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
-from slimeflow.stages.rl.engine.batcher import GenerateRequest, GenerateResult
-from slimeflow.stages.rl.engine.sampling import BadRequestError, SamplingParams, parse_sampling_params
+from slimeflow.engine.batcher import GenerateRequest, GenerateResult
+from slimeflow.engine.sampling import BadRequestError, SamplingParams, parse_sampling_params
 
 if TYPE_CHECKING:
-    from slimeflow.stages.rl.engine.weights import LoadedModel
+    from slimeflow.engine.weights import LoadedModel
 
 # Top-level /generate fields SGLang accepts (sglang-router fills them all in) that change nothing here at these
 # values; any other value asks for a feature this engine lacks, so it is refused rather than ignored.

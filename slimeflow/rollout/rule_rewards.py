@@ -16,8 +16,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from slimeflow.stages.rl.answers import MathJudge
-from slimeflow.stages.rl.math_grader import boxed_answer, minerva_normalize
+from slimeflow.rollout.answers import MathJudge
+from slimeflow.rollout.math_grader import boxed_answer, minerva_normalize
 
 RewardValue = float | dict[str, Any]
 BuiltinReward = Callable[[str, Any, dict[str, Any], MathJudge], RewardValue]

@@ -9,12 +9,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from slimeflow.stages.rl.plugins import load_plugin
-from slimeflow.stages.rl.types import Sample, Status
+from slimeflow.rollout.types import Sample, Status
 
 
 @dataclass(frozen=True)
@@ -37,14 +35,6 @@ def check_reward_nonzero_std(group: Sequence[Sample]) -> FilterOutcome:
     if len(group) > 1 and rewards.std().item() > 0.0:
         return FilterOutcome(True)
     return FilterOutcome(False, "zero_std")
-
-
-def load_group_filter(path: str | None, args: Any = None) -> GroupFilter | None:
-    """The filter at --dynamic-sampling-filter-path (None when unset): slime's `f(args, samples)` (given `args`,
-    returning DynamicFilterOutput or a bool) or slimeflow's `f(group)`."""
-    from slimeflow.stages.rl.slime_plugins import group_filter
-
-    return None if path is None else group_filter(load_plugin(path, "dynamic-sampling-filter-path"), args)
 
 
 class DynamicSampler:

@@ -14,11 +14,13 @@ from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
 
+from slimeflow.config.train import TrainConfig
+from slimeflow.rollout.filters import FilterOutcome, GroupFilter
+from slimeflow.rollout.plugins import load_plugin
+from slimeflow.rollout.types import Sample, Status
 from slimeflow.slime_compat.rollout.filter_hub.base_types import DynamicFilterOutput
 from slimeflow.slime_compat.utils.types import Sample as SlimeSample
 from slimeflow.slime_compat.utils.types import floats
-from slimeflow.stages.rl.config import TrainConfig
-from slimeflow.stages.rl.types import Sample, Status
 
 SLIME_DEFAULTS: dict[str, Any] = {
     # slime flags slimeflow has no setting for, at the values slimeflow behaves as.
@@ -149,11 +151,15 @@ def accepts(function: Callable[..., Any], n: int) -> bool:
     return required <= n and (most is None or n <= most)
 
 
+def load_group_filter(path: str | None, args: Any = None) -> GroupFilter | None:
+    """The filter at --dynamic-sampling-filter-path (None when unset): slime's `f(args, samples)` (given `args`,
+    returning DynamicFilterOutput or a bool) or slimeflow's `f(group)`."""
+    return None if path is None else group_filter(load_plugin(path, "dynamic-sampling-filter-path"), args)
+
+
 def group_filter(function: Callable[..., Any], args: Any) -> Callable[[Sequence[Sample]], Any]:
     """A dynamic-sampling filter as the sampler calls it (group) -> (keep, reason, keep_when_insufficient):
     slime's `f(args, samples)` returning DynamicFilterOutput (keep may be a tensor) or a bool; slimeflow's `f(group)`."""
-    from slimeflow.stages.rl.filters import FilterOutcome
-
     slime_form = accepts(function, 2) and not accepts(function, 1)
 
     def run(group: Sequence[Sample]) -> FilterOutcome:

@@ -22,16 +22,16 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from slimeflow.config.train import RolloutConfig, TrainConfig
+from slimeflow.engine.client import EngineUnavailableError
+from slimeflow.rollout.data_source import START_ROLLOUT_ID, BufferedDataSource, Group
+from slimeflow.rollout.filters import DynamicSampler
+from slimeflow.rollout.plugins import load_plugin
+from slimeflow.rollout.rewards import RewardScorer
+from slimeflow.rollout.slime_plugins import call_generate, load_group_filter, slime_args
+from slimeflow.rollout.slime_rollout_hooks import apply_sample_hooks, finish_rollout
+from slimeflow.rollout.types import Sample, Status
 from slimeflow.slime_compat.utils import http_utils
-from slimeflow.stages.rl.config import RolloutConfig, TrainConfig
-from slimeflow.stages.rl.data_source import START_ROLLOUT_ID, BufferedDataSource, Group
-from slimeflow.stages.rl.engine.client import EngineUnavailableError
-from slimeflow.stages.rl.filters import DynamicSampler, load_group_filter
-from slimeflow.stages.rl.plugins import load_plugin
-from slimeflow.stages.rl.rewards import RewardScorer
-from slimeflow.stages.rl.slime_plugins import call_generate, slime_args
-from slimeflow.stages.rl.slime_rollout_hooks import apply_sample_hooks, finish_rollout
-from slimeflow.stages.rl.types import Sample, Status
 
 GenerateFn = Callable[[Any, Sample, dict[str, Any]], Awaitable[Sample]]
 OLDEST_WEIGHT_VERSION = "oldest_weight_version"

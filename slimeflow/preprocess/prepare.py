@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import orjson
 
-from slimeflow.stages.preprocess.config import PreprocessConfig
-from slimeflow.stages.preprocess.rows import Prepared, RowError, RowMapper, is_empty
-from slimeflow.stages.preprocess.sources import Problem, SourceBatch, json_default
-from slimeflow.stages.preprocess.tokens import PromptTokenizer
-from slimeflow.stages.preprocess.writer import Deduper
+from slimeflow.preprocess.config import PreprocessConfig
+from slimeflow.preprocess.rows import Prepared, RowError, RowMapper, is_empty
+from slimeflow.preprocess.sources import Problem, SourceBatch, json_default
+from slimeflow.preprocess.tokens import PromptTokenizer
+from slimeflow.preprocess.writer import Deduper
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from slimeflow.io.storage import Storage
-from slimeflow.stages.rl.types import Sample, Status
+from slimeflow.rollout.types import Sample, Status
 
 Group = list[Sample]
 BufferFilter = Callable[[list[Group], int], list[Group]]

@@ -7,7 +7,7 @@
    Why a kernel of our own: torch's CPU attention (SDPA's flash kernel) spends most of a decode step packing
    key/value blocks for tiny matrix products (2 queries x 32 dims per head); this reads each key and value row once
    for all the query heads that share it, in two streaming passes: 0.5 ms a layer where SDPA took 1.1 ms and
-   reading the cache alone 0.3 ms (engine_bench's batch, one thread). Built by slimeflow.stages.rl.engine.decode_kernel
+   reading the cache alone 0.3 ms (engine_bench's batch, one thread). Built by slimeflow.engine.decode_kernel
    with the machine's C compiler; strides are in elements and the last axis of k and v is contiguous; q and out
    are contiguous [batch, kv_heads, group, dim]. */
 

@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from slimeflow.stages.preprocess.config import PreprocessConfig
-from slimeflow.stages.preprocess.sources import json_default
+from slimeflow.preprocess.config import PreprocessConfig
+from slimeflow.preprocess.sources import json_default
 
 Prompt = str | list[dict[str, Any]]
 MAX_PLANS = 4096

@@ -12,12 +12,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from slimeflow.stages.rl.data_source import DataSource
-from slimeflow.stages.rl.plugins import load_plugin
-from slimeflow.stages.rl.rewards import EVAL_SET
-from slimeflow.stages.rl.rollout import RolloutContext, generate_group
-from slimeflow.stages.rl.slime_rollout_hooks import call_eval_log
-from slimeflow.stages.rl.types import Sample, Status
+from slimeflow.rollout.data_source import DataSource
+from slimeflow.rollout.plugins import load_plugin
+from slimeflow.rollout.rewards import EVAL_SET
+from slimeflow.rollout.rollout import RolloutContext, generate_group
+from slimeflow.rollout.slime_rollout_hooks import call_eval_log
+from slimeflow.rollout.types import Sample, Status
 
 
 @dataclass(frozen=True)

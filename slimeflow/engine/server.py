@@ -9,7 +9,7 @@ read; `GET /get_weights_snapshot` (no SGLang twin) answers the served tensors in
 Callers need the `--api-key` (guard.py: SGLang's Bearer scheme, every path but /health*); disk updates load only
 from inside `--weights-dir`; request bodies are capped, and weight updates with NaN/Inf values are refused.
 
-    python -m slimeflow.stages.rl.engine.server --model-path DIR [--host 127.0.0.1] [--port P] ...
+    python -m slimeflow.engine.server --model-path DIR [--host 127.0.0.1] [--port P] ...
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
-from slimeflow.stages.rl.engine.batcher import ADMISSION_WINDOW_S, Batcher, GenerateRequest
-from slimeflow.stages.rl.engine.control import add_control_routes
-from slimeflow.stages.rl.engine.guard import API_KEY_ENV, BodyTooLargeError, Guard
-from slimeflow.stages.rl.engine.protocol import PromptLimits, parse_generate, to_response
-from slimeflow.stages.rl.engine.sampling import BadRequestError, SamplingParams
-from slimeflow.stages.rl.engine.shared_segment import LOAD_FORMAT, read_segment
-from slimeflow.stages.rl.engine.weights import (
+from slimeflow.engine.batcher import ADMISSION_WINDOW_S, Batcher, GenerateRequest
+from slimeflow.engine.control import add_control_routes
+from slimeflow.engine.guard import API_KEY_ENV, BodyTooLargeError, Guard
+from slimeflow.engine.protocol import PromptLimits, parse_generate, to_response
+from slimeflow.engine.sampling import BadRequestError, SamplingParams
+from slimeflow.engine.shared_segment import LOAD_FORMAT, read_segment
+from slimeflow.engine.weights import (
     ForbiddenError,
     LoadedModel,
     load_model,
@@ -298,7 +298,7 @@ def _watch_parent(parent_pid: int, server: uvicorn.Server) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m slimeflow.stages.rl.engine.server", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m slimeflow.engine.server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", required=True, help="HF causal-LM directory")
     parser.add_argument("--host", default="127.0.0.1")

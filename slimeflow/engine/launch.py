@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from slimeflow.stages.rl.engine.guard import API_KEY_ENV
-from slimeflow.stages.rl.engine.sglang_launch import to_flags
+from slimeflow.engine.guard import API_KEY_ENV
+from slimeflow.engine.sglang_launch import to_flags
 
 if TYPE_CHECKING:
-    from slimeflow.stages.rl.engine.server import EngineThread
+    from slimeflow.engine.server import EngineThread
 
-ENGINE_MODULE = "slimeflow.stages.rl.engine.server"
+ENGINE_MODULE = "slimeflow.engine.server"
 _LOG_TAIL_CHARS = 4000
 # The router's key variable, read by a launcher that appends it to sglang-router's own arguments.
 _ROUTER_API_KEY_ENV = "SLIMEFLOW_ROUTER_API_KEY"
@@ -175,7 +175,7 @@ ENGINE_READY_TIMEOUT_S = 120.0
 
 def start_engine(model_path: str | Path, *, port: int | None = None, host: str = "127.0.0.1",
                  timeout_s: float = ENGINE_READY_TIMEOUT_S, **options: Any) -> EngineProcess:
-    """Start `python -m slimeflow.stages.rl.engine.server` on `model_path` and wait until /health answers.
+    """Start `python -m slimeflow.engine.server` on `model_path` and wait until /health answers.
 
     `options` are the server's flags in Python spelling (max_batch_size=8, dtype="bfloat16", num_threads=1,
     weight_version="v0", seed=0, weights_dir=DIR, api_key=KEY: a new key when not given, `.api_key`).
@@ -200,7 +200,7 @@ def launch_engine_thread(model_path: str | Path, *, port: int | None = None, hos
                          api_key: str | None = None, **options: Any) -> EngineThread:
     """launch_engine's in-process twin: the engine serves from a thread of this process (server.EngineThread),
     loading while this returns; same flags, same `url`, `api_key`, `wait_ready` and `stop`."""
-    from slimeflow.stages.rl.engine.server import EngineThread
+    from slimeflow.engine.server import EngineThread
 
     return EngineThread(_engine_flags(model_path, host, port or free_port(host), options), api_key or new_api_key())
 

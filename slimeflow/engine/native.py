@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from transformers import Cache, PreTrainedModel
 
+from slimeflow.engine.decode_kernel import DecodeAttention, load_decode_attention
 from slimeflow.families import BY_MODEL_TYPE, FAMILIES
-from slimeflow.stages.rl.engine.decode_kernel import DecodeAttention, load_decode_attention
 
 log = logging.getLogger(__name__)
 

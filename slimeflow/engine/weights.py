@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from slimeflow.engine.sampling import BadRequestError
 from slimeflow.families.hf import load_causal_lm
-from slimeflow.stages.rl.engine.sampling import BadRequestError
-from slimeflow.stages.rl.offload import trim_heap
+from slimeflow.offload import trim_heap
 
 DTYPES = ("float32", "bfloat16")
 

@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from fastapi import FastAPI, Request
 
-from slimeflow.stages.rl.engine.sampling import BadRequestError
-from slimeflow.stages.rl.engine.weight_group import WeightGroup, parse_dtype
-from slimeflow.stages.rl.engine.weights import read_own_checkpoint
+from slimeflow.engine.sampling import BadRequestError
+from slimeflow.engine.weight_group import WeightGroup, parse_dtype
+from slimeflow.engine.weights import read_own_checkpoint
 
 if TYPE_CHECKING:
-    from slimeflow.stages.rl.engine.server import EngineState
+    from slimeflow.engine.server import EngineState
 
 MEMORY_TAGS = frozenset({"weights", "kv_cache"})
 # SGLang also releases its CUDA graphs; this engine captures none, so the tag is taken and frees nothing.

@@ -19,10 +19,10 @@ import orjson
 from slimeflow.io.prompts import COLUMNS
 from slimeflow.io.storage import Storage, StorageError, join
 from slimeflow.manifest import Manifest
+from slimeflow.preprocess.config import PreprocessConfig
+from slimeflow.preprocess.pipeline import MANIFEST, preprocess
+from slimeflow.preprocess.sources import file_format, resolve
 from slimeflow.stages.base import StageInputError
-from slimeflow.stages.preprocess.config import PreprocessConfig
-from slimeflow.stages.preprocess.sources import file_format, resolve
-from slimeflow.stages.preprocess.stage import MANIFEST, preprocess
 
 TRAIN = "train"
 """The set name --prompt-data gets (the preprocess stage's training set)."""

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from slimeflow.config.train import DataConfig, TrainConfig
 from slimeflow.io.storage import Storage
-from slimeflow.stages.preprocess.config import PreprocessConfig
-from slimeflow.stages.preprocess.inline import TRAIN, PreparedSet, is_raw, prepare_raw
-from slimeflow.stages.rl.config import DataConfig, TrainConfig
+from slimeflow.preprocess.config import PreprocessConfig
+from slimeflow.preprocess.inline import TRAIN, PreparedSet, is_raw, prepare_raw
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import torch
 from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
-from slimeflow.stages.rl.engine.native import ModelForward
+from slimeflow.engine.native import ModelForward
 
 MAX_HEADROOM = 256
 """Free columns reserved at most up front: a request allowed thousands of tokens that stops early should not

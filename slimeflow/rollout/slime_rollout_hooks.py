@@ -1,21 +1,21 @@
 """slime's rollout-level hooks around slimeflow's rollout: sample hooks, the rollout sample filter, reward
-post-processing, the all-samples process, the rollout and eval log functions, a whole rollout function (with slime's
-data-source API over ours) and the conversion of samples to train data. Each is called with slime's signature on
-slime's `Sample` (slime_plugins converts at the boundary)."""
+post-processing, the all-samples process, the rollout and eval log functions, and the conversion of samples to
+train data. Each is called with slime's signature on slime's `Sample` (slime_plugins converts at the boundary).
+A whole rollout or eval function, which replaces the rollout, is slime_rollout_functions.py's."""
 
 from __future__ import annotations
 
 import inspect
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from slimeflow.config.train import TrainConfig
+from slimeflow.rollout.plugins import load_plugin
+from slimeflow.rollout.slime_data_source import PluginDataSource
+from slimeflow.rollout.slime_plugins import from_slime, plugin_name, takes_keyword, to_slime
+from slimeflow.rollout.types import Sample, Status
 from slimeflow.slime_compat.utils.types import Sample as SlimeSample
 from slimeflow.slime_compat.utils.types import floats
-from slimeflow.stages.rl.config import TrainConfig
-from slimeflow.stages.rl.plugins import load_plugin
-from slimeflow.stages.rl.slime_plugins import from_slime, plugin_name, takes_keyword, to_slime
-from slimeflow.stages.rl.types import Sample, Status
 
 
 async def apply_sample_hooks(hooks: Sequence[Callable[..., Any]], args: Any, samples: list[Sample], *,
@@ -108,6 +108,17 @@ def process_all_samples(function: Callable[..., Any], args: Any, kept: list[list
         group[:] = [from_slime(back[id(s)], s, where) if id(s) in back else s for s in group]
 
 
+def slime_view(data: Any, rollout_id: int | None) -> Any:
+    """The data source a slime plug-in gets: the --data-source-path object itself (as slime passes it), else
+    slime's API over slimeflow's buffered data source."""
+    return data.source if isinstance(data, PluginDataSource) else SlimeDataSource(data, rollout_id)
+
+
+def native_sample(source: Any, view: Any, where: str) -> Sample:
+    """A sample a slime plug-in returned (`view`, from `source`), as slimeflow's."""
+    return source.native(view, where) if isinstance(source, SlimeDataSource) else from_slime(view, view, where)
+
+
 def finish_rollout(ctx: Any, kept: list[list[Sample]], metrics: dict[str, float],
                    finished: list[list[Sample]] | None = None, data: Any = None) -> dict[str, float]:
     """On the kept groups: --custom-reward-post-process-path, --rollout-sample-filter-path, then
@@ -164,52 +175,6 @@ class SlimeDataSource:
         return len(self.data)
 
 
-def slime_view(data: Any, rollout_id: int | None) -> Any:
-    """The data source a slime plug-in gets: the --data-source-path object itself (as slime passes it), else
-    slime's API over slimeflow's buffered data source."""
-    from slimeflow.stages.rl.slime_data_source import PluginDataSource
-
-    return data.source if isinstance(data, PluginDataSource) else SlimeDataSource(data, rollout_id)
-
-
-def _native(source: Any, view: Any, where: str) -> Sample:
-    return source.native(view, where) if isinstance(source, SlimeDataSource) else from_slime(view, view, where)
-
-
-def _leaves(value: Any) -> list[Any]:
-    return [leaf for item in value for leaf in _leaves(item)] if isinstance(value, list) else [value]
-
-
-def run_rollout_function(function: Callable[..., Any], ctx: Any, data: Any, rollout_id: int) -> Any:
-    """--rollout-function-path, as slime calls it: `generate_rollout(args, rollout_id, data_source,
-    evaluation=False)` -> RolloutFnTrainOutput or list[list[Sample]] (a group may nest lists of samples). Every
-    sample must carry its reward (a dict is reduced with --reward-key). Returns the rollout's RolloutResult."""
-    from slimeflow.slime_compat.rollout.base_types import call_rollout_fn
-    from slimeflow.stages.rl.rewards import reward_value
-    from slimeflow.stages.rl.rollout import RolloutResult, rollout_metrics
-
-    ctx.rollout_id = rollout_id
-    source = slime_view(data, rollout_id)
-    where = f"--rollout-function-path {plugin_name(function)}"
-    started = time.perf_counter()
-    output = call_rollout_fn(function, ctx.args, rollout_id, source, evaluation=False)
-    groups = []
-    for group in output.samples:
-        samples = [_native(source, view, where) for view in _leaves(group)]
-        for sample in samples:
-            if sample.reward is None:
-                raise ValueError(f"{where} returned sample {sample.index} (group {sample.group_index}) without a "
-                                 "reward; a rollout function rewards its samples (slime's generate_and_rm does)")
-            sample.reward = reward_value(sample.reward, ctx.config.reward.reward_key)
-        groups.append(samples)
-    metrics = rollout_metrics(groups, {}, time.perf_counter() - started)
-    metrics.update({k: float(v) for k, v in (output.metrics or {}).items() if isinstance(v, int | float)})
-    post_process = ctx.config.algorithm.custom_reward_post_process_path
-    if post_process is not None:  # as slime: applied to whatever the rollout function returned
-        post_process_rewards(load_plugin(post_process, "custom-reward-post-process-path"), ctx.args, groups)
-    return RolloutResult(groups=groups, metrics=metrics)
-
-
 _TRAIN_DATA_USED = {"tokens", "response_lengths", "rewards", "loss_masks", "rollout_log_probs", "teacher_log_probs"}
 _TRAIN_DATA_INFO = {"raw_reward", "truncated", "sample_indices", "rollout_ids", "rollout_mask_sums", "total_lengths"}
 """slime train-data keys that only report (slimeflow computes total_lengths and the loss's denominators itself)."""
@@ -221,7 +186,7 @@ def train_batch(config: TrainConfig, args: Any, samples: list[Sample]) -> Any:
     A key that would change training in slime but that slimeflow's trainer does not read is an error."""
     import torch
 
-    from slimeflow.stages.rl.types import TrainBatch
+    from slimeflow.rollout.types import TrainBatch
 
     path = config.algorithm.custom_convert_samples_to_train_data_path
     if path is None:
@@ -246,29 +211,3 @@ def train_batch(config: TrainConfig, args: Any, samples: list[Sample]) -> Any:
                       group_indices=groups,
                       teacher_log_probs=None if teacher is None else [torch.as_tensor(lp, dtype=torch.float32)
                                                                       for lp in teacher])
-
-
-def run_eval_function(function: Callable[..., Any], ctx: Any, data: Any, rollout_id: int | None) -> dict[str, float]:
-    """--eval-function-path, as slime calls it: `eval_generate_rollout(args, rollout_id, data_source,
-    evaluation=True)` -> RolloutFnEvalOutput or its data dict {set name: {"rewards", "truncated"?, "samples"?}}.
-    Metrics as slime logs them: eval/<set> (mean reward), eval/<set>/truncated_rate, and the function's own;
-    --custom-eval-rollout-log-function-path sees the data first (True: none of these)."""
-    from slimeflow.slime_compat.rollout.base_types import call_rollout_fn
-
-    ctx.rollout_id = rollout_id
-    where = f"--eval-function-path {plugin_name(function)}"
-    output = call_rollout_fn(function, ctx.args, rollout_id, slime_view(data, rollout_id), evaluation=True)
-    metrics = {k: float(v) for k, v in (output.metrics or {}).items() if isinstance(v, int | float)}
-    for name, result in output.data.items():
-        rewards = result.get("rewards") if isinstance(result, dict) else None
-        if not rewards:
-            raise ValueError(f"{where} returned no rewards for eval set {name!r}; give data[{name!r}]['rewards']")
-        metrics[f"eval/{name}"] = sum(float(r) for r in rewards) / len(rewards)
-        if result.get("truncated"):
-            metrics[f"eval/{name}/truncated_rate"] = sum(result["truncated"]) / len(result["truncated"])
-    path = ctx.config.eval.custom_eval_rollout_log_function_path
-    if path is not None:
-        log = load_plugin(path, "custom-eval-rollout-log-function-path")
-        if log(rollout_id, ctx.args, output.data, dict(metrics)):
-            return {}
-    return metrics

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from slimeflow.stages.rl.engine.sampling import BadRequestError
-from slimeflow.stages.rl.engine.weight_group import parse_dtype
+from slimeflow.engine.sampling import BadRequestError
+from slimeflow.engine.weight_group import parse_dtype
 
 SEGMENT_DIR = Path("/dev/shm")
 PREFIX = "slimeflow-weights-"

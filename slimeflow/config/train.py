@@ -2,6 +2,8 @@
 
 `--rollout-batch-size 32` sets `TrainConfig.batch.rollout_batch_size`; every leaf name is unique across the tree,
 so a slime flag list maps onto it flag for flag (slimeflow.config.flags). Functions take the group they use.
+It lives with the shared configs, not in the train stage, because the rollout library reads it too (the evaluate
+stage builds one for its rollouts).
 """
 
 from __future__ import annotations
@@ -182,7 +184,7 @@ class RewardConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _refuse_unbuilt(self) -> RewardConfig:
-        from slimeflow.stages.rl.rule_rewards import refuse_unbuilt  # rule_rewards is heavier than a config
+        from slimeflow.rollout.rule_rewards import refuse_unbuilt  # rule_rewards is heavier than a config
 
         refuse_unbuilt(self.rm_type)
         return self
@@ -540,7 +542,7 @@ class SglangConfig(ConfigModel):
     def unread(self, launches_sglang: bool) -> list[str]:
         """The --sglang-* flags given that no server would get, with the reason, one line each: all server
         arguments when the engines are not SGLang servers launched here, else those slimeflow sets itself."""
-        from slimeflow.stages.rl.engine.sglang_launch import SET_BY_SLIMEFLOW
+        from slimeflow.engine.sglang_launch import SET_BY_SLIMEFLOW
 
         problems = [f"--sglang-{key.replace('_', '-')}: not taken ({SET_BY_SLIMEFLOW[key]}); remove it"
                     for key in sorted(self.server_args()) if key in SET_BY_SLIMEFLOW]
@@ -683,8 +685,8 @@ class TrainConfig(ConfigModel):
         """The flags that --custom-config-path's file sets, over those given (slime sets its keys after parsing)."""
         if not isinstance(data, dict) or not data.get("custom_config_path"):
             return data
+        from slimeflow.config.custom_config import read_custom_config
         from slimeflow.config.flags import merge
-        from slimeflow.stages.rl.custom_config import read_custom_config
 
         flags, _ = read_custom_config(data["custom_config_path"], cls)
         plain = {key: value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
@@ -708,7 +710,7 @@ class TrainConfig(ConfigModel):
     @model_validator(mode="after")
     def _cross_group(self) -> TrainConfig:
         if self.custom_config_path:
-            from slimeflow.stages.rl.custom_config import read_custom_config
+            from slimeflow.config.custom_config import read_custom_config
 
             self._custom_args = read_custom_config(self.custom_config_path, type(self))[1]
         over = self.rollout.over_sampling_batch_size

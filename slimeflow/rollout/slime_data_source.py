@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from slimeflow.stages.rl.data_source import START_ROLLOUT_ID, Group
-from slimeflow.stages.rl.slime_plugins import from_slime, plugin_name, to_slime
-from slimeflow.stages.rl.types import Sample, Status
+from slimeflow.rollout.data_source import START_ROLLOUT_ID, Group
+from slimeflow.rollout.slime_plugins import from_slime, plugin_name, to_slime
+from slimeflow.rollout.types import Sample, Status
 
 
 class PluginDataSource:

@@ -18,12 +18,12 @@ from typing import Any
 
 import httpx
 
-from slimeflow.stages.rl.answers import MathJudge
-from slimeflow.stages.rl.config import RewardConfig
-from slimeflow.stages.rl.plugins import load_plugin
-from slimeflow.stages.rl.rule_rewards import builtin_reward
-from slimeflow.stages.rl.slime_plugins import from_slime, to_slime
-from slimeflow.stages.rl.types import Sample, Status
+from slimeflow.config.train import RewardConfig
+from slimeflow.rollout.answers import MathJudge
+from slimeflow.rollout.plugins import load_plugin
+from slimeflow.rollout.rule_rewards import builtin_reward
+from slimeflow.rollout.slime_plugins import from_slime, to_slime
+from slimeflow.rollout.types import Sample, Status
 
 EVAL_SET = "eval_set"
 """metadata key naming an eval sample's set (evaluation sets it): such a sample's reward is --eval-reward-key's."""

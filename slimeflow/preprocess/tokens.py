@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from slimeflow.io.storage import is_local, local_path
+from slimeflow.preprocess.rows import Prompt, RowError
 from slimeflow.stages.base import StageInputError
-from slimeflow.stages.preprocess.rows import Prompt, RowError
 
 HISTOGRAM_EDGES = (0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 COUNT_CHUNK = 2048

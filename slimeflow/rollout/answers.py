@@ -12,7 +12,7 @@ import signal
 import threading
 from typing import Any
 
-from slimeflow.stages.rl.math_grader import grade
+from slimeflow.rollout.math_grader import grade
 
 
 class _CheckTimedOut(BaseException):
