@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import io
 import json
 import os
 import signal
@@ -170,22 +169,10 @@ def prefect_worker(first_deploy, services: Services, deploy_cwd: Path) -> subpro
     return _start_worker(services, deploy_cwd)
 
 
-def _deploy_here(cwd: Path) -> subprocess.CompletedProcess:
-    """`slimeflow deploy`'s main in this process, from `cwd` (the code a subprocess runs, without a second
-    interpreter importing prefect and every flow again: ~4 CPU seconds)."""
-    from slimeflow.deployments.deploy import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([])
-    return subprocess.CompletedProcess(["slimeflow", "deploy"], code, out.getvalue(), err.getvalue())
-
-
 @pytest.fixture(scope="module")
 def deployed(first_deploy, prefect_worker, services: Services, deploy_cwd: Path) -> list[subprocess.CompletedProcess]:
-    """`slimeflow deploy` twice: the first as a user runs it (a process of its own), the second while the worker
-    starts (it runs no flow until asked)."""
-    return [first_deploy, _deploy_here(deploy_cwd)]
+    """`slimeflow deploy` twice; the second while the worker starts (it runs no flow until asked)."""
+    return [first_deploy, _deploy(services, deploy_cwd)]
 
 
 @pytest.mark.slow
