@@ -53,9 +53,9 @@ def test_pipeline_trains_evaluates_exports_and_a_rerun_skips_every_stage(prefect
     from slimeflow.flows.runner import run_pipeline
 
     # Two data-parallel TrainActors (gloo), so the pipeline also runs the DP path: gradients all-reduced, every
-    # rank in the collective save (one: after the last rollout; interval saves are test_sigkill_*'s).
+    # rank in the collective save.
     train = demo_train(**{"num-rollout": 4, "rollout-batch-size": 4, "n-samples-per-prompt": 4,
-                          "eval-interval": 2, "save-interval": None, "actor-num-gpus-per-node": 2})
+                          "eval-interval": 2, "save-interval": 2, "actor-num-gpus-per-node": 2})
     config = load_pipeline_config(pipeline_data(tmp_path, mlflow_uri, train))
     manifests = run_pipeline(config)
     assert list(manifests) == ["model", "convert", "preprocess", "train", "evaluate", "export"]
