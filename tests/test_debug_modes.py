@@ -200,15 +200,16 @@ def parity_reward(args, sample: Sample) -> float:
     return float(sample.tokens[-1] % 2)
 
 
-@pytest.fixture()
-def ray_with_tests_importable(monkeypatch):
-    """A local Ray whose workers import this module (for --custom-rm-path test_debug_modes:parity_reward); shut
-    down afterwards."""
+@pytest.fixture(scope="module")
+def ray_with_tests_importable():
+    """A local Ray whose workers import this module (for --custom-rm-path test_debug_modes:parity_reward), one for
+    the module's tests (the first train stage starts it, the others join it); shut down after the module."""
     import ray
 
     ray.shutdown()  # a Ray started by an earlier test has workers without tests/ on their path
-    monkeypatch.setenv("PYTHONPATH", f"{Path(__file__).parent}:{os.environ.get('PYTHONPATH', '')}")
-    yield
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", f"{Path(__file__).parent}:{os.environ.get('PYTHONPATH', '')}")
+        yield
     ray.shutdown()
 
 

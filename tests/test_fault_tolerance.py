@@ -25,6 +25,7 @@ import torch
 from slimeflow.config.train import FaultToleranceConfig, TrainConfig
 from slimeflow.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.stages.rl import rollout as rollout_module
 from slimeflow.stages.rl.actors import RolloutManager, RolloutSetup
 from slimeflow.stages.rl.engines import EngineDiedError, EngineSet, ReissuingClient, RoutedClient
 from slimeflow.stages.rl.fault_tolerance import HealthMonitor, recover, restore_weights
@@ -67,20 +68,36 @@ def push(manager, version: str) -> dict[str, torch.Tensor]:
     return asyncio.run(once())
 
 
-def strike(manager, rank: int, sig: signal.Signals) -> threading.Thread:
-    """Send `sig` to engine `rank`'s process once it has requests running (from a thread: the rollout runs here)."""
+def strike(manager, rank: int, sig: signal.Signals, monkeypatch) -> threading.Thread:
+    """Send `sig` to engine `rank`'s process once it has requests running (from a thread: the rollout runs here).
+
+    The rollout cannot return before the signal is sent: under load, engine `rank` could otherwise finish its share
+    (and the rollout end) between the busy check and the signal, and no health check would see the engine lost."""
     engine = manager.engines.processes[rank]
     headers = {"Authorization": f"Bearer {manager.engines.api_key}"}
+    sent = threading.Event()
 
     def when_busy():
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            info = httpx.get(engine.url + "/get_model_info", headers=headers, timeout=5).json()
-            if info["running"] > 0:
-                break
-            time.sleep(0.005)
-        os.kill(engine.process.pid, sig)
+        try:
+            while time.monotonic() < deadline:
+                info = httpx.get(engine.url + "/get_model_info", headers=headers, timeout=5).json()
+                if info["running"] > 0:
+                    break
+                time.sleep(0.005)
+            os.kill(engine.process.pid, sig)
+        finally:
+            sent.set()
 
+    unsent = rollout_module.generate_rollout
+
+    async def until_sent(*args, **kwargs):
+        result = await unsent(*args, **kwargs)
+        while not sent.is_set():  # cancellable: a failed health check cancels the rollout here too
+            await asyncio.sleep(0.01)
+        return result
+
+    monkeypatch.setattr(rollout_module, "generate_rollout", until_sent)
     thread = threading.Thread(target=when_busy, daemon=True)
     thread.start()
     return thread
@@ -94,11 +111,12 @@ def every_row_once(row_ids: list[list[str]]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-def test_an_engine_lost_mid_rollout_is_restarted_with_the_pushed_weights_and_the_rollout_completes(manager, sig):
+def test_an_engine_lost_mid_rollout_is_restarted_with_the_pushed_weights_and_the_rollout_completes(manager, sig,
+                                                                                                  monkeypatch):
     rollout_id = {signal.SIGKILL: 0, signal.SIGSTOP: 1}[sig]
     pushed = push(manager, str(rollout_id))
     old_pid = manager.engines.processes[0].process.pid
-    striking = strike(manager, 0, sig)
+    striking = strike(manager, 0, sig, monkeypatch)
     before = len(manager.monitor.recoveries)
     _, metrics, row_ids = manager.generate(rollout_id)
     striking.join()
@@ -119,7 +137,7 @@ def test_an_engine_lost_mid_rollout_is_restarted_with_the_pushed_weights_and_the
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["hung", "killed"])
-def test_without_fault_tolerance_a_lost_engine_ends_the_rollout_with_an_error_naming_it(manager, sig):
+def test_without_fault_tolerance_a_lost_engine_ends_the_rollout_with_an_error_naming_it(manager, sig, monkeypatch):
     """sglang-router would hide a killed engine (it re-sends the request elsewhere) and wait hours on a stopped one;
     the health checks end the rollout instead."""
     manager.monitor.settings = FaultToleranceConfig(use_fault_tolerance=False, **CHECKS)
@@ -129,7 +147,7 @@ def test_without_fault_tolerance_a_lost_engine_ends_the_rollout_with_an_error_na
     rollout_id = {signal.SIGSTOP: 2, signal.SIGKILL: 3}[sig]
     push(manager, str(rollout_id))
     url = manager.engines.worker_urls[1]
-    striking = strike(manager, 1, sig)
+    striking = strike(manager, 1, sig, monkeypatch)
     started = time.monotonic()
     with pytest.raises(EngineDiedError) as died:
         manager.generate(rollout_id)

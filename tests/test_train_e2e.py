@@ -122,8 +122,10 @@ def test_the_demo_task_is_learned(tmp_path):
     from slimeflow.stages.rl.stage import run
 
     # With TensorBoard as a second sink (slime's --use-tensorboard): the stage opens it, feeds it and closes it.
+    # No interval saves (the run still saves after its last rollout): each save converts the weights in a process
+    # of its own, and what this test checks (learning, the sinks, log-prob drift) does not read a checkpoint.
     config, ctx = train_config(tmp_path, **{"use-tensorboard": True, "tb-project-name": "demo",
-                                            "tb-experiment-name": "e2e"})
+                                            "tb-experiment-name": "e2e", "save-interval": None})
     manifest = run(config, ctx)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -181,9 +183,11 @@ def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_data_order(tmp
     config, _ = train_config(tmp_path / "prep", **{"num-rollout": 6, "save-interval": 2, "eval-interval": None,
                                                    "rollout-batch-size": 4, "n-samples-per-prompt": 2})
     # The uninterrupted run serves its engine from a process of its own (--engine-in-process false), the killed and
-    # resumed one from a thread of the RolloutManager (the default): the data order depends on neither.
-    own_process = config.model_copy(update={"placement": config.placement.model_copy(
-        update={"engine_in_process": False})})
+    # resumed one from a thread of the RolloutManager (the default): the data order depends on neither. Nor on the
+    # saves: the uninterrupted run saves only after its last rollout (each save is a conversion process).
+    own_process = config.model_copy(update={
+        "placement": config.placement.model_copy(update={"engine_in_process": False}),
+        "checkpoint": config.checkpoint.model_copy(update={"save_interval": None})})
     straight = launch(own_process, tmp_path / "straight")  # beside the killed run: a separate Ray cluster and workdir
     launched = [straight]
     try:
