@@ -49,10 +49,9 @@ def test_sigkill_mid_save_resumes_the_megatron_backend_exactly(tmp_path):
     dist_checkpointing saves."""
     import os
     import signal
-    import time
 
     import torch
-    from test_train_e2e import launch, log_tail, row_ids, wait_until_gone
+    from test_train_e2e import kill_mid_save, launch, log_tail, row_ids
 
     from slimeflow.checkpoint.staging import ABANDONED
     from slimeflow.checkpoint.torch_dist import load_torch_dist
@@ -65,24 +64,15 @@ def test_sigkill_mid_save_resumes_the_megatron_backend_exactly(tmp_path):
     ref = convert_run(ConvertConfig(hf_checkpoint=config.checkpoint.hf_checkpoint, save=str(tmp_path / "ref"),
                                     processes=1), ctx).outputs["torch_dist"]
     config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"ref_load": ref})})
-    straight = launch(config, tmp_path / "straight")
+    # The uninterrupted run saves once, after its last rollout (iter_0000003, what the resumed run's is compared with).
+    straight = launch(config.model_copy(update={"checkpoint": config.checkpoint.model_copy(
+        update={"save_interval": None})}), tmp_path / "straight")
     launched = [straight]
     try:
         victim = launch(config, tmp_path / "resumed")
         launched.append(victim)
-        root = tmp_path / "resumed" / "checkpoints"
+        root = kill_mid_save(victim, tmp_path / "resumed", staged=3, committed=1)
         tracker = root / "latest_checkpointed_iteration.txt"
-        deadline = time.time() + 300
-        # Killed once rollout 3's save is staged (after checkpoint 1 is committed), before that save commits.
-        while victim.poll() is None and time.time() < deadline and not list(root.glob(".iter_0000003.tmp-*")):
-            time.sleep(0.005)
-        assert tracker.exists() and tracker.read_text() == "1", (
-            f"checkpoint 1 should be committed before the kill; the run (exit {victim.poll()}) logged:\n"
-            f"{log_tail(tmp_path / 'resumed')}")
-        os.killpg(victim.pid, signal.SIGKILL)
-        victim.wait()
-        wait_until_gone(session=victim.pid, timeout=60)
-        assert tracker.read_text() == "1"  # the save under way when killed was not committed
         assert straight.wait(timeout=400) == 0, log_tail(tmp_path / "straight")
         resumed = launch(config, tmp_path / "resumed")
         launched.append(resumed)

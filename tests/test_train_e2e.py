@@ -179,6 +179,28 @@ def row_ids(workdir: Path) -> dict[int, list[str]]:
     return {r["rollout_id"]: r["row_ids"] for r in records}
 
 
+def kill_mid_save(victim: subprocess.Popen, workdir: Path, staged: int, committed: int) -> Path:
+    """SIGKILL the train stage `victim` in the middle of its save of rollout `staged` (its staged directory is there,
+    seconds before the commit), once checkpoint `committed` is committed; wait until every process of its session is
+    gone and check the save it was making was not committed. Returns the checkpoint root."""
+    root = workdir / "checkpoints"
+    tracker = root / "latest_checkpointed_iteration.txt"
+    deadline = time.time() + 300
+    while victim.poll() is None and time.time() < deadline and not list(root.glob(f".iter_{staged:07d}.tmp-*")):
+        time.sleep(0.005)
+    assert tracker.exists() and tracker.read_text() == str(committed), (
+        f"checkpoint {committed} should be committed before the kill; the run (exit {victim.poll()}) logged:\n"
+        f"{log_tail(workdir)}")
+    os.killpg(victim.pid, signal.SIGKILL)  # the driver, Ray's raylet and GCS, the engines
+    victim.wait()
+    # Ray's actors run in process groups of their own and die only once they notice their raylet's death, a second
+    # or more later; the TrainActor, finding its raylet gone, must not commit the save it was making
+    # (TrainActor.check_may_commit).
+    wait_until_gone(session=victim.pid, timeout=60)
+    assert tracker.read_text() == str(committed)
+    return root
+
+
 def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_data_order(tmp_path):
     config, _ = train_config(tmp_path / "prep", **{"num-rollout": 6, "save-interval": 2, "eval-interval": None,
                                                    "rollout-batch-size": 4, "n-samples-per-prompt": 2})
@@ -193,25 +215,8 @@ def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_data_order(tmp
     try:
         victim = launch(config, tmp_path / "resumed")
         launched.append(victim)
-        root = tmp_path / "resumed" / "checkpoints"
+        root = kill_mid_save(victim, tmp_path / "resumed", staged=3, committed=1)
         tracker = root / "latest_checkpointed_iteration.txt"
-        deadline = time.time() + 300
-        while not tracker.exists() and time.time() < deadline and victim.poll() is None:
-            time.sleep(0.01)
-        # Kill the job in the middle of its second save (rollout 3): its staged directory is there, seconds before
-        # the commit.
-        while victim.poll() is None and time.time() < deadline and not list(root.glob(".iter_0000003.tmp-*")):
-            time.sleep(0.005)
-        assert tracker.exists() and tracker.read_text() == "1", (
-            f"the first checkpoint (rollout 1) should be committed before the kill; the run (exit {victim.poll()}) "
-            f"logged:\n{log_tail(tmp_path / 'resumed')}")
-        os.killpg(victim.pid, signal.SIGKILL)  # the driver, Ray's raylet and GCS, the engines
-        victim.wait()
-        # Ray's actors run in process groups of their own and die only once they notice their raylet's death, a second
-        # or more later; the TrainActor, finding its raylet gone, must not commit the save it was making
-        # (TrainActor.check_may_commit).
-        wait_until_gone(session=victim.pid, timeout=60)
-        assert tracker.read_text() == "1"
         # What the kill interrupted may leave a conversion's staging (ours by name); the resumed run removes it.
         left = sorted(p.name for p in root.iterdir() if not ABANDONED.match(p.name))
         assert left == [".slimeflow-run", "iter_0000001", tracker.name]
