@@ -195,3 +195,34 @@ def test_sglang_flags_are_checked_against_the_installed_servers_arguments():
                                SGLANG_ARGS) == [
         "--sglang-max-running-request: the installed SGLang's server has no --max-running-request argument; did you "
         "mean --sglang-max-running-requests?"]  # tp_size is refused on its own (set by slimeflow)
+
+
+def test_the_weights_reach_sglang_servers_launched_here_only_in_sglangs_formats():
+    """SGLang's /update_weights_from_tensor takes CUDA IPC handles (not built), so the servers launched here get
+    the weights by its broadcast group (nccl) or from disk (--sglang-weights-dir); the embedded engine reads no
+    weights directory, so that flag is refused there rather than ignored."""
+    from slimeflow.stages.rl.placement_plan import sglang_weight_problems
+
+    default, nccl = config(), config("--update-weight-transport", "nccl")
+    on_disk = config("--sglang-weights-dir", "/shared/weights")
+    assert "CUDA IPC handles (not built yet)" in sglang_weight_problems(default, sglang_engines=True)[0]
+    assert sglang_weight_problems(nccl, sglang_engines=True) == []
+    assert sglang_weight_problems(on_disk, sglang_engines=True) == []
+    both = config("--sglang-weights-dir", "/w", "--update-weight-transport", "nccl")
+    assert "give one" in sglang_weight_problems(both, sglang_engines=True)[0]
+    assert sglang_weight_problems(default, sglang_engines=False) == []
+    assert "--sglang-weights-dir: read for SGLang servers" in sglang_weight_problems(on_disk, sglang_engines=False)[0]
+    external = config("--sglang-worker-urls", "http://10.0.0.1:30000", "--sglang-weights-dir", "/w")
+    assert sglang_weight_problems(external, sglang_engines=True) == []
+
+
+def test_sglang_servers_launched_here_take_the_weights_directory_into_their_weight_targets():
+    from types import SimpleNamespace
+
+    from slimeflow.stages.rl.engines import EngineSet
+
+    served = SimpleNamespace(url="http://127.0.0.1:30000", wait_ready=lambda path, timeout: None, stop=lambda: None)
+    for kind, expected in (("sglang", "/shared/weights"), ("embedded", None)):
+        placed = SimpleNamespace(kind=kind, start=lambda hf, key, threads: [served])
+        engines = EngineSet.launch("hf", {"weights_dir": "/shared/weights"}, 1, placed=placed).ready()
+        assert engines.weight_targets().weights_dir == expected

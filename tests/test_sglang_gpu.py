@@ -28,7 +28,10 @@ def test_three_rollouts_through_a_launched_sglang_server(tmp_path):
     assert sglang_installed()
     config, ctx = train_config(tmp_path, **{"num-rollout": 3, "rollout-batch-size": 4, "n-samples-per-prompt": 4,
                                             "eval-interval": None, "save-interval": None, "colocate": True,
-                                            "actor-num-gpus-per-node": 1, "sglang": {"mem_fraction_static": 0.3}})
+                                            "actor-num-gpus-per-node": 1,
+                                            # colocated on one GPU, the server loads each version from disk
+                                            "sglang": {"mem_fraction_static": 0.3,
+                                                       "weights_dir": str(tmp_path / "weights")}})
     run(config, ctx)
     rows = [json.loads(line) for line in (ctx.workdir / "train" / "rollouts.jsonl").read_text().splitlines()]
     rollouts = [r for r in rows if "rollout/reward_mean" in r]

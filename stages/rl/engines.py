@@ -97,6 +97,8 @@ class EngineSet:
         launching = EngineLaunch(hf_checkpoint, api_key=str(key) if key else new_api_key(), router=router)
         if placed is not None:
             launching.processes = placed.start(hf_checkpoint, launching.api_key, threads)
+            if placed.kind == "sglang":  # SGLang servers launched here load each version from there (disk sync)
+                launching.weights_dir = sglang_args.get("weights_dir")
             return launching
         options: dict[str, Any] = {"api_key": launching.api_key, **({"num_threads": threads} if threads else {})}
         start = launch_engine_thread if in_process and num_engines == 1 else launch_engine
@@ -168,6 +170,8 @@ class EngineLaunch:
         `router`: the options of the sglang-router started in front of two or more engines (None: none started)."""
         self.hf_checkpoint, self.external, self.api_key, self.router = hf_checkpoint, external, api_key, router
         self.processes: list[Any] = []
+        self.weights_dir: str | None = None
+        """--sglang-weights-dir for SGLang servers launched here: the trainer writes each version there."""
 
     def ready(self) -> EngineSet:
         """The EngineSet once every embedded engine answers /health (and the router, with two or more, lists
@@ -190,7 +194,7 @@ class EngineLaunch:
         except BaseException:
             self.cancel()
             raise
-        return EngineSet(urls, self.processes[-1].url, self.hf_checkpoint, processes=self.processes,
+        return EngineSet(urls, self.processes[-1].url, self.hf_checkpoint, self.weights_dir, processes=self.processes,
                          api_key=self.api_key)
 
     def cancel(self) -> None:

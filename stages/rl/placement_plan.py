@@ -156,5 +156,28 @@ def flag_problems(config: TrainConfig, sglang_server_args: set[str] | None) -> l
     return problems
 
 
+def sglang_weight_problems(config: TrainConfig, sglang_engines: bool) -> list[str]:
+    """How the trainer's weights reach the engines this run launches: SGLang servers read SGLang's own formats only;
+    --sglang-weights-dir is read for SGLang servers (external, or launched here), not by the embedded engine."""
+    sglang, transport = config.sglang, config.weight_sync.update_weight_transport
+    external = config.placement.rollout_external_engine_addrs or sglang.args.get("worker_urls")
+    weights_dir = sglang.args.get("weights_dir")
+    if external or config.debug.debug_rollout_only or config.debug.debug_train_only:
+        return []
+    if not sglang_engines:
+        return ["--sglang-weights-dir: read for SGLang servers (started elsewhere, or launched here where SGLang is "
+                "installed); the embedded engines take the weights over HTTP, /dev/shm (--colocate) or "
+                "--update-weight-transport nccl: remove it"] if weights_dir else []
+    if weights_dir and transport == "nccl":
+        return ["--sglang-weights-dir and --update-weight-transport nccl name two ways to push the weights; give one"]
+    if transport is None and not weights_dir:
+        return ["the SGLang servers launched here read weights in SGLang's formats only: /update_weights_from_tensor "
+                "takes CUDA IPC handles (not built yet), so the default transport (slimeflow's HTTP tensor bodies, or "
+                "a /dev/shm segment with --colocate) cannot reach them; give --update-weight-transport nccl (SGLang's "
+                "broadcast group; engines disaggregated from the trainer) or --sglang-weights-dir DIR (a directory "
+                "the servers can read: each version is written there and loaded with /update_weights_from_disk)"]
+    return []
+
+
 def _split(urls: str | list[str]) -> list[str]:
     return urls.split() if isinstance(urls, str) else list(urls)
