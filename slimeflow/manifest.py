@@ -55,6 +55,12 @@ def content_hash(records: list[ArtifactRecord]) -> str:
 
 
 def config_hash(config: BaseModel) -> str:
-    """A stable hash of a config's values (keys sorted), for cache keys."""
-    payload = json.dumps(config.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    """A stable hash of a config's values (keys sorted), for cache keys; with the plug-in settings a train config
+    read from --custom-config-path's file (`custom_args`, not fields of its own), so that editing the file reruns
+    the stage."""
+    values: Any = config.model_dump(mode="json")
+    custom = getattr(config, "custom_args", None)
+    if custom:
+        values = {"config": values, "custom_args": custom}
+    payload = json.dumps(values, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(payload.encode()).hexdigest()

@@ -167,6 +167,17 @@ def test_a_custom_config_sets_plugin_args_and_overrides_the_flags_it_names(tmp_p
     assert (args.tis_mode, args.max_turns, args.tis_clip, args.custom_config_path) == ("truncate", 3, 2.5, path)
 
 
+def test_editing_a_custom_configs_plugin_settings_changes_the_train_stages_cache_key(tmp_path):
+    """The plug-in settings are not config fields; a pipeline rerun must still train again when they change."""
+    from slimeflow.manifest import config_hash
+
+    path = custom_config(tmp_path, "max_turns: 3\n")
+    before = config_hash(load_stage_config("train", None, [*TRAIN, "--custom-config-path", path]))
+    assert before == config_hash(load_stage_config("train", None, [*TRAIN, "--custom-config-path", path]))
+    Path(path).write_text("max_turns: 4\n")
+    assert config_hash(load_stage_config("train", None, [*TRAIN, "--custom-config-path", path])) != before
+
+
 @pytest.mark.parametrize("text, message", [
     (None, "no such file; give the YAML file"),
     ("use_critic: true\n", "use_critic: slime's flag --use-critic, which slimeflow does not take (PPO with a critic"),
