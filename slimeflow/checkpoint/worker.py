@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from slimeflow._compat import eager_jit_fusions
+from slimeflow._compat import eager_jit_fusions, without_optional_modules
 from slimeflow.checkpoint import supervise
 from slimeflow.checkpoint.diskspace import no_space_left, ran_out_of_space
 from slimeflow.checkpoint.mapping import (
@@ -161,13 +161,13 @@ def peak_rss_bytes() -> dict[str, int]:
 
 
 def import_in_background(module: str) -> threading.Thread:
-    """Start importing `module` (megatron-core) on a thread, its jit fusions left eager (this process only
-    writes; _compat.eager_jit_fusions). On a thread, the import's second of Python overlaps the rendezvous and
-    the reads and fusions, which wait on the other ranks or run in torch with the GIL released. Join it
-    before using the module (a failed import is raised again by the next `import`)."""
+    """Start importing `module` (megatron-core) on a thread, its jit fusions left eager and without wandb (this
+    process only writes; _compat.eager_jit_fusions, without_optional_modules). On a thread, the import's second
+    of Python overlaps the rendezvous and the reads, which wait on the other ranks or map files. Join it before
+    using the module (a failed import is raised again by the next `import`)."""
 
     def load() -> None:
-        with eager_jit_fusions():
+        with eager_jit_fusions(), without_optional_modules("wandb"):
             importlib.import_module(module)
 
     thread = threading.Thread(target=load, name=f"import {module}", daemon=True)
