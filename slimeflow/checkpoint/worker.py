@@ -178,7 +178,8 @@ def import_in_background(module: str) -> threading.Thread:
 def convert_share(job: Job, rank: int, importing: threading.Thread | None = None) -> dict[str, Any]:
     """Convert and save rank `rank`'s share; returns the count and bytes of the tensors it held and wrote, its
     expert slice, what it read (HF tensors, bytes, the experts among them), and when (Unix time) its tensors
-    were read and when they were saved. `importing`: a background import to wait for before saving."""
+    were read, megatron-core's import was done and its tensors were saved. `importing`: a background import to
+    wait for before saving."""
     shape = ModelShape(**job.shape)
     dtype = getattr(torch, job.dtype)
     share = job.shares[rank]
@@ -197,6 +198,7 @@ def convert_share(job: Job, rank: int, importing: threading.Thread | None = None
     read = time.time()
     if importing is not None:
         importing.join()
+    imported = time.time()
     try:
         save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration)
     except (KeyboardInterrupt, SystemExit):
@@ -205,7 +207,7 @@ def convert_share(job: Job, rank: int, importing: threading.Thread | None = None
         if ran_out_of_space(err, Path(job.checkpoint_dir), counts["bytes"]):
             raise no_space_left(Path(job.checkpoint_dir), f"rank {rank}'s share", counts["bytes"]) from err
         raise
-    return {**counts, "read_at": read, "saved_at": time.time()}
+    return {**counts, "read_at": read, "imported_at": imported, "saved_at": time.time()}
 
 
 def _backend(rank: int) -> str:
