@@ -11,8 +11,9 @@ layers it keys one by one; with two processes each rank converts 8 of every MoE 
 Prints, for 1 and 2 conversion processes: wall time as a ratio to `cp -r` + `sync` of the HF directory, timed
 after a `sync` so that it flushes only the copy (goal <= 2x); cp and the two conversions run interleaved for
 --rounds rounds, and the ratio of medians is the figure (a single cp moved between 1.7 and 5 s here). The last
-round prints each rank's timeline from its launch (start-up and imports, tensors read and fused, saved: the
-last span includes waiting for megatron-core's import and its forked writers); and each rank's peak RSS as a fraction of the model's size
+round prints each rank's timeline from its launch (start-up and imports, tensors read and fused, megatron-core
+imported (on a thread from the start), saved: the last span is planning, the forked writers and their fsync);
+and each rank's peak RSS as a fraction of the model's size
 (goals <= 1.1 with one process, <= 0.6 with two). Peak RSS is the rank's VmHWM: resident anonymous and
 file-backed pages alike. Its largest forked dist_checkpointing writer is printed too (RUSAGE_CHILDREN): that
 figure counts the pages the writer shares copy-on-write with its rank, plus the file pages it writes out. The
@@ -173,7 +174,8 @@ def print_ranks(ranks: list[dict], size: int, base: int, goal: float) -> None:
                   f"{r['bytes'] / size:.2f}")
         launched = r["launched"]
         print(f"    seconds from launch: start-up and imports {r['started_at'] - launched:.2f}, tensors "
-              f"read and fused {r['read_at'] - launched:.2f}, saved {r['saved_at'] - launched:.2f}")
+              f"read and fused {r['read_at'] - launched:.2f}, megatron-core imported "
+              f"{r['imported_at'] - launched:.2f}, saved {r['saved_at'] - launched:.2f}")
 
 
 def load() -> str:

@@ -157,9 +157,13 @@ def test_qkv_is_grouped_by_kv_group_and_fc1_is_gate_then_up():
         hf[f"model.layers.0.self_attn.{name}_proj.bias"] = rows.clone()
     hf["model.layers.0.mlp.gate_proj.weight"] = torch.zeros(shape.ffn_hidden_size, 8)
     hf["model.layers.0.mlp.up_proj.weight"] = torch.ones(shape.ffn_hidden_size, 8)
-    mega = hf_to_megatron(hf, shape, layers=[0], globals_=(),
-                          rules=["self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-                                 "mlp.linear_fc1.weight"])
+    rules = ["self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight"]
+    mega = hf_to_megatron(hf, shape, layers=[0], globals_=(), rules=rules)
+    # the converter's form: the same tensors as the HF row blocks that torch_dist writes unassembled
+    blocks = hf_to_megatron(hf, shape, layers=[0], globals_=(), rules=rules, row_blocks=True)
+    assert [len(blocks[f"decoder.layers.0.{rule}"].parts) for rule in rules] == [6, 6, 2]  # per group q, k, v; gate, up
+    for name, fused in mega.items():
+        assert blocks[name].shape == fused.shape and torch.equal(torch.cat(blocks[name].parts), fused), name
     heads_in_order = mega["decoder.layers.0.self_attention.linear_qkv.bias"][::head_dim].tolist()
     assert heads_in_order == [100, 101, 200, 300, 102, 103, 201, 301]  # group 0: q0 q1 k0 v0; group 1: q2 q3 k1 v1
     assert torch.equal(mega["decoder.layers.0.self_attention.linear_qkv.weight"][:, 0],
@@ -219,6 +223,12 @@ def test_lazy_safetensors_are_exact_views_that_own_only_their_bytes(tmp_path, ur
         assert view.dtype == tensor.dtype and torch.equal(view, tensor), name
         # megatron-core's writer clones a CPU tensor whose storage is larger than the tensor: these must not be
         assert view.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
+        if tensor.dim() and tensor.shape[0] > 2:  # a row block (QKV's per-group rows) maps only its rows
+            rows = lazy.rows(name, 1, tensor.shape[0] - 1)
+            assert torch.equal(rows, tensor[1:-1]), name
+            assert rows.untyped_storage().nbytes() == rows.numel() * rows.element_size(), name
+    with pytest.raises(IndexError, match="rows \\[2, 1\\)"):
+        lazy.rows("model.embed_tokens.weight", 2, 1)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from slimeflow.checkpoint.torch_dist import ExpertRows
+from slimeflow.checkpoint.torch_dist import ExpertRows, RowBlocks
 from slimeflow.families import (
     FAMILIES,
     GLOBAL_RULES,
@@ -406,13 +406,14 @@ def _placed(shape: ModelShape, layers: Iterable[int] | None, globals_: Iterable[
 
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape, layers: Iterable[int] | None = None,
                    globals_: Iterable[str] | None = None, rules: Iterable[str] | None = None,
-                   experts: range | None = None) -> dict[str, torch.Tensor]:
+                   experts: range | None = None, row_blocks: bool = False) -> dict[str, torch.Tensor | RowBlocks]:
     """HF tensors -> Megatron tensors for the chosen layers and globals (default: all), vocabulary padded.
 
     `hf` is read one tensor at a time (`hf[name]`), so a lazy mapping over safetensors files keeps only the
     tensors of the returned dict in memory. `rules` limits the per-layer tensors to those Megatron names;
     `experts` the per-expert tensors to those routed experts (default: all), stacked in that order: a rank's
-    slice [experts.start, experts.stop) of the expert axis.
+    slice [experts.start, experts.stop) of the expert axis. `row_blocks`: each fused tensor (QKV, gate/up) is
+    returned as the HF rows it is made of (RowBlocks, for torch_dist to write unassembled), not fused.
     """
     out = {}
     for name, rule, prefix in _placed(shape, layers, globals_, rules):
@@ -420,10 +421,34 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], shape: ModelShape, layers: It
             per_expert = _hf_names(rule, shape)
             chosen = per_expert if experts is None else [per_expert[e] for e in experts]
             tensor = _stacked_experts(rule, [[hf[prefix + part] for part in names] for names in chosen])
+        elif row_blocks and rule.fusion != "copy":
+            out[name] = RowBlocks(_fused_rows(rule, hf, prefix, shape))
+            continue
         else:
             tensor = _fuse(rule, [hf[prefix + part] for part in rule.hf], shape)
         out[name] = _pad_vocab(tensor, shape.padded_vocab_size) if rule.megatron in VOCAB_PADDED else tensor
     return out
+
+
+def _fused_rows(rule: Rule, hf: Mapping[str, torch.Tensor], prefix: str, shape: ModelShape) -> list[torch.Tensor]:
+    """The HF row blocks whose concatenation on dim 0 is `_fuse(rule, ...)`: gate then up; or, per query group,
+    its query heads' rows, its key's and its value's. Each block is read alone where `hf` can (`hf.rows`)."""
+    names = [prefix + part for part in rule.hf]
+    if rule.fusion == "gate_up":
+        return [hf[name] for name in names]
+    groups = shape.num_query_groups
+    q, k, v = names
+    per_group = [shape.num_attention_heads // groups * shape.kv_channels, shape.kv_channels, shape.kv_channels]
+    return [_rows(hf, name, group * rows, (group + 1) * rows)
+            for group in range(groups) for name, rows in zip((q, k, v), per_group, strict=True)]
+
+
+def _rows(hf: Mapping[str, torch.Tensor], name: str, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of HF tensor `name`: as a tensor of their own where the source can give one
+    (worker.LazySafetensors.rows maps only them, so that the writer need not copy them out of the whole tensor),
+    else a view."""
+    rows = getattr(hf, "rows", None)
+    return rows(name, start, stop) if rows is not None else hf[name][start:stop]
 
 
 def expert_rows(hf: Mapping[str, torch.Tensor], shape: ModelShape, experts: range) -> dict[str, ExpertRows]:

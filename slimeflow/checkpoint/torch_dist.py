@@ -56,13 +56,33 @@ class ExpertRows:
         return sum(part.numel() * part.element_size() for parts in self.parts for part in parts)
 
 
-def sharded_state_dict(tensors: Mapping[str, torch.Tensor | ExpertRows], num_layers: int,
+@dataclass(frozen=True)
+class RowBlocks:
+    """A fused tensor given by its row blocks and never assembled: `parts`, concatenated on dim 0, is the tensor
+    (QKV: each query group's query, key and value rows; gate/up: the gate's rows, then the up projection's). Each
+    part is written as a shard of its own at its row offset, as ExpertRows are: a memory-mapped HF tensor's rows go
+    from the page cache to the checkpoint in the forked writer. The parts may differ in rows (a query group's query
+    rows against its key's), so the shards form an irregular grid, which torch's checkpoint validates."""
+
+    parts: list[torch.Tensor]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (sum(part.shape[0] for part in self.parts), *self.parts[0].shape[1:])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.numel() * part.element_size() for part in self.parts)
+
+
+def sharded_state_dict(tensors: Mapping[str, torch.Tensor | ExpertRows | RowBlocks], num_layers: int,
                        stacked: bool = True) -> dict:
     """megatron-core ShardedTensors (and `_extra_state` ShardedObjects) for this rank's tensors.
 
     `stacked`: layer i's tensor is shard [i] of `decoder.layers.<name>` [num_layers, ...]; else (layers that differ,
     megatron-core's non-homogeneous layers) it is the whole of `decoder.layers.<i>.<name>`. A routed-expert tensor
-    may be given as ExpertRows (a rank's experts, or all of them), whose parts become the shards."""
+    may be given as ExpertRows (a rank's experts, or all of them), and a fused one as RowBlocks, whose parts become
+    the shards."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     out: dict = {}
@@ -80,6 +100,9 @@ def sharded_state_dict(tensors: Mapping[str, torch.Tensor | ExpertRows], num_lay
             out.update(_expert_shards(prefix + inner, name, tensor, layer_axis))
             experts = range(tensor.first, tensor.first + len(tensor.parts))
             total = tensor.total
+        elif isinstance(tensor, RowBlocks):
+            out.update(_row_shards(prefix + inner, name, tensor, layer_axis))
+            experts, total = range(tensor.shape[0]), tensor.shape[0]
         else:
             out[name] = ShardedTensor.from_rank_offsets(prefix + inner, tensor, *layer_axis, replica_id=_REPLICA,
                                                         prepend_axis_num=len(layer_axis))
@@ -107,10 +130,28 @@ def _expert_shards(key: str, name: str, rows: ExpertRows, layer_axis: tuple[tupl
         for i, parts in enumerate(rows.parts) for j, part in enumerate(parts)}
 
 
-def save_torch_dist(tensors: Mapping[str, torch.Tensor | ExpertRows], args: argparse.Namespace,
+def _row_shards(key: str, name: str, rows: RowBlocks, layer_axis: tuple[tuple[int, int, int], ...]) -> dict:
+    """One ShardedTensor per row block of `key` (after the layer axis when layers are stacked), at its row offset:
+    an irregular grid (axis_fragmentations None)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    outer_shape = tuple(size for _, _, size in layer_axis)
+    outer_offset = tuple(index for _, index, _ in layer_axis)
+    out, row = {}, 0
+    for j, part in enumerate(rows.parts):
+        # megatron-core drops prepend_axis_num on an irregular grid: the layer axis is the data's own (a view)
+        data = part.view(*[1] * len(layer_axis), *part.shape)
+        out[f"{name}.{j}"] = ShardedTensor(
+            key, data, part.dtype, tuple(data.shape), (*outer_shape, *rows.shape),
+            (*outer_offset, row, *[0] * (part.dim() - 1)), None, replica_id=_REPLICA)
+        row += part.shape[0]
+    return out
+
+
+def save_torch_dist(tensors: Mapping[str, torch.Tensor | ExpertRows | RowBlocks], args: argparse.Namespace,
                     checkpoint_dir: str | Path, iteration: int = 1) -> None:
     """Write this rank's share of a torch_dist checkpoint into `checkpoint_dir` (collective over all ranks); its
-    routed experts may be ExpertRows (sharded_state_dict).
+    routed experts may be ExpertRows and its fused tensors RowBlocks (sharded_state_dict).
 
     `checkpoint_dir` is the checkpoint directory itself (e.g. <root>/iter_0000001); committing it (the tracker)
     is the caller's job, after every rank has returned: slimeflow.io.checkpoints.commit.

@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from slimeflow._compat import eager_jit_fusions
+from slimeflow._compat import eager_jit_fusions, without_optional_modules
 from slimeflow.checkpoint import supervise
 from slimeflow.checkpoint.diskspace import no_space_left, ran_out_of_space
 from slimeflow.checkpoint.mapping import (
@@ -42,7 +42,7 @@ from slimeflow.checkpoint.mapping import (
     hf_to_megatron,
     megatron_args,
 )
-from slimeflow.checkpoint.torch_dist import ExpertRows, save_torch_dist
+from slimeflow.checkpoint.torch_dist import ExpertRows, RowBlocks, save_torch_dist
 
 JOB_TIMEOUT = timedelta(minutes=60)
 
@@ -101,11 +101,23 @@ class LazySafetensors(Mapping[str, torch.Tensor]):
         """Bytes of each tensor handed out so far, by name: what this rank loaded."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        return self.rows(name, 0, None)
+
+    def rows(self, name: str, start: int, stop: int | None) -> torch.Tensor:
+        """Rows [start, stop) of tensor `name` (stop None: to the end), mapped on their own: the tensor's storage
+        is exactly these rows, so dist_checkpointing's writer saves them without copying them out first."""
         path = self._directory / self._weight_map[name]
         data_start, header = self._header(path)
         entry = header[name]
-        dtype, shape = _DTYPES[entry["dtype"]], entry["shape"]
+        dtype, shape = _DTYPES[entry["dtype"]], list(entry["shape"])
         begin, end = (data_start + offset for offset in entry["data_offsets"])
+        if shape:
+            row_bytes = (end - begin) // shape[0] if shape[0] else 0
+            stop = shape[0] if stop is None else stop
+            if not 0 <= start <= stop <= shape[0]:
+                raise IndexError(f"{name}: rows [{start}, {stop}) of a tensor of {shape[0]} rows")
+            shape[0] = stop - start
+            begin, end = begin + start * row_bytes, begin + stop * row_bytes
         self.read[name] = self.read.get(name, 0) + end - begin
         if begin == end:
             return torch.empty(shape, dtype=dtype)
@@ -149,13 +161,13 @@ def peak_rss_bytes() -> dict[str, int]:
 
 
 def import_in_background(module: str) -> threading.Thread:
-    """Start importing `module` (megatron-core) on a thread, its jit fusions left eager (this process only
-    writes; _compat.eager_jit_fusions). On a thread, the import's second of Python overlaps the rendezvous and
-    the reads and fusions, which wait on the other ranks or run in torch with the GIL released. Join it
-    before using the module (a failed import is raised again by the next `import`)."""
+    """Start importing `module` (megatron-core) on a thread, its jit fusions left eager and without wandb (this
+    process only writes; _compat.eager_jit_fusions, without_optional_modules). On a thread, the import's second
+    of Python overlaps the rendezvous and the reads, which wait on the other ranks or map files. Join it before
+    using the module (a failed import is raised again by the next `import`)."""
 
     def load() -> None:
-        with eager_jit_fusions():
+        with eager_jit_fusions(), without_optional_modules("wandb"):
             importlib.import_module(module)
 
     thread = threading.Thread(target=load, name=f"import {module}", daemon=True)
@@ -166,17 +178,19 @@ def import_in_background(module: str) -> threading.Thread:
 def convert_share(job: Job, rank: int, importing: threading.Thread | None = None) -> dict[str, Any]:
     """Convert and save rank `rank`'s share; returns the count and bytes of the tensors it held and wrote, its
     expert slice, what it read (HF tensors, bytes, the experts among them), and when (Unix time) its tensors
-    were read and when they were saved. `importing`: a background import to wait for before saving."""
+    were read, megatron-core's import was done and its tensors were saved. `importing`: a background import to
+    wait for before saving."""
     shape = ModelShape(**job.shape)
     dtype = getattr(torch, job.dtype)
     share = job.shares[rank]
     hf = LazySafetensors(job.hf_dir, job.weight_map)
-    tensors: dict[str, torch.Tensor | ExpertRows] = dict(
-        hf_to_megatron(hf, shape, share.layers, share.globals_, dense_rules(shape)))
+    # Fused tensors (QKV, gate/up) as their HF rows, and experts as theirs: written unassembled, from the maps.
+    tensors: dict[str, torch.Tensor | ExpertRows | RowBlocks] = dict(
+        hf_to_megatron(hf, shape, share.layers, share.globals_, dense_rules(shape), row_blocks=True))
     if share.experts[1] > share.experts[0]:  # its slice of every MoE layer's routed experts, written unassembled
         tensors.update(expert_rows(hf, shape, range(*share.experts)))
     args = megatron_args(shape, dtype, job.make_vocab_size_divisible_by, job.tensor_model_parallel_size)
-    counts = {"tensors": len(tensors), "bytes": sum(t.nbytes if isinstance(t, ExpertRows) else
+    counts = {"tensors": len(tensors), "bytes": sum(t.nbytes if isinstance(t, (ExpertRows, RowBlocks)) else
                                                     t.numel() * t.element_size() for t in tensors.values()),
               "experts": list(share.experts), "read_tensors": len(hf.read), "read_bytes": sum(hf.read.values()),
               "read_experts": [e for e in range(shape.num_experts) if any(
@@ -184,6 +198,7 @@ def convert_share(job: Job, rank: int, importing: threading.Thread | None = None
     read = time.time()
     if importing is not None:
         importing.join()
+    imported = time.time()
     try:
         save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration)
     except (KeyboardInterrupt, SystemExit):
@@ -192,7 +207,7 @@ def convert_share(job: Job, rank: int, importing: threading.Thread | None = None
         if ran_out_of_space(err, Path(job.checkpoint_dir), counts["bytes"]):
             raise no_space_left(Path(job.checkpoint_dir), f"rank {rank}'s share", counts["bytes"]) from err
         raise
-    return {**counts, "read_at": read, "saved_at": time.time()}
+    return {**counts, "read_at": read, "imported_at": imported, "saved_at": time.time()}
 
 
 def _backend(rank: int) -> str:
