@@ -25,7 +25,7 @@ import torch
 from slimeflow.config.train import FaultToleranceConfig, TrainConfig
 from slimeflow.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl import rollout as rollout_module
+from slimeflow.rollout import rollout as rollout_module
 from slimeflow.stages.rl.actors import RolloutManager, RolloutSetup
 from slimeflow.stages.rl.engines import EngineDiedError, EngineSet, ReissuingClient, RoutedClient
 from slimeflow.stages.rl.fault_tolerance import HealthMonitor, recover, restore_weights
