@@ -243,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         with supervise.stop_when_a_child_fails(functools.partial(_writer_died, job, options.rank)):
             written = convert_share(job, options.rank, importing)
             torch.distributed.barrier()
+    except BaseException:
+        # Let the import end first: cut off at exit, its thread prints a traceback of its own after this one, and
+        # the parent's report (the output's tail) would end there instead of at the cause.
+        importing.join(timeout=60)
+        raise
     finally:
         torch.distributed.destroy_process_group()
     result = {"rank": options.rank, "started_at": started, **written, **peak_rss_bytes()}
