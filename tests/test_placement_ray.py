@@ -7,6 +7,7 @@ killed mid-rollout and restarted on its bundle."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,16 @@ pytestmark = pytest.mark.slow
 GPUS_PER_NODE = 4
 FAKE_SGLANG = Path(__file__).parent / "data" / "fake_sglang"
 """A test-only `sglang` package: `sglang.launch_server` parses our command line and serves the embedded engine."""
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch):
+    """The stand-in `sglang` importable here for one test; its modules leave sys.modules after it (find_spec would
+    still find them there, and later tests' engines would be taken for SGLang servers)."""
+    monkeypatch.syspath_prepend(str(FAKE_SGLANG))
+    yield
+    for name in [m for m in sys.modules if m.split(".")[0] == "sglang"]:
+        del sys.modules[name]
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +202,7 @@ def test_a_rollout_through_engine_actors_pinned_to_their_bundles(cluster, tmp_pa
     assert all_gpus_free()  # everything given back
 
 
-def test_with_fault_tolerance_the_loop_survives_an_sglang_server_killed_mid_rollout(cluster, tmp_path, monkeypatch):
+def test_with_fault_tolerance_the_loop_survives_an_sglang_server_killed_mid_rollout(cluster, tmp_path, monkeypatch, fake_sglang):
     """The train stage's own path (RolloutManager and TrainActor as Ray actors, the engine an EngineActor on its
     bundle) with the SGLang launch path: the actor runs `sglang.launch_server` (the stand-in) with the command line
     we build and waits for /health_generate. One engine, weights by broadcast (--update-weight-transport nccl, gloo
@@ -208,7 +219,6 @@ def test_with_fault_tolerance_the_loop_survives_an_sglang_server_killed_mid_roll
     from slimeflow.stages.rl.remote import call
     from slimeflow.stages.rl.stage import rollout_setup, with_defaults
 
-    monkeypatch.syspath_prepend(str(FAKE_SGLANG))
     config, ctx = train_config(tmp_path, **{
         "num-rollout": 2, "rollout-batch-size": 4, "n-samples-per-prompt": 2, "eval-interval": None,
         "save-interval": None, "rollout-num-gpus": 1, "num-gpus-per-node": GPUS_PER_NODE,

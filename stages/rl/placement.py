@@ -23,7 +23,7 @@ from slimeflow.config.train import TrainConfig
 from slimeflow.stages.rl.actors import RolloutSetup, TrainActor, rollout_manager_class
 from slimeflow.stages.rl.engine_actor import sglang_installed
 from slimeflow.stages.rl.placement_group import PlacedGroup, create_placement_group
-from slimeflow.stages.rl.placement_plan import plan_placement
+from slimeflow.stages.rl.placement_plan import plan_placement, sglang_weight_problems
 from slimeflow.stages.rl.remote import LoopError, call, hosted
 
 if TYPE_CHECKING:
@@ -229,11 +229,17 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
     if setup.engine_threads is None:
         engines = setup.num_engines if group else (at_once if placement.async_ else 1)
         setup = replace(setup, engine_threads=cpu_threads(max(1, engines)))
+    # SGLang servers on a GPU cluster's placement group where SGLang is installed; the embedded engine otherwise.
+    kind = "sglang" if group is not None and sglang_installed() else "embedded"
+    problems = sglang_weight_problems(config, sglang_engines=kind == "sglang")
+    if problems:
+        if group is not None:
+            group.remove()
+        raise ValueError("the train stage cannot start: " + "; ".join(problems))
     if group is not None:
         memory_saver = {"enable_memory_saver": True} if placement.offload_rollout else {}  # as slime
         setup = replace(setup, engines_on=group.engine_placement(
-            "sglang" if sglang_installed() else "embedded", config.seed, placement.num_gpus_per_node,
-            {**config.sglang.server_args(), **memory_saver}))
+            kind, config.seed, placement.num_gpus_per_node, {**config.sglang.server_args(), **memory_saver}))
     # megatron-core keeps its parallel state in torch.distributed groups, so even one Megatron rank needs a world.
     needs_world = world > 1 or config.placement.train_backend == "megatron"
     init_method = (scratch / f"dist-{uuid.uuid4().hex[:8]}").resolve().as_uri() if needs_world else ""

@@ -29,10 +29,9 @@ from slimeflow.stages.base import StageContext, StageInputError
 from slimeflow.stages.rl import async_loop, loop
 from slimeflow.stages.rl.actors import RolloutSetup
 from slimeflow.stages.rl.backend.ownership import claim_root
-from slimeflow.stages.rl.engine_actor import sglang_installed
 from slimeflow.stages.rl.model_args import megatron_backend_problems
 from slimeflow.stages.rl.placement import create_placement
-from slimeflow.stages.rl.placement_plan import flag_problems, sglang_weight_problems
+from slimeflow.stages.rl.placement_plan import flag_problems
 from slimeflow.stages.rl.plots import plot_curves
 from slimeflow.stages.rl.sinks import close_sinks, fan_out, open_sinks
 
@@ -87,7 +86,6 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
     problems += data_problems(config, ctx)
     # SGLang's server arguments are read only when some are given: importing SGLang takes seconds (and torch)
     problems += flag_problems(config, installed_server_args() if config.sglang.server_args() else None)
-    problems += sglang_weight_problems(config, sglang_engines=sglang_installed())
     if config.algorithm.advantage_estimator == "ppo":  # the library computes GAE from values no run produces yet
         problems.append("--advantage-estimator ppo needs a critic's values (slime's --use-critic), which this version "
                         "does not train; use grpo, gspo, cispo, reinforce_plus_plus or reinforce_plus_plus_baseline")
