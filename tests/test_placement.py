@@ -226,3 +226,23 @@ def test_sglang_servers_launched_here_take_the_weights_directory_into_their_weig
         placed = SimpleNamespace(kind=kind, start=lambda hf, key, threads: [served])
         engines = EngineSet.launch("hf", {"weights_dir": "/shared/weights"}, 1, placed=placed).ready()
         assert engines.weight_targets().weights_dir == expected
+
+
+def test_an_api_key_starting_with_a_dash_reaches_the_sglang_server_as_its_key(monkeypatch):
+    """token_urlsafe draws a key starting with "-" once in 64; as `--api-key KEY` argparse took it for a flag (a
+    fresh-clone run failed so: "argument --api-key: expected one argument")."""
+    import argparse
+    import runpy
+    import sys
+
+    from slimeflow.engine import sglang_launch
+
+    monkeypatch.setenv(sglang_launch.SGLANG_API_KEY_ENV, "-dash-key")
+    monkeypatch.setattr(sys, "argv", ["-c", "--port", "1"])
+    seen = {}
+    monkeypatch.setattr(runpy, "run_module", lambda name, run_name: seen.update(module=name, argv=list(sys.argv)))
+    exec(sglang_launch._SGLANG_WITH_KEY)  # what `python -c` runs before SGLang's own argument parser
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--api-key")
+    parser.add_argument("--port")
+    assert seen["module"] == "sglang.launch_server" and parser.parse_args(seen["argv"][1:]).api_key == "-dash-key"

@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from typing import Any
 
 SGLANG_API_KEY_ENV = "SLIMEFLOW_SGLANG_API_KEY"
-_SGLANG_WITH_KEY = (f"import os, runpy, sys; sys.argv += ['--api-key', os.environ.pop('{SGLANG_API_KEY_ENV}')]; "
+# One `--api-key=KEY` word, as for the router (launch.py): a key starting with "-" would be read as a flag.
+_SGLANG_WITH_KEY = (f"import os, runpy, sys; sys.argv += ['--api-key=' + os.environ.pop('{SGLANG_API_KEY_ENV}')]; "
                     "runpy.run_module('sglang.launch_server', run_name='__main__')")
 SGLANG_READY_PATH = "/health_generate"
 """What slime waits for: the server has loaded the model and generated a token."""

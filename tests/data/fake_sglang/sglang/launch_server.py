@@ -33,7 +33,7 @@ def main(argv: list[str]) -> None:
 
     serve(["--model-path", args.model_path, "--host", args.host, "--port", str(args.port),
            "--seed", str(args.random_seed), "--parent-pid", str(os.getppid()),
-           *(["--api-key", args.api_key] if args.api_key else []),
+           *([f"--api-key={args.api_key}"] if args.api_key else []),
            *(["--context-length", str(args.context_length)] if args.context_length else [])])
 
 
