@@ -72,15 +72,17 @@ def strike(manager, rank: int, sig: signal.Signals, monkeypatch) -> threading.Th
     """Send `sig` to engine `rank`'s process once it has requests running (from a thread: the rollout runs here).
 
     The rollout cannot return before the signal is sent: under load, engine `rank` could otherwise finish its share
-    (and the rollout end) between the busy check and the signal, and no health check would see the engine lost."""
+    (and the rollout end) between the busy check and the signal, and no health check would see the engine lost. And
+    the signal goes at once when the rollout has generated everything before a poll saw the engine busy (a fast
+    share), rather than after the poll's deadline."""
     engine = manager.engines.processes[rank]
     headers = {"Authorization": f"Bearer {manager.engines.api_key}"}
-    sent = threading.Event()
+    sent, generated = threading.Event(), threading.Event()
 
     def when_busy():
         deadline = time.monotonic() + 60
         try:
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and not generated.is_set():
                 info = httpx.get(engine.url + "/get_model_info", headers=headers, timeout=5).json()
                 if info["running"] > 0:
                     break
@@ -93,6 +95,7 @@ def strike(manager, rank: int, sig: signal.Signals, monkeypatch) -> threading.Th
 
     async def until_sent(*args, **kwargs):
         result = await unsent(*args, **kwargs)
+        generated.set()
         while not sent.is_set():  # cancellable: a failed health check cancels the rollout here too
             await asyncio.sleep(0.01)
         return result
