@@ -45,13 +45,18 @@ class WandbSink:
                               resume="allow" if config.wandb_run_id else None, config=dict(run_config))
         for prefix in ("rollout", "eval"):
             self.run.define_metric(f"{prefix}/step")
-        self.run.define_metric("eval/*", step_metric="eval/step")
-        self.run.define_metric("*", step_metric="rollout/step")
+        self.defined: set[str] = set()
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        """A rollout's metrics at rollout/step = its id; an evaluation's at eval/step = the weights' version."""
+        """A rollout's metrics at rollout/step = its id; an evaluation's at eval/step = the weights' version. Each
+        metric's step metric is defined by its exact name when first logged: with overlapping globs ("eval/*" and
+        "*") W&B picked either one, now and then giving an evaluation row a rollout/step too (1 run in 15)."""
         evaluation = all(key.startswith("eval/") for key in metrics)
-        self.run.log({**metrics, "eval/step" if evaluation else "rollout/step": step})
+        step_metric = "eval/step" if evaluation else "rollout/step"
+        for key in metrics.keys() - self.defined:
+            self.run.define_metric(key, step_metric=step_metric)
+            self.defined.add(key)
+        self.run.log({**metrics, step_metric: step})
 
     def close(self) -> None:
         import wandb
