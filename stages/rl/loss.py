@@ -15,6 +15,7 @@ import torch
 from slimeflow.config.train import AlgorithmConfig
 from slimeflow.rollout.plugins import load_plugin
 from slimeflow.stages.rl import algorithms as alg
+from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantage
 
 Reduce = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 """Per-sample token values -> this micro-batch's share of the global-batch aggregate."""
@@ -159,6 +160,23 @@ def load_custom_loss(config: AlgorithmConfig) -> CustomLoss | None:
     if config.loss_type != "custom_loss":
         return None
     return load_plugin(config.custom_loss_function_path, "custom-loss-function-path")
+
+
+@dataclass(frozen=True)
+class LossPlugins:
+    """The user's functions a training step calls, loaded once per trainer rank from their *-path flags (each None
+    when its flag is unset): both training backends hold one."""
+
+    loss: CustomLoss | None = None
+    advantage: CustomAdvantage | None = None
+    tis: TisFunction | None = None
+    pg_loss_reducer: PgLossReducer | None = None
+
+    @classmethod
+    def load(cls, config: AlgorithmConfig, plugin_args: object = None) -> LossPlugins:
+        """`plugin_args`: slime's args of the run, which a custom TIS function gets as slime passes them."""
+        return cls(loss=load_custom_loss(config), advantage=load_custom_advantage(config),
+                   tis=load_custom_tis(config, plugin_args), pg_loss_reducer=load_custom_pg_loss_reducer(config))
 
 
 def compute_loss(config: AlgorithmConfig, inputs: LossInputs, normalizer: LossNormalizer,

@@ -127,7 +127,7 @@ def prepare(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, own: 
     inputs = AdvantageInputs(rewards=batch.rewards, loss_masks=batch.loss_masks, log_probs=policy, ref_log_probs=ref,
                              teacher_log_probs=teacher)
     advantages = compute_advantages(algo, inputs, group_size(batch, config.batch.n_samples_per_prompt),
-                                    backend.custom_advantage)
+                                    backend.plugins.advantage)
     return Prepared(old_log_probs=old, advantages=advantages.advantages, ref_log_probs=ref,
                     opd_reverse_kl=advantages.opd_reverse_kl)
 
@@ -144,7 +144,7 @@ def group_size(batch: TrainBatch, n_samples_per_prompt: int) -> int:
 
 def _advantages_need_no_log_probs(config: TrainConfig, backend: TorchBackend) -> bool:
     """GRPO-style estimators read only the rewards; the KL-shaped ones and custom functions read log-probs."""
-    return (backend.custom_advantage is None and config.algorithm.advantage_estimator in ("grpo", "gspo", "cispo")
+    return (backend.plugins.advantage is None and config.algorithm.advantage_estimator in ("grpo", "gspo", "cispo")
             and not config.algorithm.use_opd)  # OPD's penalty reads the old policy's log-probs
 
 
@@ -189,7 +189,7 @@ def accumulate_gradients(backend: TorchBackend, batch: TrainBatch, indices: list
                             ref_log_probs=pick(prepared.ref_log_probs) if algo.use_kl_loss else None,
                             rollout_log_probs=pick(batch.rollout_log_probs),
                             entropy=entropy, total_lengths=[lengths[i] for i in rows])
-        return compute_loss(algo, inputs, normalizer, backend.custom_loss, backend.custom_tis,
-                            backend.custom_pg_loss_reducer)
+        return compute_loss(algo, inputs, normalizer, backend.plugins.loss, backend.plugins.tis,
+                            backend.plugins.pg_loss_reducer)
 
     return backend.forward_backward(batch, micros, loss_of)

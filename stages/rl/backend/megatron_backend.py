@@ -32,7 +32,6 @@ from slimeflow._compat import megatron_on_cpu
 from slimeflow.config.train import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig
 from slimeflow.offload import module_tensors, optimizer_tensors
 from slimeflow.rollout.types import TrainBatch
-from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantage
 from slimeflow.stages.rl.backend.megatron_kernels import (
     Kernels,
     grad_reduce_in_fp32,
@@ -57,15 +56,7 @@ from slimeflow.stages.rl.backend.torch_backend import (
     scoring_model,
     sum_over_ranks,
 )
-from slimeflow.stages.rl.loss import (
-    CustomLoss,
-    LossOutput,
-    PgLossReducer,
-    TisFunction,
-    load_custom_loss,
-    load_custom_pg_loss_reducer,
-    load_custom_tis,
-)
+from slimeflow.stages.rl.loss import LossOutput, LossPlugins
 from slimeflow.stages.rl.packing import pack_micro_batches
 from slimeflow.stages.rl.train_hooks import TrainHooks, check_provided
 
@@ -143,10 +134,7 @@ class MegatronBackend:
             self.ref_model = self._reference(ref_load) if self.needs_reference else None
             # on-policy distillation's teacher (--opd-type megatron): a frozen model of the policy's architecture
             self.teacher_model = self._reference(algorithm.opd_teacher_load) if algorithm.needs_teacher else None
-        self.custom_loss: CustomLoss | None = load_custom_loss(algorithm)
-        self.custom_advantage: CustomAdvantage | None = load_custom_advantage(algorithm)
-        self.custom_tis: TisFunction | None = load_custom_tis(algorithm, plugin_args)  # slime's args
-        self.custom_pg_loss_reducer: PgLossReducer | None = load_custom_pg_loss_reducer(algorithm)
+        self.plugins = LossPlugins.load(algorithm, plugin_args)  # plugin_args: slime's args
 
     @property
     def needs_reference(self) -> bool:

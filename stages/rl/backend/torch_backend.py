@@ -21,18 +21,9 @@ from slimeflow.families.experts import fuse_experts, split_experts
 from slimeflow.offload import module_tensors, optimizer_tensors
 from slimeflow.rollout.types import TrainBatch
 from slimeflow.stages.rl import algorithms as alg
-from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantage
 from slimeflow.stages.rl.backend.rng import seed_everything
 from slimeflow.stages.rl.backend.schedule import build_scheduler
-from slimeflow.stages.rl.loss import (
-    CustomLoss,
-    LossOutput,
-    PgLossReducer,
-    TisFunction,
-    load_custom_loss,
-    load_custom_pg_loss_reducer,
-    load_custom_tis,
-)
+from slimeflow.stages.rl.loss import LossOutput, LossPlugins
 from slimeflow.stages.rl.packing import pack_micro_batches
 
 
@@ -118,10 +109,7 @@ class TorchBackend:
         self.ref_model = self._load_reference(ref_load) if self.needs_reference else None
         # on-policy distillation's teacher (--opd-type megatron): the policy's architecture, the teacher's weights
         self.teacher_model = self._load_reference(algorithm.opd_teacher_load) if algorithm.needs_teacher else None
-        self.custom_loss: CustomLoss | None = load_custom_loss(algorithm)
-        self.custom_advantage: CustomAdvantage | None = load_custom_advantage(algorithm)
-        self.custom_tis: TisFunction | None = load_custom_tis(algorithm, plugin_args)  # slime's args
-        self.custom_pg_loss_reducer: PgLossReducer | None = load_custom_pg_loss_reducer(algorithm)
+        self.plugins = LossPlugins.load(algorithm, plugin_args)  # plugin_args: slime's args
 
     @property
     def needs_reference(self) -> bool:
