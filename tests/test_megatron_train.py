@@ -47,13 +47,9 @@ def test_sigkill_mid_save_resumes_the_megatron_backend_exactly(tmp_path):
     from the first (weights, Adam state, RNG, data position) and ends where an uninterrupted run ends, bit for bit
     (same rollouts, same weights): the torch backend's SIGKILL test (test_train_e2e.py) with Megatron's
     dist_checkpointing saves."""
-    import os
-    import signal
-
     import torch
-    from test_train_e2e import kill_mid_save, launch, log_tail, row_ids
+    from test_train_e2e import kill_and_resume, row_ids
 
-    from slimeflow.checkpoint.staging import ABANDONED
     from slimeflow.checkpoint.torch_dist import load_torch_dist
     from slimeflow.stages.convert.config import ConvertConfig
     from slimeflow.stages.convert.stage import run as convert_run
@@ -65,34 +61,17 @@ def test_sigkill_mid_save_resumes_the_megatron_backend_exactly(tmp_path):
                                     processes=1), ctx).outputs["torch_dist"]
     config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"ref_load": ref})})
     # The uninterrupted run saves once, after its last rollout (iter_0000003, what the resumed run's is compared with).
-    straight = launch(config.model_copy(update={"checkpoint": config.checkpoint.model_copy(
-        update={"save_interval": None})}), tmp_path / "straight")
-    launched = [straight]
-    try:
-        victim = launch(config, tmp_path / "resumed")
-        launched.append(victim)
-        root = kill_mid_save(victim, tmp_path / "resumed", staged=3, committed=1)
-        tracker = root / "latest_checkpointed_iteration.txt"
-        assert straight.wait(timeout=400) == 0, log_tail(tmp_path / "straight")
-        resumed = launch(config, tmp_path / "resumed")
-        launched.append(resumed)
-        assert resumed.wait(timeout=400) == 0, log_tail(tmp_path / "resumed")
-        assert not [p.name for p in root.iterdir() if ABANDONED.match(p.name)]
-        assert tracker.read_text() == "3"
-
-        assert row_ids(tmp_path / "resumed") == row_ids(tmp_path / "straight")
-        rollouts = [json.loads(line) for line in (tmp_path / "resumed" / "train" / "rollouts.jsonl").read_text()
-                    .splitlines()]
-        assert [r["step"] for r in rollouts] == [0, 1, 2, 3]  # rollouts 2 and 3 redone once, the killed lines replaced
-        # Bit-exact: the resumed run's rollouts 2-3 were sampled and trained as the uninterrupted run's were, which
-        # needs the Adam moments, the step count and the RNG streams of checkpoint 1, not just its weights.
-        got, _ = load_torch_dist(root / "iter_0000003")
-        want, _ = load_torch_dist(tmp_path / "straight" / "checkpoints" / "iter_0000003")
-        assert got.keys() == want.keys()
-        unequal = [k for k in want if not torch.equal(got[k], want[k])]
-        assert not unequal, f"weights differ after the resume: {unequal[:5]}"
-    finally:
-        for process in launched:  # a failed check leaves none of the runs behind
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+    straight = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"save_interval": None})})
+    root = kill_and_resume(straight, config, tmp_path, staged=3, committed=1)
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert row_ids(tmp_path / "resumed") == row_ids(tmp_path / "straight")
+    rollouts = [json.loads(line) for line in (tmp_path / "resumed" / "train" / "rollouts.jsonl").read_text()
+                .splitlines()]
+    assert [r["step"] for r in rollouts] == [0, 1, 2, 3]  # rollouts 2 and 3 redone once, the killed lines replaced
+    # Bit-exact: the resumed run's rollouts 2-3 were sampled and trained as the uninterrupted run's were, which
+    # needs the Adam moments, the step count and the RNG streams of checkpoint 1, not just its weights.
+    got, _ = load_torch_dist(root / "iter_0000003")
+    want, _ = load_torch_dist(tmp_path / "straight" / "checkpoints" / "iter_0000003")
+    assert got.keys() == want.keys()
+    unequal = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not unequal, f"weights differ after the resume: {unequal[:5]}"

@@ -201,6 +201,30 @@ def kill_mid_save(victim: subprocess.Popen, workdir: Path, staged: int, committe
     return root
 
 
+def kill_and_resume(straight_config, config, tmp_path: Path, staged: int, committed: int,
+                    check_killed=lambda root: None) -> Path:
+    """Run `straight_config` uninterrupted in tmp_path/straight beside `config` in tmp_path/resumed (separate Ray
+    clusters and workdirs); SIGKILL the latter mid-save (kill_mid_save), call `check_killed(root)`, resume it to its
+    end; every run must exit 0 and the resume must clear the killed save's staging. Returns the checkpoint root. A
+    failed check leaves none of the runs behind."""
+    launched: list[subprocess.Popen] = []
+    try:
+        launched.append(straight := launch(straight_config, tmp_path / "straight"))
+        launched.append(victim := launch(config, tmp_path / "resumed"))
+        root = kill_mid_save(victim, tmp_path / "resumed", staged=staged, committed=committed)
+        check_killed(root)
+        assert straight.wait(timeout=400) == 0, log_tail(tmp_path / "straight")
+        launched.append(resumed := launch(config, tmp_path / "resumed"))
+        assert resumed.wait(timeout=400) == 0, log_tail(tmp_path / "resumed")
+        assert not [p.name for p in root.iterdir() if ABANDONED.match(p.name)]
+        return root
+    finally:
+        for process in launched:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
 def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_data_order(tmp_path):
     config, _ = train_config(tmp_path / "prep", **{"num-rollout": 6, "save-interval": 2, "eval-interval": None,
                                                    "rollout-batch-size": 4, "n-samples-per-prompt": 2})
@@ -210,34 +234,21 @@ def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_data_order(tmp
     own_process = config.model_copy(update={
         "placement": config.placement.model_copy(update={"engine_in_process": False}),
         "checkpoint": config.checkpoint.model_copy(update={"save_interval": None})})
-    straight = launch(own_process, tmp_path / "straight")  # beside the killed run: a separate Ray cluster and workdir
-    launched = [straight]
-    try:
-        victim = launch(config, tmp_path / "resumed")
-        launched.append(victim)
-        root = kill_mid_save(victim, tmp_path / "resumed", staged=3, committed=1)
-        tracker = root / "latest_checkpointed_iteration.txt"
+
+    def only_the_committed_checkpoint_is_left(root: Path) -> None:
         # What the kill interrupted may leave a conversion's staging (ours by name); the resumed run removes it.
         left = sorted(p.name for p in root.iterdir() if not ABANDONED.match(p.name))
-        assert left == [".slimeflow-run", "iter_0000001", tracker.name]
-        assert straight.wait(timeout=400) == 0, log_tail(tmp_path / "straight")
-        resumed = launch(config, tmp_path / "resumed")
-        launched.append(resumed)
-        assert resumed.wait(timeout=400) == 0, log_tail(tmp_path / "resumed")
-        assert not [p.name for p in root.iterdir() if ABANDONED.match(p.name)]
+        assert left == [".slimeflow-run", "iter_0000001", "latest_checkpointed_iteration.txt"]
 
-        expected = row_ids(tmp_path / "straight")
-        assert sorted(expected) == list(range(6))
-        assert row_ids(tmp_path / "resumed") == expected
-        log = (tmp_path / "resumed" / "train" / "rollouts.jsonl").read_text().splitlines()
-        steps = [json.loads(line)["step"] for line in log]
-        assert steps == [0, 1, 2, 3, 4, 5]  # each once: the killed run's rollout 2, redone after checkpoint 1, replaced
-        assert tracker.read_text() == "5"
-    finally:
-        for process in launched:  # a failed check leaves none of the runs behind
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+    root = kill_and_resume(own_process, config, tmp_path, staged=3, committed=1,
+                           check_killed=only_the_committed_checkpoint_is_left)
+    expected = row_ids(tmp_path / "straight")
+    assert sorted(expected) == list(range(6))
+    assert row_ids(tmp_path / "resumed") == expected
+    log = (tmp_path / "resumed" / "train" / "rollouts.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in log]
+    assert steps == [0, 1, 2, 3, 4, 5]  # each once: the killed run's rollout 2, redone after checkpoint 1, replaced
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "5"
 
 
 def wait_until_gone(session: int, timeout: float) -> None:
