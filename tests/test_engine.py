@@ -120,14 +120,21 @@ def test_logprobs_equal_forward_pass_alone_and_when_joining(engine, reference):
                                atol=1e-4, rtol=0)
 
     async def join_running_batch():
+        """(long, joiner, whether the joiner finished while the long request was still decoding)."""
         async with EngineClient(engine.url, api_key=KEY) as client:
             long = asyncio.create_task(client.generate(PROMPTS[2], params | {"max_new_tokens": 300}))
             await asyncio.to_thread(wait_running, engine.url)
             joiner = await client.generate(PROMPTS[1], params | {"sampling_seed": 3})
-            assert not long.done(), "the joiner must have joined while the long request was decoding"
-            return await long, joiner
+            joined = not long.done()
+            return await long, joiner, joined
 
-    long, joiner = run(join_running_batch())
+    # The joiner must join while the long request decodes. On a loaded machine its request can arrive after the
+    # long one's 300 tokens: that attempt checks nothing and is made again (at most 3 times).
+    for _ in range(3):
+        long, joiner, joined = run(join_running_batch())
+        if joined:
+            break
+    assert joined, "in 3 attempts the joiner never joined while the long request was decoding"
     for prompt, response in ((PROMPTS[2], long), (PROMPTS[1], joiner)):
         got = torch.tensor([entry[0] for entry in response["meta_info"]["output_token_logprobs"]])
         torch.testing.assert_close(got, forward_logprobs(reference, prompt, tokens(response)), atol=1e-4, rtol=0)
