@@ -77,6 +77,19 @@ def test_what_needs_a_gpu_or_transformer_engine_is_refused_at_start_by_name():
     assert kernel_problems(MegatronConfig(deterministic_mode=True), CPU) == []
 
 
+def test_slimes_offload_flags_parse_anywhere_and_are_refused_when_the_stage_starts():
+    """A CPU login node may launch a GPU run: the flags parse everywhere; the train stage's start checks (before
+    Ray) ask this machine's kernels, as every trainer asks its own again when it builds the backend."""
+    from slimeflow.stages.rl.model_args import megatron_backend_problems
+
+    config = train_config("--train-backend", "megatron", "--ref-load", "r", "--use-distributed-optimizer",
+                          "--deterministic-mode", *SLIME_OFFLOAD)
+    problems = megatron_backend_problems(config)
+    assert problems == kernel_problems(config.megatron, Kernels.detect())  # nothing else keeps this run from starting
+    if not Kernels.detect().cuda:
+        assert [p.split(":")[0] for p in problems] == ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
+
+
 def test_the_optimizer_flags_reach_megatron_cores_optimizer_config(monkeypatch):
     """optimizer_config is what MegatronBackend hands get_megatron_optimizer. megatron-core's OptimizerConfig reads
     Transformer Engine's version when the precision-aware optimizer is on; TE is absent here, so that one check is
