@@ -194,7 +194,7 @@ def test_deterministic_mode_reaches_megatron_and_torch_for_the_backends_lifetime
     """--deterministic-mode: megatron-core's TransformerConfig.deterministic_mode on the policy and the reference
     model, torch's deterministic algorithms and cuDNN's deterministic mode while the backend lives, all put back by
     close(). On this CPU it computes exactly what a run without it does (the reference run, one_process): the same
-    two steps' metrics and weights, bit for bit. (The GPU environment it sets is tests/test_megatron_optimizer_flags.py's.)"""
+    two steps' metrics and weights, bit for bit. (The GPU environment it sets: tests/test_megatron_optimizer_flags.py.)"""
     before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic)
     job = make_job(converted["tmp"], "deterministic", converted["hf"], converted["release"], one_process["batch"],
                    two_step_config(deterministic_mode=True))

@@ -168,10 +168,10 @@ _REFUSED_BY["torch"].update(dict.fromkeys(MOE_RUNTIME, "a Megatron MoE runtime f
 _REFUSED_BY["torch"].update(dict.fromkeys(MEGATRON_KERNELS, "a Megatron-LM precision or kernel flag, read only by "
                                           "--train-backend megatron; the torch backend's --bf16 autocasts its fp32 "
                                           "weights (fp32 gradients, torch's fused attention): remove it"))
-_REFUSED_BY["torch"].update(dict.fromkeys(MEGATRON_OPTIMIZER, "a Megatron-LM determinism or optimizer flag (megatron-core's "
-                                          "deterministic mode, precision-aware or host-offloaded optimizer), read only "
-                                          "by --train-backend megatron; the torch backend steps torch's AdamW on its "
-                                          "device: remove it"))
+_REFUSED_BY["torch"].update(dict.fromkeys(
+    MEGATRON_OPTIMIZER, "a Megatron-LM determinism or optimizer flag (megatron-core's deterministic mode, "
+    "precision-aware or host-offloaded optimizer), read only by --train-backend megatron; the torch backend steps "
+    "torch's AdamW on its device: remove it"))
 """Per backend, the parallelism/recompute flags it refuses when set away from their defaults, with the reason."""
 
 

@@ -34,9 +34,10 @@ _SANDWICH = ("GLM4's sandwich norms come from its HF config (model_type glm4), w
 NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (
     "--decoder-last-pipeline-num-layers", "--rotary-interleaved", "--no-position-embedding",
 )})
-NOT_YET_SUPPORTED.update({flag: ("the precision-aware optimizer's dtypes are not taken yet: it runs with megatron-core's "
-                                 "defaults (fp32 gradients and Adam state; Transformer Engine's FusedAdam keeps the "
-                                 "main parameters)") for flag in (
+_OPTIMIZER_DTYPES = ("the precision-aware optimizer's dtypes are not taken yet: it runs with megatron-core's "
+                     "defaults (fp32 gradients and Adam state; Transformer Engine's FusedAdam keeps the main "
+                     "parameters)")
+NOT_YET_SUPPORTED.update({flag: _OPTIMIZER_DTYPES for flag in (
     "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype")})
 NOT_YET_SUPPORTED.update({
     "--use-torch-optimizer-for-cpu-offload": ("in megatron-core 0.16.1 it changes only SGD's GPU part; Adam's (the "

@@ -61,8 +61,8 @@ class DeterministicMode:
         if problems:
             raise ValueError("; ".join(problems))
         added = tuple(name for name in GPU_ENVIRONMENT if cuda and name not in os.environ)
-        state = cls((torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
-                    (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark), added)
+        algorithms = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+        state = cls(algorithms, (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark), added)
         for name in added:
             os.environ[name] = GPU_ENVIRONMENT[name][0]
         torch.use_deterministic_algorithms(True)

@@ -116,8 +116,8 @@ class MegatronBackend:
 
         from slimeflow.checkpoint.torch_dist import read_common
 
-        parallel, optimizer, algorithm, seed = self.parallel, self.optimizer_config, self.algorithm, self.seed
-        rank = self.rank
+        parallel, optimizer, algorithm = self.parallel, self.optimizer_config, self.algorithm
+        seed, rank = self.seed, self.rank
         # megatron's parallel state lives in process groups, so even one rank has one.
         self._owns_group = init_process_group(rank, world_size, init_method, self.device, single_rank_too=True)
         tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size

@@ -84,11 +84,11 @@ def optimizer_problems(parallel: MegatronConfig, kernels: Kernels) -> list[str]:
 
     problems = []
     if parallel.use_precision_aware_optimizer and not parallel.use_distributed_optimizer:
-        problems.append("--use-precision-aware-optimizer needs --use-distributed-optimizer (megatron-core's rule; slime "
-                        "always runs the distributed optimizer): add --use-distributed-optimizer")
+        problems.append("--use-precision-aware-optimizer needs --use-distributed-optimizer (megatron-core's rule; "
+                        "slime always runs the distributed optimizer): add --use-distributed-optimizer")
     if parallel.optimizer_cpu_offload and not kernels.cuda:
-        problems.append("--optimizer-cpu-offload: megatron's HybridDeviceOptimizer steps host copies of GPU parameters, "
-                        "and this machine has no CUDA (its parameters and Adam state are in host memory already; "
+        problems.append("--optimizer-cpu-offload: megatron's HybridDeviceOptimizer steps host copies of GPU "
+                        "parameters, and this machine has no CUDA (its parameters and Adam state are in host memory already; "
                         "megatron-core's hybrid optimizer fails on host parameters): drop it")
     if parallel.use_precision_aware_optimizer and not kernels.te_spec:
         where = "this machine has no CUDA" if not kernels.cuda else "Transformer Engine is not installed"
@@ -123,10 +123,10 @@ def optimizer_config(optimizer: OptimizerConfig, parallel: MegatronConfig, kerne
 
 
 def transformer_fields(parallel: MegatronConfig, bf16: bool, kernels: Kernels) -> dict[str, Any]:
-    """TransformerConfig's precision, fusion, attention-backend and deterministic-mode fields from the flags. The attention backend
-    picks Transformer Engine's attention (megatron sets TE's NVTE_*_ATTN variables in the process from it, and
-    refuses a second model with another): it is set with TE's spec only; the local spec runs torch's fused attention
-    for flash and auto alike (kernel_problems refuses the others)."""
+    """TransformerConfig's precision, fusion, attention-backend and deterministic-mode fields from the flags. The
+    attention backend picks Transformer Engine's attention (megatron sets TE's NVTE_*_ATTN variables in the process
+    from it, and refuses a second model with another): it is set with TE's spec only; the local spec runs torch's
+    fused attention for flash and auto alike (kernel_problems refuses the others)."""
     import torch
     from megatron.core.transformer.enums import AttnBackend
 
