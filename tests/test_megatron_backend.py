@@ -7,6 +7,7 @@ processes each (tests/megatron_steps.py).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,58 @@ def test_a_saved_checkpoint_resumes_the_next_rollout_exactly(converted, one_proc
     assert again == expected
     assert all(torch.equal(again_weights[k], expected_weights[k]) for k in expected_weights)
 
+
+def deterministic_job(rank: int, world: int, job: dict) -> dict:
+    """train_job, with what --deterministic-mode switched on while the backend lived and what was left after."""
+    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+
+    backend = make_backend(job, rank, world)
+    try:
+        during = {"torch": torch.are_deterministic_algorithms_enabled(), "cudnn": torch.backends.cudnn.deterministic,
+                  "config": {chunk.config.deterministic_mode for chunk in [*backend.modules, *backend.ref_model]}}
+        load_checkpoint(backend, job["checkpoint"], weights_only=True)
+        steps = train_steps(backend, job["batch"], job["config"], 0, 1)
+        weights = backend.named_weights()
+    finally:
+        backend.close()
+    return {"steps": steps, "weights": weights, "during": during,
+            "after": (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic)}
+
+
+def test_deterministic_mode_reaches_megatron_and_torch_for_the_backends_lifetime(converted, one_process):
+    """--deterministic-mode: megatron-core's TransformerConfig.deterministic_mode on the policy and the reference
+    model, torch's deterministic algorithms and cuDNN's deterministic mode while the backend lives, all put back by
+    close(). On this CPU it computes exactly what a run without it does (the reference run, one_process): the same
+    two steps' metrics and weights, bit for bit. (The GPU environment it sets: tests/test_megatron_optimizer_flags.py.)"""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic)
+    job = make_job(converted["tmp"], "deterministic", converted["hf"], converted["release"], one_process["batch"],
+                   two_step_config(deterministic_mode=True))
+    run = deterministic_job(0, 1, job)
+    assert run["during"] == {"torch": True, "cudnn": True, "config": {True}}
+    assert run["after"] == before == (False, False)
+    assert run["steps"] == one_process["steps"]
+    assert all(torch.equal(run["weights"][k], one_process["weights"][k]) for k in one_process["weights"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: NCCL, cuBLAS and their deterministic settings")
+def test_deterministic_mode_on_a_gpu_repeats_two_steps_bit_for_bit(converted, monkeypatch):
+    """Two runs of the same two steps (KL loss, bf16) with --deterministic-mode on the GPU: every CUDA kernel the
+    backend runs has a deterministic form under torch's switch (else torch raises), NCCL, cuBLAS and Transformer
+    Engine get slime's settings, and the runs agree bit for bit. Written on a CPU machine: not run there."""
+    from slimeflow.stages.rl.backend.determinism import GPU_ENVIRONMENT
+
+    for name in GPU_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    batch = rollout_batch(converted["hf"])
+    config = make_config(batch={"micro_batch_size": 2, "global_batch_size": 4}, optimizer={"lr": LR, "bf16": True},
+                         algorithm={"use_kl_loss": True, "kl_loss_coef": 0.1}, megatron={"deterministic_mode": True})
+    runs = [deterministic_job(0, 1, make_job(converted["tmp"], f"gpu-det-{i}", converted["hf"], converted["release"],
+                                             batch, config)) for i in range(2)]
+    assert runs[0]["during"] == {"torch": True, "cudnn": True, "config": {True}}
+    assert runs[0]["steps"] == runs[1]["steps"]
+    assert all(torch.equal(runs[0]["weights"][k], runs[1]["weights"][k]) for k in runs[0]["weights"])
+    assert not any(name in os.environ for name in GPU_ENVIRONMENT)  # what the backend set, close() removed
 
 
 @pytest.mark.gpu

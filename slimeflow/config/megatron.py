@@ -161,6 +161,24 @@ class MegatronConfig(ConfigModel):
     no_gradient_accumulation_fusion: bool = False
     """Do not fuse the weight-gradient GEMM with its accumulation into main_grad (fused: Transformer Engine)."""
 
+    # Determinism and the optimizer's memory (Megatron-LM's flags that slime's scripts pass): read by the Megatron
+    # backend only, as megatron-core's TransformerConfig / OptimizerConfig fields; what needs a GPU or Transformer
+    # Engine is refused at start where they are missing (stages/rl/backend/megatron_kernels.py).
+    deterministic_mode: bool = False
+    """megatron-core's deterministic code paths and torch.use_deterministic_algorithms for the trainers' lifetime;
+    on GPUs also deterministic NCCL, cuBLAS and Transformer Engine attention (their environment variables)."""
+    use_precision_aware_optimizer: bool = False
+    """megatron-core's precision-aware optimizer (Transformer Engine's FusedAdam keeps the main parameters; with
+    --optimizer-cpu-offload the hybrid optimizer); needs --use-distributed-optimizer, a GPU and Transformer Engine."""
+    optimizer_cpu_offload: bool = False
+    """Step (part of) the optimizer on the host: megatron-core's HybridDeviceOptimizer, its Adam state in host memory
+    (GPUs only; needs --use-precision-aware-optimizer, as Megatron-LM)."""
+    optimizer_offload_fraction: float = Field(1.0, ge=0, le=1)
+    """With --optimizer-cpu-offload: the fraction of the parameters (by element count) stepped on the host."""
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """With --optimizer-cpu-offload: copy gradients to the host and parameters back on their own CUDA streams,
+    one host optimizer per parameter, overlapping the copies with the host's Adam steps."""
+
     @model_validator(mode="after")
     def _check_recompute(self) -> MegatronConfig:
         """megatron-core's rules for the recompute flags, at parse time: full recomputation names its method and
@@ -177,6 +195,25 @@ class MegatronConfig(ConfigModel):
                             "recomputation recomputes" + ("; selective recomputation recomputes the core attention "
                                                           "of every layer" if granularity else "")
                             + f"; add --recompute-granularity full or drop {given}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _check_optimizer_offload(self) -> MegatronConfig:
+        """Megatron-LM's rule (the hybrid optimizer runs the precision-aware optimizer's code path), and the offload
+        options only with the offload they tune (they would be ignored)."""
+        problems = []
+        if self.optimizer_cpu_offload and not self.use_precision_aware_optimizer:
+            problems.append("--optimizer-cpu-offload needs --use-precision-aware-optimizer (Megatron-LM's rule: the "
+                            "hybrid device optimizer runs that optimizer's code path); add it")
+        if not self.optimizer_cpu_offload:
+            given = [flag for flag, value in (("--optimizer-offload-fraction", self.optimizer_offload_fraction != 1.0),
+                                              ("--overlap-cpu-optimizer-d2h-h2d", self.overlap_cpu_optimizer_d2h_h2d))
+                     if value]
+            if given:
+                problems.append(f"{' and '.join(given)} without --optimizer-cpu-offload: they tune the host optimizer "
+                                f"that flag turns on; add --optimizer-cpu-offload or drop {' and '.join(given)}")
         if problems:
             raise ValueError("; ".join(problems))
         return self

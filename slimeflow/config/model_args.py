@@ -40,6 +40,13 @@ MEGATRON_KERNELS = (
 )
 """Megatron-LM's precision and kernel flags: megatron-core settings of the Megatron backend's model and DDP."""
 
+MEGATRON_OPTIMIZER = (
+    "deterministic_mode", "use_precision_aware_optimizer", "optimizer_cpu_offload", "optimizer_offload_fraction",
+    "overlap_cpu_optimizer_d2h_h2d",
+)
+"""Megatron-LM's determinism and optimizer-memory flags: megatron-core settings of the Megatron backend's model and
+optimizer (slime defines neither; its only trainer is Megatron)."""
+
 
 def _experts(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The HF config's experts in Megatron's names (empty for a dense model or an unknown architecture)."""
@@ -148,7 +155,8 @@ _REFUSED_BY: dict[str, dict[str, str]] = {
     "convert": {field: "the converter writes one torch_dist checkpoint that any parallel layout loads (Megatron "
                 "reshards it), so it takes no parallel, recompute, optimizer or MoE runtime setting but "
                 "--tensor-model-parallel-size (the vocabulary padding): remove it"
-                for field in (*MEGATRON_ONLY, *MOE_RUNTIME, *MEGATRON_KERNELS) if field != "tensor_model_parallel_size"},
+                for field in (*MEGATRON_ONLY, *MOE_RUNTIME, *MEGATRON_KERNELS, *MEGATRON_OPTIMIZER)
+                if field != "tensor_model_parallel_size"},
     "megatron": {field: f"{reason}; remove it" for field, reason in MEGATRON_NOT_BUILT.items()},
     "torch": dict.fromkeys(MEGATRON_ONLY, "Megatron parallelism, recompute or distributed optimizer, read only by "
                            "--train-backend megatron; the torch backend trains data-parallel over --actor-num-nodes x "
@@ -160,6 +168,10 @@ _REFUSED_BY["torch"].update(dict.fromkeys(MOE_RUNTIME, "a Megatron MoE runtime f
 _REFUSED_BY["torch"].update(dict.fromkeys(MEGATRON_KERNELS, "a Megatron-LM precision or kernel flag, read only by "
                                           "--train-backend megatron; the torch backend's --bf16 autocasts its fp32 "
                                           "weights (fp32 gradients, torch's fused attention): remove it"))
+_REFUSED_BY["torch"].update(dict.fromkeys(
+    MEGATRON_OPTIMIZER, "a Megatron-LM determinism or optimizer flag (megatron-core's deterministic mode, "
+    "precision-aware or host-offloaded optimizer), read only by --train-backend megatron; the torch backend steps "
+    "torch's AdamW on its device: remove it"))
 """Per backend, the parallelism/recompute flags it refuses when set away from their defaults, with the reason."""
 
 

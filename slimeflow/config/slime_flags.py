@@ -28,26 +28,25 @@ _SANDWICH = ("GLM4's sandwich norms come from its HF config (model_type glm4), w
              "converter read; the Megatron backend takes them from the checkpoint's args, not from this flag")
 
 # Megatron-LM flags that slime's scripts/run-*.sh and scripts/models/*.sh pass (THUDM/slime 624b824a8).
-# (--bf16's precision flags, the fusion switches, --attention-backend and --lr-warmup-fraction are taken: the
-# Megatron backend sets them as megatron-core fields, stages/rl/backend/megatron_kernels.py.)
+# (--bf16's precision flags, the fusion switches, --attention-backend, --lr-warmup-fraction, --deterministic-mode and
+# the optimizer's --use-precision-aware-optimizer and --optimizer-cpu-offload options are taken: the Megatron backend
+# sets them as megatron-core fields, stages/rl/backend/megatron_kernels.py.)
 NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (
     "--decoder-last-pipeline-num-layers", "--rotary-interleaved", "--no-position-embedding",
 )})
+_OPTIMIZER_DTYPES = ("the precision-aware optimizer's dtypes are not taken yet: it runs with megatron-core's "
+                     "defaults (fp32 gradients and Adam state; Transformer Engine's FusedAdam keeps the main "
+                     "parameters)")
+NOT_YET_SUPPORTED.update({flag: _OPTIMIZER_DTYPES for flag in (
+    "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype")})
 NOT_YET_SUPPORTED.update({
-    "--use-precision-aware-optimizer": ("megatron's precision-aware optimizer (main parameters and Adam state in "
-                                        "bf16) is Transformer Engine's FusedAdam, a GPU kernel; it is not built: the "
-                                        "Megatron backend keeps fp32 main parameters and Adam state (--bf16)"),
-    "--optimizer-cpu-offload": ("megatron's HybridDeviceOptimizer steps on the host while the GPU works; it is not "
-                                "built (on a CPU there is nothing to offload): use --offload-train to move the "
-                                "trainer's state off the devices during rollout"),
-    "--overlap-cpu-optimizer-d2h-h2d": "an option of --optimizer-cpu-offload, which is not built",
+    "--use-torch-optimizer-for-cpu-offload": ("in megatron-core 0.16.1 it changes only SGD's GPU part; Adam's (the "
+                                              "only optimizer here) is always Transformer Engine's FusedAdam, torch's "
+                                              "AdamW without it: there is nothing for it to change"),
     "--spec": ("a custom layer-spec module is not read: the Megatron backend builds Transformer Engine's spec on GPUs "
                "with TE and megatron-core's local spec elsewhere, from the model family"),
     "--allgather-cp": "context parallelism is not built (and cannot run on a CPU: megatron's local attention asserts "
                       "context parallel size 1)",
-    "--deterministic-mode": ("megatron-core's deterministic mode (deterministic NCCL and Transformer Engine "
-                             "attention, torch.use_deterministic_algorithms) is not built: CPU runs over gloo are "
-                             "deterministic already, GPU runs are not promised bitwise repeatable"),
 })
 _CRITIC = ("PPO with a critic is not built yet: slime trains a value model beside the actor for "
            "--advantage-estimator ppo (value loss clipped by --value-clip, --num-critic-only-steps warm-up); the "

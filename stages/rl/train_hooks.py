@@ -33,7 +33,8 @@ RUN_LAYOUT = frozenset({
     "expert_tensor_parallel_size", "num_layers_per_virtual_pipeline_stage", "sequence_parallel",
     "recompute_granularity", "recompute_method", "recompute_num_layers", "use_distributed_optimizer",
     "moe_token_dispatcher_type", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_router_dtype",
-    "moe_router_bias_update_rate"})
+    "moe_router_bias_update_rate", "deterministic_mode", "use_precision_aware_optimizer", "optimizer_cpu_offload",
+    "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d"})
 
 
 @dataclass

@@ -32,11 +32,13 @@ from slimeflow._compat import megatron_on_cpu
 from slimeflow.config.train import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig
 from slimeflow.offload import module_tensors, optimizer_tensors
 from slimeflow.rollout.types import TrainBatch
+from slimeflow.stages.rl.backend.determinism import DeterministicMode
 from slimeflow.stages.rl.backend.megatron_kernels import (
     Kernels,
     grad_reduce_in_fp32,
     in_precision,
     kernel_problems,
+    optimizer_config,
     transformer_fields,
     unwrapped,
 )
@@ -79,10 +81,6 @@ class MegatronBackend:
                  rank: int = 0, world_size: int = 1, init_method: str | None = None, total_steps: int | None = None,
                  ref_load: str | None = None, temperature: float = 1.0, hooks: TrainHooks | None = None,
                  plugin_args: Any = None, kernels: Kernels | None = None):
-        from megatron.core import parallel_state
-
-        from slimeflow.checkpoint.torch_dist import read_common
-
         if temperature <= 0:
             raise ValueError(f"temperature {temperature}: the trainer's log-probs need a sampling temperature > 0")
         self.hf_checkpoint, self.temperature, self.seed = Path(hf_checkpoint), temperature, seed
@@ -93,6 +91,24 @@ class MegatronBackend:
         problems = kernel_problems(parallel, self.kernels)
         if problems:
             raise ValueError("; ".join(problems))
+        # --deterministic-mode: torch's (and on GPUs NCCL's, cuBLAS's, TE's) switches, for this backend's lifetime
+        self._deterministic = DeterministicMode.enter(self.kernels.cuda) if parallel.deterministic_mode else None
+        try:
+            self._start(checkpoint, world_size, init_method, total_steps, ref_load, hooks, plugin_args)
+        except BaseException:
+            self._restore_switches()
+            raise
+
+    def _start(self, checkpoint: str | Path, world_size: int, init_method: str | None, total_steps: int | None,
+               ref_load: str | None, hooks: TrainHooks | None, plugin_args: Any) -> None:
+        """The process group and parallel state, the model chunks, megatron's optimizer and schedule, the frozen
+        models and the plug-ins (the constructor's arguments)."""
+        from megatron.core import parallel_state
+
+        from slimeflow.checkpoint.torch_dist import read_common
+
+        parallel, optimizer, algorithm = self.parallel, self.optimizer_config, self.algorithm
+        seed, rank = self.seed, self.rank
         # megatron's parallel state lives in process groups, so even one rank has one.
         self._owns_group = init_process_group(rank, world_size, init_method, self.device, single_rank_too=True)
         tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
@@ -226,17 +242,9 @@ class MegatronBackend:
         return wrapped
 
     def _megatron_optimizer(self):
-        from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
         from megatron.core.optimizer import get_megatron_optimizer
 
-        o = self.optimizer_config
-        # --bf16: megatron's mixed-precision optimizer, its fp32 main parameters stepped from the bf16 model's
-        config = MegatronOptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-                                         adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                                         clip_grad=o.clip_grad, bf16=o.bf16,
-                                         params_dtype=torch.bfloat16 if o.bf16 else torch.float32,
-                                         use_distributed_optimizer=self.parallel.use_distributed_optimizer)
-        return get_megatron_optimizer(config, self.model)
+        return get_megatron_optimizer(optimizer_config(self.optimizer_config, self.parallel, self.kernels), self.model)
 
     def _param_scheduler(self, total_steps: int | None):
         """Megatron's schedule of the learning rate (backend.schedule.lr_at) and of weight decay (constant; set
@@ -260,6 +268,13 @@ class MegatronBackend:
         if self._owns_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
             self._owns_group = False
+        self._restore_switches()
+
+    def _restore_switches(self) -> None:
+        """Put back the process-wide switches --deterministic-mode turned on (once)."""
+        if self._deterministic is not None:
+            self._deterministic.exit()
+            self._deterministic = None
 
     @property
     def modules(self) -> list[torch.nn.Module]:
