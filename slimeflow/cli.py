@@ -26,6 +26,7 @@ from slimeflow.config.pipeline import (
     load_stage_config,
 )
 from slimeflow.config.slime_flags import deferring_refusals
+from slimeflow.config.train import TrainConfig, slime_megatron_differences
 from slimeflow.config.yaml_file import read_yaml
 
 EXIT_CONFIG = 2
@@ -70,8 +71,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"slimeflow {command}: the config above leaves out {len(refused)} slime flag(s) that slimeflow "
                   "does not support yet; a run with them is refused before any work:", *lines, sep="\n",
                   file=sys.stderr)
+        for note in slime_megatron_differences(_train_section(config)):
+            print(f"slimeflow {command}: note: {note}", file=sys.stderr)
         return 0
     return _execute(config)
+
+
+def _train_section(config):
+    """The train stage's config in what --print-config resolved (a pipeline, or the train stage alone), else None."""
+    return config if isinstance(config, TrainConfig) else getattr(config, "train", None)
 
 
 def _load(command: str, rest: list[str], only_stage: str | None):

@@ -50,6 +50,21 @@ def test_print_config_translates_a_slime_script_into_yaml(capsys):
     assert load_stage_config("train", printed["train"]).batch.num_rollout == 3000
 
 
+def test_print_config_notes_what_slimes_megatron_backend_sets_itself(capsys):
+    """slime's Megatron backend forces bf16 and the distributed optimizer, so its scripts pass neither: translating
+    one for the Megatron backend says which are missing and how to get slime's numerics."""
+    base = ["train", "--hf-checkpoint", "tiny:qwen3", "--prompt-data", "p.parquet", "--rollout-batch-size", "2",
+            "--train-backend", "megatron", "--print-config"]
+    assert main([*base, "--bf16"]) == 0
+    note = capsys.readouterr().err
+    assert "note: slime's Megatron backend always trains with the distributed optimizer" in note
+    assert "add --use-distributed-optimizer for slime's numerics" in note and "--bf16 " not in note
+    assert main([*base, "--bf16", "--use-distributed-optimizer"]) == 0
+    assert "note:" not in capsys.readouterr().err
+    assert main([*base[:-3], "--print-config"]) == 0  # the torch backend: nothing to note
+    assert "note:" not in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_stage_without_its_inputs_fails_with_one_line_naming_them(prefect_harness, tmp_path, mlflow_uri, capsys):
     assert main(["train", "--rollout-batch-size", "2", "--num-rollout", "1", "--workdir", str(tmp_path),

@@ -740,6 +740,25 @@ class TrainConfig(ConfigModel):
         return self
 
 
+def slime_megatron_differences(config: TrainConfig | None) -> list[str]:
+    """Where this run's Megatron backend departs from slime's with the same flags: slime's Megatron backend always
+    trains bf16 (`args.bf16 = not args.fp16`) with the distributed optimizer (`args.use_distributed_optimizer =
+    True`, slime/backends/megatron_utils/arguments.py), so its scripts pass neither; here both are flags (the CPU
+    default, fp32 and the plain optimizer, is what the equivalence tests check)."""
+    if config is None or config.placement.train_backend != "megatron":
+        return []
+    missing = [flag for flag, given in (("--bf16", config.optimizer.bf16),
+                                        ("--use-distributed-optimizer", config.megatron.use_distributed_optimizer))
+               if not given]
+    if not missing:
+        return []
+    what = {"--bf16": "bf16 (bf16 weights, fp32 main parameters)",
+            "--use-distributed-optimizer": "the distributed optimizer (optimizer state sharded over data-parallel ranks)"}
+    return [f"slime's Megatron backend always trains with {' and '.join(what[flag] for flag in missing)}: slime sets "
+            f"them itself, so its scripts do not pass {' '.join(missing)}; this run trains without them (add "
+            f"{' '.join(missing)} for slime's numerics and memory)"]
+
+
 def check_train_hooks(config: TrainConfig) -> None:
     """slime's Megatron-actor hooks need the Megatron backend (the torch backend has no megatron model, optimizer or
     schedule to hand them); the post-write hook needs a disk weight sync."""

@@ -9,6 +9,7 @@ a resumed run included: RolloutLog), the reward and eval curves to `<output>/tra
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from typing import Any
 from slimeflow.checkpoint.hf_source import fingerprint
 from slimeflow.cluster import init_ray, scratch_dir
 from slimeflow.config.model_args import check_model_args
-from slimeflow.config.train import TrainConfig
+from slimeflow.config.train import TrainConfig, slime_megatron_differences
 from slimeflow.engine.sglang_launch import installed_server_args
 from slimeflow.io import checkpoints
 from slimeflow.io.storage import join
@@ -35,10 +36,14 @@ from slimeflow.stages.rl.placement_plan import flag_problems
 from slimeflow.stages.rl.plots import plot_curves
 from slimeflow.stages.rl.sinks import close_sinks, fan_out, open_sinks
 
+log = logging.getLogger("slimeflow.train")
+
 
 def run(config: TrainConfig, ctx: StageContext) -> Manifest:
     """Train; returns the manifest of the latest checkpoint with the run's figures."""
     config = with_defaults(config, ctx)
+    for note in slime_megatron_differences(config):
+        log.warning(note)
     config, prepared = prepare_data(config, ctx.storage, ctx.workdir)  # raw data sets -> prompt parquet
     setup = rollout_setup(config, ctx)
     num_rollout = resolve_num_rollout(config, setup.prompt_data, ctx)
