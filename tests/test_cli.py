@@ -54,7 +54,7 @@ def test_print_config_notes_what_slimes_megatron_backend_sets_itself(capsys):
     """slime's Megatron backend forces bf16 and the distributed optimizer, so its scripts pass neither: translating
     one for the Megatron backend says which are missing and how to get slime's numerics."""
     base = ["train", "--hf-checkpoint", "tiny:qwen3", "--prompt-data", "p.parquet", "--rollout-batch-size", "2",
-            "--train-backend", "megatron", "--print-config"]
+            "--num-rollout", "1", "--train-backend", "megatron", "--print-config"]
     assert main([*base, "--bf16"]) == 0
     note = capsys.readouterr().err
     assert "note: slime's Megatron backend always trains with the distributed optimizer" in note
