@@ -173,25 +173,26 @@ def train_then_save(rank: int, world: int, job: dict) -> dict | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("experts", [1, 2], ids=["ep1", "ep2"])
+@pytest.mark.parametrize("experts", [{}, {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1,
+                                          "moe_token_dispatcher_type": "alltoall"}], ids=["ep1", "ep2-etp1"])
 def test_mla_at_tp2_with_sequence_parallelism_equals_one_process(deepseek_v3, deepseek_v3_one_process, tmp_path,
                                                                   experts):
-    """The tiny DeepSeek-V3 at TP 2 + SP (ep1: its experts split over the TP ranks, 2 processes; ep2: 2 of 4 experts
-    per rank, tokens sent all-to-all, 2 data-parallel replicas, 4 processes), four Adam steps of one group each,
-    against one process: MLA's down projections whole on each rank and their gradients, like the latent norms',
-    summed over the TP ranks that each saw part of the sequence (layer_spec). Tolerances _compare_with_one_process's
-    (float rounding of the ranks' partial sums; measured: weights within 1e-5, grad norms 1e-7 relative; without the
-    sums the grad norm was 2e-5 off and the weights 4e-3). The TP 2 save declares the converted checkpoint's keys and
-    global shapes, and one process loads from it exactly the weights the TP 2 run trained."""
+    """The tiny DeepSeek-V3 at TP 2 + SP in 2 processes (ep1: its experts split over the TP ranks; ep2-etp1: 2 of its
+    4 experts whole on each rank, tokens sent all-to-all, as slime's DeepSeek-V3 scripts split them), four Adam steps
+    of one group each, against one process: MLA's down projections whole on each rank, their gradients and the
+    latent norms' summed over the TP ranks that each saw part of the sequence (layer_spec). Tolerances
+    _compare_with_one_process's (float rounding of the ranks' partial sums; measured: weights within 1e-5, grad norms
+    1e-7 relative; with the down projections split as before, the grad norm 2.7e-5 relative, weights 4e-3 after two
+    steps). The TP 2 save declares the converted checkpoint's keys and global shapes, and one process loads from it
+    exactly the weights the TP 2 run trained."""
     from slimeflow.checkpoint.torch_dist import tensor_metadata
     from slimeflow.io.checkpoints import resolve
     from slimeflow.io.storage import Storage
     from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
 
     hf, release, batch = deepseek_v3["hf"], deepseek_v3["release"], deepseek_v3_one_process["batch"]
-    parallel = {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": experts,
-                **({"moe_token_dispatcher_type": "alltoall"} if experts > 1 else {})}
-    run = run_world(2 * experts, "tp2sp", tmp_path, hf, release, batch, four_step_config(**parallel),
+    parallel = {"tensor_model_parallel_size": 2, "sequence_parallel": True, **experts}
+    run = run_world(2, "tp2sp", tmp_path, hf, release, batch, four_step_config(**parallel),
                     work=train_then_save, save=str(tmp_path / "tp2"))
     assert len(run["steps"]) == 4 and run["steps"][0]["ppo_kl"] == 0.0
     assert run["steps"][0]["train_rollout_logprob_abs_diff"] <= 1e-6
