@@ -51,6 +51,29 @@ def test_hidden_state_norms_carry_the_sequence_parallel_tag():
     assert isinstance(norm, torch.nn.LayerNorm) and norm.eps == 1e-3 and norm.bias.sequence_parallel
 
 
+def test_mla_latent_path_is_whole_on_each_rank_and_its_gradients_summed():
+    """Multi-latent attention under sequence parallelism: its down projections are built whole on each TP rank, as
+    Transformer Engine's spec builds them (megatron-core's Linear, which tags its weight as TE's duplicated TELinear
+    does), and its latent norms, which see this rank's part of the sequence only, are tagged; the up projections stay
+    split over the heads. A TP 2 run against one process: test_megatron_vpp_ep's test_mla_at_tp2_...."""
+    import argparse
+    from types import SimpleNamespace
+
+    from megatron.core.post_training.modelopt.layers import Linear
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from slimeflow.families.megatron import SequenceParallelNorm, layer_spec
+
+    args = argparse.Namespace(qk_layernorm=True, normalization="RMSNorm", multi_latent_attention=True)
+    attention = layer_spec(args).submodules.self_attention.submodules
+    assert attention.linear_q_down_proj is Linear and attention.linear_kv_down_proj is Linear
+    assert attention.q_layernorm is SequenceParallelNorm and attention.kv_layernorm is SequenceParallelNorm
+    assert attention.linear_q_up_proj is ColumnParallelLinear and attention.linear_kv_up_proj is ColumnParallelLinear
+    for sequence_parallel in (True, False):
+        config = SimpleNamespace(params_dtype=torch.float32, sequence_parallel=sequence_parallel)
+        assert Linear(8, 4, config=config, init_method=None, bias=False).weight.sequence_parallel is sequence_parallel
+
+
 @pytest.mark.slow
 def test_distributed_optimizer_with_dp2_equals_one_process(converted, one_process, tmp_path):
     """Two replicas, the Adam state and the main weights sharded over them (megatron's DistributedOptimizer:

@@ -142,6 +142,74 @@ def test_the_megatron_backend_trains_moe_families_as_the_torch_backend(family, r
     assert max((got["weights"][k] - trained[k]).abs().max().item() for k in trained if k not in biases) <= 0.1 * LR
 
 
+def four_step_config(**megatron):
+    """two_step_config's, each Adam step on one group (2 samples)."""
+    return make_config(batch={"micro_batch_size": 2, "global_batch_size": 2}, optimizer={"lr": LR},
+                       algorithm={"use_kl_loss": True, "kl_loss_coef": 0.1}, megatron=megatron)
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3_one_process(deepseek_v3) -> dict:
+    batch = rollout_batch(deepseek_v3["hf"])
+    job = make_job(deepseek_v3["tmp"], "dsv3-one", deepseek_v3["hf"], deepseek_v3["release"], batch,
+                   four_step_config())
+    return {"batch": batch, **train_job(0, 1, job)}
+
+
+def train_then_save(rank: int, world: int, job: dict) -> dict | None:
+    """Train the job's batch from its checkpoint's weights, then save under job["save"] (rollout 0): rank 0's steps
+    and weights."""
+    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint, save_checkpoint
+
+    backend = make_backend(job, rank, world)
+    try:
+        load_checkpoint(backend, job["checkpoint"], weights_only=True)
+        steps = train_steps(backend, job["batch"], job["config"], backend.dp_rank, backend.dp_size)
+        save_checkpoint(backend, job["save"], 0, {"rollout_id": 0})
+        weights = backend.named_weights()
+    finally:
+        backend.close()
+    return {"steps": steps, "weights": weights} if rank == 0 else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experts", [{}, {"expert_model_parallel_size": 2, "expert_tensor_parallel_size": 1,
+                                          "moe_token_dispatcher_type": "alltoall"}], ids=["ep1", "ep2-etp1"])
+def test_mla_at_tp2_with_sequence_parallelism_equals_one_process(deepseek_v3, deepseek_v3_one_process, tmp_path,
+                                                                  experts):
+    """The tiny DeepSeek-V3 at TP 2 + SP in 2 processes (ep1: its experts split over the TP ranks; ep2-etp1: 2 of its
+    4 experts whole on each rank, tokens sent all-to-all, as slime's DeepSeek-V3 scripts split them), four Adam steps
+    of one group each, against one process: MLA's down projections whole on each rank, their gradients and the
+    latent norms' summed over the TP ranks that each saw part of the sequence (layer_spec). Tolerances
+    _compare_with_one_process's (float rounding of the ranks' partial sums; measured: weights within 1e-5, grad norms
+    1e-7 relative; with the down projections split as before, the grad norm 2.7e-5 relative, weights 4e-3 after two
+    steps). The TP 2 save declares the converted checkpoint's keys and global shapes, and one process loads from it
+    exactly the weights the TP 2 run trained."""
+    from slimeflow.checkpoint.torch_dist import tensor_metadata
+    from slimeflow.io.checkpoints import resolve
+    from slimeflow.io.storage import Storage
+    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+
+    hf, release, batch = deepseek_v3["hf"], deepseek_v3["release"], deepseek_v3_one_process["batch"]
+    parallel = {"tensor_model_parallel_size": 2, "sequence_parallel": True, **experts}
+    run = run_world(2, "tp2sp", tmp_path, hf, release, batch, four_step_config(**parallel),
+                    work=train_then_save, save=str(tmp_path / "tp2"))
+    assert len(run["steps"]) == 4 and run["steps"][0]["ppo_kl"] == 0.0
+    assert run["steps"][0]["train_rollout_logprob_abs_diff"] <= 1e-6
+    _compare_with_one_process(run, deepseek_v3_one_process)
+    saved = Path(resolve(Storage(), str(tmp_path / "tp2")).uri)
+    assert {k: v for k, v in tensor_metadata(saved).items() if not k.startswith("optimizer.")} == \
+        tensor_metadata(release)
+    backend = make_backend(make_job(tmp_path, "tp1", hf, saved, batch, four_step_config()))
+    try:
+        load_checkpoint(backend, saved)
+        loaded = backend.named_weights()
+    finally:
+        backend.close()
+    assert loaded.keys() == run["weights"].keys()
+    assert all(torch.equal(loaded[k], v) for k, v in run["weights"].items())
+
+
 def _etp1_dynamic_batch_config():
     """TP 2 x EP 2 with experts whole on each rank (--expert-tensor-parallel-size 1), tokens gathered, micro-batches
     packed under --max-tokens-per-gpu 16: in the first step one data-parallel rank packs one, the other two (checked
@@ -229,9 +297,11 @@ def test_moe_settings_a_model_or_a_cpu_cannot_run_are_refused():
               "ckpt")
     with pytest.raises(ValueError, match="ckpt is an MoE model: .* add --sequence-parallel"):
         check_moe(SimpleNamespace(num_experts=4), MegatronConfig(tensor_model_parallel_size=2), "ckpt")
-    with pytest.raises(ValueError, match="multi-latent attention .* not built"):
-        check_moe(SimpleNamespace(num_experts=4, multi_latent_attention=True),
-                  MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True), "ckpt")
+    check_moe(SimpleNamespace(num_experts=4, multi_latent_attention=True),
+              MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True), "ckpt")
+    with pytest.raises(ValueError, match="ckpt uses multi-latent attention: .* add --sequence-parallel"):
+        check_moe(SimpleNamespace(num_experts=None, multi_latent_attention=True),
+                  MegatronConfig(tensor_model_parallel_size=2), "ckpt")
     check_moe(SimpleNamespace(num_experts=4), MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True),
               "ckpt")
 
@@ -258,6 +328,9 @@ def test_the_start_up_check_names_what_ep_and_vpp_cannot_run():
     assert problems(*tp_ep, "--sequence-parallel") == []
     assert problems(*tp_ep, "--sequence-parallel", "--expert-tensor-parallel-size", "1") == []
     assert "--sequence-parallel" in problems(*tp_ep)[0]
+    mla = ("--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2", "--multi-latent-attention")
+    assert problems(*mla, "--sequence-parallel") == []
+    assert problems(*mla)[0].startswith("an MoE model or multi-latent attention at --tensor-model-parallel-size 2")
     assert problems(*tp_ep, "--sequence-parallel", "--expert-tensor-parallel-size", "4")[0].startswith(
         "--expert-tensor-parallel-size 4: ")
 

@@ -173,13 +173,17 @@ def layer_spec(args: argparse.Namespace, moe: bool | None = None, sdpa: bool = F
         attention = spec.submodules.self_attention
         submodules = replace(submodules, self_attention=ModuleSpec(
             module=attention.module, params=attention.params,
-            submodules=replace(attention.submodules, core_attention=mla_core_attention(sdpa))))
+            submodules=replace(attention.submodules, core_attention=mla_core_attention(sdpa),
+                               **dict.fromkeys(("linear_q_down_proj", "linear_kv_down_proj"), _duplicated_linear()))))
     elif sdpa:
         attention = submodules.self_attention
         submodules = replace(submodules, self_attention=replace(
             attention, submodules=replace(attention.submodules, core_attention=sdpa_attention())))
+    # MLA's latent norms follow its whole-on-each-rank down projections: under sequence parallelism they see this
+    # rank's part of the sequence only, as the hidden-state norms do (dense q/k norms see whole sequences).
     submodules = replace(submodules, input_layernorm=SequenceParallelNorm, pre_mlp_layernorm=SequenceParallelNorm,
-                         self_attention=_with_torch_norms(submodules.self_attention))
+                         self_attention=_with_torch_norms(submodules.self_attention, SequenceParallelNorm if mla
+                                                          else TorchNorm))
     post_attn, post_mlp = getattr(args, "post_self_attn_layernorm", False), getattr(args, "post_mlp_layernorm", False)
     if post_attn != post_mlp:
         raise ValueError(f"post_self_attn_layernorm={post_attn} with post_mlp_layernorm={post_mlp}: only both "
@@ -187,15 +191,26 @@ def layer_spec(args: argparse.Namespace, moe: bool | None = None, sdpa: bool = F
     return ModuleSpec(module=sandwich_norm_layer() if post_attn else spec.module, submodules=submodules)
 
 
-def _with_torch_norms(attention: Any) -> Any:
-    """The attention spec with its q/k (MLA: latent) norms built by TorchNorm (megatron's refuse sequence
+def _duplicated_linear() -> type:
+    """MLA's down projections as Transformer Engine's spec builds them (TELinear, parallel_mode "duplicated"): whole
+    on every tensor-parallel rank, their weights tagged `sequence_parallel` (megatron sums their gradients over the
+    ranks, which saw a part of the sequence each). The local spec's ColumnParallelLinear splits them, and megatron-core
+    then never sums the gradient of the shared RoPE key over the ranks' heads (Megatron-LM issue 1699, open in
+    0.16.1): at TP 2 the weights drift from one process's. megatron-core's MLA takes this Linear as it takes TELinear."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    return Linear
+
+
+def _with_torch_norms(attention: Any, norm: type) -> Any:
+    """The attention spec with its q/k (MLA: latent) norms built by `norm` (megatron's refuse sequence
     parallelism); identities stay identities."""
     from dataclasses import fields
 
     from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    norms = {f.name: TorchNorm for f in fields(attention.submodules)
+    norms = {f.name: norm for f in fields(attention.submodules)
              if getattr(attention.submodules, f.name) in (WrappedTorchNorm, FusedLayerNorm)}
     return replace(attention, submodules=replace(attention.submodules, **norms))
 

@@ -55,10 +55,10 @@ def _parallel_problems(config: TrainConfig) -> list[str]:
         problems.append(f"{ranks} training ranks are not a multiple of --expert-model-parallel-size {ep} x "
                         f"--expert-tensor-parallel-size {etp} x --pipeline-model-parallel-size "
                         f"{m.pipeline_model_parallel_size}")
-    if tp > 1 and (ep > 1 or m.num_experts) and not m.sequence_parallel:
-        problems.append(f"an MoE model at --tensor-model-parallel-size {tp} trains with --sequence-parallel only "
-                        "(megatron-core's MoE layer raises when it trains tensor-parallel without it); add "
-                        "--sequence-parallel")
+    if tp > 1 and (ep > 1 or m.num_experts or m.multi_latent_attention) and not m.sequence_parallel:
+        problems.append(f"an MoE model or multi-latent attention at --tensor-model-parallel-size {tp} trains with "
+                        "--sequence-parallel only (megatron-core's MoE layer raises when it trains tensor-parallel "
+                        "without it; MLA's RoPE key gets a partial gradient on each rank); add --sequence-parallel")
     if m.moe_token_dispatcher_type == "flex":
         problems.append("--moe-token-dispatcher-type flex: DeepEP / HybridEP dispatch (GPU kernels) is not built; "
                         "use allgather or alltoall")

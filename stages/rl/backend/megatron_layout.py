@@ -29,7 +29,8 @@ def virtual_pipeline_stages(num_layers: int, parallel: MegatronConfig) -> int | 
 def check_moe(args: Any, parallel: MegatronConfig, checkpoint: str | Path) -> None:
     """ValueError for MoE settings this model cannot run: experts or MoE runtime flags on a dense model (they would
     change nothing), an MoE model tensor-parallel without sequence parallelism (megatron-core's MoE layer raises
-    then, in its first training forward), multi-latent attention with sequence parallelism (it differs from one process)."""
+    then, in its first training forward) or multi-latent attention so (the gradient of its RoPE key, shared by the
+    heads, is then left partial on each rank: Megatron-LM issue 1699)."""
     from slimeflow.config.model_args import MOE_RUNTIME
 
     if getattr(args, "num_experts", None) and parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
@@ -37,12 +38,10 @@ def check_moe(args: Any, parallel: MegatronConfig, checkpoint: str | Path) -> No
                          f"{parallel.tensor_model_parallel_size} it trains with --sequence-parallel only (megatron-core's "
                          "MoE layer raises without it); add --sequence-parallel")
     if getattr(args, "multi_latent_attention", False) and parallel.tensor_model_parallel_size > 1 and \
-            parallel.sequence_parallel:
-        raise ValueError(f"{checkpoint} uses multi-latent attention (DeepSeek-V3): at --tensor-model-parallel-size "
-                         f"{parallel.tensor_model_parallel_size} with --sequence-parallel its training is not built "
-                         "(on the tiny DeepSeek-V3 at TP 2 x EP 2 the grad norm differed from one process's by 2e-5 "
-                         "relative, weights by 4x lr after two steps); use --tensor-model-parallel-size 1 (an MoE model needs "
-                         "--sequence-parallel at TP > 1)")
+            not parallel.sequence_parallel:
+        raise ValueError(f"{checkpoint} uses multi-latent attention: at --tensor-model-parallel-size "
+                         f"{parallel.tensor_model_parallel_size} it trains with --sequence-parallel only (without it "
+                         "megatron-core leaves the RoPE key's gradient partial on each rank); add --sequence-parallel")
     if not getattr(args, "num_experts", None):
         defaults = MegatronConfig()
         given = [f"--{field.replace('_', '-')}" for field in ("expert_model_parallel_size", *MOE_RUNTIME)
