@@ -184,6 +184,22 @@ def test_pipeline_routes_flags_to_stages_and_asks_when_ambiguous():
         load_pipeline_config(data, ["--save", "x"])
 
 
+def test_pipeline_sends_megatron_training_flags_to_train_and_model_args_to_both():
+    """MODEL_ARGS and TP (the vocabulary padding) go to convert and train alike; the layout, optimizer and runtime
+    flags only to train: the converter writes one checkpoint for every layout and refuses them (a pipeline run with
+    `--use-distributed-optimizer` on the command line failed at its convert stage)."""
+    data = {"hf_checkpoint": "tiny:llama", "convert": {}, "train": {"rollout_batch_size": 2, "num_rollout": 1}}
+    config = load_pipeline_config(data, ["--num-layers", "2", "--tensor-model-parallel-size", "2",
+                                         "--use-distributed-optimizer", "--pipeline-model-parallel-size", "2"])
+    assert config.convert.megatron.num_layers == config.train.megatron.num_layers == 2
+    assert config.convert.megatron.tensor_model_parallel_size == config.train.megatron.tensor_model_parallel_size == 2
+    assert config.train.megatron.use_distributed_optimizer and config.train.megatron.pipeline_model_parallel_size == 2
+    assert not config.convert.megatron.use_distributed_optimizer
+    assert config.convert.megatron.pipeline_model_parallel_size == 1
+    with pytest.raises(ConfigError, match="--use-distributed-optimizer: no configured stage takes it"):
+        load_pipeline_config({"hf_checkpoint": "tiny:llama", "convert": {}}, ["--use-distributed-optimizer"])
+
+
 def test_stage_subcommand_flags_win_over_pipeline_flags():
     config = load_stage_config("preprocess", None, ["--input", "a.jsonl", "b.jsonl", "--output", "s3://bucket/data"])
     assert config.output == "s3://bucket/data" and config.input == ["a.jsonl", "b.jsonl"]

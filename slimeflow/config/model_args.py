@@ -174,6 +174,10 @@ _REFUSED_BY["torch"].update(dict.fromkeys(
     "torch's AdamW on its device: remove it"))
 """Per backend, the parallelism/recompute flags it refuses when set away from their defaults, with the reason."""
 
+TRAINING_ONLY = frozenset(_REFUSED_BY["convert"])
+"""The Megatron fields only training reads (parallel layout but TP, recompute, optimizer, MoE runtime, kernels): a
+pipeline routes these flags to its training stages, not to the converter."""
+
 
 def check_model_args(megatron: MegatronConfig, hf_config: Mapping[str, Any], backend: str) -> list[str]:
     """Problems with the Megatron flags for a run on `backend` with this HF config.json; empty when all is well."""

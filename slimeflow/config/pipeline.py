@@ -19,6 +19,7 @@ from slimeflow.config.base import ConfigModel
 from slimeflow.config.flags import ConfigError, FlagIndex, merge, nest_keys, parse_flags, validate
 from slimeflow.config.infra import InfraConfig
 from slimeflow.config.model import ModelConfig
+from slimeflow.config.model_args import TRAINING_ONLY
 from slimeflow.config.slime_flags import deferred, explain_unknown
 from slimeflow.config.train import MegatronConfig, TrainConfig
 from slimeflow.preprocess.config import PreprocessConfig
@@ -252,7 +253,10 @@ def _targets(flag: str, tree: Mapping[str, Any], only_stage: str | None) -> list
     if not owners:
         known = sorted({f for index in STAGE_INDEX.values() for f in index.by_flag} | set(TOP_INDEX.by_flag))
         return [] if deferred(flag) else explain_unknown(flag, known)
-    if flag.removeprefix("--").replace("-", "_") in SHARED:
+    field = flag.removeprefix("--").replace("-", "_")
+    if field in SHARED:
+        if field in TRAINING_ONLY:  # a training setting: the converter writes one checkpoint for every layout
+            owners = [name for name in owners if name != "convert"]
         present = [name for name in owners if tree.get(name) is not None]
         if not present:
             return f"{flag}: no configured stage takes it (defined by {', '.join(owners)}); add that stage's section"
