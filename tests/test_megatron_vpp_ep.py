@@ -442,8 +442,8 @@ def _router_statistics(backend, batch, micro_batches, extra_columns, monkeypatch
     finally:
         config.finalize_model_grads_func = finalize
     out = {"counts": counts, "before": biases, "biases": [r.expert_bias.clone() for r in routers],
-           "losses": {name: entry["values"].clone() for name, entry in
-                      moe_utils.get_moe_layer_wise_logging_tracker().items()},
+           "losses": {name: entry["values"].clone() for name, entry in  # the tracker is megatron's global:
+                      moe_utils.get_moe_layer_wise_logging_tracker().items() if entry["values"].any()},  # this run's
            "grads": torch.cat([p.main_grad.flatten() for p in modules.parameters() if p.requires_grad])}
     for router, bias in zip(routers, biases, strict=True):
         router.expert_bias.copy_(bias)
