@@ -7,7 +7,8 @@ machine it changes nothing). Each shim says why it exists; tests/test_compat.py 
 unshimmed call still fails here, so a shim whose reason has gone away is noticed and deleted.
 
 `megatron_fixes()` applies, on any machine, the shims of megatron-core bugs that are not about the CPU (EVERYWHERE;
-their tests say, as those of SHIMS, that the unshimmed call still fails); `megatron_runtime()` is both.
+tests/test_moe_padding.py shows, as test_compat.py for SHIMS, that the unshimmed call still fails);
+`megatron_runtime()` applies both.
 
 Two more shims make a synchronous checkpoint write cheaper on any machine (`in_process_write_results`,
 `eager_jit_fusions`; their tests are in tests/test_compat.py too).

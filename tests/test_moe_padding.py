@@ -26,6 +26,7 @@ def test_the_expert_bias_count_needs_the_padding_mask_stand_in():
 
     assert {(shim.owner().__name__, shim.attribute) for shim in _compat.EVERYWHERE} == \
         {("TopKRouter", "_apply_expert_bias")}
+    assert all(shim.why for shim in _compat.EVERYWHERE)
     routing_map = torch.zeros(6, 4, dtype=torch.bool)
     routing_map[torch.arange(6), torch.tensor([0, 1, 2, 3, 0, 0])] = True
     padding = torch.tensor([False, False, False, False, True, True])
