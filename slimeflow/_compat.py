@@ -6,6 +6,10 @@ duration of a `with` block and restores the originals afterwards, and only when 
 machine it changes nothing). Each shim says why it exists; tests/test_compat.py shows, for each, that the
 unshimmed call still fails here, so a shim whose reason has gone away is noticed and deleted.
 
+`megatron_fixes()` applies, on any machine, the shims of megatron-core bugs that are not about the CPU (EVERYWHERE;
+tests/test_moe_padding.py shows, as test_compat.py for SHIMS, that the unshimmed call still fails);
+`megatron_runtime()` applies both.
+
 Two more shims make a synchronous checkpoint write cheaper on any machine (`in_process_write_results`,
 `eager_jit_fusions`; their tests are in tests/test_compat.py too).
 
@@ -337,6 +341,66 @@ SHIMS: tuple[Shim, ...] = (
 )
 
 
+def _expert_bias_over_real_tokens(self: Any, routing_map: Any, padding_mask: Any = None) -> None:
+    """TopKRouter._apply_expert_bias with the padding mask ([tokens], True at padding) broadcast over the experts:
+    the expert-bias update counts each expert's real tokens only (megatron's own, as it means to)."""
+    import torch
+
+    if self.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask.unsqueeze(-1)
+            self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+EVERYWHERE: tuple[Shim, ...] = (
+    Shim(_class("megatron.core.transformer.moe.router", "TopKRouter"), "_apply_expert_bias",
+         _expert_bias_over_real_tokens,
+         why="megatron-core 0.16.1's TopKRouter._apply_expert_bias excludes padding from the tokens per expert as "
+             "`routing_map & ~padding_mask`, a [tokens, experts] map and a [tokens] mask: a broadcast error (or, "
+             "with as many tokens as experts, a wrong count), on any device. The stand-in masks the tokens' rows."),
+)
+"""Shims of megatron-core bugs that are not about the CPU: applied on every machine (`megatron_fixes`)."""
+
+
+def _apply(shims: tuple[Shim, ...]) -> Callable[[], None]:
+    """Put every shim of `shims` in place; returns what restores the originals."""
+    # As the owner holds it (vars: a class's classmethod itself, not a method bound to the class).
+    saved = [(shim, vars(shim.owner()).get(shim.attribute, _ABSENT)) for shim in shims]
+
+    def restore() -> None:
+        for shim, original in saved:
+            if original is not _ABSENT:
+                setattr(shim.owner(), shim.attribute, original)
+            elif shim.attribute in vars(shim.owner()):
+                delattr(shim.owner(), shim.attribute)
+
+    try:
+        for shim, original in saved:
+            setattr(shim.owner(), shim.attribute, shim.stand_in(original))
+    except BaseException:
+        restore()
+        raise
+    return restore
+
+
+@contextlib.contextmanager
+def megatron_fixes() -> Iterator[None]:
+    """Apply EVERYWHERE (on a GPU machine too) for the duration of the block; restored on exit."""
+    restore = _apply(EVERYWHERE)
+    try:
+        yield
+    finally:
+        restore()
+
+
+@contextlib.contextmanager
+def megatron_runtime(seed: int = 1234) -> Iterator[None]:
+    """What a training process runs megatron-core's model in: `megatron_fixes` and `megatron_on_cpu(seed)`."""
+    with megatron_fixes(), megatron_on_cpu(seed):
+        yield
+
+
 def cuda_available() -> bool:
     import torch
 
@@ -356,23 +420,16 @@ def megatron_on_cpu(seed: int = 1234) -> Iterator[None]:
     import torch
     from megatron.core import tensor_parallel
 
-    # As the owner holds it (vars: a class's classmethod itself, not a method bound to the class).
-    saved = [(shim, vars(shim.owner()).get(shim.attribute, _ABSENT)) for shim in SHIMS]
     tracker = tensor_parallel.get_cuda_rng_tracker()
     saved_states = tracker.get_states()
+    restore = _apply(SHIMS)
     try:
-        for shim, original in saved:
-            setattr(shim.owner(), shim.attribute, shim.stand_in(original))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             tracker.set_states({MODEL_PARALLEL_RNG: torch.get_rng_state()})
         yield
     finally:
-        for shim, original in saved:
-            if original is _ABSENT:
-                delattr(shim.owner(), shim.attribute)
-            else:
-                setattr(shim.owner(), shim.attribute, original)
+        restore()
         tracker.set_states(saved_states)
 
 

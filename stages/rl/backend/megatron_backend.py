@@ -16,7 +16,9 @@ fused kernel (families.megatron.sdpa_attention), on right-padded rows as the tor
 
 The model's shape is the Megatron args of the torch_dist checkpoint it starts from (--load or --ref-load, as
 slime's Megatron backend; the convert stage writes one from the HF checkpoint); every rank reads its own share.
-On a CPU every call into megatron runs inside `slimeflow._compat.megatron_on_cpu`.
+On a CPU every call into megatron runs inside `slimeflow._compat.megatron_on_cpu`; on any machine inside
+`megatron_fixes` (megatron-core bugs shimmed: the routers' expert-bias count with a padding mask). An MoE model gets
+the padding mask of every micro-batch, so padding counts in no router statistic (expert-bias loads, aux and z losses).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 import torch
 
-from slimeflow._compat import megatron_on_cpu
+from slimeflow._compat import megatron_runtime
 from slimeflow.config.train import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig
 from slimeflow.offload import module_tensors, optimizer_tensors
 from slimeflow.rollout.types import TrainBatch
@@ -158,8 +160,9 @@ class MegatronBackend:
         return self.algorithm.needs_reference
 
     def on_device(self):
-        """The context every call into megatron runs in: the CPU shims when there is no GPU (none on a GPU)."""
-        return megatron_on_cpu(self.seed)
+        """The context every call into megatron runs in: the CPU shims when there is no GPU (none on a GPU), and the
+        fixes of megatron-core bugs on any machine (_compat.megatron_runtime)."""
+        return megatron_runtime(self.seed)
 
     # -- construction -------------------------------------------------------------------------------------------
 
@@ -365,6 +368,8 @@ class MegatronBackend:
         # tokens (gloo has no uneven gather): then every micro-batch is padded to one shape.
         pipelined = self.parallel.pipeline_model_parallel_size > 1 or experts_split
         vocab, temperature, device = self.vocab_size, self.temperature, self.device
+        routed = bool(getattr(self.args, "num_experts", None))
+        tp_rank, tp_size = self._tensor_parallel_rank_and_size()
 
         def forward_step(data: Iterator[Any], model: torch.nn.Module):
             indices, rows, layout = next(data)
@@ -372,8 +377,14 @@ class MegatronBackend:
             shape = (rows_max, length_max) if pipelined else (count, _round_up(length, unit))
             ids, keep = _padded(layout.ids, shape), _padded(layout.keep, shape)
             positions = torch.arange(shape[1], device=device).expand(shape)
-            # Causal attention (sdpa_attention): right padding needs no mask, real positions never see it.
-            output = model(ids.to(device), positions, None)
+            # Causal attention (sdpa_attention): right padding needs no mask, real positions never see it. The MoE
+            # routers do count tokens (expert-bias loads, load-balancing and z losses): they get the padding.
+            extra = {}
+            if routed:
+                padding = ~_padded(layout.mask.bool(), shape)
+                extra["padding_mask"] = stage_padding_mask(padding, unwrapped(model).pre_process,
+                                                           self.sequence_parallel, tp_rank, tp_size).to(device)
+            output = model(ids.to(device), positions, None, **extra)
 
             def on_output(output: torch.Tensor):
                 selected = output[..., :vocab][keep.to(device)]
@@ -388,6 +399,12 @@ class MegatronBackend:
                 forward_step_func=forward_step, data_iterator=data, model=model,
                 num_microbatches=len(items), seq_length=length_max, micro_batch_size=rows_max,
                 forward_only=forward_only)
+
+    def _tensor_parallel_rank_and_size(self) -> tuple[int, int]:
+        from megatron.core import parallel_state
+
+        return (parallel_state.get_tensor_model_parallel_rank(),
+                parallel_state.get_tensor_model_parallel_world_size())
 
     def _shape_over_ranks(self, rows: int, length: int, micro_batches: int) -> tuple[int, int]:
         """The largest micro-batch shape over all ranks; ValueError when ranks run different micro-batch counts
@@ -506,6 +523,17 @@ def sharded_leaves(tree: Any) -> Iterator[Any]:
             yield from sharded_leaves(value)
     else:
         yield tree
+
+
+def stage_padding_mask(padding: torch.Tensor, first_stage: bool, sequence_parallel: bool, tp_rank: int,
+                       tp_size: int) -> torch.Tensor:
+    """The padding mask [rows, length] (True at padding) as a model chunk's MoE layers must get it: GPTModel splits it
+    over the sequence-parallel ranks with the embeddings, on the first pipeline stage only; a later stage's input
+    arrives split already (this rank's share of the positions), so its mask is cut here the same way."""
+    if first_stage or not sequence_parallel or tp_size == 1:
+        return padding
+    share = padding.shape[1] // tp_size
+    return padding[:, tp_rank * share: (tp_rank + 1) * share].contiguous()
 
 
 def _padded(tensor: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
