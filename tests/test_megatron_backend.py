@@ -265,7 +265,7 @@ def test_the_opd_teacher_is_loaded_and_run_like_the_reference(converted):
         load_checkpoint(backend, converted["release"], weights_only=True)
         teacher = backend.compute_log_probs(batch, teacher=True).log_probs
         policy = backend.compute_log_probs(batch).log_probs
-        prepared = prepare(backend, batch, config, list(range(len(batch))), 1)
+        prepared = prepare(backend, batch, config, [list(range(len(batch)))], 1)
     finally:
         backend.close()
     assert all(torch.equal(t, p) for t, p in zip(teacher, policy, strict=True))
