@@ -108,7 +108,7 @@ def slimeflow_step(backend, config, samples) -> tuple[dict, dict, torch.Tensor]:
     plan = plan_steps(batch, config.batch.global_batch_size, 0, 1, config.batch.balance_data)
     assert len(plan) == 1, "loop_bench's setting is one optimizer step per rollout"
     (indices, share), = plan
-    prepared = prepare_train(backend, batch, config, share, 1, single_step=True)
+    prepared = prepare_train(backend, batch, config, [share], 1, single_step=True)
     log_probs = torch.cat(backend.compute_log_probs(batch).log_probs)  # the training forward's, without grad
     metrics = accumulate_gradients(backend, batch, indices, share, prepared, config)
     grads = {n: p.grad.detach().clone() for n, p in backend.model.named_parameters()}

@@ -42,6 +42,18 @@ def make_batch(samples: int, prompt: int, response: int, seed: int = 0) -> Train
                       rollout_log_probs=[-torch.rand(n, generator=g) for n in responses])
 
 
+def converted_model(tmp: Path, hidden_size: int, layers: int) -> tuple[Path, Path]:
+    """The benchmarks' tiny Llama (8 heads, 4 KV heads, MLP 4 x hidden) as an HF directory and its torch_dist
+    release, under `tmp`."""
+    from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, read_hf_source
+
+    spec = TinyModelSpec(seed=1, hidden_size=hidden_size, num_hidden_layers=layers,
+                         intermediate_size=4 * hidden_size, num_attention_heads=8, num_key_value_heads=4)
+    hf = build_tiny_model(tmp / "hf", spec)
+    staged, _ = convert_hf_to_torch_dist(read_hf_source(hf), tmp / "ckpt")
+    return hf, staged.rename(tmp / "ckpt" / "release")
+
+
 def timed_step(backend, batch: TrainBatch, config: TrainConfig) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process) of one step."""
     from slimeflow.stages.rl.train_step import train_on_rollout
@@ -119,17 +131,12 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, read_hf_source
     from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend
     from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
     from slimeflow.stages.rl.backend.torch_backend import TorchBackend
 
     tmp = Path(tempfile.mkdtemp(prefix="megatron-step-"))
-    spec = TinyModelSpec(seed=1, hidden_size=args.hidden_size, num_hidden_layers=args.layers,
-                         intermediate_size=4 * args.hidden_size, num_attention_heads=8, num_key_value_heads=4)
-    hf = build_tiny_model(tmp / "hf", spec)
-    staged, _ = convert_hf_to_torch_dist(read_hf_source(hf), tmp / "ckpt")
-    release = staged.rename(tmp / "ckpt" / "release")
+    hf, release = converted_model(tmp, args.hidden_size, args.layers)
     config = TrainConfig(batch={"rollout_batch_size": args.samples // 2, "n_samples_per_prompt": 2, "num_rollout": 1,
                                 "micro_batch_size": 4}, optimizer={"lr": 1e-5})
     batch = make_batch(args.samples, args.prompt, args.response)

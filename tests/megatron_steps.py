@@ -43,8 +43,7 @@ def train_steps(backend, batch, config, rank: int, world_size: int) -> list[dict
     from slimeflow.stages.rl.train_step import accumulate_gradients, plan_steps, prepare
 
     plan = plan_steps(batch, config.batch.global_batch_size, rank, world_size, config.batch.balance_data)
-    prepared = prepare(backend, batch, config, sorted(i for _, share in plan for i in share), world_size,
-                       single_step=len(plan) == 1)
+    prepared = prepare(backend, batch, config, [share for _, share in plan], world_size, single_step=len(plan) == 1)
     return [{**accumulate_gradients(backend, batch, indices, share, prepared, config), **backend.optimizer_step()}
             for indices, share in plan]
 

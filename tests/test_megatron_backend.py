@@ -100,6 +100,19 @@ def test_first_step_gates_at_one_process(one_process):
     assert one_process["steps"][1]["ppo_kl"] != 0.0  # the second step is off-policy: the gate is not vacuous
 
 
+def test_first_step_gates_with_packed_micro_batches(converted, one_process):
+    """The gates under --use-dynamic-batch-size with two steps per rollout: each log-prob pass runs the training
+    steps' micro-batches, one schedule per step, so ppo_kl and kl_loss are exactly 0 (they were -4e-8 and 4e-8 when
+    the passes packed the rank's whole share at once; test_torch_backend checks the packings differ)."""
+    config = make_config(batch={"use_dynamic_batch_size": True, "max_tokens_per_gpu": 24, "global_batch_size": 4},
+                         optimizer={"lr": LR}, algorithm={"use_kl_loss": True, "kl_loss_coef": 0.1})
+    job = make_job(converted["tmp"], "dynamic", converted["hf"], converted["release"], one_process["batch"], config)
+    first, second = train_job(0, 1, job)["steps"]
+    assert first["ppo_kl"] == 0.0 and first["kl_loss"] == 0.0
+    assert first["train_rollout_logprob_abs_diff"] <= 1e-6
+    assert second["ppo_kl"] != 0.0
+
+
 def _compare_with_one_process(run: dict, one_process: dict) -> None:
     """Float rounding only (the TP ranks' partial sums, the PP stages' hand-over): metrics to a relative 1e-5,
     weights after two Adam steps to 0.1 x lr (measured: 7e-6 at TP2, 2e-6 at PP2)."""
@@ -265,7 +278,7 @@ def test_the_opd_teacher_is_loaded_and_run_like_the_reference(converted):
         load_checkpoint(backend, converted["release"], weights_only=True)
         teacher = backend.compute_log_probs(batch, teacher=True).log_probs
         policy = backend.compute_log_probs(batch).log_probs
-        prepared = prepare(backend, batch, config, list(range(len(batch))), 1)
+        prepared = prepare(backend, batch, config, [list(range(len(batch)))], 1)
     finally:
         backend.close()
     assert all(torch.equal(t, p) for t, p in zip(teacher, policy, strict=True))

@@ -249,9 +249,9 @@ def test_tensor_x_expert_parallel_equals_one_process(qwen3_moe, moe_one_process,
     run = run_world(4, layout, tmp_path, qwen3_moe["hf"], qwen3_moe["release"], moe_one_process["batch"], config)
     first = run["steps"][0]
     assert first["train_rollout_logprob_abs_diff"] <= 1e-6
-    # Packed by tokens, the log-prob pass (a rank's whole share) and the training steps group samples into
-    # micro-batches of other shapes: the same rows differ by rounding there (measured: ppo_kl 4e-8).
-    assert first["ppo_kl"] == 0.0 if layout == "etp2-alltoall" else abs(first["ppo_kl"]) <= 1e-6
+    # Packed by tokens too: the log-prob passes run the training steps' micro-batches (ppo_kl was 4e-8 when they
+    # packed each rank's whole share at once).
+    assert first["ppo_kl"] == 0.0
     _compare_with_one_process(run, moe_one_process)
 
 

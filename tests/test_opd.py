@@ -91,10 +91,10 @@ def test_a_teacher_with_the_policys_weights_changes_nothing_and_another_teacher_
     plain = make_config()
     same = make_config(use_opd=True, opd_type="megatron", opd_teacher_load=str(models["same"]), opd_kl_coef=0.7)
     other = make_config(use_opd=True, opd_type="megatron", opd_teacher_load=str(models["other"]), opd_kl_coef=0.7)
-    own = list(range(len(batch)))
+    shares = [list(range(len(batch)))]  # one optimizer step of every sample
 
     with_same = backend(models, same)
-    prepared = prepare(with_same, batch, same, own, 1)
+    prepared = prepare(with_same, batch, same, shares, 1)
     assert all(torch.equal(kl, torch.zeros_like(kl)) for kl in prepared.opd_reverse_kl)
     without = backend(models, plain)
     expected = train_on_rollout(without, batch, plain)
@@ -104,8 +104,8 @@ def test_a_teacher_with_the_policys_weights_changes_nothing_and_another_teacher_
     assert all(torch.allclose(weights[k], trained[k], atol=1e-7) for k in trained)
 
     with_other = backend(models, other)
-    prepared = prepare(with_other, batch, other, own, 1)
-    base = prepare(backend(models, plain), batch, make_config(use_kl_loss=False), own, 1)
+    prepared = prepare(with_other, batch, other, shares, 1)
+    base = prepare(backend(models, plain), batch, make_config(use_kl_loss=False), shares, 1)
     teacher = with_other.compute_log_probs(batch, teacher=True).log_probs
     assert not torch.allclose(torch.cat(teacher), torch.cat(prepared.old_log_probs))
     for got_, adv, old, t in zip(prepared.advantages, base.advantages, prepared.old_log_probs, teacher, strict=True):
@@ -132,11 +132,11 @@ def test_sglang_teacher_log_probs_come_with_the_samples_and_their_absence_is_nam
 
     config = make_config(use_opd=True, opd_type="sglang")
     student = backend(models, config)
-    prepared = prepare(student, batch, config, list(range(len(batch))), 1)
+    prepared = prepare(student, batch, config, [list(range(len(batch)))], 1)
     assert [kl.numel() for kl in prepared.opd_reverse_kl] == [n for _, n in LENGTHS]
     samples[1].teacher_log_probs = None
     with pytest.raises(ValueError, match="needs every sample's teacher_log_probs"):
-        prepare(student, TrainBatch.from_samples(samples), config, list(range(len(batch))), 1)
+        prepare(student, TrainBatch.from_samples(samples), config, [list(range(len(batch)))], 1)
     with pytest.raises(ValueError, match="teacher_log_probs has 2 entries, response_length is 4"):
         TrainBatch(tokens=batch.tokens, response_lengths=batch.response_lengths, loss_masks=batch.loss_masks,
                    rewards=batch.rewards, teacher_log_probs=[torch.zeros(3), torch.zeros(2), torch.zeros(2),

@@ -87,6 +87,27 @@ def test_packed_micro_batches_give_the_one_pass_gradients(hf_dir, per_token):
     assert ((got - reference).norm() / reference.norm()).item() < 1e-6
 
 
+def test_first_step_ppo_kl_is_exactly_zero_with_packed_micro_batches(hf_dir):
+    """slime's gate under --use-dynamic-batch-size with two steps per rollout: the log-prob passes run the training
+    steps' own micro-batches (packed step by step), so the first step's ppo_kl and kl_loss are exactly 0. Packing
+    the rank's whole share at once, as the passes did before, groups these samples otherwise (checked): ppo_kl and
+    kl_loss were -4e-8 and 4e-8."""
+    from megatron_steps import train_steps
+
+    config = make_config(batch={"use_dynamic_batch_size": True, "max_tokens_per_gpu": 24, "global_batch_size": 4},
+                         optimizer={"lr": 1e-3}, algorithm={"use_kl_loss": True, "kl_loss_coef": 0.1})
+    batch = make_batch()
+    backend = make_backend(hf_dir, config)
+    lengths = batch.total_lengths
+    per_step = [[start + i for i in micro] for start in (0, 4) for micro in backend.micro_batches(lengths[start:start + 4])]
+    assert backend.micro_batches(lengths) != per_step
+    first, second = train_steps(backend, batch, config, 0, 1)
+    assert first["ppo_kl"] == 0.0 and first["kl_loss"] == 0.0 and first["pg_clipfrac"] == 0.0
+    assert second["ppo_kl"] != 0.0  # the second step is off-policy: the gate is not vacuous
+    with pytest.raises(ValueError, match="must hold each of the 8 samples once"):
+        backend.compute_log_probs(batch, steps=[[[0, 1, 2, 3]], [[4, 5, 6]]])
+
+
 def make_group_batch() -> TrainBatch:
     """Two prompts with four one-token responses each (two the same), and one sample whose tokens but the last
     equal a prompt while its response is two tokens long: a GRPO rollout of one-token answers, plus a near miss."""

@@ -6,6 +6,7 @@ computes log-probs for its share only and the shares are gathered, so advantages
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass
@@ -63,7 +64,8 @@ def train_on_rollout(backend: TorchBackend, batch: TrainBatch, config: TrainConf
     """
     plan = plan_steps(batch, config.batch.global_batch_size, rank, world_size, config.batch.balance_data)
     own = sorted(i for _, share in plan for i in share)
-    prepared = prepare(backend, batch, config, own, world_size, single_step=len(plan) == 1, hooks=hooks)
+    prepared = prepare(backend, batch, config, [share for _, share in plan], world_size, single_step=len(plan) == 1,
+                       hooks=hooks)
     if hooks is not None and hooks.rollout_data_postprocess is not None:
         postprocess_rollout_data(hooks, rollout_id, batch, own, prepared)
         if world_size > 1:  # each step's loss is normalised by the global batch's masks, some of them other ranks'
@@ -86,20 +88,34 @@ def train_on_rollout(backend: TorchBackend, batch: TrainBatch, config: TrainConf
     return metrics
 
 
-def prepare(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, own: list[int],
+def prepare(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, shares: list[list[int]],
             world_size: int, single_step: bool = False, hooks: TrainHooks | None = None) -> Prepared:
-    """Old (and reference) log-probs of this rank's samples, gathered from all ranks, then the advantages of the
-    whole rollout (--advantage-estimator, or the custom function the backend loaded). `hooks`: each log-prob pass
-    is preceded by slime's before-log-prob hook."""
+    """Old (and reference) log-probs of this rank's samples (`shares`: its samples in each optimizer step, as
+    plan_steps splits them), gathered from all ranks, then the advantages of the whole rollout
+    (--advantage-estimator, or the custom function the backend loaded). `hooks`: each log-prob pass is preceded
+    by slime's before-log-prob hook.
+
+    Each log-prob pass runs the micro-batches the training steps will run (step by step, as slime's forward_only),
+    so every sample's old log-probs come out of the same float sums as its first training forward: the first
+    step's ppo_kl is exactly 0 with --use-dynamic-batch-size too (packing the whole share at once groups samples
+    otherwise, and rounding differs)."""
+    own = sorted(i for share in shares for i in share)
     mine = batch.select(own)
     algo = config.algorithm
+
+    @functools.cache  # planned once, on the first pass (none when no pass runs)
+    def steps() -> list[list[list[int]]]:
+        """Each step's training micro-batches as indices into `mine`."""
+        lengths, position = batch.total_lengths, {i: p for p, i in enumerate(own)}
+        return [[[position[i] for i in micro] for micro in step_micro_batches(backend, lengths, share)]
+                for share in shares]
 
     def log_probs(reference: bool = False, teacher: bool = False) -> list[torch.Tensor]:
         if hooks is not None:
             hooks.before_log_probs(scoring_model(backend, reference, teacher),
                                    "ref_" if reference else "teacher_" if teacher else "")
-        return _gather(own, backend.compute_log_probs(mine, reference=reference, teacher=teacher).log_probs,
-                       len(batch), world_size, backend.data_parallel_group)
+        computed = backend.compute_log_probs(mine, reference=reference, teacher=teacher, steps=steps())
+        return _gather(own, computed.log_probs, len(batch), world_size, backend.data_parallel_group)
 
     if algo.use_rollout_logprobs and batch.rollout_log_probs is None:
         raise ValueError("--use-rollout-logprobs needs the rollout engine's log-probs of every sample; this rollout "
@@ -166,6 +182,13 @@ def _gather(own: list[int], values: list[torch.Tensor], total: int, world_size: 
     return out  # type: ignore[return-value]
 
 
+def step_micro_batches(backend: TorchBackend, lengths: list[int], share: list[int]) -> list[list[int]]:
+    """The micro-batches (batch indices) this rank runs its `share` of one optimizer step in (`lengths`: every
+    sample's tokens), for the training step and the log-prob passes alike. Collective under expert parallelism
+    with --use-dynamic-batch-size (the ranks even out their counts): every rank calls it for every step."""
+    return [[share[j] for j in micro] for micro in backend.micro_batches([lengths[i] for i in share])]
+
+
 def accumulate_gradients(backend: TorchBackend, batch: TrainBatch, indices: list[int], share: list[int],
                          prepared: Prepared, config: TrainConfig) -> dict[str, float]:
     """Forward/backward over this rank's micro-batches (`share`) of the global batch `indices`; returns the global
@@ -173,7 +196,7 @@ def accumulate_gradients(backend: TorchBackend, batch: TrainBatch, indices: list
     algo, device = config.algorithm, backend.device
     normalizer = LossNormalizer.for_batch([batch.loss_masks[i] for i in indices])
     lengths = batch.total_lengths  # a property that walks the batch: read it once, not once per sample
-    micros = [[share[j] for j in micro] for micro in backend.micro_batches([lengths[i] for i in share])]
+    micros = step_micro_batches(backend, lengths, share)
 
     def loss_of(rows: list[int], out: LogProbs) -> LossOutput:
         """The loss of the micro-batch `rows` (batch indices) from the backend's forward output `out`."""

@@ -55,6 +55,7 @@ from slimeflow.stages.rl.backend.torch_backend import (
     RowLayout,
     default_device,
     init_process_group,
+    log_prob_steps,
     plan_micro_batches,
     response_log_probs,
     scoring_model,
@@ -308,9 +309,12 @@ class MegatronBackend:
 
     @torch.no_grad()
     def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = False, reference: bool = False,
-                          teacher: bool = False) -> LogProbs:
+                          teacher: bool = False, steps: list[list[list[int]]] | None = None) -> LogProbs:
         """log-probs (fp32, CPU) of every sample's response tokens under the policy (or the reference model, or the
-        OPD teacher), in this backend's micro-batches; every rank of the model replica gets them."""
+        OPD teacher); every rank of the model replica gets them. `steps`: the micro-batches (indices into `batch`)
+        of each training step, run one schedule per step as training runs them (padded to the same shapes), so a
+        sample's log-probs are those of its training forward bit for bit; default: this backend's micro-batches of
+        the whole batch, one step."""
         model = scoring_model(self, reference, teacher)
         out = LogProbs([None] * len(batch), [None] * len(batch) if with_entropy else None)  # type: ignore[list-item]
 
@@ -319,8 +323,8 @@ class MegatronBackend:
                       for j, (i, lp) in enumerate(zip(indices, part.log_probs, strict=True))]
             return torch.zeros(()), 1, values
 
-        pieces = self._schedule(model, batch, self.micro_batches(batch.total_lengths), keep, with_entropy,
-                                forward_only=True)
+        pieces = [piece for micro_batches in log_prob_steps(steps, batch, self.micro_batches)
+                  for piece in self._schedule(model, batch, micro_batches, keep, with_entropy, forward_only=True)]
         for values in self._from_last_stage(pieces):
             for i, log_probs, entropy in values:
                 out.log_probs[i] = log_probs

@@ -9,6 +9,7 @@ slime's RL runs, so the trainer's log-probs of a batch do not depend on the mode
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,11 +160,13 @@ class TorchBackend:
 
     @torch.no_grad()
     def compute_log_probs(self, batch: TrainBatch, with_entropy: bool = False, reference: bool = False,
-                          teacher: bool = False) -> LogProbs:
+                          teacher: bool = False, steps: list[list[list[int]]] | None = None) -> LogProbs:
         """log-probs (fp32, CPU) of every sample's response tokens under the policy (or the reference model, or the
-        OPD teacher), computed in this backend's micro-batches."""
+        OPD teacher). `steps`: the micro-batches (indices into `batch`) of each training step, which a sample's
+        log-probs then come from bit for bit as in its training forward; default: this backend's micro-batches of
+        the whole batch, one step."""
         out = LogProbs([None] * len(batch), [None] * len(batch) if with_entropy else None)  # type: ignore[list-item]
-        for micro in self.micro_batches(batch.total_lengths):
+        for micro in itertools.chain.from_iterable(log_prob_steps(steps, batch, self.micro_batches)):
             rows = batch.select(micro)
             part = self.forward(rows, with_entropy, reference, teacher)
             for values, into in ((part.log_probs, out.log_probs), (part.entropy, out.entropy)):
@@ -324,6 +327,19 @@ def plan_micro_batches(batch: BatchConfig, lengths: list[int]) -> list[list[int]
         return pack_micro_batches(lengths, batch.max_tokens_per_gpu)
     size = batch.micro_batch_size
     return [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
+
+
+def log_prob_steps(steps: list[list[list[int]]] | None, batch: TrainBatch,
+                   micro_batches: Callable[[list[int]], list[list[int]]]) -> list[list[list[int]]]:
+    """A log-prob pass's micro-batches, step by step: `steps` checked to hold each sample of `batch` once
+    (ValueError otherwise), or, without them, `micro_batches` of the whole batch as one step."""
+    if steps is None:
+        return [micro_batches(batch.total_lengths)]
+    seen = sorted(i for step in steps for micro in step for i in micro)
+    if seen != list(range(len(batch))):
+        raise ValueError(f"a log-prob pass's micro-batches must hold each of the {len(batch)} samples once; they "
+                         f"hold {seen[:10]}{' ...' if len(seen) > 10 else ''}")
+    return steps
 
 
 def sum_over_ranks(sums: dict[str, torch.Tensor], world_size: int, group: Any = None) -> dict[str, float]:
