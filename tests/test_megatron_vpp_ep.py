@@ -584,7 +584,8 @@ def test_the_router_losses_weigh_as_in_slime(qwen3_moe, tmp_path, per_token):
 
 def _router_gradients_at_dp2(rank: int, world: int, job: dict) -> dict | None:
     """Both modes at DP 2 (one backend each): rank 0 runs 2 micro-batches, rank 1 one (slime's weight is per rank's
-    count); the router's reduced gradient and the ranks' by-hand shares summed."""
+    count); the router's reduced gradient and the ranks' by-hand shares summed; the output layer's gradient of a
+    policy loss (sum of log-probs / 100), which megatron's scaling must leave as it is in both modes."""
     from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
 
     batch, out = job["batch"], {}
@@ -596,18 +597,27 @@ def _router_gradients_at_dp2(rank: int, world: int, job: dict) -> dict | None:
             micro_batches = [[[0, 1], [2, 3]], [[4, 5, 6, 7]]][backend.dp_rank]
             run = _last_router_gradient(backend, batch, micro_batches, _step_tokens(batch))
             torch.distributed.all_reduce(run["by_hand"])
+            backend.forward_backward(batch, micro_batches, lambda indices, part: types.SimpleNamespace(
+                loss=sum(lp.sum() for lp in part.log_probs) / 100, metrics={}))
+            run["policy"] = backend.modules[0].output_layer.weight.main_grad.clone()  # no router loss reaches it
             out[per_token] = run
         finally:
             backend.close()
     return out if rank == 0 else None
 
 
+@pytest.mark.slow
 def test_the_router_losses_weigh_as_in_slime_at_dp2(qwen3_moe, tmp_path):
     """As test_the_router_losses_weigh_as_in_slime over 2 data-parallel ranks with unequal micro-batch counts:
     megatron's reduced gradient equals the sum of the ranks' shares of slime's formula, with and without
-    --calculate-per-token-loss (tolerance as test_the_router_losses_weigh_as_in_slime's)."""
+    --calculate-per-token-loss (tolerance as test_the_router_losses_weigh_as_in_slime's). The policy loss's
+    gradient is the same in both modes (1e-6 relative: megatron divides by what the backend multiplied by; the
+    per-sample mode's is checked against the torch backend by test_data_parallel_2_equals_one_process)."""
     runs = run_world(2, "aux-dp2", tmp_path, qwen3_moe["hf"], qwen3_moe["release"], make_batch(), _aux_config(False),
                      work=_router_gradients_at_dp2)
     for run in runs.values():
         assert run["by_hand"].abs().max() > 1e-4
         torch.testing.assert_close(run["got"], run["by_hand"], rtol=1e-5, atol=1e-5 * run["by_hand"].abs().max())
+    assert runs[False]["policy"].abs().max() > 1e-3
+    torch.testing.assert_close(runs[True]["policy"], runs[False]["policy"], rtol=1e-6,
+                               atol=1e-6 * runs[False]["policy"].abs().max())
