@@ -459,11 +459,11 @@ def _padding_invariance(model: dict, tmp_path, monkeypatch) -> bool:
 
     batch = make_batch()
     config = make_config(batch={"micro_batch_size": 4}, megatron={"moe_router_load_balancing_type": "seq_aux_loss",
-                                                                   "moe_aux_loss_coeff": 0.01})
+                                                                   "moe_aux_loss_coeff": 0.01,
+                                                                   "moe_z_loss_coeff": 1e-3})
     backend = make_backend(make_job(tmp_path, "padding", model["hf"], model["release"], batch, config))
     try:
         load_checkpoint(backend, model["release"], weights_only=True)
-        backend.modules[0].config.moe_z_loss_coeff = 1e-3  # no slime flag sets it here; megatron's routers read it
         fours = [[0, 1, 2, 3], [4, 5, 6, 7]]
         padded = _router_statistics(backend, batch, fours, 0, monkeypatch)
         more = _router_statistics(backend, batch, fours, 5, monkeypatch)
