@@ -259,7 +259,9 @@ def test_the_load_balancing_loss_reaches_only_the_router(qwen3_moe, tmp_path):
     """--moe-aux-loss-coeff (load-balancing type aux_loss, Megatron's default): the routers train in training mode,
     so megatron adds their loss. One Adam step without clipping: the weights the routers' scores depend on move
     otherwise than without it; those after the last router (its layer's experts, the final norm, the output layer)
-    exactly as without it."""
+    exactly as without it. The coefficient is large (30, each micro-batch's loss at 1/2 as in slime) so that its
+    gradient moves even the weights it reaches only through the last router (its layer's attention norms) past
+    the rounding of Adam's first step."""
     def one_step(coeff: float) -> dict:
         config = make_config(batch={"micro_batch_size": 4}, optimizer={"lr": LR, "clip_grad": 0.0},
                              megatron={"moe_aux_loss_coeff": coeff})
@@ -267,7 +269,7 @@ def test_the_load_balancing_loss_reaches_only_the_router(qwen3_moe, tmp_path):
                                         config))
 
     batch = make_batch()
-    without, with_loss = one_step(0.0), one_step(0.5)
+    without, with_loss = one_step(0.0), one_step(30.0)
     assert with_loss["steps"][0]["ppo_kl"] == 0.0  # the loss does not change the forward
     same = sorted(k for k, v in with_loss["weights"].items() if torch.equal(v, without["weights"][k]))
     last_experts = sorted(k for k in without["weights"] if k.startswith("model.layers.1.mlp.experts."))
