@@ -376,8 +376,8 @@ class MegatronBackend:
         return float(total), tokens
 
     def _schedule(self, model: list[torch.nn.Module], batch: TrainBatch, micro_batches: list[list[int]],
-                  on_log_probs: Callable[[list[int], LogProbs], tuple[torch.Tensor, torch.Tensor, Any]], with_entropy: bool,
-                  forward_only: bool) -> list[Any]:
+                  on_log_probs: Callable[[list[int], LogProbs], tuple[torch.Tensor, torch.Tensor, Any]],
+                  with_entropy: bool, forward_only: bool) -> list[Any]:
         """Run `micro_batches` through get_forward_backward_func; on the last stage, `on_log_probs(indices,
         log_probs)` gives each micro-batch's (loss, tokens, data); returns the data (last stage only)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
