@@ -259,9 +259,9 @@ def test_the_load_balancing_loss_reaches_only_the_router(qwen3_moe, tmp_path):
     """--moe-aux-loss-coeff (load-balancing type aux_loss, Megatron's default): the routers train in training mode,
     so megatron adds their loss. One Adam step without clipping: the weights the routers' scores depend on move
     otherwise than without it; those after the last router (its layer's experts, the final norm, the output layer)
-    exactly as without it. The coefficient is large (30, each micro-batch's loss at 1/2 as in slime) so that its
-    gradient moves even the weights it reaches only through the last router (its layer's attention norms) past
-    the rounding of Adam's first step."""
+    exactly as without it. The coefficient is large (30; each of the 2 micro-batches' losses weighs 1/2, as in
+    slime): Adam's first step moves a weight by about lr x sign(gradient), so a small extra gradient on the weights
+    it reaches only through the last router (that layer's attention norms) would leave them as they were."""
     def one_step(coeff: float) -> dict:
         config = make_config(batch={"micro_batch_size": 4}, optimizer={"lr": LR, "clip_grad": 0.0},
                              megatron={"moe_aux_loss_coeff": coeff})
