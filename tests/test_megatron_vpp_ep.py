@@ -259,7 +259,9 @@ def test_the_load_balancing_loss_reaches_only_the_router(qwen3_moe, tmp_path):
     """--moe-aux-loss-coeff (load-balancing type aux_loss, Megatron's default): the routers train in training mode,
     so megatron adds their loss. One Adam step without clipping: the weights the routers' scores depend on move
     otherwise than without it; those after the last router (its layer's experts, the final norm, the output layer)
-    exactly as without it."""
+    exactly as without it. The coefficient is large (30; each of the 2 micro-batches' losses weighs 1/2, as in
+    slime): Adam's first step moves a weight by about lr x sign(gradient), so a small extra gradient on the weights
+    it reaches only through the last router (that layer's attention norms) would leave them as they were."""
     def one_step(coeff: float) -> dict:
         config = make_config(batch={"micro_batch_size": 4}, optimizer={"lr": LR, "clip_grad": 0.0},
                              megatron={"moe_aux_loss_coeff": coeff})
@@ -267,7 +269,7 @@ def test_the_load_balancing_loss_reaches_only_the_router(qwen3_moe, tmp_path):
                                         config))
 
     batch = make_batch()
-    without, with_loss = one_step(0.0), one_step(0.5)
+    without, with_loss = one_step(0.0), one_step(30.0)
     assert with_loss["steps"][0]["ppo_kl"] == 0.0  # the loss does not change the forward
     same = sorted(k for k, v in with_loss["weights"].items() if torch.equal(v, without["weights"][k]))
     last_experts = sorted(k for k in without["weights"] if k.startswith("model.layers.1.mlp.experts."))
@@ -459,11 +461,11 @@ def _padding_invariance(model: dict, tmp_path, monkeypatch) -> bool:
 
     batch = make_batch()
     config = make_config(batch={"micro_batch_size": 4}, megatron={"moe_router_load_balancing_type": "seq_aux_loss",
-                                                                   "moe_aux_loss_coeff": 0.01})
+                                                                   "moe_aux_loss_coeff": 0.01,
+                                                                   "moe_z_loss_coeff": 1e-3})
     backend = make_backend(make_job(tmp_path, "padding", model["hf"], model["release"], batch, config))
     try:
         load_checkpoint(backend, model["release"], weights_only=True)
-        backend.modules[0].config.moe_z_loss_coeff = 1e-3  # no slime flag sets it here; megatron's routers read it
         fours = [[0, 1, 2, 3], [4, 5, 6, 7]]
         padded = _router_statistics(backend, batch, fours, 0, monkeypatch)
         more = _router_statistics(backend, batch, fours, 5, monkeypatch)
@@ -502,3 +504,122 @@ def test_padding_changes_no_router_statistic_in_transformer_engines_spec(deepsee
     padding mask as the local spec's do). Written on a CPU machine: not run there."""
     pytest.importorskip("transformer_engine")
     assert _padding_invariance(deepseek_v3, tmp_path, monkeypatch)
+
+
+AUX, Z = 0.1, 0.01
+"""The routers' loss coefficients of the aux-loss scale tests (--moe-aux-loss-coeff, --moe-z-loss-coeff)."""
+
+
+def _last_router_gradient(backend, batch, micro_batches: list[list[int]], step_tokens: int) -> dict:
+    """forward_backward over this rank's `micro_batches` with a zero policy loss: the last router's weight gradient
+    (only its own load-balancing and z losses reach it: no later router reads what it routes), after the step's
+    reduction over DP ranks, and the same gradient by hand from slime's formula: each micro-batch's losses (from
+    the router's inputs and real tokens, recomputed here in plain torch) weighted 1 / (micro-batches x DP ranks),
+    or with --calculate-per-token-loss (router tokens of the micro-batch) / `step_tokens` (the step's loss tokens,
+    each sample's at least 1, over all DP ranks); by hand the rank's own share (the DP ranks' shares add up)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    router = [m for m in backend.modules[0].modules() if isinstance(m, TopKRouter)][-1]
+    seen = []
+    hook = router.register_forward_hook(lambda module, args, out: seen.append((args[0].detach(), args[1])))
+
+    def loss_of(indices, part):
+        return types.SimpleNamespace(loss=sum(lp.sum() for lp in part.log_probs) * 0.0, metrics={})
+
+    try:
+        backend.forward_backward(batch, micro_batches, loss_of)
+    finally:
+        hook.remove()
+    got = router.weight.main_grad.clone()
+    for chunk in backend.model:
+        chunk.zero_grad_buffer()
+    config, weight = router.config, router.weight.detach().clone().requires_grad_(True)
+    experts, topk = config.num_moe_experts, config.moe_router_topk
+    total = torch.zeros(())
+    for hidden, padding in seen:
+        logits = (hidden.reshape(-1, hidden.shape[-1]) @ weight.T)[~padding.reshape(-1)]  # real tokens only
+        tokens = logits.shape[0]
+        probs = logits.softmax(-1)
+        routed = torch.zeros_like(probs).scatter(1, probs.topk(topk).indices, 1.0)
+        aux = AUX * experts * ((routed.sum(0) / (tokens * topk)) * probs.mean(0)).sum()
+        z = Z * logits.logsumexp(-1).square().mean()
+        share = (tokens / step_tokens if backend.algorithm.calculate_per_token_loss
+                 else 1 / (len(micro_batches) * backend.dp_size))
+        total = total + share * (aux + z)
+    total.backward()
+    assert len(seen) == len(micro_batches)
+    return {"got": got, "by_hand": weight.grad}
+
+
+def _aux_config(per_token: bool, micro_batch_size: int = 4):
+    return make_config(batch={"micro_batch_size": micro_batch_size}, algorithm={"calculate_per_token_loss": per_token},
+                       megatron={"moe_aux_loss_coeff": AUX, "moe_z_loss_coeff": Z})
+
+
+def _step_tokens(batch) -> int:
+    """slime's token count of a step over the whole batch (loss_function's num_tokens summed)."""
+    return sum(max(int(mask.sum()), 1) for mask in batch.loss_masks)
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["per-sample", "per-token"])
+def test_the_router_losses_weigh_as_in_slime(qwen3_moe, tmp_path, per_token):
+    """The tiny Qwen3-MoE, aux_loss and z-loss on, one process: the last router's gradient from its own losses is
+    slime's formula by hand (_last_router_gradient), for micro-batches of 4 samples and of 1 (the same samples):
+    1e-5 relative to the largest entry (measured: 2e-5 relative on one entry of 3e-9, fp32 rounding). Before issue 19 megatron's per-token scaling left each micro-batch's losses multiplied by its
+    token count (measured: 33 x)."""
+    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+
+    batch = make_batch()
+    backend = make_backend(make_job(tmp_path, "aux", qwen3_moe["hf"], qwen3_moe["release"], batch,
+                                    _aux_config(per_token)))
+    try:
+        load_checkpoint(backend, qwen3_moe["release"], weights_only=True)
+        fours = _last_router_gradient(backend, batch, [[0, 1, 2, 3], [4, 5, 6, 7]], _step_tokens(batch))
+        ones = _last_router_gradient(backend, batch, [[i] for i in range(8)], _step_tokens(batch))
+    finally:
+        backend.close()
+    for run in (fours, ones):
+        assert run["by_hand"].abs().max() > 1e-4
+        torch.testing.assert_close(run["got"], run["by_hand"], rtol=1e-5, atol=1e-5 * run["by_hand"].abs().max())
+    assert not torch.allclose(fours["got"], ones["got"])  # the split is slime's formula's: per micro-batch
+
+
+def _router_gradients_at_dp2(rank: int, world: int, job: dict) -> dict | None:
+    """Both modes at DP 2 (one backend each): rank 0 runs 2 micro-batches, rank 1 one (slime's weight is per rank's
+    count); the router's reduced gradient and the ranks' by-hand shares summed; the output layer's gradient of a
+    policy loss (sum of log-probs / 100), which megatron's scaling must leave as it is in both modes."""
+    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+
+    batch, out = job["batch"], {}
+    for per_token in (False, True):
+        backend = make_backend({**job, "config": _aux_config(per_token), "init": f"{job['init']}-{per_token}"},
+                               rank, world)
+        try:
+            load_checkpoint(backend, job["checkpoint"], weights_only=True)
+            micro_batches = [[[0, 1], [2, 3]], [[4, 5, 6, 7]]][backend.dp_rank]
+            run = _last_router_gradient(backend, batch, micro_batches, _step_tokens(batch))
+            torch.distributed.all_reduce(run["by_hand"])
+            backend.forward_backward(batch, micro_batches, lambda indices, part: types.SimpleNamespace(
+                loss=sum(lp.sum() for lp in part.log_probs) / 100, metrics={}))
+            run["policy"] = backend.modules[0].output_layer.weight.main_grad.clone()  # no router loss reaches it
+            out[per_token] = run
+        finally:
+            backend.close()
+    return out if rank == 0 else None
+
+
+@pytest.mark.slow
+def test_the_router_losses_weigh_as_in_slime_at_dp2(qwen3_moe, tmp_path):
+    """As test_the_router_losses_weigh_as_in_slime over 2 data-parallel ranks with unequal micro-batch counts:
+    megatron's reduced gradient equals the sum of the ranks' shares of slime's formula, with and without
+    --calculate-per-token-loss (tolerance as test_the_router_losses_weigh_as_in_slime's). The policy loss's
+    gradient is the same in both modes (1e-6 relative: megatron divides by what the backend multiplied by; the
+    per-sample mode's is checked against the torch backend by test_data_parallel_2_equals_one_process)."""
+    runs = run_world(2, "aux-dp2", tmp_path, qwen3_moe["hf"], qwen3_moe["release"], make_batch(), _aux_config(False),
+                     work=_router_gradients_at_dp2)
+    for run in runs.values():
+        assert run["by_hand"].abs().max() > 1e-4
+        torch.testing.assert_close(run["got"], run["by_hand"], rtol=1e-5, atol=1e-5 * run["by_hand"].abs().max())
+    assert runs[False]["policy"].abs().max() > 1e-3
+    torch.testing.assert_close(runs[True]["policy"], runs[False]["policy"], rtol=1e-6,
+                               atol=1e-6 * runs[False]["policy"].abs().max())

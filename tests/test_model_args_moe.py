@@ -36,7 +36,7 @@ DEEPSEEK_V3_ARGS = [
 # ... and its Megatron runtime flags
 DEEPSEEK_V3_RUNTIME = ["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-token-dispatcher-type", "alltoall",
                        "--moe-aux-loss-coeff", "0", "--moe-router-bias-update-rate", "0", "--moe-grouped-gemm",
-                       "--moe-router-dtype", "fp32", "--moe-permute-fusion"]
+                       "--moe-router-dtype", "fp32", "--moe-permute-fusion", "--moe-z-loss-coeff", "1e-3"]
 # GLM-4.5-Air (scripts/models/glm4.5-106B-A12B.sh) with its config.json's fields
 GLM45_AIR = {
     "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "first_k_dense_replace": 1,
@@ -95,10 +95,11 @@ def test_megatrons_moe_runtime_flags_are_the_megatron_backends():
 
     config = megatron(*DEEPSEEK_V3_ARGS, *DEEPSEEK_V3_RUNTIME)
     assert config.moe_token_dispatcher_type == "alltoall" and config.moe_router_bias_update_rate == 0.0
+    assert config.moe_z_loss_coeff == 1e-3
     torch_refused = [p.split(" ", 1)[0] for p in check_model_args(config, DEEPSEEK_V3, "torch")]
     assert sorted(torch_refused) == ["--moe-grouped-gemm", "--moe-permute-fusion", "--moe-router-bias-update-rate",
                                      "--moe-router-dtype", "--moe-router-load-balancing-type",
-                                     "--moe-token-dispatcher-type"]  # --moe-aux-loss-coeff 0 is the default
+                                     "--moe-token-dispatcher-type", "--moe-z-loss-coeff"]  # --moe-aux-loss-coeff 0 is the default
     assert check_model_args(config, DEEPSEEK_V3, "megatron") == []
     megatron_refused = kernel_problems(config, Kernels(cuda=False, transformer_engine=False))
     assert [p.split(":", 1)[0] for p in megatron_refused] == ["--moe-grouped-gemm", "--moe-permute-fusion"]

@@ -101,3 +101,21 @@ def test_a_ranks_rollout_data_is_its_own_samples_and_its_changes_land_on_them():
     assert seen == {"rollout_id": 9, "partition": [1, 3], "rewards": [1.0, 3.0]}
     assert [a.tolist() for a in prepared.advantages] == [[0, 0], [10, 10], [2, 2], [30, 30]]
     assert [m.tolist() for m in batch.loss_masks] == [[1, 1], [0, 1], [1, 1], [1, 1]]
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_a_provided_models_routers_take_the_runs_loss_scaling(per_token):
+    """megatron's routers copy calculate_per_token_loss from the config when built (it decides how they weigh their
+    aux and z losses): check_provided sets the run's --calculate-per-token-loss on the config and on them."""
+    import types
+
+    from slimeflow.stages.rl.train_hooks import check_provided
+
+    model = torch.nn.Module()
+    model.config = types.SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                                         calculate_per_token_loss=not per_token, batch_p2p_comm=True)
+    model.router = torch.nn.Module()
+    model.router.calculate_per_token_loss = not per_token
+    check_provided(model, 1, 1, "--custom-model-provider-path", per_token)
+    assert model.config.calculate_per_token_loss is per_token and model.router.calculate_per_token_loss is per_token
+    assert model.config.batch_p2p_comm is False

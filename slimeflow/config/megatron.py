@@ -135,6 +135,8 @@ class MegatronConfig(ConfigModel):
     """The router's load-balancing loss (weighted by --moe-aux-loss-coeff; 0 leaves it out)."""
     moe_aux_loss_coeff: float = Field(0.0, ge=0)
     """Weight of the load-balancing loss."""
+    moe_z_loss_coeff: float | None = Field(None, ge=0)
+    """Weight of the routers' z-loss (ST-MoE: their logits' squared log-sum-exp; None leaves it out)."""
     moe_router_dtype: Literal["fp32", "fp64"] | None = None
     """Precision of the router's scores (None: the model's dtype)."""
     moe_router_bias_update_rate: float = Field(1e-3, ge=0)

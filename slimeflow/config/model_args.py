@@ -29,8 +29,8 @@ MEGATRON_ONLY = (
 )
 
 MOE_RUNTIME = (
-    "moe_token_dispatcher_type", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_router_dtype",
-    "moe_router_bias_update_rate", "moe_grouped_gemm", "moe_permute_fusion",
+    "moe_token_dispatcher_type", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+    "moe_router_dtype", "moe_router_bias_update_rate", "moe_grouped_gemm", "moe_permute_fusion",
 )
 """Megatron's MoE runtime flags: how experts are fed and trained (megatron-core's router and dispatcher)."""
 

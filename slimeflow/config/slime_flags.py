@@ -8,7 +8,8 @@ from contextvars import ContextVar
 
 _MOE = ("a Megatron mixture-of-experts flag the Megatron backend does not read yet; it takes the experts' shape "
         "flags (--num-experts, --moe-router-topk, ...) and --moe-token-dispatcher-type, "
-        "--moe-router-load-balancing-type, --moe-aux-loss-coeff, --moe-router-dtype, --moe-router-bias-update-rate")
+        "--moe-router-load-balancing-type, --moe-aux-loss-coeff, --moe-z-loss-coeff, --moe-router-dtype, "
+        "--moe-router-bias-update-rate")
 
 NOT_YET_SUPPORTED: dict[str, str] = {
     "--save-hf": "HF weights are not written at each save yet: export a checkpoint with `slimeflow export`",

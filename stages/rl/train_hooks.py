@@ -32,9 +32,9 @@ RUN_LAYOUT = frozenset({
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
     "expert_tensor_parallel_size", "num_layers_per_virtual_pipeline_stage", "sequence_parallel",
     "recompute_granularity", "recompute_method", "recompute_num_layers", "use_distributed_optimizer",
-    "moe_token_dispatcher_type", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_router_dtype",
-    "moe_router_bias_update_rate", "deterministic_mode", "use_precision_aware_optimizer", "optimizer_cpu_offload",
-    "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d"})
+    "moe_token_dispatcher_type", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+    "moe_router_dtype", "moe_router_bias_update_rate", "deterministic_mode", "use_precision_aware_optimizer",
+    "optimizer_cpu_offload", "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d"})
 
 
 @dataclass
@@ -98,11 +98,12 @@ class TrainHooks:
             self.before_train_step(self.args, rollout_id, step_id, backend.model, backend.optimizer, backend.scheduler)
 
 
-def check_provided(model: torch.nn.Module, tensor_parallel: int, pipeline_parallel: int, where: str) -> None:
+def check_provided(model: torch.nn.Module, tensor_parallel: int, pipeline_parallel: int, where: str,
+                   per_token_loss: bool = False) -> None:
     """A provider's chunk runs in this backend's schedule: its parallel sizes must be the run's, and with tensor
     parallelism its logits gathered (parallel_output=False), as the loss reads the whole vocabulary. The two
-    settings the schedule reads from the chunk's config are set here (the loss is normalised by the global batch
-    already; gloo cannot batch p2p)."""
+    settings the schedule reads from the chunk's config are set here (megatron's loss scaling, the run's
+    --calculate-per-token-loss, which the MoE routers copied when built; gloo cannot batch p2p)."""
     config = getattr(model, "config", None)
     if config is None:
         raise TypeError(f"{where} returned a {type(model).__name__} without a megatron TransformerConfig (.config); "
@@ -114,7 +115,10 @@ def check_provided(model: torch.nn.Module, tensor_parallel: int, pipeline_parall
     if tensor_parallel > 1 and getattr(model, "parallel_output", False):
         raise ValueError(f"{where} built a GPTModel with parallel_output=True at tensor-parallel size "
                          f"{tensor_parallel}: the loss reads every token's full vocabulary; pass parallel_output=False")
-    config.calculate_per_token_loss = True
+    config.calculate_per_token_loss = per_token_loss
+    for module in model.modules() if isinstance(model, torch.nn.Module) else ():  # megatron's routers keep their own copy (how they scale the aux and z losses)
+        if hasattr(module, "calculate_per_token_loss"):
+            module.calculate_per_token_loss = per_token_loss
     config.batch_p2p_comm = False
 
 

@@ -7,8 +7,11 @@ or sent all-to-all). Each data-parallel
 rank takes its share of every global batch (train_step.plan_steps over the DP ranks); the TP and PP ranks of one
 model replica see the same samples. Forward and backward run in `get_forward_backward_func` (1F1B over the
 stages with PP); the last stage computes each micro-batch's loss with train_step's loss code, the torch backend's.
-That loss is already normalised by the global batch, so gradients are summed over micro-batches and DP ranks
-(`calculate_per_token_loss`: megatron neither divides by the number of micro-batches nor averages over ranks).
+That loss is already normalised by the global batch; megatron's schedule, DDP and finalize_model_grads then scale it
+as slime's Megatron backend has them, and the loss is multiplied beforehand by what they divide by (`loss_scale`),
+so its gradients are the torch backend's. What that buys: the MoE routers' load-balancing and z losses, which
+megatron scales itself, get slime's weight (without --calculate-per-token-loss each micro-batch's at 1 / (micro-batches
+x DP ranks); with it, each micro-batch's times its router tokens / the step's loss tokens over all DP ranks).
 The logits are gathered over the TP ranks and cut to the true vocabulary, so log-probs and entropies come from
 the torch backend's code (`response_log_probs`) on the full distribution. Attention is causal through torch's
 fused kernel (families.megatron.sdpa_attention), on right-padded rows as the torch backend's. megatron's optimizer
@@ -23,7 +26,6 @@ the padding mask of every micro-batch, so padding counts in no router statistic 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -182,7 +184,7 @@ class MegatronBackend:
                     **transformer_fields(self.parallel, self.optimizer_config.bf16, self.kernels),
                     **({"moe_grouped_gemm": self.parallel.moe_grouped_gemm} if self.kernels.te_spec else {}),
                     # gloo's batched p2p silently corrupts the interleaved schedule (megatron-on-cpu.md)
-                    "batch_p2p_comm": False, "calculate_per_token_loss": True,
+                    "batch_p2p_comm": False, "calculate_per_token_loss": self.algorithm.calculate_per_token_loss,
                     "sequence_parallel": self.sequence_parallel, **self._recompute(),
                     **(moe_runtime(self.parallel) if getattr(self.args, "num_experts", None) else {})}
         chunks = []
@@ -193,7 +195,7 @@ class MegatronBackend:
             if self.hooks is not None and self.hooks.model_provider is not None:
                 model = self.hooks.provide(vp_stage=vp_stage, **ends)
                 check_provided(model, parallel["tensor_model_parallel_size"], parallel["pipeline_model_parallel_size"],
-                               "--custom-model-provider-path")
+                               "--custom-model-provider-path", parallel["calculate_per_token_loss"])
             else:
                 model = gpt_model_from_args(self.args, parallel=parallel, vp_stage=vp_stage, parallel_output=False,
                                             sdpa=True, te=self.kernels.te_spec, **ends)
@@ -241,8 +243,9 @@ class MegatronBackend:
         config = chunks[0].config
         no_sync = [ddp.no_sync for ddp in wrapped]
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        # The loss is normalised by the global batch already: ignore the token count megatron would divide by.
-        config.finalize_model_grads_func = functools.partial(_finalize_without_scaling, finalize_model_grads)
+        # megatron's own, as slime's: with --calculate-per-token-loss it divides every gradient by the step's loss
+        # tokens over the DP ranks (forward_backward multiplied the loss by that count first: loss_scale)
+        config.finalize_model_grads_func = finalize_model_grads
         return wrapped
 
     def _megatron_optimizer(self):
@@ -318,10 +321,10 @@ class MegatronBackend:
         model = scoring_model(self, reference, teacher)
         out = LogProbs([None] * len(batch), [None] * len(batch) if with_entropy else None)  # type: ignore[list-item]
 
-        def keep(indices: list[int], part: LogProbs) -> tuple[torch.Tensor, int, Any]:
+        def keep(indices: list[int], part: LogProbs) -> tuple[torch.Tensor, torch.Tensor, Any]:
             values = [(i, lp.float().cpu(), None if part.entropy is None else part.entropy[j].float().cpu())
                       for j, (i, lp) in enumerate(zip(indices, part.log_probs, strict=True))]
-            return torch.zeros(()), 1, values
+            return torch.zeros(()), torch.ones((), dtype=torch.int), values
 
         pieces = [piece for micro_batches in log_prob_steps(steps, batch, self.micro_batches)
                   for piece in self._schedule(model, batch, micro_batches, keep, with_entropy, forward_only=True)]
@@ -337,9 +340,12 @@ class MegatronBackend:
         accumulate in the DDP buffers, summed over DP ranks. Returns the loss metrics summed over micro-batches
         and ranks (every rank gets them)."""
 
-        def loss(indices: list[int], part: LogProbs) -> tuple[torch.Tensor, int, Any]:
+        scale, tokens = self.loss_scale(batch, micro_batches)
+
+        def loss(indices: list[int], part: LogProbs) -> tuple[torch.Tensor, torch.Tensor, Any]:
             result = loss_of(indices, part)
-            return result.loss, 1, {k: v.detach().float() for k, v in result.metrics.items()}
+            return (result.loss * scale, tokens(indices),
+                    {k: v.detach().float() for k, v in result.metrics.items()})
 
         # Training mode, as Megatron-LM's training step: what recomputation (--recompute-*) and the MoE routers'
         # load-balancing loss are gated on. With no dropout (attention and hidden dropout are 0) it changes no other
@@ -353,9 +359,29 @@ class MegatronBackend:
                 chunk.eval()
         return self._metrics(pieces)
 
+    def loss_scale(self, batch: TrainBatch, micro_batches: list[list[int]]
+                   ) -> tuple[float, Callable[[list[int]], torch.Tensor]]:
+        """What the loss (normalised by the global batch) is multiplied by, and each micro-batch's token count as the
+        schedule gets it, so that megatron's scaling, slime's, undoes the multiplication (collective over the DP
+        ranks with --calculate-per-token-loss). slime's loss_function: without --calculate-per-token-loss the
+        schedule divides each micro-batch's loss by the micro-batch count and DDP averages over the DP ranks (scale:
+        micro-batches x DP ranks; count 1); with it finalize_model_grads divides by the step's token count summed
+        over micro-batches and DP ranks, each sample's loss-masked tokens and at least 1 (scale: that sum)."""
+        if not self.algorithm.calculate_per_token_loss:
+            one = torch.ones((), dtype=torch.int)
+            return float(len(micro_batches) * self.dp_size), lambda indices: one
+
+        def tokens(indices: list[int]) -> torch.Tensor:
+            return torch.tensor(sum(max(int(batch.loss_masks[i].sum()), 1) for i in indices), dtype=torch.int)
+
+        total = tokens([i for micro in micro_batches for i in micro]).to(self.device)
+        if self.dp_size > 1:
+            torch.distributed.all_reduce(total, group=self.data_parallel_group)
+        return float(total), tokens
+
     def _schedule(self, model: list[torch.nn.Module], batch: TrainBatch, micro_batches: list[list[int]],
-                  on_log_probs: Callable[[list[int], LogProbs], tuple[torch.Tensor, int, Any]], with_entropy: bool,
-                  forward_only: bool) -> list[Any]:
+                  on_log_probs: Callable[[list[int], LogProbs], tuple[torch.Tensor, torch.Tensor, Any]],
+                  with_entropy: bool, forward_only: bool) -> list[Any]:
         """Run `micro_batches` through get_forward_backward_func; on the last stage, `on_log_probs(indices,
         log_probs)` gives each micro-batch's (loss, tokens, data); returns the data (last stage only)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -551,11 +577,6 @@ def _padded(tensor: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
 
 def _round_up(value: int, unit: int) -> int:
     return -(-value // unit) * unit
-
-
-def _finalize_without_scaling(finalize: Callable[..., Any], model: list[torch.nn.Module], num_tokens: Any = None,
-                              **kwargs: Any) -> Any:
-    return finalize(model, None, **kwargs)
 
 
 def _hf_vocab_size(hf_checkpoint: Path) -> int:

@@ -54,5 +54,6 @@ def moe_runtime(parallel: MegatronConfig) -> dict[str, Any]:
     """TransformerConfig's MoE runtime fields from the MoE runtime flags (experts: SequentialMLP, local spec)."""
     return {"moe_token_dispatcher_type": parallel.moe_token_dispatcher_type,
             "moe_router_load_balancing_type": parallel.moe_router_load_balancing_type,
-            "moe_aux_loss_coeff": parallel.moe_aux_loss_coeff, "moe_router_dtype": parallel.moe_router_dtype,
+            "moe_aux_loss_coeff": parallel.moe_aux_loss_coeff, "moe_z_loss_coeff": parallel.moe_z_loss_coeff,
+            "moe_router_dtype": parallel.moe_router_dtype,
             "moe_router_bias_update_rate": parallel.moe_router_bias_update_rate}
