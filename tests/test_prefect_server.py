@@ -27,6 +27,8 @@ SLIMEFLOW = [sys.executable, "-m", "slimeflow.cli"]
 STAGES = ("model", "convert", "preprocess")
 SERVER_START_S = 120
 RUN_S = 240
+POLL_S = 0.2
+"""How often a wait asks the server again (a final state or a log line is seen this much late at most)."""
 
 
 def _free_port() -> int:
@@ -212,7 +214,7 @@ def _run_pipeline(config: dict, services: Services):
 
     started = time.monotonic()
     run = run_deployment("slimeflow-pipeline/pipeline", parameters={"config": config}, timeout=RUN_S,
-                         poll_interval=1)
+                         poll_interval=POLL_S)
     services.remember_descendants()
     assert run.state is not None and run.state.is_completed(), (
         f"flow run {run.name}: {run.state} after {time.monotonic() - started:.0f} s\n"
@@ -239,7 +241,7 @@ def _stage_logs(parent_id, expected: list[str], wait_s: float = 30) -> str:
             logs = "\n".join(log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids))))
             if all(line in logs for line in expected) or time.monotonic() > deadline:
                 return logs
-            time.sleep(1)
+            time.sleep(POLL_S)
 
 
 @pytest.mark.slow
@@ -304,7 +306,10 @@ def test_an_interval_schedule_creates_runs_and_the_worker_runs_them(deployed, se
     hour = timedelta(hours=1)
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("slimeflow-model/model")
-        anchor = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=15)
+        # Far enough ahead that the scheduler (a loop every second here) creates the first run before it is due;
+        # the worker starts the run's process when it is due within its prefetch window (10 s), so the process
+        # starts while the anchor comes.
+        anchor = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=8)
         [schedule] = client.create_deployment_schedules(
             deployment.id, [(IntervalSchedule(interval=hour, anchor_date=anchor), True)])
 
@@ -479,7 +484,10 @@ def test_a_run_whose_worker_died_mid_train_resumes_from_its_checkpoint_when_retr
     from prefect.states import AwaitingRetry, Crashed
 
     workdir = tmp_path / "run"
-    run = _submit(_train_pipeline(workdir, num_rollout=6))
+    # Four rollouts, checkpoints 1 and 3: killed after 1, the retried run trains 2 and 3 (more rollouts and saves
+    # add seconds each, and check nothing new).
+    num_rollout = 4
+    run = _submit(_train_pipeline(workdir, num_rollout=num_rollout))
     _wait_for("the first checkpoint", lambda: _tracker(workdir), TRAIN_S, services)
     sid = _flow_run_process(run.id, services)
     # The worker's machine is lost: the worker's process group and the flow run's session (Prefect starts each flow
@@ -492,7 +500,7 @@ def test_a_run_whose_worker_died_mid_train_resumes_from_its_checkpoint_when_retr
     prefect_worker.wait(timeout=30)
     _until_gone(sid, services)
     killed_at = _tracker(workdir)  # the checkpoint the kill left (one may have committed since it was seen)
-    assert killed_at < 5, "killed after the last checkpoint: the test no longer tests a resume"
+    assert killed_at < num_rollout - 1, "killed after the last checkpoint: the test no longer tests a resume"
 
     # The server still sees the run Running. Marked Crashed (the UI's "Change state", or a zombie-run automation),
     # then retried as the UI's "Retry" does; a new worker picks it up.
@@ -509,13 +517,14 @@ def test_a_run_whose_worker_died_mid_train_resumes_from_its_checkpoint_when_retr
     assert all(line in logs for line in reused), logs
     trained = json.loads((workdir / "manifests" / "train.json").read_text())
     assert trained["counts"]["start_rollout_id"] == killed_at + 1
-    assert trained["counts"]["rollouts_run"] == 6 - (killed_at + 1)
-    assert trained["outputs"]["checkpoint"].endswith("iter_0000005")
+    assert trained["counts"]["rollouts_run"] == num_rollout - (killed_at + 1)
+    assert trained["outputs"]["checkpoint"].endswith(f"iter_{num_rollout - 1:07d}")
     lines = [json.loads(line) for line in (workdir / "train" / "rollouts.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in lines if "rollout/reward_mean" in r]
     # Each once, the resumed ones all there. The checkpointed rollout itself may lack its line: the loop reports a
     # rollout after its save, weight update and eval, and the kill can land between the save and the report.
-    assert steps == sorted(set(steps)) and set(range(killed_at + 1, 6)) <= set(steps) <= set(range(6)), steps
+    assert steps == sorted(set(steps)) and set(range(killed_at + 1, num_rollout)) <= set(steps) <= set(range(num_rollout)), \
+        steps
 
     # What the stages published: links to their manifests, the reward curve, the eval scores.
     with get_client(sync_client=True) as client:

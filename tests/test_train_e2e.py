@@ -53,9 +53,9 @@ def test_pipeline_trains_evaluates_exports_and_a_rerun_skips_every_stage(prefect
     from slimeflow.flows.runner import run_pipeline
 
     # Two data-parallel TrainActors (gloo), so the pipeline also runs the DP path: gradients all-reduced, every
-    # rank in the collective save.
+    # rank in the collective save (the one after the last rollout: each save is a conversion process of its own).
     train = demo_train(**{"num-rollout": 4, "rollout-batch-size": 4, "n-samples-per-prompt": 4,
-                          "eval-interval": 2, "save-interval": 2, "actor-num-gpus-per-node": 2})
+                          "eval-interval": 2, "save-interval": None, "actor-num-gpus-per-node": 2})
     config = load_pipeline_config(pipeline_data(tmp_path, mlflow_uri, train))
     manifests = run_pipeline(config)
     assert list(manifests) == ["model", "convert", "preprocess", "train", "evaluate", "export"]
@@ -226,7 +226,9 @@ def kill_and_resume(straight_config, config, tmp_path: Path, staged: int, commit
 
 
 def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_data_order(tmp_path):
-    config, _ = train_config(tmp_path / "prep", **{"num-rollout": 6, "save-interval": 2, "eval-interval": None,
+    # Four rollouts, a checkpoint every second: the kill lands in the save of the last one (3) once 1 is committed,
+    # and the resumed run redoes rollouts 2 and 3 (each more rollout or save is seconds, and checks nothing new).
+    config, _ = train_config(tmp_path / "prep", **{"num-rollout": 4, "save-interval": 2, "eval-interval": None,
                                                    "rollout-batch-size": 4, "n-samples-per-prompt": 2})
     # The uninterrupted run serves its engine from a process of its own (--engine-in-process false), the killed and
     # resumed one from a thread of the RolloutManager (the default): the data order depends on neither. Nor on the
@@ -243,12 +245,12 @@ def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_data_order(tmp
     root = kill_and_resume(own_process, config, tmp_path, staged=3, committed=1,
                            check_killed=only_the_committed_checkpoint_is_left)
     expected = row_ids(tmp_path / "straight")
-    assert sorted(expected) == list(range(6))
+    assert sorted(expected) == list(range(4))
     assert row_ids(tmp_path / "resumed") == expected
     log = (tmp_path / "resumed" / "train" / "rollouts.jsonl").read_text().splitlines()
     steps = [json.loads(line)["step"] for line in log]
-    assert steps == [0, 1, 2, 3, 4, 5]  # each once: the killed run's rollout 2, redone after checkpoint 1, replaced
-    assert (root / "latest_checkpointed_iteration.txt").read_text() == "5"
+    assert steps == [0, 1, 2, 3]  # each once: the killed run's rollout 2, redone after checkpoint 1, replaced
+    assert (root / "latest_checkpointed_iteration.txt").read_text() == "3"
 
 
 def wait_until_gone(session: int, timeout: float) -> None:
