@@ -198,14 +198,21 @@ def test_sglang_flags_are_checked_against_the_installed_servers_arguments():
 
 
 def test_the_weights_reach_sglang_servers_launched_here_only_in_sglangs_formats():
-    """SGLang's /update_weights_from_tensor takes CUDA IPC handles (not built), so the servers launched here get
-    the weights by its broadcast group (nccl) or from disk (--sglang-weights-dir); the embedded engine reads no
-    weights directory, so that flag is refused there rather than ignored."""
+    """Colocated SGLang servers take SGLang's /update_weights_from_tensor body (handles, node-local: refused for
+    engines on other nodes than trainer rank 0); disaggregated ones its broadcast group (nccl) or disk
+    (--sglang-weights-dir); the embedded engine reads no weights directory, so that flag is refused there rather
+    than ignored."""
     from slimeflow.stages.rl.placement_plan import sglang_weight_problems
 
     default, nccl = config(), config("--update-weight-transport", "nccl")
     on_disk = config("--sglang-weights-dir", "/shared/weights")
-    assert "CUDA IPC handles (not built yet)" in sglang_weight_problems(default, sglang_engines=True)[0]
+    assert "--update-weight-transport nccl" in sglang_weight_problems(default, sglang_engines=True)[0]
+    colocated = config("--colocate", "--actor-num-gpus-per-node", "4", "--num-gpus-per-node", "4")
+    assert sglang_weight_problems(colocated, sglang_engines=True) == []
+    two_nodes = config("--colocate", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4",
+                       "--num-gpus-per-node", "4", "--rollout-num-gpus-per-engine", "2")
+    assert "engines [2, 3] run on other nodes than trainer rank 0" in sglang_weight_problems(
+        two_nodes, sglang_engines=True)[0]
     assert sglang_weight_problems(nccl, sglang_engines=True) == []
     assert sglang_weight_problems(on_disk, sglang_engines=True) == []
     both = config("--sglang-weights-dir", "/w", "--update-weight-transport", "nccl")
