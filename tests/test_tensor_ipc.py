@@ -104,11 +104,13 @@ def test_bad_bodies_are_refused_with_what_is_wrong():
     del kept
 
 
+@pytest.mark.slow  # 22 s at load 7.7 on the 2-core VM, ~14 s of it the server's start-up
 def test_a_push_to_a_launched_sglang_server_serves_the_trainers_log_probs(tmp_path, monkeypatch,
                                                                            fake_sglang):  # noqa: F811
     """The SGLang launch path (engine_actor's command, the stand-in server) and the colocated transport: shifted
     weights pushed in buckets of SGLang's flattened form; the server's log-probs of a sequence are the trainer's,
-    and a body naming a tensor the model lacks answers SGLang's {"success": false, "message"}."""
+    and a body naming a tensor the model lacks answers SGLang's {"success": false, "message"}. (The same push into
+    the embedded engine, unmarked: test_engine_control's test_sglangs_tensor_body_...)"""
     from transformers import AutoModelForCausalLM
 
     from slimeflow.engine.launch import new_api_key
