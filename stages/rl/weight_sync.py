@@ -135,7 +135,12 @@ class WeightSync:
 
         body, buffer = await asyncio.to_thread(update_body, part, tp_size=self.tp_size, version=version)
         await self._all("/update_weights_from_tensor", body)
+        on_gpu = buffer["flattened_tensor"].is_cuda
         del buffer
+        if on_gpu:  # give back the IPC handles' memory the engines have closed (slime's ipc_collect per bucket)
+            import torch
+
+            torch.cuda.ipc_collect()
 
     def _segment(self) -> Any:
         from slimeflow.engine.shared_segment import SegmentWriter
