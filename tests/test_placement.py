@@ -223,6 +223,26 @@ def test_the_weights_reach_sglang_servers_launched_here_only_in_sglangs_formats(
     assert sglang_weight_problems(external, sglang_engines=True) == []
 
 
+def test_the_trainer_picks_the_transport_slime_uses_for_its_engines():
+    """Colocated: SGLang servers take SGLang's tensor body of IPC handles, embedded engines a /dev/shm segment;
+    apart: HTTP (embedded), or the flag's nccl; TP ranks per engine from --rollout-num-gpus-per-engine."""
+    from types import SimpleNamespace
+
+    from slimeflow.stages.rl.actors import TrainActor
+    from slimeflow.stages.rl.engines import WeightTargets
+
+    def chosen(sglang: bool, *flags: str) -> tuple[str, int]:
+        actor = SimpleNamespace(config=config(*flags), hooks=SimpleNamespace(args=None))
+        TrainActor.connect_engines(actor, WeightTargets(("http://127.0.0.1:1",), "hf", sglang=sglang))
+        actor.loop.close()
+        return actor.weight_sync.transport, actor.weight_sync.tp_size
+
+    colocated = ("--colocate", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus-per-engine", "2")
+    assert chosen(True, *colocated) == ("ipc", 2)
+    assert chosen(False, *colocated) == ("shared_memory", 2)
+    assert chosen(False)[0] == "tensor" and chosen(True, "--update-weight-transport", "nccl")[0] == "distributed"
+
+
 def test_sglang_servers_launched_here_take_the_weights_directory_into_their_weight_targets():
     from types import SimpleNamespace
 
@@ -233,6 +253,7 @@ def test_sglang_servers_launched_here_take_the_weights_directory_into_their_weig
         placed = SimpleNamespace(kind=kind, start=lambda hf, key, threads: [served])
         engines = EngineSet.launch("hf", {"weights_dir": "/shared/weights"}, 1, placed=placed).ready()
         assert engines.weight_targets().weights_dir == expected
+        assert engines.weight_targets().sglang == (kind == "sglang")
 
 
 def test_an_api_key_starting_with_a_dash_reaches_the_sglang_server_as_its_key(monkeypatch):
