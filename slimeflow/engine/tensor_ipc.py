@@ -121,31 +121,57 @@ def serialize(obj: Any) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def flatten(named_tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """SGLang's flattened bucket of these tensors (any dtypes): every tensor's bytes in one new uint8 tensor on the
-    tensors' device, and their metadata."""
+class SendBuffer:
+    """Where a sender flattens its buckets. On a CPU one /dev/shm buffer, grown as needed and reused bucket after
+    bucket: the embedded engine has copied a bucket when it answers, and the pages are faulted in once, not per push.
+    On a GPU a fresh buffer per bucket, as slime does: SGLang may still be copying from it after its answer."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if self.buffer is None or self.buffer.numel() < nbytes:
+            self.buffer = None  # the old one goes before the new one is allocated
+            fresh = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+            fresh.untyped_storage()._share_filename_cpu_()  # into /dev/shm once; serialize then only names it
+            self.buffer = fresh
+        return self.buffer[:nbytes]
+
+
+def flatten(named_tensors: Mapping[str, torch.Tensor], buffers: SendBuffer | None = None) -> dict[str, Any]:
+    """SGLang's flattened bucket of these tensors (any dtypes, one device): every tensor's bytes in one uint8 tensor
+    (from `buffers`, else new) on the tensors' device, and their metadata."""
     cls = metadata_class()
-    metadata, parts, start = [], [], 0
+    metadata, spans, start = [], [], 0
     for name, tensor in named_tensors.items():
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        metadata.append(cls(name=name, shape=tensor.shape, dtype=tensor.dtype, start_idx=start,
-                            end_idx=start + flat.numel(), numel=flat.numel()))
+        nbytes = tensor.numel() * tensor.element_size()
+        metadata.append(cls(name=name, shape=tensor.shape, dtype=tensor.dtype, start_idx=start, end_idx=start + nbytes,
+                            numel=nbytes))
+        spans.append((tensor, start, nbytes))
         # Each tensor starts _ALIGN-aligned (the reader's slices name their bytes, so the gaps are never read): a
         # float32 after a bfloat16 of odd length would otherwise not view in place.
-        gap = -flat.numel() % _ALIGN
-        parts += [flat, flat.new_zeros(gap)] if gap else [flat]
-        start += flat.numel() + gap
-    return {"flattened_tensor": torch.cat(parts), "metadata": metadata}
+        start += nbytes + (-nbytes % _ALIGN)
+    devices = {t.device for t in named_tensors.values()} or {torch.device("cpu")}
+    if len(devices) > 1:
+        raise ValueError(f"a flattened bucket's tensors lie on one device; these lie on {sorted(map(str, devices))}")
+    flat = (buffers or SendBuffer()).take(start, devices.pop())
+    for tensor, offset, nbytes in spans:
+        flat[offset:offset + nbytes].copy_(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+    return {"flattened_tensor": flat, "metadata": metadata}
 
 
 def update_body(named_tensors: Mapping[str, torch.Tensor], *, tp_size: int = 1, version: str | None = None,
-                load_format: str | None = FLATTENED_BUCKET, flush_cache: bool = False) -> tuple[dict, Any]:
+                load_format: str | None = FLATTENED_BUCKET, flush_cache: bool = False,
+                buffers: SendBuffer | None = None) -> tuple[dict, Any]:
     """The body of one bucket for an engine of `tp_size` ranks (each rank reads its own entry: the same full
-    tensors, which SGLang shards), and the buffer it points at, to keep alive until the engine has answered."""
+    tensors, which SGLang shards), and what it points at, to keep alive until the engine has answered. `buffers`:
+    the sender's SendBuffer (flattened buckets)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {LOAD_FORMATS}")
     if load_format == FLATTENED_BUCKET:
-        payload: Any = flatten(named_tensors)
+        payload: Any = flatten(named_tensors, buffers)
     else:  # fresh buffers: a shared CPU storage moves into /dev/shm, which the trainer's weights must not
         payload = [(name, t.detach().clone(memory_format=torch.contiguous_format)) for name, t in named_tensors.items()]
     entry = serialize(payload)

@@ -74,6 +74,7 @@ class WeightSync:
         self.clients = [EngineClient(url, api_key=targets.api_key) for url in targets.worker_urls]
         self.group: Any = None  # the WeightGroup of the distributed transport, made at the first push
         self.segment: Any = None  # the SegmentWriter of the shared_memory transport
+        self.send_buffer: Any = None  # the tensor_ipc.SendBuffer of the ipc transport
         self.buckets_sent = 0
         self.paused = False  # the engines are paused: a push of several buckets is under way or failed part-way
 
@@ -129,11 +130,13 @@ class WeightSync:
         await asyncio.gather(*(c.update_weights_from_tensor(part, version) for c in self.clients))
 
     async def _send_ipc(self, part: dict[str, Any], version: str) -> None:
-        """SGLang's body: one flattened bucket, its entry repeated for each TP rank; the bucket's buffer lives until
-        every engine has answered (they copy from it), then goes (slime keeps its `long_live_tensors` so)."""
-        from slimeflow.engine.tensor_ipc import update_body
+        """SGLang's body: one flattened bucket, its entry repeated for each TP rank; the bucket's buffer is not
+        written again until every engine has answered (slime keeps its `long_live_tensors` so)."""
+        from slimeflow.engine.tensor_ipc import SendBuffer, update_body
 
-        body, buffer = await asyncio.to_thread(update_body, part, tp_size=self.tp_size, version=version)
+        self.send_buffer = self.send_buffer or SendBuffer()
+        body, buffer = await asyncio.to_thread(update_body, part, tp_size=self.tp_size, version=version,
+                                               buffers=self.send_buffer)
         await self._all("/update_weights_from_tensor", body)
         on_gpu = buffer["flattened_tensor"].is_cuda
         del buffer
@@ -214,10 +217,11 @@ class WeightSync:
         return str(target)
 
     def drop_segment(self) -> None:
-        """Unmap the shared segment on this side (engines serving from it keep their own mappings); the next push
-        writes new files."""
+        """Unmap the shared segment (and the ipc transport's buffer) on this side (engines serving from it keep their
+        own mappings); the next push writes new files."""
         if self.segment is not None:
             self.segment.close()
+        self.send_buffer = None  # the ipc transport's /dev/shm buffer
 
     async def aclose(self) -> None:
         self.drop_segment()
