@@ -238,8 +238,6 @@ def test_sglangs_tensor_body_from_this_process_serves_the_trainers_log_probs(eng
     from slimeflow.engine.tensor_ipc import update_body
 
     shifted = shifted_weights(reference, seed=11)
-    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    trainer.load_state_dict(shifted, strict=False)
 
     async def push(weights: dict[str, torch.Tensor], version: str) -> int:
         sync = WeightSync(WeightTargets((engine.url,), str(model_dir), api_key=KEY), buffer_size=16 * 2**20,
@@ -259,8 +257,8 @@ def test_sglangs_tensor_body_from_this_process_serves_the_trainers_log_probs(eng
     refusals = [call(engine, "/update_weights_from_tensor", body).json() for body in (unknown, wrong_shape)]
     asyncio.run(push(dict(reference.named_parameters()), "v0"))
     assert answer["meta_info"]["weight_version"] == "ipc-1"
-    with torch.no_grad():
-        logits = trainer(torch.tensor([tokens])).logits[0, :-1]
+    with torch.no_grad():  # the trainer's log-probs: the reference model run with the pushed weights
+        logits = torch.func.functional_call(reference, shifted, (torch.tensor([tokens]),)).logits[0, :-1]
     expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
     served = torch.tensor([e[0] for e in answer["meta_info"]["input_token_logprobs"][1:]])
     torch.testing.assert_close(served, expected, atol=1e-5, rtol=0)
