@@ -62,6 +62,7 @@ def test_the_body_decodes_as_sglang_decodes_it_in_another_process(tmp_path, monk
     assert flattened["load_format"] == "flattened_bucket" and flattened["weight_version"] == "3"
     assert len(flattened["serialized_named_tensors"]) == 2 and not flattened["flush_cache"]
     assert listed["load_format"] is None and "weight_version" not in listed
+    assert not any(t.is_shared() for t in sent.values())  # the sender's tensors stay where they were: copies travel
     torch.save({"flattened": flattened, "listed": listed}, tmp_path / "bodies.pt")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_SGLANG), os.environ.get("PYTHONPATH", "")]))
     subprocess.run([sys.executable, "-c", SGLANG_DECODE, str(tmp_path / "bodies.pt"), str(tmp_path / "out.pt")],
@@ -102,6 +103,15 @@ def test_bad_bodies_are_refused_with_what_is_wrong():
         tensor_ipc.named_tensors({"serialized_named_tensors": [tensor_ipc.serialize({"w": 1})], "load_format": None})
     assert pickle.loads(base64.b64decode(good["serialized_named_tensors"][0]))["metadata"][0].name == "w"
     del kept
+
+
+def test_the_ipc_transport_refuses_engines_on_other_hosts():
+    from slimeflow.stages.rl.engines import WeightTargets
+    from slimeflow.stages.rl.weight_sync import WeightSync
+
+    with pytest.raises(ValueError, match=r"IPC handles\); \['http://10.0.0.7:30000'\] are elsewhere"):
+        WeightSync(WeightTargets(("http://127.0.0.1:30000", "http://10.0.0.7:30000"), "hf", sglang=True),
+                   transport="ipc")
 
 
 @pytest.mark.slow  # 22 s at load 7.7 on the 2-core VM, ~14 s of it the server's start-up
