@@ -1,12 +1,11 @@
 """SGLang's /update_weights_from_tensor body (slimeflow/engine/tensor_ipc.py): what the trainer sends decodes in
 another process as SGLang's documented steps decode it (MultiprocessingSerializer.deserialize, then
 FlattenedTensorBucket.reconstruct_tensors) and as the embedded engine reads it; a crafted or malformed body is a bad
-request; and through the launched-SGLang path (the stand-in server) a pushed version serves the trainer's
-log-probs."""
+request. The push into the embedded engine: test_engine_control; through the launched-SGLang path (the stand-in
+server, colocated on Ray): test_placement_ray."""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import os
@@ -14,9 +13,7 @@ import pickle
 import subprocess
 import sys
 from multiprocessing.reduction import ForkingPickler
-from pathlib import Path
 
-import httpx
 import pytest
 import torch
 from test_placement_ray import FAKE_SGLANG, fake_sglang  # noqa: F401 (a fixture)
@@ -112,67 +109,6 @@ def test_the_ipc_transport_refuses_engines_on_other_hosts():
     with pytest.raises(ValueError, match=r"IPC handles\); \['http://10.0.0.7:30000'\] are elsewhere"):
         WeightSync(WeightTargets(("http://127.0.0.1:30000", "http://10.0.0.7:30000"), "hf", sglang=True),
                    transport="ipc")
-
-
-@pytest.mark.slow  # 22 s at load 7.7 on the 2-core VM, ~14 s of it the server's start-up
-def test_a_push_to_a_launched_sglang_server_serves_the_trainers_log_probs(tmp_path, monkeypatch,
-                                                                           fake_sglang):  # noqa: F811
-    """The SGLang launch path (engine_actor's command, the stand-in server) and the colocated transport: shifted
-    weights pushed in buckets of SGLang's flattened form; the server's log-probs of a sequence are the trainer's,
-    and a body naming a tensor the model lacks answers SGLang's {"success": false, "message"}. (The same push into
-    the embedded engine, unmarked: test_engine_control's test_sglangs_tensor_body_...)"""
-    from transformers import AutoModelForCausalLM
-
-    from slimeflow.engine.launch import new_api_key
-    from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-    from slimeflow.stages.rl.engine_actor import EngineSpec, _start_sglang
-    from slimeflow.stages.rl.engines import WeightTargets
-    from slimeflow.stages.rl.weight_sync import WeightSync
-
-    model_dir = build_tiny_model(tmp_path / "tiny", TinyModelSpec(seed=3))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(FAKE_SGLANG), os.environ.get("PYTHONPATH", "")]))
-    key = new_api_key()
-    server = _start_sglang(EngineSpec("sglang", str(model_dir), rank=0, num_gpus=1, base_gpu_id=0, seed=0,
-                                      api_key=key), "127.0.0.1")
-    try:
-        trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        noise = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for p in trainer.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=noise))
-        pushed = {name: p.detach() for name, p in trainer.named_parameters()}
-        server.wait_ready("/health", 120)
-        sync = WeightSync(WeightTargets((server.url,), str(model_dir), api_key=key, sglang=True),
-                          buffer_size=64 * 1024, transport="ipc")
-
-        async def push() -> None:
-            try:
-                await sync.push(pushed, "1")
-            finally:
-                await sync.aclose()
-
-        asyncio.run(push())
-        assert sync.buckets_sent > 1
-        tokens = [256, 72, 101, 108, 108, 111, 33, 44]
-        headers = {"Authorization": f"Bearer {key}"}
-        answer = httpx.post(server.url + "/generate", headers=headers, timeout=60, json={
-            "input_ids": tokens, "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"temperature": 1.0, "max_new_tokens": 0}}).json()
-        bad, kept = tensor_ipc.update_body({"model.no_such.weight": torch.ones(2)})
-        refused = httpx.post(server.url + "/update_weights_from_tensor", headers=headers, json=bad, timeout=60)
-        log = Path(server.log_path).read_text()
-    finally:
-        server.stop()
-    assert "sglang.launch_server (test stand-in) parsed" in log
-    assert answer["meta_info"]["weight_version"] == "1"
-    with torch.no_grad():
-        logits = trainer(torch.tensor([tokens])).logits[0, :-1]
-    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
-    served = torch.tensor([e[0] for e in answer["meta_info"]["input_token_logprobs"][1:]])
-    torch.testing.assert_close(served, expected, atol=1e-5, rtol=0)
-    assert refused.status_code == 400 and refused.json()["success"] is False
-    assert "model.no_such.weight" in refused.json()["message"]
-    del kept
 
 
 @pytest.mark.gpu

@@ -243,10 +243,16 @@ class RolloutManager:
         self._control_engines("/resume_memory_occupation", {"tags": tags})
 
     def _control_engines(self, path: str, body: dict[str, Any]) -> None:
+        """Not watched by the health monitor (as `_run` is): an engine that released its memory answers
+        /health_generate 503 until it resumes, which the monitor's closing check would take for a failure and kill."""
         async def every_engine() -> None:
             await asyncio.gather(*(worker.control(path, body) for worker in self.engines.client().workers))
 
-        self._run(every_engine())
+        try:
+            self.loop.run_until_complete(every_engine())
+        except Exception:
+            self._raise_engine_failure()
+            raise
 
     def _engine_pids(self) -> list[int]:
         """The processes of the engines this actor runs: its own for an in-process engine, each engine process's."""
