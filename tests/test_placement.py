@@ -106,6 +106,9 @@ def test_the_sglang_server_command_has_slimes_settings_and_every_passed_flag():
     with pytest.raises(ValueError, match="slimeflow sets itself: tp_size"):
         sglang_server_command("/py", "/m", host="h", port=1, nccl_port=2, num_gpus=1, base_gpu_id=0, seed=0,
                               server_args={"tp_size": "2"})
+    saver = sglang_server_command("/py", "/m", host="h", port=1, nccl_port=2, num_gpus=1, base_gpu_id=0, seed=0,
+                                  server_args={}, memory_saver=True)  # --offload-rollout's, set by slimeflow
+    assert saver[-1] == "--enable-memory-saver" and "--enable-memory-saver" not in command
 
 
 def test_router_flags_go_to_sglang_router_over_slimes_defaults():
