@@ -2,7 +2,7 @@
 (ray.cluster_utils.Cluster), one cluster for the module. Where every trainer rank and engine lands, colocated and
 disaggregated, on one node and across two; a rollout through engines started as Ray actors on their bundles; and,
 with --use-fault-tolerance, the loop through an SGLang server (the test-only stand-in, tests/data/fake_sglang)
-killed mid-rollout and restarted on its bundle."""
+killed mid-rollout and restarted on its bundle; and colocated SGLang servers fed SGLang's tensor body."""
 
 from __future__ import annotations
 
