@@ -1,12 +1,13 @@
 """Weight sync into an embedded engine on the same host, against a memcpy of the same bytes.
 
     .venv/bin/python benchmarks/weight_sync.py [--hidden 768] [--layers 6] [--repeats 5] [--rollouts 8]
-        [--transports tensor,shared_memory,distributed]
+        [--transports tensor,shared_memory,distributed,ipc]
 
 One engine process serves a random Llama-style model (float32; its size is printed). For each transport the
 trainer side uses ("tensor": safetensors bodies over HTTP; "shared_memory": what --colocate uses, the trainer
 writes the tensors once into a /dev/shm segment that the engine checks and then serves from; "distributed":
-broadcast in a gloo group), a `WeightSync` pushes the whole model `--repeats` times in buckets of `--buffer-mb`;
+broadcast in a gloo group; "ipc": what colocated SGLang servers take, SGLang's /update_weights_from_tensor body of
+flattened buckets shared through /dev/shm handles, which the engine maps and copies from), a `WeightSync` pushes the whole model `--repeats` times in buckets of `--buffer-mb`;
 every push is timed from the call to the answer of the engine that has applied it (the engine checks for NaN/Inf,
 and for the HTTP and gloo paths parses or receives the tensors and copies them into its parameters). The baseline is `Tensor.copy_` of the same tensors into preallocated ones in this process (one
 memcpy, the least any update must do), timed just before each push, so that each pair sees the same load; the
@@ -101,7 +102,7 @@ def main() -> None:
     parser.add_argument("--buffer-mb", type=float, default=512.0, help="--update-weight-buffer-size in MiB")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine and of the memcpy")
     parser.add_argument("--transports", default="tensor,shared_memory,distributed",
-                        help="comma-separated, of tensor, shared_memory, distributed")
+                        help="comma-separated, of tensor, shared_memory, distributed, ipc")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)  # the memcpy runs with the engine's thread count (OpenMP teams spin)
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "| load before:", os.getloadavg())

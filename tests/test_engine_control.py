@@ -227,8 +227,44 @@ def test_shared_memory_updates_read_only_the_trainers_segment_files(engine, tmp_
         answer = call(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [description],
                                                               "load_format": "slimeflow_shared_memory"})
         assert answer.status_code == 400 and words in answer.json()["message"]
-    pickled = call(engine, "/update_weights_from_tensor", {"serialized_named_tensors": ["gASV"]})
-    assert pickled.status_code == 400 and "pickled tensors are not read" in pickled.json()["message"]
+    truncated = call(engine, "/update_weights_from_tensor", {"serialized_named_tensors": ["gASV"]})
+    assert truncated.status_code == 400 and "entry does not decode" in truncated.json()["message"]
+
+
+def test_sglangs_tensor_body_from_this_process_serves_the_trainers_log_probs(engine, reference, model_dir):
+    """The colocated SGLang transport ("ipc": SGLang's flattened buckets of /dev/shm handles, test_tensor_ipc.py)
+    into the engine: after a push in buckets its log-probs of a sequence are those of the pushed weights, and
+    bodies SGLang would refuse answer its {"success": false, "message"}."""
+    from slimeflow.engine.tensor_ipc import update_body
+
+    shifted = shifted_weights(reference, seed=11)
+
+    async def push(weights: dict[str, torch.Tensor], version: str) -> int:
+        sync = WeightSync(WeightTargets((engine.url,), str(model_dir), api_key=KEY), buffer_size=16 * 2**20,
+                          transport="ipc")
+        try:
+            await sync.push(weights, version)
+        finally:
+            await sync.aclose()
+        return sync.buckets_sent
+
+    assert asyncio.run(push(shifted, "ipc-1")) > 1
+    tokens = PROMPT + [33, 44, 55]
+    answer = call(engine, "/generate", {"input_ids": tokens, "return_logprob": True, "logprob_start_len": 0,
+                                        "sampling_params": {"temperature": 1.0, "max_new_tokens": 0}}).json()
+    unknown, kept = update_body({"model.no_such.weight": torch.ones(2)})
+    wrong_shape, kept_too = update_body({"lm_head.weight": torch.ones(2, 3)}, load_format=None)
+    refusals = [call(engine, "/update_weights_from_tensor", body).json() for body in (unknown, wrong_shape)]
+    asyncio.run(push(dict(reference.named_parameters()), "v0"))
+    assert answer["meta_info"]["weight_version"] == "ipc-1"
+    with torch.no_grad():  # the trainer's log-probs: the reference model run with the pushed weights
+        logits = torch.func.functional_call(reference, shifted, (torch.tensor([tokens]),)).logits[0, :-1]
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+    served = torch.tensor([e[0] for e in answer["meta_info"]["input_token_logprobs"][1:]])
+    torch.testing.assert_close(served, expected, atol=1e-5, rtol=0)
+    assert [r["success"] for r in refusals] == [False, False]
+    assert "model.no_such.weight" in refusals[0]["message"] and "wrong shape" in refusals[1]["message"]
+    del kept, kept_too
 
 
 def test_distributed_update_without_a_group_or_with_bad_metadata_is_refused(engine):

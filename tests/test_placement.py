@@ -106,6 +106,9 @@ def test_the_sglang_server_command_has_slimes_settings_and_every_passed_flag():
     with pytest.raises(ValueError, match="slimeflow sets itself: tp_size"):
         sglang_server_command("/py", "/m", host="h", port=1, nccl_port=2, num_gpus=1, base_gpu_id=0, seed=0,
                               server_args={"tp_size": "2"})
+    saver = sglang_server_command("/py", "/m", host="h", port=1, nccl_port=2, num_gpus=1, base_gpu_id=0, seed=0,
+                                  server_args={}, memory_saver=True)  # --offload-rollout's, set by slimeflow
+    assert saver[-1] == "--enable-memory-saver" and "--enable-memory-saver" not in command
 
 
 def test_router_flags_go_to_sglang_router_over_slimes_defaults():
@@ -198,14 +201,21 @@ def test_sglang_flags_are_checked_against_the_installed_servers_arguments():
 
 
 def test_the_weights_reach_sglang_servers_launched_here_only_in_sglangs_formats():
-    """SGLang's /update_weights_from_tensor takes CUDA IPC handles (not built), so the servers launched here get
-    the weights by its broadcast group (nccl) or from disk (--sglang-weights-dir); the embedded engine reads no
-    weights directory, so that flag is refused there rather than ignored."""
+    """Colocated SGLang servers take SGLang's /update_weights_from_tensor body (handles, node-local: refused for
+    engines on other nodes than trainer rank 0); disaggregated ones its broadcast group (nccl) or disk
+    (--sglang-weights-dir); the embedded engine reads no weights directory, so that flag is refused there rather
+    than ignored."""
     from slimeflow.stages.rl.placement_plan import sglang_weight_problems
 
     default, nccl = config(), config("--update-weight-transport", "nccl")
     on_disk = config("--sglang-weights-dir", "/shared/weights")
-    assert "CUDA IPC handles (not built yet)" in sglang_weight_problems(default, sglang_engines=True)[0]
+    assert "--update-weight-transport nccl" in sglang_weight_problems(default, sglang_engines=True)[0]
+    colocated = config("--colocate", "--actor-num-gpus-per-node", "4", "--num-gpus-per-node", "4")
+    assert sglang_weight_problems(colocated, sglang_engines=True) == []
+    two_nodes = config("--colocate", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4",
+                       "--num-gpus-per-node", "4", "--rollout-num-gpus-per-engine", "2")
+    assert "engines [2, 3] run on other nodes than trainer rank 0" in sglang_weight_problems(
+        two_nodes, sglang_engines=True)[0]
     assert sglang_weight_problems(nccl, sglang_engines=True) == []
     assert sglang_weight_problems(on_disk, sglang_engines=True) == []
     both = config("--sglang-weights-dir", "/w", "--update-weight-transport", "nccl")
@@ -214,6 +224,26 @@ def test_the_weights_reach_sglang_servers_launched_here_only_in_sglangs_formats(
     assert "--sglang-weights-dir: read for SGLang servers" in sglang_weight_problems(on_disk, sglang_engines=False)[0]
     external = config("--sglang-worker-urls", "http://10.0.0.1:30000", "--sglang-weights-dir", "/w")
     assert sglang_weight_problems(external, sglang_engines=True) == []
+
+
+def test_the_trainer_picks_the_transport_slime_uses_for_its_engines():
+    """Colocated: SGLang servers take SGLang's tensor body of IPC handles, embedded engines a /dev/shm segment;
+    apart: HTTP (embedded), or the flag's nccl; TP ranks per engine from --rollout-num-gpus-per-engine."""
+    from types import SimpleNamespace
+
+    from slimeflow.stages.rl.actors import TrainActor
+    from slimeflow.stages.rl.engines import WeightTargets
+
+    def chosen(sglang: bool, *flags: str) -> tuple[str, int]:
+        actor = SimpleNamespace(config=config(*flags), hooks=SimpleNamespace(args=None))
+        TrainActor.connect_engines(actor, WeightTargets(("http://127.0.0.1:1",), "hf", sglang=sglang))
+        actor.loop.close()
+        return actor.weight_sync.transport, actor.weight_sync.tp_size
+
+    colocated = ("--colocate", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus-per-engine", "2")
+    assert chosen(True, *colocated) == ("ipc", 2)
+    assert chosen(False, *colocated) == ("shared_memory", 2)
+    assert chosen(False)[0] == "tensor" and chosen(True, "--update-weight-transport", "nccl")[0] == "distributed"
 
 
 def test_sglang_servers_launched_here_take_the_weights_directory_into_their_weight_targets():
@@ -226,6 +256,7 @@ def test_sglang_servers_launched_here_take_the_weights_directory_into_their_weig
         placed = SimpleNamespace(kind=kind, start=lambda hf, key, threads: [served])
         engines = EngineSet.launch("hf", {"weights_dir": "/shared/weights"}, 1, placed=placed).ready()
         assert engines.weight_targets().weights_dir == expected
+        assert engines.weight_targets().sglang == (kind == "sglang")
 
 
 def test_an_api_key_starting_with_a_dash_reaches_the_sglang_server_as_its_key(monkeypatch):

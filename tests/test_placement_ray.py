@@ -2,7 +2,7 @@
 (ray.cluster_utils.Cluster), one cluster for the module. Where every trainer rank and engine lands, colocated and
 disaggregated, on one node and across two; a rollout through engines started as Ray actors on their bundles; and,
 with --use-fault-tolerance, the loop through an SGLang server (the test-only stand-in, tests/data/fake_sglang)
-killed mid-rollout and restarted on its bundle."""
+killed mid-rollout and restarted on its bundle; and colocated SGLang servers fed SGLang's tensor body."""
 
 from __future__ import annotations
 
@@ -265,4 +265,51 @@ def test_with_fault_tolerance_the_loop_survives_an_sglang_server_killed_mid_roll
         assert len({group[0] for group in rollout_rows}) == 4  # each prompt once
     assert metrics["rollout/weight_version_min"] == metrics["rollout/weight_version_max"] == 0
     assert metrics_1["rollout/weight_version_min"] == 1
+    assert all_gpus_free()
+
+
+def test_colocated_sglang_servers_take_sglangs_tensor_body_from_the_trainer(cluster, tmp_path, fake_sglang):
+    """--colocate with the SGLang launch path (the stand-in server, --enable-memory-saver for the default
+    --offload-rollout): the trainer picks SGLang's /update_weights_from_tensor body (flattened buckets of handles,
+    engine/tensor_ipc.py) by itself; after weights it perturbed are pushed, the engine's log-probs of rollout 1 are
+    the trainer's. Released engines are not health-checked (they answer 503 until they resume)."""
+    import torch
+    from test_train_e2e import train_config
+
+    from slimeflow.stages.rl.placement import create_placement
+    from slimeflow.stages.rl.remote import call
+    from slimeflow.stages.rl.stage import rollout_setup, with_defaults
+
+    def perturb(self: Any) -> None:
+        noise = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.backend.model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=noise))
+
+    config, ctx = train_config(tmp_path, **{
+        "num-rollout": 2, "rollout-batch-size": 2, "n-samples-per-prompt": 2, "eval-interval": None,
+        "save-interval": None, "colocate": True, "actor-num-gpus-per-node": 1, "num-gpus-per-node": GPUS_PER_NODE,
+        "update-weight-buffer-size": 65536})
+    config = with_defaults(config, ctx)
+    placement = create_placement(config, rollout_setup(config, ctx), total_steps=2, scratch=tmp_path)
+    trainer = placement.actor_group.actors[0]
+    try:
+        transport = call(trainer.__ray_call__.remote(lambda self: (self.weight_sync.transport,
+                                                                   self.weight_sync.targets.sglang)), "transport")
+        engine = call(placement.rollout_manager.actor.engine_locations.remote(), "engine locations")["engines"][0]
+        placement.actor_group.update_weights(version=0)
+        batch, _, _ = placement.rollout_manager.generate(0)
+        placement.actor_group.train(0, batch)
+        call(trainer.__ray_call__.remote(perturb), "perturbing the trainer's weights")
+        placement.actor_group.update_weights(version=1)
+        batch_1, metrics_1, _ = placement.rollout_manager.generate(1)
+        trained_1 = placement.actor_group.train(1, batch_1)
+        buckets = call(trainer.__ray_call__.remote(lambda self: self.weight_sync.buckets_sent), "buckets sent")
+    finally:
+        placement.shutdown()
+    assert transport == ("ipc", True) and buckets > 2
+    command = " ".join(engine["command"])
+    assert "sglang.launch_server" in command and "--enable-memory-saver" in command
+    assert metrics_1["rollout/weight_version_min"] == 1
+    assert trained_1["train_rollout_logprob_abs_diff"] < 1e-5  # the perturbed weights reached the server
     assert all_gpus_free()

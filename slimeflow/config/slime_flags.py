@@ -136,8 +136,8 @@ _NEW_ATTENTION = ("gated / linear attention (Qwen3-Next, Qwen3.5) is not support
 _CI = "slime's CI assertions are not supported: slimeflow's test suite checks these properties itself"
 _PROFILE = "memory and step profiling is not supported yet"
 _WEIGHT_SYNC = ("delta weight updates, their disk files and checks are not supported yet: weights go whole, over HTTP, "
-                "a /dev/shm file (--colocate), a gloo group (--update-weight-transport nccl) or disk (external "
-                "servers)")
+                "a /dev/shm file or SGLang's tensor handles (--colocate), a gloo group (--update-weight-transport "
+                "nccl) or disk (external servers)")
 _EVAL_KEYS = ("per-eval-set data keys and lengths are not supported yet: the eval sets use --input-key, --label-key "
               "and the --eval-* sampling flags")
 NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (

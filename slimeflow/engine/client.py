@@ -1,8 +1,8 @@
 """An async client of SGLang's native HTTP API: the embedded engine, sglang-router and real SGLang servers alike.
 
 Only SGLang endpoints are used, with one exception: `update_weights_from_tensor` sends the safetensors bytes of
-HF-named tensors, which only the embedded engine reads (SGLang's endpoint takes pickled
-`serialized_named_tensors`; against SGLang, use update_weights_from_disk or the NCCL path instead).
+HF-named tensors, which only the embedded engine reads (SGLang's endpoint takes pickled `serialized_named_tensors`
+of handles, for processes on the sender's node: engine/tensor_ipc.py builds that body, sent with `control`).
 
 With `api_key`, every request carries `Authorization: Bearer <key>`, as SGLang servers and sglang-router started
 with `--api-key` (and the embedded engine started with one) require. Every call has a timeout. Connection failures (the request never reached a server) and 502/503 answers (a

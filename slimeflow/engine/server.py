@@ -1,10 +1,11 @@
 """The HTTP server: SGLang's native API (the subset slime uses) over the continuous batcher.
 
 One uvicorn event loop parses requests and awaits futures; the model lives only in the scheduler thread.
-Endpoints answer as SGLang does. The one deliberate difference is `POST /update_weights_from_tensor`: its body
-is the safetensors serialisation of HF-named tensors (a full or partial state dict; `weight_version` a query
-parameter), where SGLang takes pickled `serialized_named_tensors` that only a process on the same GPU node can
-read; `GET /get_weights_snapshot` (no SGLang twin) answers the served tensors in that form, for a restarted peer. Bad requests answer 400 with {"error": {"message"}, "message", "success": false}, never a stack trace.
+Endpoints answer as SGLang does. `POST /update_weights_from_tensor` takes SGLang's JSON body (tensor_ipc.py:
+`serialized_named_tensors` of handles to the sender's memory, load_format null or "flattened_bucket", read through
+a restricted unpickler; or slimeflow's /dev/shm segment) and, beside it, the safetensors serialisation of HF-named
+tensors (a full or partial state dict; `weight_version` a query parameter) from senders on other hosts;
+`GET /get_weights_snapshot` (no SGLang twin) answers the served tensors in that form, for a restarted peer. Bad requests answer 400 with {"error": {"message"}, "message", "success": false}, never a stack trace.
 
 Callers need the `--api-key` (guard.py: SGLang's Bearer scheme, every path but /health*); disk updates load only
 from inside `--weights-dir`; request bodies are capped, and weight updates with NaN/Inf values are refused.
@@ -34,6 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 
+from slimeflow.engine import tensor_ipc
 from slimeflow.engine.batcher import ADMISSION_WINDOW_S, Batcher, GenerateRequest
 from slimeflow.engine.control import add_control_routes
 from slimeflow.engine.guard import API_KEY_ENV, BodyTooLargeError, Guard
@@ -195,8 +197,9 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
         shared = request.headers.get("content-type", "").startswith("application/json")
         if shared:
             body = await _json(request)
-            tensors = _shared_tensors(body, state)
+            tensors = await asyncio.to_thread(_json_tensors, body, state)
             weight_version = body.get("weight_version", weight_version)
+            shared = body.get("load_format") == LOAD_FORMAT
         else:
             payload = await request.body()
             try:
@@ -238,14 +241,14 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
                 **state.batcher.load()}
 
 
-def _shared_tensors(body: dict, state: EngineState) -> dict[str, torch.Tensor]:
-    """SGLang's JSON form: only its shared-memory flavour (shared_segment.py) is read; pickled tensors are not."""
+def _json_tensors(body: dict, state: EngineState) -> dict[str, torch.Tensor]:
+    """SGLang's JSON form: its own (tensor_ipc.py: handles to the sender's memory, load_format null or
+    "flattened_bucket"; this engine is TP rank 0) or slimeflow's /dev/shm segment (shared_segment.py)."""
     entries = body.get("serialized_named_tensors")
-    if body.get("load_format") != LOAD_FORMAT or not (isinstance(entries, list) and len(entries) == 1
-                                                      and isinstance(entries[0], str)):
-        raise BadRequestError(f"the embedded engine reads SGLang's JSON /update_weights_from_tensor only with "
-                              f"load_format {LOAD_FORMAT!r} and one segment description (pickled tensors are not "
-                              "read); or send safetensors bytes")
+    if body.get("load_format") != LOAD_FORMAT:
+        return tensor_ipc.named_tensors(body, tp_rank=0)
+    if not (isinstance(entries, list) and len(entries) == 1 and isinstance(entries[0], str)):
+        raise BadRequestError(f"load_format {LOAD_FORMAT!r} takes one segment description in serialized_named_tensors")
     return read_segment(entries[0], state.segments)
 
 

@@ -89,10 +89,12 @@ def to_flags(options: Mapping[str, Any]) -> list[str]:
 
 
 def sglang_server_command(python: str, model_path: str, *, host: str, port: int, nccl_port: int, num_gpus: int,
-                          base_gpu_id: int, seed: int, server_args: Mapping[str, Any]) -> list[str]:
+                          base_gpu_id: int, seed: int, server_args: Mapping[str, Any],
+                          memory_saver: bool = False) -> list[str]:
     """`python -m sglang.launch_server` (through the key-appending launcher) for one engine of `num_gpus` GPUs
     starting at `base_gpu_id`: slime's settings, then `server_args` (the --sglang-* pass-through, e.g.
-    mem_fraction_static). tp_size is num_gpus / pp_size, as slime computes it."""
+    mem_fraction_static). tp_size is num_gpus / pp_size, as slime computes it. `memory_saver`: --enable-memory-saver
+    (slimeflow's, for --offload-rollout: the server can release its memory)."""
     bad = sorted(set(server_args) & set(SET_BY_SLIMEFLOW))
     if bad:
         raise ValueError(f"SGLang arguments that slimeflow sets itself: {', '.join(bad)}")
@@ -101,7 +103,7 @@ def sglang_server_command(python: str, model_path: str, *, host: str, port: int,
         raise ValueError(f"--rollout-num-gpus-per-engine {num_gpus} is not a multiple of --sglang-pp-size {pp_size}")
     own = {"model_path": model_path, "host": host, "port": port, "nccl_port": nccl_port,
            "tp_size": num_gpus // pp_size, "base_gpu_id": base_gpu_id, "gpu_id_step": 1, "random_seed": seed,
-           "trust_remote_code": True, "skip_server_warmup": True}
+           "trust_remote_code": True, "skip_server_warmup": True, **({"enable_memory_saver": True} if memory_saver else {})}
     return [python, "-c", _SGLANG_WITH_KEY, *to_flags(own), *to_flags(server_args)]
 
 

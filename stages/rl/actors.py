@@ -243,10 +243,16 @@ class RolloutManager:
         self._control_engines("/resume_memory_occupation", {"tags": tags})
 
     def _control_engines(self, path: str, body: dict[str, Any]) -> None:
+        """Not watched by the health monitor (as `_run` is): an engine that released its memory answers
+        /health_generate 503 until it resumes, which the monitor's closing check would take for a failure and kill."""
         async def every_engine() -> None:
             await asyncio.gather(*(worker.control(path, body) for worker in self.engines.client().workers))
 
-        self._run(every_engine())
+        try:
+            self.loop.run_until_complete(every_engine())
+        except Exception:
+            self._raise_engine_failure()
+            raise
 
     def _engine_pids(self) -> list[int]:
         """The processes of the engines this actor runs: its own for an in-process engine, each engine process's."""
@@ -457,11 +463,15 @@ class TrainActor:
         from slimeflow.stages.rl.weight_sync import WeightSync
 
         sync = self.config.weight_sync
-        # As slime: colocated engines take tensors in place (CUDA IPC there; a /dev/shm file here), others by nccl.
-        colocated = "shared_memory" if self.config.placement.colocate and targets.weights_dir is None else None
+        # As slime: colocated engines take tensors in place (SGLang's body of handles for SGLang servers, CUDA IPC on
+        # GPUs; a /dev/shm segment for the embedded engine), others by nccl.
+        colocated = None
+        if self.config.placement.colocate and targets.weights_dir is None:
+            colocated = "ipc" if targets.sglang else "shared_memory"
         transport = {"nccl": "distributed", "disk": "disk", None: colocated}[sync.update_weight_transport]
         self.weight_sync = WeightSync(targets, sync.update_weight_buffer_size, transport,
-                                      post_write=post_write_hook(self.config, self.hooks.args, targets))
+                                      post_write=post_write_hook(self.config, self.hooks.args, targets),
+                                      tp_size=self.config.placement.rollout_num_gpus_per_engine)
         self.pushed: tuple[str, dict[str, Any]] | None = None
         """With --use-fault-tolerance: the version and a host copy of the weights last pushed, for push_to."""
         self.loop = asyncio.new_event_loop()
@@ -500,7 +510,7 @@ class TrainActor:
                                f"{last}")
         main = self.weight_sync
         targets = dataclasses.replace(main.targets, worker_urls=tuple(urls))
-        sync = WeightSync(targets, main.buffer_size, main.transport)
+        sync = WeightSync(targets, main.buffer_size, main.transport, tp_size=main.tp_size)
 
         async def push() -> str:
             try:

@@ -43,6 +43,8 @@ class EngineSpec:
     num_threads: int | None = None
     """torch threads of an embedded engine."""
     api_key: str | None = field(default=None, repr=False)
+    memory_saver: bool = False
+    """SGLang's --enable-memory-saver (--offload-rollout; SGLang servers only)."""
 
 
 class EngineActor:
@@ -100,7 +102,7 @@ def _start_sglang(spec: EngineSpec, host: str) -> Any:
     port = free_port(host)
     command = sglang_server_command(sys.executable, spec.model_path, host=host, port=port,
                                     nccl_port=free_port(host), num_gpus=spec.num_gpus, base_gpu_id=spec.base_gpu_id,
-                                    seed=spec.seed, server_args=spec.server_args)
+                                    seed=spec.seed, server_args=spec.server_args, memory_saver=spec.memory_saver)
     return EngineProcess(command, f"http://{host}:{port}", spec.api_key, key_env=SGLANG_API_KEY_ENV)
 
 

@@ -34,6 +34,8 @@ class WeightTargets:
     hf_checkpoint: str
     weights_dir: str | None = None
     api_key: str | None = field(default=None, repr=False)
+    sglang: bool = False
+    """The engines are SGLang servers launched here: they read SGLang's weight formats only."""
 
 
 class EngineDiedError(RuntimeError):
@@ -50,6 +52,8 @@ class EngineSet:
     weights_dir: str | None = None
     processes: list[Any] = field(default_factory=list)
     api_key: str | None = field(default=None, repr=False)
+    sglang: bool = False
+    """SGLang servers launched here (WeightTargets.sglang)."""
     reissue_s: float | None = None
     """With --use-fault-tolerance: for how long a generate whose engine died is sent again (ReissuingClient)."""
     recovering: bool = False
@@ -99,6 +103,7 @@ class EngineSet:
             launching.processes = placed.start(hf_checkpoint, launching.api_key, threads)
             if placed.kind == "sglang":  # SGLang servers launched here load each version from there (disk sync)
                 launching.weights_dir = sglang_args.get("weights_dir")
+                launching.sglang = True
             return launching
         options: dict[str, Any] = {"api_key": launching.api_key, **({"num_threads": threads} if threads else {})}
         start = launch_engine_thread if in_process and num_engines == 1 else launch_engine
@@ -147,7 +152,7 @@ class EngineSet:
                                   "restart it):\n" + "\n".join(reports))
 
     def weight_targets(self) -> WeightTargets:
-        return WeightTargets(tuple(self.worker_urls), self.hf_checkpoint, self.weights_dir, self.api_key)
+        return WeightTargets(tuple(self.worker_urls), self.hf_checkpoint, self.weights_dir, self.api_key, self.sglang)
 
     async def aclose(self) -> None:
         """Close the rollout client's connections (on the event loop they were opened on)."""
@@ -172,6 +177,8 @@ class EngineLaunch:
         self.processes: list[Any] = []
         self.weights_dir: str | None = None
         """--sglang-weights-dir for SGLang servers launched here: the trainer writes each version there."""
+        self.sglang = False
+        """The engines are SGLang servers (placement_group.EnginePlacement of kind "sglang")."""
 
     def ready(self) -> EngineSet:
         """The EngineSet once every embedded engine answers /health (and the router, with two or more, lists
@@ -195,7 +202,7 @@ class EngineLaunch:
             self.cancel()
             raise
         return EngineSet(urls, self.processes[-1].url, self.hf_checkpoint, self.weights_dir, processes=self.processes,
-                         api_key=self.api_key)
+                         api_key=self.api_key, sglang=self.sglang)
 
     def cancel(self) -> None:
         for process in reversed(self.processes):

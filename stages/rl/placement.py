@@ -237,9 +237,8 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
             group.remove()
         raise ValueError("the train stage cannot start: " + "; ".join(problems))
     if group is not None:
-        memory_saver = {"enable_memory_saver": True} if placement.offload_rollout else {}  # as slime
-        setup = replace(setup, engines_on=group.engine_placement(
-            kind, config.seed, placement.num_gpus_per_node, {**config.sglang.server_args(), **memory_saver}))
+        setup = replace(setup, engines_on=group.engine_placement(  # the memory saver as slime: --offload-rollout
+            kind, config.seed, placement.num_gpus_per_node, config.sglang.server_args(), placement.offload_rollout))
     # megatron-core keeps its parallel state in torch.distributed groups, so even one Megatron rank needs a world.
     needs_world = world > 1 or config.placement.train_backend == "megatron"
     init_method = (scratch / f"dist-{uuid.uuid4().hex[:8]}").resolve().as_uri() if needs_world else ""

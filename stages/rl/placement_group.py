@@ -36,13 +36,16 @@ class EnginePlacement:
     """"sglang" or "embedded" (engine_actor.EngineSpec)."""
     seed: int
     server_args: dict[str, Any]
+    memory_saver: bool = False
+    """SGLang's --enable-memory-saver, which slimeflow sets for --offload-rollout (as slime)."""
 
     def start(self, model_path: str, api_key: str, num_threads: int | None) -> list[Any]:
         """An EngineActor per engine, starting (engine_actor.PlacedEngine handles)."""
         from slimeflow.stages.rl.engine_actor import EngineSpec, start_engine_actors
 
         specs = [EngineSpec(self.kind, model_path, rank, self.num_gpus_per_engine, base,
-                            self.seed + rank * self.num_gpus_per_node, self.server_args, num_threads, api_key)
+                            self.seed + rank * self.num_gpus_per_node, self.server_args, num_threads, api_key,
+                            self.memory_saver)
                  for rank, base in enumerate(self.base_gpu_ids)]
         return start_engine_actors(specs, list(self.bundles), self.placement_group)
 
@@ -65,11 +68,11 @@ class PlacedGroup:
                                                                         placement_group_bundle_index=bundle)}
 
     def engine_placement(self, kind: str, seed: int, num_gpus_per_node: int,
-                         server_args: dict[str, Any]) -> EnginePlacement:
+                         server_args: dict[str, Any], memory_saver: bool = False) -> EnginePlacement:
         first = [self.slots[engine.first_slot] for engine in self.plan.engines]
         per_engine = self.plan.engines[0].num_gpus if self.plan.engines else 1
         return EnginePlacement(self.group, tuple(loc.bundle_index for loc in first), tuple(loc.gpu_id for loc in first),
-                               per_engine, num_gpus_per_node, kind, seed, dict(server_args))
+                               per_engine, num_gpus_per_node, kind, seed, dict(server_args), memory_saver)
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group

@@ -157,8 +157,9 @@ def flag_problems(config: TrainConfig, sglang_server_args: set[str] | None) -> l
 
 
 def sglang_weight_problems(config: TrainConfig, sglang_engines: bool) -> list[str]:
-    """How the trainer's weights reach the engines this run launches: SGLang servers read SGLang's own formats only;
-    --sglang-weights-dir is read for SGLang servers (external, or launched here), not by the embedded engine."""
+    """How the trainer's weights reach the engines this run launches: SGLang servers read SGLang's own formats only
+    (colocated: its /update_weights_from_tensor body, by default); --sglang-weights-dir is read for SGLang servers
+    (external, or launched here), not by the embedded engine."""
     sglang, transport = config.sglang, config.weight_sync.update_weight_transport
     external = config.placement.rollout_external_engine_addrs or sglang.args.get("worker_urls")
     weights_dir = sglang.args.get("weights_dir")
@@ -170,13 +171,32 @@ def sglang_weight_problems(config: TrainConfig, sglang_engines: bool) -> list[st
                 "--update-weight-transport nccl: remove it"] if weights_dir else []
     if weights_dir and transport == "nccl":
         return ["--sglang-weights-dir and --update-weight-transport nccl name two ways to push the weights; give one"]
+    if transport is None and not weights_dir and not config.placement.colocate:
+        return ["the SGLang servers launched here read weights in SGLang's formats only, and engines disaggregated "
+                "from the trainer take them as slime's do: give --update-weight-transport nccl (SGLang's broadcast "
+                "group) or --sglang-weights-dir DIR (a directory the servers can read: each version is written there "
+                "and loaded with /update_weights_from_disk); or --colocate (SGLang's /update_weights_from_tensor)"]
     if transport is None and not weights_dir:
-        return ["the SGLang servers launched here read weights in SGLang's formats only: /update_weights_from_tensor "
-                "takes CUDA IPC handles (not built yet), so the default transport (slimeflow's HTTP tensor bodies, or "
-                "a /dev/shm segment with --colocate) cannot reach them; give --update-weight-transport nccl (SGLang's "
-                "broadcast group; engines disaggregated from the trainer) or --sglang-weights-dir DIR (a directory "
-                "the servers can read: each version is written there and loaded with /update_weights_from_disk)"]
+        return _ipc_problems(config)
     return []
+
+
+def _ipc_problems(config: TrainConfig) -> list[str]:
+    """Colocated SGLang servers take SGLang's /update_weights_from_tensor body from trainer rank 0 (on slot 0): its
+    IPC handles and /dev/shm files reach the GPUs of rank 0's node only (slime sends from each engine's own trainer
+    ranks instead, which is not built)."""
+    placement = config.placement
+    try:
+        plan = plan_placement(placement)
+    except ValueError:
+        return []  # flag_problems names it
+    elsewhere = [e.rank for e in plan.engines if e.first_slot + e.num_gpus > placement.num_gpus_per_node]
+    if not elsewhere:
+        return []
+    return [f"--colocate: engines {elsewhere} run on other nodes than trainer rank 0, which pushes the weights as "
+            "SGLang's /update_weights_from_tensor handles (CUDA IPC, node-local); sending from each node's own "
+            "trainer ranks is not built: give --update-weight-transport nccl or --sglang-weights-dir DIR, or keep "
+            f"--rollout-num-gpus within one node (--num-gpus-per-node {placement.num_gpus_per_node})"]
 
 
 def _split(urls: str | list[str]) -> list[str]:

@@ -4,8 +4,10 @@ Embedded engines take the tensors over HTTP (`/update_weights_from_tensor`), col
 segment they then serve from (shared_segment.py: one copy in all, the trainer's), or, with --update-weight-transport
 nccl, by broadcast in a process group of trainer rank 0 and every engine (`/init_weights_update_group` +
 `/update_weights_from_distributed`, SGLang's protocol; gloo on CPU); external SGLang servers load an HF directory
-written to `--sglang-weights-dir` through `/update_weights_from_disk`. Buckets hold at most
---update-weight-buffer-size bytes, as slime's.
+written to `--sglang-weights-dir` through `/update_weights_from_disk`. SGLang servers colocated with the trainer
+take SGLang's own /update_weights_from_tensor body ("ipc": each bucket one flattened bucket of handles to the
+trainer's memory, CUDA IPC on GPUs, /dev/shm on CPUs; engine/tensor_ipc.py), as slime's --colocate sends it.
+Buckets hold at most --update-weight-buffer-size bytes, as slime's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from slimeflow.stages.rl.engines import WeightTargets
 
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
 """slime's --update-weight-buffer-size default (bytes per bucket)."""
-TRANSPORTS = ("tensor", "shared_memory", "distributed", "disk")
+TRANSPORTS = ("tensor", "shared_memory", "distributed", "disk", "ipc")
 
 
 def buckets(named_tensors: Mapping[str, Any], limit: int) -> Iterator[dict[str, Any]]:
@@ -44,15 +46,17 @@ def buckets(named_tensors: Mapping[str, Any], limit: int) -> Iterator[dict[str, 
 class WeightSync:
     """Pushes HF-named tensors to every engine of `targets` as one weight version, on kept HTTP clients.
 
-    `transport`: "tensor" (HTTP bodies) or "distributed" (a process group) for embedded engines, "disk" for external
-    servers (the default follows `targets`). A push of several buckets pauses the engines (SGLang's abort mode:
+    `transport`: "tensor" (HTTP bodies), "shared_memory" (a /dev/shm segment) or "distributed" (a process group) for
+    embedded engines, "ipc" (SGLang's own tensor body, handles to this process's memory; SGLang servers and embedded
+    engines on this host) and "disk" for external servers (the default follows `targets`). `tp_size`: the engines'
+    SGLang TP ranks, each of which reads an entry of an "ipc" body. A push of several buckets pauses the engines (SGLang's abort mode:
     running requests return with finish_reason abort) so that no answer mixes two versions, and continues them after.
     `post_write(version_dir)`: called after the disk transport wrote a version, before the engines load it
     (--custom-update-weight-post-write-path).
     """
 
     def __init__(self, targets: WeightTargets, buffer_size: int = DEFAULT_BUFFER_SIZE, transport: str | None = None,
-                 post_write: Callable[[str], Any] | None = None):
+                 post_write: Callable[[str], Any] | None = None, tp_size: int = 1):
         transport = transport or ("tensor" if targets.weights_dir is None else "disk")
         if transport not in TRANSPORTS:
             raise ValueError(f"weight transport {transport!r} is not one of {TRANSPORTS}")
@@ -61,14 +65,16 @@ class WeightSync:
                              "from --sglang-weights-dir only; the embedded engines take them over HTTP (the default) "
                              "or by broadcast (nccl: a gloo group on CPU)")
         remote = [url for url in targets.worker_urls if urlsplit(url).hostname not in ("127.0.0.1", "localhost")]
-        if transport in ("distributed", "shared_memory") and remote:
+        if transport in ("distributed", "shared_memory", "ipc") and remote:
             raise ValueError(f"weight transport {transport} reaches engines on trainer rank 0's host only (a loopback "
-                             f"gloo group, a /dev/shm file); {remote} are elsewhere (use the default HTTP transport)")
-        self.targets, self.buffer_size, self.transport = targets, buffer_size, transport
+                             f"gloo group, a /dev/shm file, IPC handles); {remote} are elsewhere (use the default HTTP "
+                             "transport, or --update-weight-transport nccl for SGLang servers)")
+        self.targets, self.buffer_size, self.transport, self.tp_size = targets, buffer_size, transport, tp_size
         self.post_write = post_write
         self.clients = [EngineClient(url, api_key=targets.api_key) for url in targets.worker_urls]
         self.group: Any = None  # the WeightGroup of the distributed transport, made at the first push
         self.segment: Any = None  # the SegmentWriter of the shared_memory transport
+        self.send_buffer: Any = None  # the tensor_ipc.SendBuffer of the ipc transport
         self.buckets_sent = 0
         self.paused = False  # the engines are paused: a push of several buckets is under way or failed part-way
 
@@ -80,7 +86,7 @@ class WeightSync:
         # rollout's version), so asking it again would only cost a round trip (~1 ms of a ~12 ms update).
         parts = list(buckets(named_tensors, self.buffer_size))
         send = {"tensor": self._send_tensors, "shared_memory": self._send_shared,
-                "distributed": self._send_distributed}[self.transport]
+                "distributed": self._send_distributed, "ipc": self._send_ipc}[self.transport]
         if self.transport == "shared_memory":
             self._segment().begin(named_tensors)
         if len(parts) > 1 and not self.paused:
@@ -122,6 +128,22 @@ class WeightSync:
 
     async def _send_tensors(self, part: dict[str, Any], version: str) -> None:
         await asyncio.gather(*(c.update_weights_from_tensor(part, version) for c in self.clients))
+
+    async def _send_ipc(self, part: dict[str, Any], version: str) -> None:
+        """SGLang's body: one flattened bucket, its entry repeated for each TP rank; the bucket's buffer is not
+        written again until every engine has answered (slime keeps its `long_live_tensors` so)."""
+        from slimeflow.engine.tensor_ipc import SendBuffer, update_body
+
+        self.send_buffer = self.send_buffer or SendBuffer()
+        body, buffer = await asyncio.to_thread(update_body, part, tp_size=self.tp_size, version=version,
+                                               buffers=self.send_buffer)
+        await self._all("/update_weights_from_tensor", body)
+        on_gpu = buffer["flattened_tensor"].is_cuda
+        del buffer
+        if on_gpu:  # give back the IPC handles' memory the engines have closed (slime's ipc_collect per bucket)
+            import torch
+
+            torch.cuda.ipc_collect()
 
     def _segment(self) -> Any:
         from slimeflow.engine.shared_segment import SegmentWriter
@@ -195,10 +217,11 @@ class WeightSync:
         return str(target)
 
     def drop_segment(self) -> None:
-        """Unmap the shared segment on this side (engines serving from it keep their own mappings); the next push
-        writes new files."""
+        """Unmap the shared segment (and the ipc transport's buffer) on this side (engines serving from it keep their
+        own mappings); the next push writes new files."""
         if self.segment is not None:
             self.segment.close()
+        self.send_buffer = None  # the ipc transport's /dev/shm buffer
 
     async def aclose(self) -> None:
         self.drop_segment()
