@@ -11,15 +11,13 @@ layers it keys one by one; with two processes each rank converts 8 of every MoE 
 Prints, for 1 and 2 conversion processes: wall time as a ratio to `cp -r` + `sync` of the HF directory, timed
 after a `sync` so that it flushes only the copy (goal <= 2x); cp and the two conversions run interleaved for
 --rounds rounds, and the ratio of medians is the figure (a single cp moved between 1.7 and 5 s here). The last
-round prints each rank's timeline from its launch (start-up and imports, tensors read and fused, megatron-core
-imported (on a thread from the start), saved: the last span is planning, the forked writers and their fsync);
-and each rank's peak RSS as a fraction of the model's size
-(goals <= 1.1 with one process, <= 0.6 with two). Peak RSS is the rank's VmHWM: resident anonymous and
-file-backed pages alike. Its largest forked dist_checkpointing writer is printed too (RUSAGE_CHILDREN): that
-figure counts the pages the writer shares copy-on-write with its rank, plus the file pages it writes out. The
-baseline RSS of a process that has only imported torch and megatron-core is printed as well: it is part of
-every rank's figure. On a shared machine the wall-time ratio moves with the load (printed); the CPU seconds of
-the copy and of each conversion (user + system, all their processes) do not, and say what the load will cost.
+round prints each rank's timeline from its launch (start-up and imports, tensors read and fused, saved: the last
+span is writing the data files, their fsync and rank 0's index); and each rank's peak RSS as a fraction of the
+model's size (goals <= 1.1 with one process, <= 0.6 with two). Peak RSS is the rank's VmHWM: resident anonymous
+and file-backed pages alike (the HF pages it maps as it writes them out count). The baseline RSS of a process
+that has only imported what a rank imports is printed as well: it is part of every rank's figure. On a shared
+machine the wall-time ratio moves with the load (printed); the CPU seconds of the copy and of each conversion
+(user + system, all their processes) do not, and say what the load will cost.
 """
 
 from __future__ import annotations
@@ -126,9 +124,7 @@ def write_synthetic_moe(path: Path, layers: int) -> int:
 
 def baseline_rss() -> int:
     """Peak RSS of a fresh process that imports what a conversion rank imports, and nothing more."""
-    code = ("from slimeflow._compat import eager_jit_fusions\nwith eager_jit_fusions():\n"
-            "    import megatron.core.dist_checkpointing\nfrom slimeflow.checkpoint import worker\n"
-            "print(worker.peak_rss_bytes()['peak_rss'])")
+    code = "from slimeflow.checkpoint import worker\nprint(worker.peak_rss_bytes()['peak_rss'])"
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
                .stdout.split()[-1])
 
@@ -166,16 +162,14 @@ def time_conversion(source, root: Path, processes: int) -> tuple[float, float, l
 def print_ranks(ranks: list[dict], size: int, base: int, goal: float) -> None:
     for r in ranks:
         print(f"  rank {r['rank']}: peak RSS {r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / size:.2f} "
-              f"of the model (goal <= {goal}); its largest writer {r['peak_rss_writers'] / 1e9:.2f} GB "
-              f"= {r['peak_rss_writers'] / size:.2f}; net of the baseline {(r['peak_rss'] - base) / size:.2f}")
+              f"of the model (goal <= {goal}); net of the baseline {(r['peak_rss'] - base) / size:.2f}")
         if r["experts"][1]:
             print(f"    routed experts [{r['experts'][0]}, {r['experts'][1]}) of every MoE layer; read "
                   f"{r['read_tensors']} HF tensors, {r['read_bytes'] / size:.2f} of the model; held and wrote "
                   f"{r['bytes'] / size:.2f}")
         launched = r["launched"]
         print(f"    seconds from launch: start-up and imports {r['started_at'] - launched:.2f}, tensors "
-              f"read and fused {r['read_at'] - launched:.2f}, megatron-core imported "
-              f"{r['imported_at'] - launched:.2f}, saved {r['saved_at'] - launched:.2f}")
+              f"read and fused {r['read_at'] - launched:.2f}, saved {r['saved_at'] - launched:.2f}")
 
 
 def load() -> str:
@@ -198,7 +192,7 @@ def main() -> None:
         size = (write_synthetic_moe if moe else write_synthetic_model)(hf, layers)
         print(f"synthetic {options.family} model: {layers} layers, {size / 1e9:.2f} GB bf16 in {len(list(hf.glob('*.safetensors')))} files")
         base = baseline_rss()
-        print(f"baseline RSS of a process importing torch + megatron-core: {base / 1e9:.2f} GB "
+        print(f"baseline RSS of a process importing what a rank imports: {base / 1e9:.2f} GB "
               f"({base / size:.2f} of the model)")
         source = read_hf_source(hf)
         walls: dict[str, list[float]] = {"cp": [], 1: [], 2: []}

@@ -221,7 +221,8 @@ def test_lazy_safetensors_are_exact_views_that_own_only_their_bytes(tmp_path, ur
     for name, tensor in expected.items():
         view = lazy[name]
         assert view.dtype == tensor.dtype and torch.equal(view, tensor), name
-        # megatron-core's writer clones a CPU tensor whose storage is larger than the tensor: these must not be
+        # the writer copies a tensor whose storage is larger than the tensor (torch.save writes it whole): these
+        # must not be
         assert view.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
         if tensor.dim() and tensor.shape[0] > 2:  # a row block (QKV's per-group rows) maps only its rows
             rows = lazy.rows(name, 1, tensor.shape[0] - 1)
