@@ -1,6 +1,7 @@
 """HF -> torch_dist conversion of a synthetic ~2 GB bf16 Llama-style model, against `cp` of the same files.
 
     .venv/bin/python benchmarks/convert_bench.py [--layers 20] [--rounds 3] [--workdir /tmp] [--family deepseek_v3]
+                                                 [--against CHECKOUT]
 
 `--family deepseek_v3` writes a ~2 GB DeepSeek-V3-style mixture of experts instead (8 layers by default: MLA, one
 dense first layer, 16 experts of which each layer stores every one, a shared expert, the fp32 expert bias), whose
@@ -18,6 +19,11 @@ and file-backed pages alike (the HF pages it maps as it writes them out count). 
 that has only imported what a rank imports is printed as well: it is part of every rank's figure. On a shared
 machine the wall-time ratio moves with the load (printed); the CPU seconds of the copy and of each conversion
 (user + system, all their processes) do not, and say what the load will cost.
+
+`--against CHECKOUT` also times, in each round after this checkout's, the same conversions by another checkout of
+slimeflow (say `git archive <commit> | tar -x -C CHECKOUT`, with a .venv whose editable install points there): its
+.venv/bin/python converts in a process of its own, timed as here (after its imports), for a before/after ratio
+under the same load.
 """
 
 from __future__ import annotations
@@ -159,6 +165,29 @@ def time_conversion(source, root: Path, processes: int) -> tuple[float, float, l
     return seconds, cpu, [{**r, "launched": launched} for r in ranks]
 
 
+AGAINST = """
+import subprocess, shutil, sys, time
+from pathlib import Path
+from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, publish_release, read_hf_source
+from slimeflow.io.storage import Storage
+source, root = read_hf_source(Path(sys.argv[1])), Path(sys.argv[2])
+subprocess.run(["sync"], check=True)
+started = time.perf_counter()
+staged, _ = convert_hf_to_torch_dist(source, root, int(sys.argv[3]))
+publish_release(Storage(), staged, str(root))
+subprocess.run(["sync"], check=True)
+print(time.perf_counter() - started)
+shutil.rmtree(root)
+"""
+
+
+def time_conversion_of(checkout: Path, hf: Path, root: Path, processes: int) -> float:
+    """Wall seconds of the conversion as time_conversion measures it, by the slimeflow of `checkout`."""
+    done = subprocess.run([str(checkout / ".venv/bin/python"), "-c", AGAINST, str(hf), str(root), str(processes)],
+                          cwd=checkout, capture_output=True, text=True, check=True)
+    return float(done.stdout.split()[-1])
+
+
 def print_ranks(ranks: list[dict], size: int, base: int, goal: float) -> None:
     for r in ranks:
         print(f"  rank {r['rank']}: peak RSS {r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / size:.2f} "
@@ -182,6 +211,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="default: 20 (llama), 8 (deepseek_v3)")
     parser.add_argument("--rounds", type=int, default=3, help="cp, 1 and 2 processes, interleaved this many times")
     parser.add_argument("--workdir", default=tempfile.gettempdir())
+    parser.add_argument("--against", type=Path, help="another slimeflow checkout to time in each round too")
     options = parser.parse_args()
     Path(options.workdir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="convert-bench-", dir=options.workdir))
@@ -195,7 +225,7 @@ def main() -> None:
         print(f"baseline RSS of a process importing what a rank imports: {base / 1e9:.2f} GB "
               f"({base / size:.2f} of the model)")
         source = read_hf_source(hf)
-        walls: dict[str, list[float]] = {"cp": [], 1: [], 2: []}
+        walls: dict[str | int, list[float]] = {"cp": [], 1: [], 2: [], -1: [], -2: []}
         for round_ in range(1, options.rounds + 1):
             seconds, cpu = time_copy(hf, work)
             walls["cp"].append(seconds)
@@ -207,11 +237,19 @@ def main() -> None:
                       f"this round's cp, {cpu:.2f} CPU s; load average {load()}")
                 if round_ == options.rounds:
                     print_ranks(ranks, size, base, 1.1 if processes == 1 else 0.6)
+                if options.against:
+                    seconds = time_conversion_of(options.against, hf, work / f"against-{processes}", processes)
+                    walls[-processes].append(seconds)
+                    print(f"round {round_}: {options.against}, {processes} process(es) {seconds:.2f} s = "
+                          f"{seconds / walls['cp'][-1]:.2f}x this round's cp; load average {load()}")
         copy = statistics.median(walls["cp"])
         for processes in (1, 2):
             median = statistics.median(walls[processes])
             print(f"median of {options.rounds} rounds, {processes} process(es): {median:.2f} s against cp's "
                   f"{copy:.2f} s = {median / copy:.2f}x cp (goal <= 2x)")
+            if options.against:
+                median = statistics.median(walls[-processes])
+                print(f"  {options.against}: {median:.2f} s = {median / copy:.2f}x cp")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("command: .venv/bin/python benchmarks/convert_bench.py " + " ".join(sys.argv[1:]))

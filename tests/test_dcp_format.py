@@ -6,7 +6,9 @@ for bit; a conversion rank's start-up imports neither torch.distributed.checkpoi
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
+import os
 import pickle
 import subprocess
 import sys
@@ -82,6 +84,32 @@ def test_torch_reads_what_it_writes_and_its_metadata_is_what_torch_classes_build
     assert torch.load(io.BytesIO(raw)) == [None]
     odd = next(w for w in written if w.chunk_offsets == (1, 2, 0))  # copied: its own 9 values, not the 30
     assert odd.length < written[0].length + 2 * 9
+
+
+def test_a_tensor_with_a_source_is_copied_from_its_file_by_the_kernel(tmp_path):
+    """The bytes come from the source (here deliberately not the tensor's own), into the hole torch.save left."""
+    stored = torch.arange(4096, dtype=torch.float32).view(64, 64)
+    (tmp_path / "hf.bin").write_bytes(b"x" * 100 + stored.numpy().tobytes())
+    stand_in = torch.zeros(1, 64, 64)
+    origin = {stand_in.data_ptr(): (tmp_path / "hf.bin", 100)}
+    items = [ByteItem("o/shard_0_1", dcp_format.object_bytes(None)), TensorChunk("t", (1, 64, 64), (0, 0, 0), stand_in)]
+    write_metadata(tmp_path, write_items(tmp_path / "__0_0.distcp", items, lambda t: origin.get(t.data_ptr())))
+    state = {"t": torch.ones(1, 64, 64)}
+    dcp.load(state, checkpoint_id=str(tmp_path), no_dist=True)
+    assert torch.equal(state["t"][0], stored) and items == [None, None]  # consumed
+
+
+def test_where_the_kernel_cannot_copy_between_the_files_the_bytes_go_through_the_process(tmp_path, monkeypatch):
+    def cross_device(*_):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    (tmp_path / "src").write_bytes(bytes(range(256)) * 40)
+    monkeypatch.setattr(dcp_format, "_BLOCK", 1000)  # several blocks
+    monkeypatch.setattr(os, "copy_file_range", cross_device)
+    with open(tmp_path / "dst", "wb") as out:
+        out.write(b"head")
+        dcp_format.copy_range(tmp_path / "src", 7, out.fileno(), 4, 5000)
+    assert (tmp_path / "dst").read_bytes() == b"head" + (bytes(range(256)) * 40)[7:5007]
 
 
 @pytest.mark.parametrize(("change", "says"), [

@@ -14,13 +14,17 @@ what this writes with torch's reader; the convert tests load it into megatron-co
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import pickle
+import struct
 import uuid
+import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -64,26 +68,124 @@ class Written:
     chunk_sizes: tuple[int, ...] | None = None
 
 
-def write_items(path: Path, items: list[TensorChunk | ByteItem]) -> list[Written]:
-    """Write `items` into the data file `path` (created), as torch's FileSystemWriter does, and fsync it."""
+Source = Callable[[torch.Tensor], "tuple[Path, int] | None"]
+"""A tensor -> (file, offset) where its bytes lie as they are (a whole memory-mapped span of that file), or None."""
+
+
+def write_items(path: Path, items: list[TensorChunk | ByteItem | None], source: Source | None = None
+                ) -> list[Written]:
+    """Write `items` into the data file `path` (created), as torch's FileSystemWriter does, and fsync it.
+
+    A tensor whose bytes lie as they are in a file (`source`, worker.LazySafetensors.source) is copied from there
+    by the kernel (copy_file_range): torch.save writes its record around a hole (skip_data), which the copy
+    fills. Reading its bytes through their memory map instead cost a page fault per 4 KiB and a copy through this
+    process: twice the copy's time.
+
+    Consumes `items`: each is dropped from the list once written, so that a tensor memory-mapped from an HF file
+    is unmapped once it is in the checkpoint, if nothing else holds it (its pages count in this process's
+    resident memory while they are mapped)."""
     written = []
-    with open(path, "wb") as stream:
-        for item in items:
-            start = stream.tell()
-            if isinstance(item, ByteItem):
-                stream.write(item.data)
-                written.append(Written(item.key, path.name, start, stream.tell() - start))
-                continue
-            tensor = item.tensor
-            if not tensor.dim() == len(item.offsets) == len(item.size):
-                raise ValueError(f"chunk of {item.key!r}: data {list(tensor.shape)} at {list(item.offsets)} has not "
-                                 f"the dimensions of its tensor, of size {list(item.size)}")
-            torch.save(_own_storage(tensor), stream)
-            written.append(Written(item.key, path.name, start, stream.tell() - start, tuple(item.size), tensor.dtype,
-                                   tuple(item.offsets), tuple(tensor.shape)))
-        stream.flush()
-        os.fsync(stream.fileno())
+    reader = None  # `path` to read back, opened once needed (opening `stream` "w+b" would not block on a FIFO)
+    try:
+        with open(path, "wb") as stream:
+            for index, item in enumerate(items):
+                items[index] = None
+                start = stream.tell()
+                if isinstance(item, ByteItem):
+                    stream.write(item.data)
+                    written.append(Written(item.key, path.name, start, stream.tell() - start))
+                    continue
+                tensor = item.tensor
+                if not tensor.dim() == len(item.offsets) == len(item.size):
+                    raise ValueError(f"chunk of {item.key!r}: data {list(tensor.shape)} at {list(item.offsets)} has "
+                                     f"not the dimensions of its tensor, of size {list(item.size)}")
+                origin = source(tensor) if source is not None else None
+                if origin is None:
+                    torch.save(_own_storage(tensor), stream)
+                else:
+                    reader = reader if reader is not None else os.open(path, os.O_RDONLY)
+                    _save_around_hole(tensor, stream, reader, origin)
+                written.append(Written(item.key, path.name, start, stream.tell() - start, tuple(item.size),
+                                       tensor.dtype, tuple(item.offsets), tuple(tensor.shape)))
+                del item, tensor
+            stream.flush()
+            os.fsync(stream.fileno())
+    finally:
+        if reader is not None:
+            os.close(reader)
     return written
+
+
+def _save_around_hole(tensor: torch.Tensor, stream: BinaryIO, reader: int, origin: tuple[Path, int]) -> None:
+    """torch.save `tensor` into `stream` without its bytes (skip_data leaves a hole), then copy them into the hole
+    from `origin` (file, offset). `reader`: the same file, open for reading."""
+    start = stream.tell()
+    with torch.serialization.skip_data():
+        torch.save(tensor, stream)
+    stream.flush()
+    nbytes = tensor.numel() * tensor.element_size()
+    copy_range(*origin, stream.fileno(), _data_offset(reader, start, stream.tell(), nbytes), nbytes)
+
+
+def _data_offset(fd: int, start: int, end: int, nbytes: int) -> int:
+    """Where the bytes of the one storage of the torch.save record [start, end) of `fd` go (its `data/0`)."""
+    with zipfile.ZipFile(_Window(fd, start, end)) as archive:
+        info = next((i for i in archive.infolist() if i.filename.endswith("/data/0")), None)
+    if info is None or info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes:
+        raise ValueError(f"torch.save wrote no stored record of {nbytes} bytes for the tensor at {start}")
+    name, extra = struct.unpack("<HH", os.pread(fd, 30, start + info.header_offset)[26:30])
+    return start + info.header_offset + 30 + name + extra
+
+
+class _Window(io.RawIOBase):
+    """Bytes [start, end) of the file `fd`, as a read-only, seekable file (read with pread)."""
+
+    def __init__(self, fd: int, start: int, end: int):
+        super().__init__()
+        self._fd, self._start, self._size, self._at = fd, start, end - start, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._at = offset + {os.SEEK_SET: 0, os.SEEK_CUR: self._at, os.SEEK_END: self._size}[whence]
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
+
+    def readinto(self, buffer) -> int:
+        data = os.pread(self._fd, max(0, min(len(buffer), self._size - self._at)), self._start + self._at)
+        buffer[:len(data)] = data
+        self._at += len(data)
+        return len(data)
+
+
+def copy_range(path: Path, offset: int, out_fd: int, out_offset: int, count: int) -> None:
+    """Copy bytes [offset, offset + count) of `path` to `out_offset` of `out_fd`, by the kernel (copy_file_range),
+    or through this process where the kernel cannot copy between these two files."""
+    with open(path, "rb") as source:
+        done = 0
+        try:
+            while done < count:
+                copied = os.copy_file_range(source.fileno(), out_fd, count - done, offset + done, out_offset + done)
+                if copied == 0:
+                    raise EOFError(f"{path} ends before byte {offset + count}")
+                done += copied
+        except OSError as err:
+            if err.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            while done < count:
+                block = os.pread(source.fileno(), min(count - done, _BLOCK), offset + done)
+                if not block:
+                    raise EOFError(f"{path} ends before byte {offset + count}") from err
+                done += os.pwrite(out_fd, block, out_offset + done)
+
+
+_BLOCK = 8 << 20
 
 
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +32,7 @@ import torch
 from slimeflow.checkpoint import safe_pickle
 from slimeflow.checkpoint.dcp_format import (
     ByteItem,
+    Source,
     TensorChunk,
     Written,
     object_bytes,
@@ -156,13 +157,18 @@ def _row_chunks(key: str, rows: RowBlocks, outer: tuple[int, ...], offsets: tupl
     return out
 
 
-def save_torch_dist(tensors: Mapping[str, torch.Tensor | ExpertRows | RowBlocks], args: argparse.Namespace,
-                    checkpoint_dir: str | Path, iteration: int = 1) -> None:
+def save_torch_dist(tensors: MutableMapping[str, torch.Tensor | ExpertRows | RowBlocks], args: argparse.Namespace,
+                    checkpoint_dir: str | Path, iteration: int = 1, source: Source | None = None) -> None:
     """Write this rank's share of a torch_dist checkpoint into `checkpoint_dir` (collective over all ranks of the
     default process group, if there is one); its routed experts may be ExpertRows and its fused tensors RowBlocks
     (checkpoint_items). Rank r writes its items into `__<r>_0.distcp` (dcp_format); rank 0 gathers where every
     rank's went and writes `.metadata`, then common.pt (`args`, `checkpoint_version`, `iteration`) and
     metadata.json, as megatron-core's dist_checkpointing.save does with its torch_dist strategy.
+
+    `source`: where a tensor's bytes lie as they are in a file (worker.LazySafetensors.source), to copy them from
+    there (dcp_format.write_items). Empties `tensors`, and writes each item once it holds the only reference to
+    its data (write_items): a tensor memory-mapped from an HF file is unmapped once written, so that the rank's
+    peak resident memory is about its largest tensor, not its share (mapped pages count while mapped).
 
     `checkpoint_dir` is the checkpoint directory itself (e.g. <root>/iter_0000001); committing it (the tracker)
     is the caller's job, after every rank has returned: slimeflow.io.checkpoints.commit.
@@ -171,6 +177,7 @@ def save_torch_dist(tensors: Mapping[str, torch.Tensor | ExpertRows | RowBlocks]
 
     # megatron-core keys each layer on its own when MoE and dense layers alternate (moe_layer_freq a list).
     items = checkpoint_items(tensors, args.num_layers, not isinstance(getattr(args, "moe_layer_freq", 1), list))
+    tensors.clear()
     directory = Path(checkpoint_dir)
     directory.mkdir(parents=True, exist_ok=True)
     distributed = torch.distributed.is_initialized()
@@ -178,7 +185,7 @@ def save_torch_dist(tensors: Mapping[str, torch.Tensor | ExpertRows | RowBlocks]
     # Each tensor is a torch.save zip record, whose CRC32 costs more CPU than writing it (~0.5 GB/s against
     # ~2 GB/s) and which no reader checks (torch.load does not verify it): skip it.
     with serialization.patch({"save.compute_crc32": False}), write_behind(directory, f"__{rank}_*.distcp"):
-        written = write_items(directory / f"__{rank}_0.distcp", items)
+        written = write_items(directory / f"__{rank}_0.distcp", items, source)
     gathered: list[list[Written]] | None = [[] for _ in range(world)] if rank == 0 else None
     if distributed:
         torch.distributed.gather_object(written, gathered, dst=0)

@@ -18,6 +18,7 @@ import os
 import struct
 import sys
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -93,6 +94,8 @@ class LazySafetensors(Mapping[str, torch.Tensor]):
         self._headers: dict[str, tuple[int, dict[str, Any]]] = {}
         self.read: dict[str, int] = {}
         """Bytes of each tensor handed out so far, by name: what this rank loaded."""
+        self._sources: dict[int, tuple[weakref.ref, Path, int, int]] = {}
+        """Address of each map's tensor -> (the map, its file, offset and bytes there): see `source`."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.rows(name, 0, None)
@@ -118,8 +121,20 @@ class LazySafetensors(Mapping[str, torch.Tensor]):
         aligned = begin - begin % mmap.ALLOCATIONGRANULARITY  # a map starts on a page boundary
         with path.open("rb") as file:  # the map outlives the descriptor; ACCESS_COPY: writable, never written back
             mapped = mmap.mmap(file.fileno(), end - aligned, offset=aligned, access=mmap.ACCESS_COPY)
-        return torch.frombuffer(mapped, dtype=dtype, count=(end - begin) // dtype.itemsize,
-                                offset=begin - aligned).view(shape)
+        tensor = torch.frombuffer(mapped, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=begin - aligned)
+        self._sources[tensor.data_ptr()] = (weakref.ref(mapped), path, begin, end - begin)
+        return tensor.view(shape)
+
+    def source(self, tensor: torch.Tensor) -> tuple[Path, int] | None:
+        """(file, offset) of the bytes of `tensor` when it is the whole of one of the maps handed out here (or a view
+        of all of one), else None: the writer then copies them file to file (dcp_format.write_items). Only while
+        the map lives (its tensors hold it), so that its address is not another's; the conversion never writes
+        into these tensors (mapping.py makes new ones), so their bytes are the file's."""
+        entry = self._sources.get(tensor.data_ptr())
+        if entry is None or entry[0]() is None or not tensor.is_contiguous():
+            return None
+        _, path, offset, nbytes = entry
+        return (path, offset) if tensor.numel() * tensor.element_size() == nbytes else None
 
     def _header(self, path: Path) -> tuple[int, dict[str, Any]]:
         """(offset of the data, the header's JSON) of a safetensors file: 8-byte length, JSON, data."""
@@ -174,7 +189,7 @@ def convert_share(job: Job, rank: int) -> dict[str, Any]:
                   name in hf.read for layer in range(shape.num_layers) for name in expert_hf_tensors(shape, layer, [e]))]}
     read = time.time()
     try:
-        save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration)
+        save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration, hf.source)
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as err:
