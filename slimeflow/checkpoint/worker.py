@@ -4,9 +4,10 @@ Every rank joins a process group (gloo; NCCL when it has a GPU) through the job'
 HF tensors of its share (lazily, one tensor at a time from memory-mapped safetensors): its layers, and of a MoE
 model its slice of every MoE layer's routed experts, as expert parallelism splits them. It maps them to Megatron's
 names and fusions, and writes them in megatron-core's torch_dist format (torch_dist.save_torch_dist), its experts
-as its slice of the expert axis; rank 0's common.pt carries the args. Each rank leaves `rank-<r>.json` next to the job file: what it
-read (tensors, bytes, which experts), what it held and wrote, and its peak RSS. Run as its own process (never imported
-into a caller's process): a process group is process-global. A rank dies with its launcher (supervise.py).
+as its slice of the expert axis; rank 0's common.pt carries the args. Each rank leaves `rank-<r>.json` next to the
+job file: what it read (tensors, bytes, which experts), what it held and wrote, and its peak RSS. Run as its own
+process (never imported into a caller's process): a process group is process-global. A rank dies with its
+launcher (supervise.py).
 """
 
 from __future__ import annotations
@@ -84,8 +85,9 @@ class LazySafetensors(Mapping[str, torch.Tensor]):
 
     A tensor's pages become resident only when they are read, and are unmapped when the tensor is freed. So a
     tensor that only feeds a fusion leaves nothing resident once the fused tensor is made, and one passed on
-    unchanged is read only as it is written out. (safetensors' `get_tensor`
-    maps the whole file for as long as its handle lives, so every page this process reads stays resident.)
+    unchanged is never read here: the writer has the kernel copy its bytes file to file (`source`). (safetensors'
+    `get_tensor` maps the whole file for as long as its handle lives, so every page this process reads stays
+    resident.)
     """
 
     def __init__(self, directory: str | Path, weight_map: Mapping[str, str]):
@@ -190,8 +192,6 @@ def convert_share(job: Job, rank: int) -> dict[str, Any]:
     read = time.time()
     try:
         save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration, hf.source)
-    except (KeyboardInterrupt, SystemExit):
-        raise
     except Exception as err:
         if ran_out_of_space(err, Path(job.checkpoint_dir), counts["bytes"]):
             raise no_space_left(Path(job.checkpoint_dir), f"rank {rank}'s share", counts["bytes"]) from err
