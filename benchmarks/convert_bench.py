@@ -1,6 +1,7 @@
 """HF -> torch_dist conversion of a synthetic ~2 GB bf16 Llama-style model, against `cp` of the same files.
 
     .venv/bin/python benchmarks/convert_bench.py [--layers 20] [--rounds 3] [--workdir /tmp] [--family deepseek_v3]
+                                                 [--against CHECKOUT]
 
 `--family deepseek_v3` writes a ~2 GB DeepSeek-V3-style mixture of experts instead (8 layers by default: MLA, one
 dense first layer, 16 experts of which each layer stores every one, a shared expert, the fp32 expert bias), whose
@@ -11,15 +12,18 @@ layers it keys one by one; with two processes each rank converts 8 of every MoE 
 Prints, for 1 and 2 conversion processes: wall time as a ratio to `cp -r` + `sync` of the HF directory, timed
 after a `sync` so that it flushes only the copy (goal <= 2x); cp and the two conversions run interleaved for
 --rounds rounds, and the ratio of medians is the figure (a single cp moved between 1.7 and 5 s here). The last
-round prints each rank's timeline from its launch (start-up and imports, tensors read and fused, megatron-core
-imported (on a thread from the start), saved: the last span is planning, the forked writers and their fsync);
-and each rank's peak RSS as a fraction of the model's size
-(goals <= 1.1 with one process, <= 0.6 with two). Peak RSS is the rank's VmHWM: resident anonymous and
-file-backed pages alike. Its largest forked dist_checkpointing writer is printed too (RUSAGE_CHILDREN): that
-figure counts the pages the writer shares copy-on-write with its rank, plus the file pages it writes out. The
-baseline RSS of a process that has only imported torch and megatron-core is printed as well: it is part of
-every rank's figure. On a shared machine the wall-time ratio moves with the load (printed); the CPU seconds of
-the copy and of each conversion (user + system, all their processes) do not, and say what the load will cost.
+round prints each rank's timeline from its launch (start-up and imports, tensors read and fused, saved: the last
+span is writing the data files, their fsync and rank 0's index); and each rank's peak RSS as a fraction of the
+model's size (goals <= 1.1 with one process, <= 0.6 with two). Peak RSS is the rank's VmHWM: resident anonymous
+and file-backed pages alike (the HF pages it maps as it writes them out count). The baseline RSS of a process
+that has only imported what a rank imports is printed as well: it is part of every rank's figure. On a shared
+machine the wall-time ratio moves with the load (printed); the CPU seconds of the copy and of each conversion
+(user + system, all their processes) do not, and say what the load will cost.
+
+`--against CHECKOUT` also times, in each round after this checkout's, the same conversions by another checkout of
+slimeflow (say `git archive <commit> | tar -x -C CHECKOUT`, with a .venv whose editable install points there): its
+.venv/bin/python converts in a process of its own, timed as here (after its imports), for a before/after ratio
+under the same load.
 """
 
 from __future__ import annotations
@@ -126,9 +130,7 @@ def write_synthetic_moe(path: Path, layers: int) -> int:
 
 def baseline_rss() -> int:
     """Peak RSS of a fresh process that imports what a conversion rank imports, and nothing more."""
-    code = ("from slimeflow._compat import eager_jit_fusions\nwith eager_jit_fusions():\n"
-            "    import megatron.core.dist_checkpointing\nfrom slimeflow.checkpoint import worker\n"
-            "print(worker.peak_rss_bytes()['peak_rss'])")
+    code = "from slimeflow.checkpoint import worker\nprint(worker.peak_rss_bytes()['peak_rss'])"
     return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
                .stdout.split()[-1])
 
@@ -163,19 +165,40 @@ def time_conversion(source, root: Path, processes: int) -> tuple[float, float, l
     return seconds, cpu, [{**r, "launched": launched} for r in ranks]
 
 
+AGAINST = """
+import subprocess, shutil, sys, time
+from pathlib import Path
+from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, publish_release, read_hf_source
+from slimeflow.io.storage import Storage
+source, root = read_hf_source(Path(sys.argv[1])), Path(sys.argv[2])
+subprocess.run(["sync"], check=True)
+started = time.perf_counter()
+staged, _ = convert_hf_to_torch_dist(source, root, int(sys.argv[3]))
+publish_release(Storage(), staged, str(root))
+subprocess.run(["sync"], check=True)
+print(time.perf_counter() - started)
+shutil.rmtree(root)
+"""
+
+
+def time_conversion_of(checkout: Path, hf: Path, root: Path, processes: int) -> float:
+    """Wall seconds of the conversion as time_conversion measures it, by the slimeflow of `checkout`."""
+    done = subprocess.run([str(checkout / ".venv/bin/python"), "-c", AGAINST, str(hf), str(root), str(processes)],
+                          cwd=checkout, capture_output=True, text=True, check=True)
+    return float(done.stdout.split()[-1])
+
+
 def print_ranks(ranks: list[dict], size: int, base: int, goal: float) -> None:
     for r in ranks:
         print(f"  rank {r['rank']}: peak RSS {r['peak_rss'] / 1e9:.2f} GB = {r['peak_rss'] / size:.2f} "
-              f"of the model (goal <= {goal}); its largest writer {r['peak_rss_writers'] / 1e9:.2f} GB "
-              f"= {r['peak_rss_writers'] / size:.2f}; net of the baseline {(r['peak_rss'] - base) / size:.2f}")
+              f"of the model (goal <= {goal}); net of the baseline {(r['peak_rss'] - base) / size:.2f}")
         if r["experts"][1]:
             print(f"    routed experts [{r['experts'][0]}, {r['experts'][1]}) of every MoE layer; read "
                   f"{r['read_tensors']} HF tensors, {r['read_bytes'] / size:.2f} of the model; held and wrote "
                   f"{r['bytes'] / size:.2f}")
         launched = r["launched"]
         print(f"    seconds from launch: start-up and imports {r['started_at'] - launched:.2f}, tensors "
-              f"read and fused {r['read_at'] - launched:.2f}, megatron-core imported "
-              f"{r['imported_at'] - launched:.2f}, saved {r['saved_at'] - launched:.2f}")
+              f"read and fused {r['read_at'] - launched:.2f}, saved {r['saved_at'] - launched:.2f}")
 
 
 def load() -> str:
@@ -188,6 +211,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="default: 20 (llama), 8 (deepseek_v3)")
     parser.add_argument("--rounds", type=int, default=3, help="cp, 1 and 2 processes, interleaved this many times")
     parser.add_argument("--workdir", default=tempfile.gettempdir())
+    parser.add_argument("--against", type=Path, help="another slimeflow checkout to time in each round too")
     options = parser.parse_args()
     Path(options.workdir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="convert-bench-", dir=options.workdir))
@@ -198,10 +222,10 @@ def main() -> None:
         size = (write_synthetic_moe if moe else write_synthetic_model)(hf, layers)
         print(f"synthetic {options.family} model: {layers} layers, {size / 1e9:.2f} GB bf16 in {len(list(hf.glob('*.safetensors')))} files")
         base = baseline_rss()
-        print(f"baseline RSS of a process importing torch + megatron-core: {base / 1e9:.2f} GB "
+        print(f"baseline RSS of a process importing what a rank imports: {base / 1e9:.2f} GB "
               f"({base / size:.2f} of the model)")
         source = read_hf_source(hf)
-        walls: dict[str, list[float]] = {"cp": [], 1: [], 2: []}
+        walls: dict[str | int, list[float]] = {"cp": [], 1: [], 2: [], -1: [], -2: []}
         for round_ in range(1, options.rounds + 1):
             seconds, cpu = time_copy(hf, work)
             walls["cp"].append(seconds)
@@ -213,11 +237,19 @@ def main() -> None:
                       f"this round's cp, {cpu:.2f} CPU s; load average {load()}")
                 if round_ == options.rounds:
                     print_ranks(ranks, size, base, 1.1 if processes == 1 else 0.6)
+                if options.against:
+                    seconds = time_conversion_of(options.against, hf, work / f"against-{processes}", processes)
+                    walls[-processes].append(seconds)
+                    print(f"round {round_}: {options.against}, {processes} process(es) {seconds:.2f} s = "
+                          f"{seconds / walls['cp'][-1]:.2f}x this round's cp; load average {load()}")
         copy = statistics.median(walls["cp"])
         for processes in (1, 2):
             median = statistics.median(walls[processes])
             print(f"median of {options.rounds} rounds, {processes} process(es): {median:.2f} s against cp's "
                   f"{copy:.2f} s = {median / copy:.2f}x cp (goal <= 2x)")
+            if options.against:
+                median = statistics.median(walls[-processes])
+                print(f"  {options.against}: {median:.2f} s = {median / copy:.2f}x cp")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("command: .venv/bin/python benchmarks/convert_bench.py " + " ".join(sys.argv[1:]))

@@ -10,11 +10,10 @@ unshimmed call still fails here, so a shim whose reason has gone away is noticed
 tests/test_moe_padding.py shows, as test_compat.py for SHIMS, that the unshimmed call still fails);
 `megatron_runtime()` applies both.
 
-Two more shims make a synchronous checkpoint write cheaper on any machine (`in_process_write_results`,
-`eager_jit_fusions`; their tests are in tests/test_compat.py too).
+One more shim makes a synchronous checkpoint write cheaper on any machine (`in_process_write_results`; its test
+is in tests/test_compat.py too).
 
-The convert stage's writer and the Megatron training backend both use this module; nothing else may shim
-megatron-core.
+The Megatron training backend and the model-family helpers use this module; nothing else may shim megatron-core.
 """
 
 from __future__ import annotations
@@ -452,47 +451,3 @@ def in_process_write_results() -> Iterator[None]:
         yield
     finally:
         filesystem_async._results_queue = saved
-
-
-@contextlib.contextmanager
-def without_optional_modules(*names: str) -> Iterator[None]:
-    """Import inside this block as if the optional modules `names` were not installed: each `import` of one raises
-    ImportError, which megatron-core catches (it imports wandb in three modules, each in `try: ... except
-    ImportError`, and wandb's import took 0.43 of the 1.33 s of megatron.core.dist_checkpointing's here).
-    For a process that never uses them (the conversion's ranks only write checkpoints). A module already
-    imported is left as it is; on exit the others become importable again."""
-    import sys
-
-    hidden = [name for name in names if name not in sys.modules]
-    for name in hidden:
-        sys.modules[name] = None  # type: ignore[assignment]  # the import system's "not installed"
-    try:
-        yield
-    finally:
-        for name in hidden:
-            if sys.modules.get(name, ...) is None:
-                del sys.modules[name]
-
-
-@contextlib.contextmanager
-def eager_jit_fusions() -> Iterator[None]:
-    """Import megatron-core inside this block to leave its fused elementwise kernels uncompiled.
-
-    megatron.core.jit sets `jit_fuser = torch.compile` when it is imported, and its fusion modules decorate
-    their kernels with it at import time, which imports torch._dynamo: 1.2 of the 1.9 s that importing
-    megatron.core.dist_checkpointing takes here, measured. A process that only writes checkpoints never runs
-    those kernels, so inside this block torch.compile returns what it is given. Only the import needs the
-    block: the decorations keep what they got. Does nothing when megatron-core is already imported.
-    """
-    import torch
-
-    compile_ = torch.compile
-
-    def eager(model: Any = None, **_: Any) -> Any:
-        return model if model is not None else (lambda function: function)
-
-    torch.compile = eager
-    try:
-        yield
-    finally:
-        torch.compile = compile_

@@ -360,23 +360,3 @@ def test_synchronous_save_results_need_no_manager_process():
         assert isinstance(filesystem_async._get_write_results_queue(), multiprocessing.managers.BaseProxy)
     finally:
         filesystem_async._results_queue = None  # the manager shuts its server down when collected
-
-
-def _imports_dynamo(eager: bool) -> bool:
-    """Whether importing megatron.core.dist_checkpointing (in a fresh interpreter) loads torch._dynamo; eager, as
-    the conversion's ranks import it (without wandb too), it also checks that wandb stayed out and is importable
-    again after the block."""
-    block = "eager_jit_fusions(), without_optional_modules('wandb')" if eager else "contextlib.nullcontext()"
-    code = ("import contextlib, importlib.util, sys, torch\n"
-            "from slimeflow._compat import eager_jit_fusions, without_optional_modules\n"
-            f"with {block}:\n    import megatron.core.dist_checkpointing\n"
-            "assert torch.compile.__module__.startswith('torch'), torch.compile\n"
-            f"assert {not eager} or ('wandb' not in sys.modules and importlib.util.find_spec('wandb'))\n"
-            "print('torch._dynamo' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return done.stdout.strip().splitlines()[-1] == "True"
-
-
-def test_megatron_import_compiles_its_fusions_unless_eager():
-    assert _imports_dynamo(eager=False)
-    assert not _imports_dynamo(eager=True)

@@ -221,12 +221,20 @@ def test_lazy_safetensors_are_exact_views_that_own_only_their_bytes(tmp_path, ur
     for name, tensor in expected.items():
         view = lazy[name]
         assert view.dtype == tensor.dtype and torch.equal(view, tensor), name
-        # megatron-core's writer clones a CPU tensor whose storage is larger than the tensor: these must not be
+        # the writer copies a tensor whose storage is larger than the tensor (torch.save writes it whole): these
+        # must not be
         assert view.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
         if tensor.dim() and tensor.shape[0] > 2:  # a row block (QKV's per-group rows) maps only its rows
             rows = lazy.rows(name, 1, tensor.shape[0] - 1)
             assert torch.equal(rows, tensor[1:-1]), name
             assert rows.untyped_storage().nbytes() == rows.numel() * rows.element_size(), name
+            # where its bytes lie in the file, for the writer to copy them from there; none for a copy or a part
+            path, offset = lazy.source(rows)
+            with open(path, "rb") as file:
+                file.seek(offset)
+                assert file.read(rows.numel() * rows.element_size()) == rows.contiguous().view(torch.uint8).numpy(
+                    ).tobytes(), name
+            assert lazy.source(rows.clone()) is None and lazy.source(rows[1:]) is None, name
     with pytest.raises(IndexError, match="rows \\[2, 1\\)"):
         lazy.rows("model.embed_tokens.weight", 2, 1)
 

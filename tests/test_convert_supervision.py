@@ -1,8 +1,8 @@
-"""A conversion's processes live and die together: real SIGKILLs of a checkpoint writer, a rank and the main
-process fail the conversion within seconds, naming what died, and leave no process behind.
+"""A conversion's processes live and die together: real SIGKILLs of a rank and of the main process fail the
+conversion within seconds, naming what died, and leave no process behind.
 
-A rank's writer is held at a known point without any test hook: its data file `__0_0.distcp` is made a FIFO
-that nobody reads, so the writer (dist_checkpointing's forked child) blocks opening it until it is killed.
+A conversion is kept from finishing without any test hook: rank 0's data file `__0_0.distcp` is made a FIFO
+that nobody reads, so rank 0 blocks opening it until it is killed (and rank 1 waits for it).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def small_hf(tmp_path_factory) -> Path:
 
 
 def blocked_job(hf: Path, tmp: Path, processes: int = 2) -> Path:
-    """A job file whose rank 0 writer blocks opening its data file, a FIFO that nobody reads."""
+    """A job file whose rank 0 blocks opening its data file, a FIFO that nobody reads."""
     source = read_hf_source(hf)
     checkpoint = tmp / "ckpt"
     checkpoint.mkdir()
@@ -56,6 +56,12 @@ def wait_for(find: Callable[[], T | None], what: str, timeout: float = 90.0) -> 
         assert time.monotonic() < deadline, f"no {what} within {timeout} s"
         time.sleep(0.02)
     return found
+
+
+def wait_past_rendezvous(checkpoint: Path) -> None:
+    """Until rank 1 writes its data file: both ranks have then met in the rendezvous, so both are past their
+    start-up (and asked the kernel to end them with their parent) and rank 0 is on its way to the FIFO."""
+    wait_for(lambda: (checkpoint / "__1_0.distcp").exists() or None, "rank 1's data file")
 
 
 def alive(proc: psutil.Process) -> bool:
@@ -84,13 +90,6 @@ class Processes:
             except psutil.NoSuchProcess:
                 continue
         return None
-
-    def writer(self, rank: psutil.Process) -> psutil.Process | None:
-        try:
-            children = rank.children()
-        except psutil.NoSuchProcess:
-            return None
-        return self._remember(children[0]) if children else None
 
     def _remember(self, proc: psutil.Process) -> psutil.Process:
         if proc not in self.seen:
@@ -122,18 +121,18 @@ def watched(tmp_path) -> Iterator[Callable[[Path], Processes]]:
 @contextmanager
 def blocked_conversion(hf: Path, tmp: Path, watched: Callable[..., Processes]
                        ) -> Iterator[tuple[Future, psutil.Process, psutil.Process]]:
-    """A two-rank launch() on a thread of its own, once rank 0's writer is blocked: (the conversion, rank 0, that
-    writer). Afterwards every process it started is killed (which unblocks a hung launch) and it is awaited."""
+    """A two-rank launch() on a thread of its own, that cannot finish (blocked_job), once both ranks run: (the
+    conversion, rank 0, rank 1). Afterwards every process it started is killed (which unblocks a hung launch) and
+    it is awaited."""
     job = blocked_job(hf, tmp)
     processes = watched(job)
     pool = ThreadPoolExecutor(1)
     future = pool.submit(launch, job, 2)
     pool.shutdown(wait=False)
     try:
-        rank0 = wait_for(lambda: processes.rank(0), "rank 0")
-        writer = wait_for(lambda: processes.writer(rank0), "writer of rank 0")
-        wait_for(lambda: processes.rank(1), "rank 1")
-        yield future, rank0, writer
+        ranks = wait_for(lambda: processes.rank(0), "rank 0"), wait_for(lambda: processes.rank(1), "rank 1")
+        wait_past_rendezvous(tmp / "ckpt")
+        yield future, *ranks
     finally:
         processes.left()
         future.exception(timeout=60)
@@ -153,20 +152,11 @@ def failure_within(future: Future, seconds: float) -> str:
 
 
 @pytest.mark.timeout(150)
-def test_a_killed_checkpoint_writer_fails_the_conversion_within_seconds_naming_it(small_hf, tmp_path, watched):
-    with blocked_conversion(small_hf, tmp_path, watched) as (future, _, writer):
-        writer.send_signal(signal.SIGKILL)
-        message = failure_within(future, SOON_S)
-    assert f"checkpoint writer (pid {writer.pid}) was killed by SIGKILL" in message
-    assert message.startswith("conversion rank 0 exited with 1:") and str(tmp_path / "ckpt") in message
-
-
-@pytest.mark.timeout(150)
-def test_a_killed_rank_fails_the_conversion_naming_it_and_takes_its_writer_along(small_hf, tmp_path, watched):
-    with blocked_conversion(small_hf, tmp_path, watched) as (future, rank0, writer):
+def test_a_killed_rank_fails_the_conversion_naming_it_and_the_other_rank_is_stopped(small_hf, tmp_path, watched):
+    with blocked_conversion(small_hf, tmp_path, watched) as (future, rank0, rank1):
         rank0.send_signal(signal.SIGKILL)
         message = failure_within(future, SOON_S)
-        wait_for_end(writer, SOON_S)
+        wait_for_end(rank1, SOON_S)
     assert message.startswith("conversion rank 0 was killed by SIGKILL (SIGKILL: often the kernel's out-of-memory")
 
 
@@ -179,9 +169,9 @@ convert_hf_to_torch_dist(read_hf_source(Path(sys.argv[1])), Path(sys.argv[2]), p
 
 
 def kill_main_mid_conversion(hf: Path, root: Path, watched: Callable[..., Processes]) -> None:
-    """Start a conversion in a process of its own, wait until rank 0's writer blocks (on a FIFO made in the
-    staging directory before the ranks, still importing torch, get there), SIGKILL that process and check that
-    its ranks and writer follow it within SOON_S."""
+    """Start a conversion in a process of its own that cannot finish (rank 0's data file a FIFO, made in the
+    staging directory before the ranks, still importing torch, get there), SIGKILL that process once both ranks
+    have met and check that they follow it within SOON_S."""
     main = subprocess.Popen([sys.executable, "-c", MAIN, str(hf), str(root)])
     try:
         staging = wait_for(lambda: next(root.glob(".release.tmp-*"), None), "staging directory")
@@ -189,8 +179,8 @@ def kill_main_mid_conversion(hf: Path, root: Path, watched: Callable[..., Proces
         job = wait_for(lambda: next(root.glob(".convert-job-*/job.json"), None), "job file")
         processes = watched(job, psutil.Process(main.pid))
         rank0 = wait_for(lambda: processes.rank(0), "rank 0")
-        orphans = [rank0, wait_for(lambda: processes.writer(rank0), "writer of rank 0"),
-                   wait_for(lambda: processes.rank(1), "rank 1")]
+        orphans = [rank0, wait_for(lambda: processes.rank(1), "rank 1")]
+        wait_past_rendezvous(staging)
         main.kill()
         main.wait()
         for proc in orphans:

@@ -1,8 +1,7 @@
 """Starting a conversion's ranks: local subprocesses, or Ray tasks that each start one.
 
-Either way every rank is a fresh `python -c` process running worker.main on the same job file (a rank forks
-dist_checkpointing's writers and holds a process-global process group, so it never runs inside a long-lived
-process). With Ray, the job file, the rendezvous and the checkpoint directory must be on storage that every
+Either way every rank is a fresh `python -c` process running worker.main on the same job file (a rank holds a
+process-global process group, so it never runs inside a long-lived process). With Ray, the job file, the rendezvous and the checkpoint directory must be on storage that every
 node sees at the same path (a local Ray on this machine always does).
 """
 
@@ -25,8 +24,6 @@ RAY_PLACEMENT_TIMEOUT_S = 300
 POLL_INTERVAL_S = 0.05
 """How often the local launcher checks its ranks (a conversion's end is seen this much late at most)."""
 
-# `-c`, not `-m`: megatron-core's writer starts a spawn-context multiprocessing manager, and a spawned child
-# re-imports a `-m` main module (the worker: torch, megatron) before it serves; with `-c` it imports nothing.
 # The collector is off from the first import on (worker.process_main says why).
 _WORKER = "import gc; gc.disable(); from slimeflow.checkpoint.worker import process_main; process_main()"
 
@@ -44,15 +41,15 @@ def launch(job_path: Path, processes: int, launcher: Launcher = "local", ray_add
 
 def start_rank(job_path: Path, rank: int) -> subprocess.Popen:
     """Start one rank as a subprocess logging to `rank-<r>.log` next to the job file, in a process group of its
-    own (which its checkpoint writers join: stop_rank ends them together); it dies with this process."""
+    own (whatever it starts joins it: stop_rank ends them together); it dies with this process."""
     with _log(job_path, rank).open("wb") as out:
         return subprocess.Popen([sys.executable, "-c", _WORKER, str(job_path), str(rank), "--parent-pid",
                                  str(os.getpid())], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def stop_rank(proc: subprocess.Popen) -> None:
-    """SIGKILL a rank's process group, the rank and its checkpoint writers (if it has already ended, the writers
-    it left), and reap the rank."""
+    """SIGKILL a rank's process group (the rank and whatever it started, or left if it has already ended), and
+    reap the rank."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):  # nothing left in the group
@@ -76,7 +73,7 @@ def _launch_local(job_path: Path, processes: int) -> None:
         procs.extend(start_rank(job_path, rank) for rank in range(processes))
         failed = _first_failure(procs)
     finally:
-        for proc in procs:  # after a failure or an interruption: a rank that succeeded has no writers left
+        for proc in procs:  # after a failure or an interruption: a rank that succeeded has nothing left
             if proc.poll() != 0:
                 stop_rank(proc)
     if failed is not None:
@@ -101,7 +98,7 @@ def run_rank(job_path: str, rank: int) -> None:
     proc = start_rank(Path(job_path), rank)
     try:
         code = proc.wait()
-    finally:  # a cancelled task stops its rank; a failed one leaves no writer behind
+    finally:  # a cancelled task stops its rank; a failed one leaves nothing behind
         if proc.poll() != 0:
             stop_rank(proc)
     if code != 0:

@@ -1,10 +1,7 @@
-"""A conversion's processes live and die together: ranks with the process that started them, checkpoint writers
-with their rank, and a rank whose writer died stops at once.
+"""A conversion's processes live and die together: ranks with the process that started them.
 
-megatron-core's dist_checkpointing forks writer processes and waits for them on a queue with no timeout: a writer
-killed (by the out-of-memory killer, say) leaves its rank waiting forever, and the other ranks with it in a
-collective. And a rank killed, or a parent killed, leaves its children running. Linux's PR_SET_PDEATHSIG and a
-small watchdog thread close both gaps; off Linux these do nothing.
+A parent killed leaves its children running; Linux's PR_SET_PDEATHSIG closes that gap (off Linux it does
+nothing). And `periodically`, a small ticking thread for work beside a body (torch_dist's write-behind).
 """
 
 from __future__ import annotations
@@ -17,11 +14,8 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
-WATCH_INTERVAL_S = 0.1
-"""How often a rank checks its writers: a dead writer fails the conversion within this much (plus the parent's poll)."""
 
 
 def exit_description(returncode: int) -> str:
@@ -53,41 +47,6 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def children_die_with_this_process() -> None:
-    """Every process forked from now on (dist_checkpointing's writers) gets die_with_parent(this process).
-    PR_SET_PDEATHSIG follows the forking thread: a rank forks its writers from its main thread."""
-    _prctl()  # loaded here, not in the child
-    owner = os.getpid()
-    os.register_at_fork(after_in_child=lambda: die_with_parent(owner))
-
-
-def child_pids() -> list[int]:
-    """This process's children (zombies included), from /proc/<pid>/task/<tid>/children; [] where that is absent."""
-    pids: list[int] = []
-    for children in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
-        try:
-            pids.extend(int(pid) for pid in children.read_text().split())
-        except OSError:  # the thread ended
-            continue
-    return pids
-
-
-def failed_child() -> tuple[int, int] | None:
-    """(pid, returncode as subprocess reports it) of a child that exited non-zero or by a signal, else None.
-    Peeks without reaping (WNOWAIT): whoever waits for the child still can."""
-    for pid in child_pids():
-        try:
-            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:  # reaped meanwhile
-            continue
-        if info is None:
-            continue
-        code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-        if code != 0:
-            return pid, code
-    return None
-
-
 @contextmanager
 def periodically(interval: float, tick: Callable[[], object], name: str) -> Iterator[None]:
     """Call `tick()` every `interval` seconds on a daemon thread named `name` while the body runs; the thread is
@@ -105,21 +64,3 @@ def periodically(interval: float, tick: Callable[[], object], name: str) -> Iter
     finally:
         stop.set()
         thread.join()
-
-
-@contextmanager
-def stop_when_a_child_fails(message: Callable[[int, int], str], interval: float = WATCH_INTERVAL_S
-                            ) -> Iterator[None]:
-    """While the body runs, check this process's children every `interval` seconds; when one has failed, write
-    `message(pid, returncode)` to stderr and end this process at once with status 1 (its other children then
-    die by die_with_parent). The body may be stuck waiting for that child, so nothing gentler would do."""
-
-    def check() -> None:
-        failed = failed_child()
-        if failed is not None:
-            sys.stderr.write(message(*failed) + "\n")
-            sys.stderr.flush()
-            os._exit(1)
-
-    with periodically(interval, check, "child watchdog"):
-        yield

@@ -1,10 +1,13 @@
-"""Megatron's torch_dist checkpoint: written through megatron-core's `dist_checkpointing`, read back as tensors.
+"""Megatron's torch_dist checkpoint: written as megatron-core's `dist_checkpointing` writes it, read back as tensors.
 
 Writing is collective: every rank of the default process group calls `save_torch_dist` with its own share of
 the Megatron-named tensors (mapping.py's names: `decoder.layers.<i>.<name>` per layer, plus globals), and each
-layer tensor becomes the shard [i] of the layer-stacked global tensor `decoder.layers.<name>`, exactly as
+layer tensor becomes the chunk [i] of the layer-stacked global tensor `decoder.layers.<name>`, exactly as
 megatron-core's GPTModel.sharded_state_dict() declares it. Linear layers also get their (empty) `_extra_state`
-objects, as GPTModel has them, so that Megatron-LM loads the checkpoint with its default strictness.
+objects, as GPTModel has them, so that Megatron-LM loads the checkpoint with its default strictness. The files
+are written directly (dcp_format), without importing megatron-core or torch.distributed.checkpoint: their
+imports were most of a conversion rank's start-up, and the format needs neither; megatron-core loads the result
+(tests/test_convert.py loads it into its GPTModel).
 
 Reading needs no process group: the checkpoint is a PyTorch Distributed Checkpoint, loaded key by key.
 """
@@ -14,24 +17,35 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from slimeflow.checkpoint import safe_pickle
+from slimeflow.checkpoint.dcp_format import (
+    ByteItem,
+    Source,
+    TensorChunk,
+    Written,
+    object_bytes,
+    write_items,
+    write_metadata,
+)
 from slimeflow.checkpoint.supervise import periodically
 
 CHECKPOINT_VERSION = 3.0
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_LINEARS = ("mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 """Linear layers of each expert (dim 0 of the per-layer tensor), whose `_extra_state` is sharded over experts."""
-_REPLICA = (0, 0, 0)  # (pipeline, tensor, data) replica: every tensor here has exactly one writer
 
 
 def _has_extra_state(module: str, leaf: str) -> bool:
@@ -75,117 +89,148 @@ class RowBlocks:
         return sum(part.numel() * part.element_size() for part in self.parts)
 
 
-def sharded_state_dict(tensors: Mapping[str, torch.Tensor | ExpertRows | RowBlocks], num_layers: int,
-                       stacked: bool = True) -> dict:
-    """megatron-core ShardedTensors (and `_extra_state` ShardedObjects) for this rank's tensors.
+def checkpoint_items(tensors: Mapping[str, torch.Tensor | ExpertRows | RowBlocks], num_layers: int,
+                     stacked: bool = True) -> list[TensorChunk | ByteItem]:
+    """This rank's items of the checkpoint, keyed as megatron-core's GPTModel.sharded_state_dict() declares them:
+    each tensor as chunks of its global tensor, and the (empty) `_extra_state` of each linear layer as a byte item
+    (a ShardedObject, keyed `<key>/shard_<offsets>_<shape>`).
 
-    `stacked`: layer i's tensor is shard [i] of `decoder.layers.<name>` [num_layers, ...]; else (layers that differ,
+    `stacked`: layer i's tensor is chunk [i] of `decoder.layers.<name>` [num_layers, ...]; else (layers that differ,
     megatron-core's non-homogeneous layers) it is the whole of `decoder.layers.<i>.<name>`. A routed-expert tensor
     may be given as ExpertRows (a rank's experts, or all of them), and a fused one as RowBlocks, whose parts become
-    the shards."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-
-    out: dict = {}
+    the chunks."""
+    out: list[TensorChunk | ByteItem] = []
+    empty = object_bytes(None)
     for name, tensor in tensors.items():
         match = _LAYER.match(name)
         if match is None:
-            out[name] = ShardedTensor.from_rank_offsets(name, tensor, replica_id=_REPLICA)
+            out.append(TensorChunk(name, tuple(tensor.shape), (0,) * tensor.dim(), tensor))
             continue
         layer, inner = int(match.group(1)), match.group(2)
-        prefix, layer_axis = ("decoder.layers.", ((0, layer, num_layers),)) if stacked else (f"decoder.layers.{layer}.", ())
+        prefix, outer, offsets = ("decoder.layers.", (num_layers,), (layer,)) if stacked else \
+            (f"decoder.layers.{layer}.", (), ())
         module, leaf = inner.rsplit(".", 1)
-        extra = f"{prefix}{module}._extra_state"
-        outer, offsets = ((num_layers,), (layer,)) if stacked else ((), ())
         if isinstance(tensor, ExpertRows):
-            out.update(_expert_shards(prefix + inner, name, tensor, layer_axis))
-            experts = range(tensor.first, tensor.first + len(tensor.parts))
-            total = tensor.total
+            out.extend(_expert_chunks(prefix + inner, tensor, outer, offsets))
+            experts, total = range(tensor.first, tensor.first + len(tensor.parts)), tensor.total
         elif isinstance(tensor, RowBlocks):
-            out.update(_row_shards(prefix + inner, name, tensor, layer_axis))
+            out.extend(_row_chunks(prefix + inner, tensor, outer, offsets))
             experts, total = range(tensor.shape[0]), tensor.shape[0]
         else:
-            out[name] = ShardedTensor.from_rank_offsets(prefix + inner, tensor, *layer_axis, replica_id=_REPLICA,
-                                                        prepend_axis_num=len(layer_axis))
+            data = tensor.view(*[1] * len(outer), *tensor.shape)
+            out.append(TensorChunk(prefix + inner, (*outer, *tensor.shape), (*offsets, *[0] * tensor.dim()), data))
             experts, total = range(tensor.shape[0]), tensor.shape[0]
+        extra = f"{prefix}{module}._extra_state"
         if module in _EXPERT_LINEARS:
             if leaf == "weight":
-                out.update({f"decoder.layers.{layer}.{module}.{expert}._extra_state": ShardedObject(
-                    extra, None, (*outer, total), (*offsets, expert), replica_id=_REPLICA) for expert in experts})
+                out.extend(ByteItem(_object_key(extra, (*offsets, expert), (*outer, total)), empty)
+                           for expert in experts)
         elif _has_extra_state(module, leaf):
             # megatron-core gives an object with no sharded axis the shape (1,)
-            out[f"decoder.layers.{layer}.{module}._extra_state"] = ShardedObject(
-                extra, None, outer or (1,), offsets or (0,), replica_id=_REPLICA)
+            out.append(ByteItem(_object_key(extra, offsets or (0,), outer or (1,)), empty))
     return out
 
 
-def _expert_shards(key: str, name: str, rows: ExpertRows, layer_axis: tuple[tuple[int, int, int], ...]) -> dict:
-    """One ShardedTensor per part of each expert's row of `key`: block j of the rows of expert e, on the expert axis
-    (after the layer axis when layers are stacked) and the row axis."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    axis = len(layer_axis)
-    return {f"{name}.{rows.first + i}.{j}": ShardedTensor.from_rank_offsets(
-        key, part, *layer_axis, (axis, rows.first + i, rows.total), (axis + 1, j, len(parts)), replica_id=_REPLICA,
-        prepend_axis_num=axis + 1)
-        for i, parts in enumerate(rows.parts) for j, part in enumerate(parts)}
+def _object_key(key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> str:
+    """megatron-core's ShardedObject.unique_key."""
+    return f"{key}/shard_{'.'.join(map(str, offsets))}_{'.'.join(map(str, shape))}"
 
 
-def _row_shards(key: str, name: str, rows: RowBlocks, layer_axis: tuple[tuple[int, int, int], ...]) -> dict:
-    """One ShardedTensor per row block of `key` (after the layer axis when layers are stacked), at its row offset:
-    an irregular grid (axis_fragmentations None)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+def _expert_chunks(key: str, rows: ExpertRows, outer: tuple[int, ...], offsets: tuple[int, ...]) -> list[TensorChunk]:
+    """One chunk per part of each expert's row of `key` [*outer, experts, parts * part rows, ...]: block j of the
+    rows of expert e (the parts are equal blocks)."""
+    out = []
+    for i, parts in enumerate(rows.parts):
+        for j, part in enumerate(parts):
+            size = (*outer, rows.total, part.shape[0] * len(parts), *part.shape[1:])
+            at = (*offsets, rows.first + i, j * part.shape[0], *[0] * (part.dim() - 1))
+            out.append(TensorChunk(key, size, at, part.view(*[1] * (len(outer) + 1), *part.shape)))
+    return out
 
-    outer_shape = tuple(size for _, _, size in layer_axis)
-    outer_offset = tuple(index for _, index, _ in layer_axis)
-    out, row = {}, 0
-    for j, part in enumerate(rows.parts):
-        # megatron-core drops prepend_axis_num on an irregular grid: the layer axis is the data's own (a view)
-        data = part.view(*[1] * len(layer_axis), *part.shape)
-        out[f"{name}.{j}"] = ShardedTensor(
-            key, data, part.dtype, tuple(data.shape), (*outer_shape, *rows.shape),
-            (*outer_offset, row, *[0] * (part.dim() - 1)), None, replica_id=_REPLICA)
+
+def _row_chunks(key: str, rows: RowBlocks, outer: tuple[int, ...], offsets: tuple[int, ...]) -> list[TensorChunk]:
+    """One chunk per row block of `key` [*outer, rows, ...], at its row offset (blocks may differ in rows)."""
+    out, row = [], 0
+    for part in rows.parts:
+        out.append(TensorChunk(key, (*outer, *rows.shape), (*offsets, row, *[0] * (part.dim() - 1)),
+                               part.view(*[1] * len(outer), *part.shape)))
         row += part.shape[0]
     return out
 
 
-def save_torch_dist(tensors: Mapping[str, torch.Tensor | ExpertRows | RowBlocks], args: argparse.Namespace,
-                    checkpoint_dir: str | Path, iteration: int = 1) -> None:
-    """Write this rank's share of a torch_dist checkpoint into `checkpoint_dir` (collective over all ranks); its
-    routed experts may be ExpertRows and its fused tensors RowBlocks (sharded_state_dict).
+def save_torch_dist(tensors: MutableMapping[str, torch.Tensor | ExpertRows | RowBlocks], args: argparse.Namespace,
+                    checkpoint_dir: str | Path, iteration: int = 1, source: Source | None = None) -> None:
+    """Write this rank's share of a torch_dist checkpoint into `checkpoint_dir` (collective over all ranks of the
+    default process group, if there is one); its routed experts may be ExpertRows and its fused tensors RowBlocks
+    (checkpoint_items). Rank r writes its items into `__<r>_<n>.distcp` (dcp_format, WRITERS files); rank 0 gathers where every
+    rank's went and writes `.metadata`, then common.pt (`args`, `checkpoint_version`, `iteration`) and
+    metadata.json, as megatron-core's dist_checkpointing.save does with its torch_dist strategy.
+
+    `source`: where a tensor's bytes lie as they are in a file (worker.LazySafetensors.source), to copy them from
+    there (dcp_format.write_items). Empties `tensors`, and writes each item once it holds the only reference to
+    its data (write_items): a tensor memory-mapped from an HF file is unmapped once written, so that the rank's
+    peak resident memory is about its largest tensor, not its share (mapped pages count while mapped).
 
     `checkpoint_dir` is the checkpoint directory itself (e.g. <root>/iter_0000001); committing it (the tracker)
     is the caller's job, after every rank has returned: slimeflow.io.checkpoints.commit.
-    Must run in a process whose `__main__` is import-safe: megatron-core forks writer processes.
     """
-    from megatron.core import dist_checkpointing
     from torch.utils.serialization import config as serialization
 
-    from slimeflow._compat import in_process_write_results, megatron_on_cpu
-
     # megatron-core keys each layer on its own when MoE and dense layers alternate (moe_layer_freq a list).
-    state = sharded_state_dict(tensors, args.num_layers, not isinstance(getattr(args, "moe_layer_freq", 1), list))
-    state.update(args=args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration)
-    Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    items = checkpoint_items(tensors, args.num_layers, not isinstance(getattr(args, "moe_layer_freq", 1), list))
+    tensors.clear()
+    directory = Path(checkpoint_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    distributed = torch.distributed.is_initialized()
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
     # Each tensor is a torch.save zip record, whose CRC32 costs more CPU than writing it (~0.5 GB/s against
-    # ~2 GB/s) and which no reader checks (torch.load does not verify it): skip it. The forked writers inherit it.
-    # torch's distributed checkpoint names rank r's data files __<r>_<n>.distcp: write behind this rank's own.
-    with megatron_on_cpu(), in_process_write_results(), serialization.patch({"save.compute_crc32": False}), \
-            write_behind(Path(checkpoint_dir), f"__{rank}_*.distcp"):
-        dist_checkpointing.save(state, str(checkpoint_dir), sharded_strategy=("torch_dist", 1))
+    # ~2 GB/s) and which no reader checks (torch.load does not verify it): skip it.
+    files = _split_by_bytes(items, WRITERS)
+    del items
+    with serialization.patch({"save.compute_crc32": False}), write_behind(directory, f"__{rank}_*.distcp"), \
+            ThreadPoolExecutor(len(files), thread_name_prefix="write") as pool:
+        writes = [pool.submit(write_items, directory / f"__{rank}_{n}.distcp", share, source)
+                  for n, share in enumerate(files)]
+        written = [item for write in writes for item in write.result()]
+    gathered: list[list[Written]] | None = [[] for _ in range(world)] if rank == 0 else None
+    if distributed:
+        torch.distributed.gather_object(written, gathered, dst=0)
+    else:
+        gathered = [written]
     if rank == 0:
-        _with_crc32(Path(checkpoint_dir) / "common.pt")
+        write_metadata(directory, [item for share in gathered for item in share])
+        _write_synced(directory / "common.pt", lambda file: torch.save(
+            {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}, file))
+        _write_synced(directory / MEGATRON_CONFIG, lambda file: file.write(json.dumps(_MEGATRON_BACKENDS).encode()))
 
 
-def _with_crc32(path: Path) -> None:
-    """Rewrite the small common.pt with its zip CRC32s (the patch above skipped them), so that `unzip -t`, Python's
-    zipfile and the tools of slime's users that check it accept the file. It is this process's own file."""
-    common = torch.load(path, map_location="cpu", weights_only=False)
-    staged = path.with_name(f".{path.name}.tmp")
-    torch.save(common, staged)
-    with open(staged, "rb") as file:
+WRITERS = 2
+"""Data files per rank, each written by a thread of its own: the kernel's copies (copy_file_range, which releases
+the GIL) of one run beside the other's. Their bytes balanced (_split_by_bytes)."""
+
+
+def _split_by_bytes(items: list[TensorChunk | ByteItem], parts: int) -> list[list[TensorChunk | ByteItem | None]]:
+    """`items` in `parts` lists (none empty), in order, each item to the list with the fewest bytes so far."""
+    out: list[list[TensorChunk | ByteItem | None]] = [[] for _ in range(min(parts, len(items)) or 1)]
+    loads = [0] * len(out)
+    for item in items:
+        smallest = loads.index(min(loads))
+        out[smallest].append(item)
+        loads[smallest] += len(item.data) if isinstance(item, ByteItem) else item.tensor.numel() * item.tensor.element_size()
+    return out
+
+
+MEGATRON_CONFIG = "metadata.json"
+_MEGATRON_BACKENDS = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                      "common_backend_version": 1}
+"""metadata.json: how megatron-core's dist_checkpointing wrote the checkpoint (its CheckpointingConfig)."""
+
+
+def _write_synced(path: Path, write: Callable[[Any], object]) -> None:
+    with open(path, "wb") as file:
+        write(file)
+        file.flush()
         os.fsync(file.fileno())
-    os.replace(staged, path)
 
 
 WRITE_BEHIND_INTERVAL_S = 0.05

@@ -3,26 +3,23 @@
 Every rank joins a process group (gloo; NCCL when it has a GPU) through the job's `init_method`, reads only the
 HF tensors of its share (lazily, one tensor at a time from memory-mapped safetensors): its layers, and of a MoE
 model its slice of every MoE layer's routed experts, as expert parallelism splits them. It maps them to Megatron's
-names and fusions, and writes them with megatron-core's dist_checkpointing, its experts as its slice of the
-expert axis; rank 0's common.pt carries the args. Each rank leaves `rank-<r>.json` next to the job file: what it
-read (tensors, bytes, which experts), what it held and wrote, and its peak RSS. Run as its own process (never imported
-into a caller's process): dist_checkpointing forks writers and a process group is process-global. A rank dies
-with its launcher, its writers die with it, and a writer that dies ends the rank at once (supervise.py).
+names and fusions, and writes them in megatron-core's torch_dist format (torch_dist.save_torch_dist), its experts
+as its slice of the expert axis; rank 0's common.pt carries the args. Each rank leaves `rank-<r>.json` next to the
+job file: what it read (tensors, bytes, which experts), what it held and wrote, and its peak RSS. Run as its own
+process (never imported into a caller's process): a process group is process-global. A rank dies with its
+launcher (supervise.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib
 import json
 import mmap
 import os
-import resource
 import struct
 import sys
-import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,7 +28,6 @@ from typing import Any, NoReturn
 
 import torch
 
-from slimeflow._compat import eager_jit_fusions, without_optional_modules
 from slimeflow.checkpoint import supervise
 from slimeflow.checkpoint.diskspace import no_space_left, ran_out_of_space
 from slimeflow.checkpoint.mapping import (
@@ -89,8 +85,9 @@ class LazySafetensors(Mapping[str, torch.Tensor]):
 
     A tensor's pages become resident only when they are read, and are unmapped when the tensor is freed. So a
     tensor that only feeds a fusion leaves nothing resident once the fused tensor is made, and one passed on
-    unchanged is read by dist_checkpointing's forked writer, never by this process. (safetensors' `get_tensor`
-    maps the whole file for as long as its handle lives, so every page this process reads stays resident.)
+    unchanged is never read here: the writer has the kernel copy its bytes file to file (`source`). (safetensors'
+    `get_tensor` maps the whole file for as long as its handle lives, so every page this process reads stays
+    resident.)
     """
 
     def __init__(self, directory: str | Path, weight_map: Mapping[str, str]):
@@ -99,13 +96,15 @@ class LazySafetensors(Mapping[str, torch.Tensor]):
         self._headers: dict[str, tuple[int, dict[str, Any]]] = {}
         self.read: dict[str, int] = {}
         """Bytes of each tensor handed out so far, by name: what this rank loaded."""
+        self._sources: dict[int, tuple[weakref.ref, Path, int, int]] = {}
+        """Address of each map's tensor -> (the map, its file, offset and bytes there): see `source`."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.rows(name, 0, None)
 
     def rows(self, name: str, start: int, stop: int | None) -> torch.Tensor:
         """Rows [start, stop) of tensor `name` (stop None: to the end), mapped on their own: the tensor's storage
-        is exactly these rows, so dist_checkpointing's writer saves them without copying them out first."""
+        is exactly these rows, so torch.save writes them without copying them out first."""
         path = self._directory / self._weight_map[name]
         data_start, header = self._header(path)
         entry = header[name]
@@ -124,8 +123,20 @@ class LazySafetensors(Mapping[str, torch.Tensor]):
         aligned = begin - begin % mmap.ALLOCATIONGRANULARITY  # a map starts on a page boundary
         with path.open("rb") as file:  # the map outlives the descriptor; ACCESS_COPY: writable, never written back
             mapped = mmap.mmap(file.fileno(), end - aligned, offset=aligned, access=mmap.ACCESS_COPY)
-        return torch.frombuffer(mapped, dtype=dtype, count=(end - begin) // dtype.itemsize,
-                                offset=begin - aligned).view(shape)
+        tensor = torch.frombuffer(mapped, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=begin - aligned)
+        self._sources[tensor.data_ptr()] = (weakref.ref(mapped), path, begin, end - begin)
+        return tensor.view(shape)
+
+    def source(self, tensor: torch.Tensor) -> tuple[Path, int] | None:
+        """(file, offset) of the bytes of `tensor` when it is the whole of one of the maps handed out here (or a view
+        of all of one), else None: the writer then copies them file to file (dcp_format.write_items). Only while
+        the map lives (its tensors hold it), so that its address is not another's; the conversion never writes
+        into these tensors (mapping.py makes new ones), so their bytes are the file's."""
+        entry = self._sources.get(tensor.data_ptr())
+        if entry is None or entry[0]() is None or not tensor.is_contiguous():
+            return None
+        _, path, offset, nbytes = entry
+        return (path, offset) if tensor.numel() * tensor.element_size() == nbytes else None
 
     def _header(self, path: Path) -> tuple[int, dict[str, Any]]:
         """(offset of the data, the header's JSON) of a safetensors file: 8-byte length, JSON, data."""
@@ -147,39 +158,22 @@ _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 def peak_rss_bytes() -> dict[str, int]:
-    """Peak resident memory of this process (VmHWM) and of its largest finished child (the forked writers).
+    """Peak resident memory of this process (VmHWM).
 
     Not getrusage(RUSAGE_SELF): Linux carries a forking parent's high-water mark across fork and exec into it,
     so a rank started by a large process would report that process's peak. VmHWM belongs to this process's own
-    address space. The writers' figure (RUSAGE_CHILDREN) counts the pages they share with this process.
+    address space.
     """
     status = Path("/proc/self/status")
     own = next((int(line.split()[1]) * 1024 for line in status.read_text().splitlines()
                 if line.startswith("VmHWM:")), 0) if status.is_file() else 0
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # Linux reports KiB
-    return {"peak_rss": own, "peak_rss_writers": children}
+    return {"peak_rss": own}
 
 
-def import_in_background(module: str) -> threading.Thread:
-    """Start importing `module` (megatron-core) on a thread, its jit fusions left eager and without wandb (this
-    process only writes; _compat.eager_jit_fusions, without_optional_modules). On a thread, the import's second
-    of Python overlaps the rendezvous and the reads, which wait on the other ranks or map files. Join it before
-    using the module (a failed import is raised again by the next `import`)."""
-
-    def load() -> None:
-        with eager_jit_fusions(), without_optional_modules("wandb"):
-            importlib.import_module(module)
-
-    thread = threading.Thread(target=load, name=f"import {module}", daemon=True)
-    thread.start()
-    return thread
-
-
-def convert_share(job: Job, rank: int, importing: threading.Thread | None = None) -> dict[str, Any]:
+def convert_share(job: Job, rank: int) -> dict[str, Any]:
     """Convert and save rank `rank`'s share; returns the count and bytes of the tensors it held and wrote, its
     expert slice, what it read (HF tensors, bytes, the experts among them), and when (Unix time) its tensors
-    were read, megatron-core's import was done and its tensors were saved. `importing`: a background import to
-    wait for before saving."""
+    were read and saved."""
     shape = ModelShape(**job.shape)
     dtype = getattr(torch, job.dtype)
     share = job.shares[rank]
@@ -196,33 +190,22 @@ def convert_share(job: Job, rank: int, importing: threading.Thread | None = None
               "read_experts": [e for e in range(shape.num_experts) if any(
                   name in hf.read for layer in range(shape.num_layers) for name in expert_hf_tensors(shape, layer, [e]))]}
     read = time.time()
-    if importing is not None:
-        importing.join()
-    imported = time.time()
     try:
-        save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as err:  # a failed save raises torch's CheckpointException, a BaseException
+        save_torch_dist(tensors, args, job.checkpoint_dir, job.iteration, hf.source)
+    except Exception as err:
         if ran_out_of_space(err, Path(job.checkpoint_dir), counts["bytes"]):
             raise no_space_left(Path(job.checkpoint_dir), f"rank {rank}'s share", counts["bytes"]) from err
         raise
-    return {**counts, "read_at": read, "imported_at": imported, "saved_at": time.time()}
+    return {**counts, "read_at": read, "saved_at": time.time()}
 
 
 def _backend(rank: int) -> str:
     """NCCL when this rank sees a GPU (a rank then takes one, round robin; its tensors stay on the CPU and only
-    dist_checkpointing's collectives run on it), gloo otherwise."""
+    the gathering of the checkpoint's index runs on it), gloo otherwise."""
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
         return "nccl"
     return "gloo"
-
-
-def _writer_died(job: Job, rank: int, pid: int, returncode: int) -> str:
-    return (f"conversion rank {rank}: its checkpoint writer (pid {pid}) {supervise.exit_description(returncode)} while "
-            f"writing {job.checkpoint_dir}; the checkpoint cannot be completed, so this rank stops (and the "
-            f"launcher stops the others). Convert again once the cause is gone.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,20 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     if options.parent_pid is not None:
         supervise.die_with_parent(options.parent_pid)
-    supervise.children_die_with_this_process()
-    importing = import_in_background("megatron.core.dist_checkpointing")
     job = Job.read(options.job)
     torch.distributed.init_process_group(_backend(options.rank), init_method=job.init_method, rank=options.rank,
                                          world_size=len(job.shares), timeout=JOB_TIMEOUT)
     try:
-        with supervise.stop_when_a_child_fails(functools.partial(_writer_died, job, options.rank)):
-            written = convert_share(job, options.rank, importing)
-            torch.distributed.barrier()
-    except BaseException:
-        # Let the import end first: cut off at exit, its thread prints a traceback of its own after this one, and
-        # the parent's report (the output's tail) would end there instead of at the cause.
-        importing.join(timeout=60)
-        raise
+        written = convert_share(job, options.rank)
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
     result = {"rank": options.rank, "started_at": started, **written, **peak_rss_bytes()}
@@ -259,7 +234,7 @@ def process_main() -> NoReturn:
     """A rank process's entry (launch.py starts it with the collector disabled: the imports and the conversion
     make no garbage worth 0.1 s of collections). After a successful `main` its checkpoint files are fsynced,
     its report written and its process group destroyed, so the process ends at once: the interpreter's
-    teardown of torch, megatron-core and gigabytes of tensors took 0.37-0.41 s and did nothing for anyone.
+    teardown of torch and gigabytes of tensors took 0.37-0.41 s and did nothing for anyone.
     A failure raises as usual, and the interpreter prints it and exits 1."""
     code = main()
     sys.stdout.flush()
