@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from slimeflow.checkpoint.hf_source import fingerprint
-from slimeflow.cluster import init_ray, scratch_dir
+from slimeflow.cluster import init_ray, local_ray_stopped, scratch_dir, stopping_local_ray_on_termination
 from slimeflow.config.model_args import check_model_args
 from slimeflow.config.train import TrainConfig, slime_megatron_differences
 from slimeflow.engine.sglang_launch import installed_server_args
@@ -53,11 +53,15 @@ def run(config: TrainConfig, ctx: StageContext) -> Manifest:
         history = RolloutLog(ctx.workdir / "train" / "rollouts.jsonl", fan_out(ctx.log_metrics, sinks))
         run_token = claim_root(config.checkpoint.save)  # from now on, an earlier run on this root commits nothing
         init_ray(ctx.ray_address)
-        placement = create_placement(config, setup, total_steps, scratch_dir(ctx.workdir), run_token)
+        placement = None
         try:
-            result = (async_loop if config.placement.async_ else loop).train(placement, num_rollout, history)
+            with stopping_local_ray_on_termination():  # a cancel: Ray's processes killed first, then the rest
+                placement = create_placement(config, setup, total_steps, scratch_dir(ctx.workdir), run_token)
+                result = (async_loop if config.placement.async_ else loop).train(placement, num_rollout, history)
         finally:
-            placement.shutdown()
+            if placement is not None and not local_ray_stopped():  # killed: nothing left to stop or ask
+                with stopping_local_ray_on_termination():
+                    placement.shutdown()
     finally:
         close_sinks(sinks)
     return manifest(config, ctx, result, history, prepared)
