@@ -247,11 +247,13 @@ def write_metadata(checkpoint_dir: Path, written: list[Written]) -> None:
         storage[_MetadataIndex(item.key, torch.Size(item.chunk_offsets), len(meta.chunks))] = info
         meta.chunks.append(_ChunkStorageMetadata(torch.Size(item.chunk_offsets), torch.Size(item.chunk_sizes)))
     metadata = _Metadata(entries, None, storage, _StorageMeta(str(checkpoint_dir), str(uuid.uuid4())), DCP_VERSION)
-    buffer = io.BytesIO()
-    _TorchNamesPickler(buffer, protocol=4).dump(metadata)
-    path = checkpoint_dir / METADATA_FILE
+    write_synced(checkpoint_dir / METADATA_FILE, lambda file: _TorchNamesPickler(file, protocol=4).dump(metadata))
+
+
+def write_synced(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Create `path`, `write(file)` into it, and fsync it."""
     with open(path, "wb") as file:
-        file.write(buffer.getvalue())
+        write(file)
         file.flush()
         os.fsync(file.fileno())
 

@@ -26,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -39,6 +38,7 @@ from slimeflow.checkpoint.dcp_format import (
     object_bytes,
     write_items,
     write_metadata,
+    write_synced,
 )
 from slimeflow.checkpoint.supervise import periodically
 
@@ -199,9 +199,9 @@ def save_torch_dist(tensors: MutableMapping[str, torch.Tensor | ExpertRows | Row
         gathered = [written]
     if rank == 0:
         write_metadata(directory, [item for share in gathered for item in share])
-        _write_synced(directory / "common.pt", lambda file: torch.save(
+        write_synced(directory / "common.pt", lambda file: torch.save(
             {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}, file))
-        _write_synced(directory / MEGATRON_CONFIG, lambda file: file.write(json.dumps(_MEGATRON_BACKENDS).encode()))
+        write_synced(directory / MEGATRON_CONFIG, lambda file: file.write(json.dumps(_MEGATRON_BACKENDS).encode()))
 
 
 WRITERS = 2
@@ -224,13 +224,6 @@ MEGATRON_CONFIG = "metadata.json"
 _MEGATRON_BACKENDS = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
                       "common_backend_version": 1}
 """metadata.json: how megatron-core's dist_checkpointing wrote the checkpoint (its CheckpointingConfig)."""
-
-
-def _write_synced(path: Path, write: Callable[[Any], object]) -> None:
-    with open(path, "wb") as file:
-        write(file)
-        file.flush()
-        os.fsync(file.fileno())
 
 
 WRITE_BEHIND_INTERVAL_S = 0.05
