@@ -10,8 +10,9 @@ import signal
 import time
 
 import pytest
+from process_sessions import wait_until_gone
 from test_loop import Recorder
-from test_train_e2e import launch, row_ids, train_config, wait_until_gone
+from test_train_e2e import launch, row_ids, train_config
 
 from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config

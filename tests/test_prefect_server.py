@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from process_sessions import session_processes, wait_until_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFECT = [sys.executable, "-m", "prefect"]
@@ -406,28 +407,6 @@ def _flow_run_process(flow_run_id, services: Services) -> int | None:
     return None
 
 
-def _session(sid: int) -> dict[int, str]:
-    """The live processes (zombies aside) of session `sid` by pid: the flow run's process, Ray's raylet, GCS and
-    actors."""
-    alive = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid and fields[0] != "Z":
-                alive[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes()[:100].decode(errors="replace")
-        except (OSError, ValueError):
-            continue  # exited while we looked
-    return alive
-
-
-def _until_gone(sid: int, services: Services, timeout_s: float = 60) -> None:
-    """Wait until session `sid` has no live process (Ray's actors exit a second or more after their raylet)."""
-    deadline = time.monotonic() + timeout_s
-    while _session(sid):
-        assert time.monotonic() < deadline, f"left after {timeout_s} s: {_session(sid)}"
-        time.sleep(0.5)
-
-
 def _tracker(workdir: Path) -> int | None:
     path = workdir / "checkpoints" / "latest_checkpointed_iteration.txt"
     try:
@@ -467,7 +446,7 @@ def test_a_second_run_on_a_busy_workdir_is_refused_and_a_cancelled_run_leaves_no
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(first.id, Cancelling(), force=True)
     assert _final_state(first.id, services, timeout_s=120).is_cancelled()
-    _until_gone(sid, services)
+    wait_until_gone(sid, timeout=60, poll=0.5)  # Ray's actors exit a second or more after their raylet
 
 
 @pytest.mark.slow
@@ -494,11 +473,11 @@ def test_a_run_whose_worker_died_mid_train_resumes_from_its_checkpoint_when_retr
     # run in a session of its own: killing the worker alone would leave it training), every process at once.
     services.remember_descendants()
     os.killpg(prefect_worker.pid, signal.SIGKILL)
-    for pid in _session(sid):
+    for pid in session_processes(sid):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     prefect_worker.wait(timeout=30)
-    _until_gone(sid, services)
+    wait_until_gone(sid, timeout=60, poll=0.5)
     killed_at = _tracker(workdir)  # the checkpoint the kill left (one may have committed since it was seen)
     assert killed_at < num_rollout - 1, "killed after the last checkpoint: the test no longer tests a resume"
 

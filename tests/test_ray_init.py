@@ -9,9 +9,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from process_sessions import session_processes
 
 PROBE = """
 import signal, sys
@@ -49,19 +49,6 @@ except KeyboardInterrupt:
 """
 
 
-def _session(sid: int) -> list[int]:
-    """The live processes (zombies aside) of session `sid`."""
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid and fields[0] != "Z":
-                alive.append(int(stat.parent.name))
-        except (OSError, ValueError):
-            continue
-    return alive
-
-
 @pytest.mark.slow  # a Ray cluster starts and is cancelled: 13 s on 2 cores
 def test_a_hosts_sigterm_handler_survives_ray_init_and_a_group_sigterm_leaves_no_process(tmp_path):
     out, err = tmp_path / "probe.out", tmp_path / "probe.err"
@@ -79,12 +66,12 @@ def test_a_hosts_sigterm_handler_survives_ray_init_and_a_group_sigterm_leaves_no
         # Ray's processes were killed, not left to shut down while the driver waited on them: before, the driver's
         # report to the dying GCS held the group past Prefect's 30 s grace (60 s and more).
         deadline = time.monotonic() + 20
-        while _session(probe.pid) and time.monotonic() < deadline:
+        while session_processes(probe.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _session(probe.pid), err.read_text()[-3000:]
+        assert not session_processes(probe.pid), err.read_text()[-3000:]
         assert "stopped" in out.read_text().splitlines(), err.read_text()[-3000:]
     finally:
-        for pid in _session(probe.pid):
+        for pid in session_processes(probe.pid):
             os.kill(pid, signal.SIGKILL)
         if probe.poll() is None:
             probe.kill()

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from process_sessions import wait_until_gone
 
 from slimeflow.checkpoint.staging import ABANDONED
 from slimeflow.config.pipeline import load_pipeline_config
@@ -251,21 +252,3 @@ def test_sigkill_after_the_first_checkpoint_resumes_with_the_same_data_order(tmp
     steps = [json.loads(line)["step"] for line in log]
     assert steps == [0, 1, 2, 3]  # each once: the killed run's rollout 2, redone after checkpoint 1, replaced
     assert (root / "latest_checkpointed_iteration.txt").read_text() == "3"
-
-
-def wait_until_gone(session: int, timeout: float) -> None:
-    """Wait until no live process (zombies aside) remains in `session`."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        alive = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # exited while we looked
-            if int(fields[3]) == session and fields[0] != "Z":
-                alive.append(stat.parent.name)
-        if not alive:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"processes {alive} of the killed job (session {session}) still run after {timeout} s")
