@@ -7,7 +7,7 @@ Two embedded engines (processes, one torch thread each) behind sglang-router ser
 pushed weight version "1" (nudged off the checkpoint, so that the restarted engine must be given it). With
 `--weights-from trainer` one engine serves it (no router, no peer): the restarted engine gets version 1 as from
 TrainActor.push_to, the trainer's kept copy pushed over HTTP (in this process: without the Ray call). The health
-monitor (stages/rl/fault_tolerance.HealthMonitor) checks every `--interval` s with a `--timeout` s limit. Each
+monitor (stages/train/fault_tolerance.HealthMonitor) checks every `--interval` s with a `--timeout` s limit. Each
 repeat sends `--signal` to engine 0 and waits until the monitor reports it serving again: restarted at its URL,
 given the live engine's weights and version, back in the router. Reported: kill to serving again (goal < 10 s on
 CPU), its detection part (at most one interval with SIGKILL; the timeout with SIGSTOP) and its recovery part; and,
@@ -35,9 +35,9 @@ from slimeflow.config.train import FaultToleranceConfig
 from slimeflow.engine.client import EngineClient
 from slimeflow.engine.launch import ENGINE_READY_TIMEOUT_S, launch_engine
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl.engines import EngineSet
-from slimeflow.stages.rl.fault_tolerance import HealthMonitor, Recovery
-from slimeflow.stages.rl.weight_sync import WeightSync
+from slimeflow.stages.train.engines import EngineSet
+from slimeflow.stages.train.fault_tolerance import HealthMonitor, Recovery
+from slimeflow.stages.train.weight_sync import WeightSync
 
 
 def push_nudged(engines: EngineSet, version: str) -> dict[str, Any]:

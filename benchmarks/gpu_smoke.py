@@ -43,7 +43,7 @@ MODELS = {
 
 def timed_step(backend, batch: TrainBatch, config: TrainConfig) -> tuple[float, int]:
     """(seconds, peak bytes allocated; 0 off CUDA) of one training step."""
-    from slimeflow.stages.rl.train_step import train_on_rollout
+    from slimeflow.train.train_step import train_on_rollout
 
     cuda = backend.device.type == "cuda"
     if cuda:
@@ -58,9 +58,9 @@ def timed_step(backend, batch: TrainBatch, config: TrainConfig) -> tuple[float, 
 
 def smoke(name: str, spec: TinyModelSpec, steps: int, tmp: Path, batch: TrainBatch, device: str) -> None:
     from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, read_hf_source
-    from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
-    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+    from slimeflow.train.backends.megatron.backend import MegatronBackend
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint
+    from slimeflow.train.backends.torch.backend import TorchBackend
 
     hf = build_tiny_model(tmp / name / "hf", spec)
     staged, _ = convert_hf_to_torch_dist(read_hf_source(hf), tmp / name / "ckpt")
@@ -105,7 +105,7 @@ QWEN3_4B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab
 def qwen3_4b_memory(tmp: Path, samples: int, response: int, steps: int) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+    from slimeflow.train.backends.torch.backend import TorchBackend
 
     started = time.perf_counter()
     config = AutoConfig.for_model(**{k: v for k, v in QWEN3_4B.items() if k != "architectures"})

@@ -52,7 +52,7 @@ from benchmarks.loop_bench import (  # noqa: E402
 
 def build_slimeflow(hf: str, train: str, held_out: str, seed: int):
     """The TorchBackend a TrainActor builds from loop_bench's train config, and that config."""
-    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+    from slimeflow.train.backends.torch.backend import TorchBackend
 
     config = slimeflow_config(argparse.Namespace(max_rollouts=300, eval_interval=10, seed=seed), hf, train, held_out)
     backend = TorchBackend(hf_checkpoint=hf, optimizer=config.optimizer, algorithm=config.algorithm,
@@ -101,8 +101,8 @@ def slimeflow_step(backend, config, samples) -> tuple[dict, dict, torch.Tensor]:
     """train_on_rollout's body for one rollout of one optimizer step: (metrics, gradients before the step,
     advantages)."""
     from slimeflow.rollout.types import TrainBatch
-    from slimeflow.stages.rl.train_step import accumulate_gradients, plan_steps
-    from slimeflow.stages.rl.train_step import prepare as prepare_train
+    from slimeflow.train.train_step import accumulate_gradients, plan_steps
+    from slimeflow.train.train_step import prepare as prepare_train
 
     batch = TrainBatch.from_samples(samples)
     plan = plan_steps(batch, config.batch.global_batch_size, 0, 1, config.batch.balance_data)
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--match-eps", action="store_true", help="slimeflow's group-std epsilon set to TRL's 1e-4")
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
-    from slimeflow.stages.rl import algorithms as alg
+    from slimeflow.train import algorithms as alg
 
     if args.match_eps:
         alg.GROUP_STD_EPS = 1e-4  # read at call time by normalize_group_rewards

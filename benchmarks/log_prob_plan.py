@@ -28,7 +28,7 @@ from slimeflow.config.train import TrainConfig
 
 def plans(backend, batch, global_batch_size: int) -> dict[str, list[list[list[int]]] | None]:
     """The two ways: None (the backend packs the whole batch, one step) and the training steps' micro-batches."""
-    from slimeflow.stages.rl.train_step import plan_steps, step_micro_batches
+    from slimeflow.train.train_step import plan_steps, step_micro_batches
 
     lengths = batch.total_lengths
     steps = [step_micro_batches(backend, lengths, share) for _, share in plan_steps(batch, global_batch_size, 0, 1, False)]
@@ -57,9 +57,9 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
-    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+    from slimeflow.train.backends.megatron.backend import MegatronBackend
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint
+    from slimeflow.train.backends.torch.backend import TorchBackend
 
     tmp = Path(tempfile.mkdtemp(prefix="log-prob-plan-"))
     hf, release = converted_model(tmp, args.hidden_size, args.layers)

@@ -61,7 +61,7 @@ from pathlib import Path
 from slimeflow.io.storage import Storage
 from slimeflow.stages.base import StageContext
 from slimeflow.config.train import TrainConfig
-from slimeflow.stages.rl.stage import run
+from slimeflow.stages.train.stage import run
 config = TrainConfig.model_validate_json(Path(sys.argv[1]).read_text())
 run(config, StageContext(Storage(), Path(sys.argv[2]), sys.argv[2]))
 """
@@ -93,8 +93,8 @@ class SideResult:
 def prepare(workdir: Path) -> tuple[str, str, str]:
     """The factory model and the demo's prompt parquets (train, held-out), as the pipeline's stages make them."""
     from slimeflow.config.model import ModelConfig
+    from slimeflow.config.preprocess import PreprocessConfig
     from slimeflow.io.storage import Storage
-    from slimeflow.preprocess.config import PreprocessConfig
     from slimeflow.stages.base import StageContext
     from slimeflow.stages.model.stage import run as model_run
     from slimeflow.stages.preprocess.stage import run as preprocess_run

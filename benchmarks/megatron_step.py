@@ -56,7 +56,7 @@ def converted_model(tmp: Path, hidden_size: int, layers: int) -> tuple[Path, Pat
 
 def timed_step(backend, batch: TrainBatch, config: TrainConfig) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this process) of one step."""
-    from slimeflow.stages.rl.train_step import train_on_rollout
+    from slimeflow.train.train_step import train_on_rollout
 
     started, cpu = time.perf_counter(), time.process_time()
     train_on_rollout(backend, batch, config, rank=backend.dp_rank, world_size=backend.dp_size)
@@ -71,8 +71,8 @@ LAYOUTS = {"tp2": {"tensor_model_parallel_size": 2},
 
 def _rank_steps(rank: int, world: int, job: dict) -> None:
     """One rank of a --parallel world: load, one warm-up step, `rounds` timed steps; rank 0 writes its walls."""
-    from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+    from slimeflow.train.backends.megatron.backend import MegatronBackend
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint
 
     torch.set_num_threads(1)
     config = job["config"]
@@ -131,9 +131,9 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
-    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+    from slimeflow.train.backends.megatron.backend import MegatronBackend
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint
+    from slimeflow.train.backends.torch.backend import TorchBackend
 
     tmp = Path(tempfile.mkdtemp(prefix="megatron-step-"))
     hf, release = converted_model(tmp, args.hidden_size, args.layers)

@@ -19,7 +19,7 @@ import random
 import sys
 import time
 
-from slimeflow.stages.rl.packing import pack_micro_batches, padded_micro_batches, split_for_data_parallel
+from slimeflow.train.packing import pack_micro_batches, padded_micro_batches, split_for_data_parallel
 
 MAX_RESPONSE = 8192
 

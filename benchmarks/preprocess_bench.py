@@ -41,8 +41,8 @@ def make_data(path: Path, rows: int, seed: int = 0) -> None:
 
 
 def run_stage(data: Path, out: Path, tokenizer_dir: Path | None) -> int:
+    from slimeflow.config.preprocess import PreprocessConfig
     from slimeflow.io.storage import Storage
-    from slimeflow.preprocess.config import PreprocessConfig
     from slimeflow.stages.base import StageContext
     from slimeflow.stages.preprocess.stage import run
 

@@ -16,7 +16,7 @@ figure is the median of the pairs' ratios (push bytes/s over memcpy bytes/s; goa
 thread of the engine's, against the memcpy's) is printed beside it: on a loaded machine the wall time of a push is
 mostly its four thread wake-ups waiting for a core, which the CPU time leaves out.
 
-Then the loop's pattern: `--rollouts` rollouts that push after every Nth (stages/rl/loop.should_push), for N = 1
+Then the loop's pattern: `--rollouts` rollouts that push after every Nth (stages/train/loop.should_push), for N = 1
 and 4, giving seconds of weight sync per rollout (medians over `--repeats` runs).
 """
 
@@ -35,9 +35,9 @@ import torch
 
 from slimeflow.engine.launch import new_api_key, start_engine
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl.engines import WeightTargets
-from slimeflow.stages.rl.loop import should_push
-from slimeflow.stages.rl.weight_sync import WeightSync
+from slimeflow.stages.train.engines import WeightTargets
+from slimeflow.stages.train.loop import should_push
+from slimeflow.stages.train.weight_sync import WeightSync
 
 
 def memcpy_seconds(weights: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> tuple[float, float]:

@@ -17,9 +17,9 @@ from prefect.artifacts import (
     create_table_artifact,
 )
 
+from slimeflow.io.manifest import Manifest
 from slimeflow.io.storage import Storage, is_local, local_path
 from slimeflow.io.tracking import Tracker
-from slimeflow.manifest import Manifest
 
 MAX_INLINE_IMAGE = 512 * 1024
 """A larger curve is linked, not inlined (Prefect's docs keep artifacts small)."""

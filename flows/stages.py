@@ -16,20 +16,21 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from slimeflow import code_version
+from slimeflow.config.convert import ConvertConfig
+from slimeflow.config.evaluate import EvaluateConfig
+from slimeflow.config.export import ExportConfig
 from slimeflow.config.model import ModelConfig
 from slimeflow.config.pipeline import RunSettings
+from slimeflow.config.preprocess import PreprocessConfig
 from slimeflow.config.train import TrainConfig
+from slimeflow.errors import StorageError
 from slimeflow.flows.artifacts import publish
 from slimeflow.io.locks import exclusive
-from slimeflow.io.storage import Storage, StorageError, is_local, join
+from slimeflow.io.manifest import MANIFEST_DIR, Manifest, config_hash
+from slimeflow.io.storage import Storage, is_local, join
 from slimeflow.io.tracking import Tracker
-from slimeflow.manifest import MANIFEST_DIR, Manifest, config_hash
-from slimeflow.preprocess.config import PreprocessConfig
 from slimeflow.stages import runner
 from slimeflow.stages.base import StageContext
-from slimeflow.stages.convert.config import ConvertConfig
-from slimeflow.stages.evaluate.config import EvaluateConfig
-from slimeflow.stages.export.config import ExportConfig
 
 
 def tracker_for(settings: RunSettings) -> Tracker:

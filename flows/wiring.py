@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from slimeflow.config.convert import ConvertConfig
+from slimeflow.config.evaluate import EvaluateConfig
+from slimeflow.config.export import ExportConfig
+from slimeflow.config.preprocess import PreprocessConfig
 from slimeflow.config.train import TrainConfig
-from slimeflow.preprocess.config import PreprocessConfig
-from slimeflow.stages.convert.config import ConvertConfig
-from slimeflow.stages.evaluate.config import EvaluateConfig
-from slimeflow.stages.export.config import ExportConfig
 
 Manifests = dict[str, dict[str, Any]]
 

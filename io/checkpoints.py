@@ -17,7 +17,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal
 
-from slimeflow.io.storage import NotFoundError, Storage, join, split
+from slimeflow.errors import CheckpointError, NotFoundError
+from slimeflow.io.storage import Storage, join, split
 
 logger = logging.getLogger(__name__)
 
@@ -29,10 +30,6 @@ Iteration = int | Literal["release"]
 
 _ITER_DIR = re.compile(r"iter_([0-9]{7,})")
 _DIGITS = re.compile(r"[0-9]+")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint or its tracker is not what the layout requires; the message names the URI."""
 
 
 @dataclass(frozen=True)

@@ -24,26 +24,12 @@ import pydantic
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
+from slimeflow.errors import ChecksumError, NotFoundError, StorageError, UnsafePathError
+
 logger = logging.getLogger(__name__)
 
 CHUNK_SIZE = 8 * 2**20
 SUPPORTED_SCHEMES = ("local path", "file://", "s3://")
-
-
-class StorageError(RuntimeError):
-    """A storage operation failed; the message names the URI."""
-
-
-class ChecksumError(StorageError):
-    """Stored bytes differ from their `ArtifactRecord` (size or sha256)."""
-
-
-class NotFoundError(StorageError):
-    """No file or object exists under the URI."""
-
-
-class UnsafePathError(StorageError):
-    """A path taken from data (an object key, an index entry, a manifest, a set name) would leave its root."""
 
 
 class S3Config(pydantic.BaseModel):

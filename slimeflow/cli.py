@@ -17,7 +17,7 @@ from contextlib import nullcontext
 import yaml
 
 from slimeflow import __version__, stages
-from slimeflow.config.flags import ConfigError, add_flags
+from slimeflow.config.flags import add_flags
 from slimeflow.config.pipeline import (
     STAGE_CONFIGS,
     STAGE_INDEX,
@@ -28,6 +28,7 @@ from slimeflow.config.pipeline import (
 from slimeflow.config.slime_flags import deferring_refusals
 from slimeflow.config.train import TrainConfig, slime_megatron_differences
 from slimeflow.config.yaml_file import read_yaml
+from slimeflow.errors import ConfigError
 
 EXIT_CONFIG = 2
 CONVERT_DIRECTIONS = ("hf-to-torch-dist", "torch-dist-to-hf")

@@ -10,13 +10,13 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-PIPELINE_ORDER: tuple[str, ...] = ("model", "convert", "preprocess", "train", "evaluate", "export")
+from slimeflow.config.pipeline import PIPELINE_ORDER
 
 RUNNERS: dict[str, str] = {
     "model": "slimeflow.stages.model.stage:run",
     "convert": "slimeflow.stages.convert.stage:run",
     "preprocess": "slimeflow.stages.preprocess.stage:run",
-    "train": "slimeflow.stages.rl.stage:run",
+    "train": "slimeflow.stages.train.stage:run",
     "evaluate": "slimeflow.stages.evaluate.stage:run",
     "export": "slimeflow.stages.export.stage:run",
 }

@@ -21,14 +21,3 @@ class StageContext:
     show_progress: bool = False
     log_metrics: Callable[[dict[str, float], int], None] | None = None
     ray_address: str | None = None
-
-
-class StageInputError(ValueError):
-    """An input a stage cannot use: the message names it, lists each problem and says how to fix it."""
-
-    def __init__(self, what: str, problems: list[str], fix: str = ""):
-        self.problems = problems
-        lines = [f"{what}:", *(f"  - {p}" for p in problems)]
-        if fix:
-            lines.append(fix)
-        super().__init__("\n".join(lines))

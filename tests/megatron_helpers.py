@@ -11,7 +11,7 @@ def declared_shapes(model) -> dict[str, tuple[int, ...]]:
     """Every tensor key the model's sharded state dict declares, with its global shape (what .metadata holds)."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    from slimeflow.stages.rl.backend.megatron_backend import sharded_leaves
+    from slimeflow.train.backends.megatron.backend import sharded_leaves
 
     declared = model.sharded_state_dict()
     apply_factories(declared)
@@ -24,7 +24,7 @@ def load_and_compare_logits(model, checkpoint_dir: Path, hf_dir: Path) -> float:
     from megatron.core import dist_checkpointing
     from transformers import AutoModelForCausalLM
 
-    from slimeflow._compat import megatron_on_cpu
+    from slimeflow.train.backends.megatron.shims import megatron_on_cpu
 
     loaded = dist_checkpointing.load(model.sharded_state_dict(), str(checkpoint_dir))
     model.load_state_dict(loaded, strict=False)

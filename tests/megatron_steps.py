@@ -40,7 +40,7 @@ def make_config(**groups):
 
 def train_steps(backend, batch, config, rank: int, world_size: int) -> list[dict[str, float]]:
     """train_on_rollout's steps, each step's metrics kept (it averages them)."""
-    from slimeflow.stages.rl.train_step import accumulate_gradients, plan_steps, prepare
+    from slimeflow.train.train_step import accumulate_gradients, plan_steps, prepare
 
     plan = plan_steps(batch, config.batch.global_batch_size, rank, world_size, config.batch.balance_data)
     prepared = prepare(backend, batch, config, [share for _, share in plan], world_size, single_step=len(plan) == 1)
@@ -53,7 +53,7 @@ def train_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     rank 0's steps, weights, optimizer parameter groups and model chunk count (None on the other ranks). With
     job["save"]: save after the batch as rollout 0 under that root, then train on job["next_batch"] (the steps
     and weights returned are that batch's: an uninterrupted run)."""
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint, save_checkpoint
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 
     config = job["config"]
     backend = make_backend(job, rank, world)
@@ -78,7 +78,7 @@ def train_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
 
 def make_backend(job: dict[str, Any], rank: int = 0, world: int = 1):
     """The job's MegatronBackend for `rank` (its model shape from the job's checkpoint; nothing loaded yet)."""
-    from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend
+    from slimeflow.train.backends.megatron.backend import MegatronBackend
 
     config = job["config"]
     return MegatronBackend(job["hf"], job["checkpoint"], config.optimizer, config.algorithm, config.batch,

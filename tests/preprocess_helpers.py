@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from slimeflow.config.preprocess import PreprocessConfig
+from slimeflow.io.manifest import Manifest
 from slimeflow.io.storage import Storage
-from slimeflow.manifest import Manifest
-from slimeflow.preprocess.config import PreprocessConfig
 from slimeflow.stages.base import StageContext
 from slimeflow.stages.preprocess.stage import run
 

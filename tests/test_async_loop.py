@@ -14,10 +14,10 @@ from process_sessions import wait_until_gone
 from test_loop import Recorder
 from test_train_e2e import launch, row_ids, train_config
 
-from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config
 from slimeflow.config.train import TrainConfig, staleness_bound
-from slimeflow.stages.rl import async_loop
+from slimeflow.errors import ConfigError
+from slimeflow.stages.train import async_loop
 
 
 class Pending:
@@ -181,7 +181,7 @@ def test_async_is_spelled_as_a_flag_and_in_yaml_and_gives_the_engine_its_own_pro
 @pytest.mark.slow
 def test_sigkill_mid_async_run_with_partial_rollouts_then_resume_loses_and_repeats_nothing(tmp_path):
     from slimeflow.rollout.data_source import START_ROLLOUT_ID, DataSource
-    from slimeflow.stages.rl.debug_data import load_rollout
+    from slimeflow.stages.train.debug_data import load_rollout
 
     # Two rollouts generated ahead; 8 groups asked for, two at a time, 4 kept: the others are aborted (unsent or
     # halfway) and continued later. (Responses stop at random on an eighth of the bytes: their lengths differ.)

@@ -12,7 +12,7 @@ from slimeflow.config.train import TrainConfig, staleness_bound
 from slimeflow.rollout.data_source import START_ROLLOUT_ID, BufferedDataSource, DataSource
 from slimeflow.rollout.rollout import OLDEST_WEIGHT_VERSION
 from slimeflow.rollout.types import Sample, Status
-from slimeflow.stages.rl.actors import InFlight, RolloutManager, weight_versions
+from slimeflow.stages.train.rollout_manager import InFlight, RolloutManager, weight_versions
 
 make_ctx = test_rollout.make_ctx  # the fixture: make(engine, config, version) -> a RolloutContext
 

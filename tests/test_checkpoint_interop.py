@@ -13,11 +13,11 @@ from safetensors.torch import load_file
 
 from slimeflow.checkpoint.mapping import ModelShape
 from slimeflow.checkpoint.torch_dist import read_common
+from slimeflow.config.convert import ConvertConfig
 from slimeflow.families import FAMILIES
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.io.storage import Storage
 from slimeflow.stages.base import StageContext
-from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.convert.stage import run
 
 
@@ -93,7 +93,7 @@ def test_common_pt_is_a_valid_zip_with_crcs(release):
 def test_a_converted_release_carries_checksums_that_its_readers_verify(release, tmp_path):
     """convert writes the release's sha256 once (also the manifest's records); a flipped byte is then refused."""
     from slimeflow.checkpoint.hf_write import write_hf
-    from slimeflow.io.checkpoints import CheckpointError
+    from slimeflow.errors import CheckpointError
 
     hf, directory = release
     assert (directory / "slimeflow" / "checksums.json").is_file()
@@ -136,7 +136,7 @@ def model_args_for(hf: Path) -> list[str]:
 
 def test_the_converter_takes_slimes_model_args_and_checks_them_against_the_model(release, tmp_path):
     from slimeflow.config.pipeline import load_stage_config
-    from slimeflow.stages.base import StageInputError
+    from slimeflow.errors import StageInputError
 
     hf, _ = release
     args = model_args_for(hf)

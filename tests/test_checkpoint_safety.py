@@ -20,16 +20,16 @@ from slimeflow.checkpoint import safe_pickle
 from slimeflow.checkpoint.integrity import CHECKSUMS
 from slimeflow.checkpoint.torch_dist import read_common, tensor_metadata
 from slimeflow.config.train import TrainConfig
+from slimeflow.errors import CheckpointError
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.io.checkpoints import CheckpointError
-from slimeflow.stages.rl.backend import checkpoint as ckpt
-from slimeflow.stages.rl.backend.checkpoint import (
+from slimeflow.train.backends.torch import checkpoint as ckpt
+from slimeflow.train.backends.torch.backend import TorchBackend
+from slimeflow.train.backends.torch.checkpoint import (
     load_checkpoint,
     read_weights,
     resolve_start,
     save_checkpoint,
 )
-from slimeflow.stages.rl.backend.torch_backend import TorchBackend
 
 CONFIG = TrainConfig(batch={"rollout_batch_size": 2, "num_rollout": 4})
 

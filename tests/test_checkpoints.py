@@ -6,10 +6,10 @@ import logging
 
 import pytest
 
+from slimeflow.errors import CheckpointError
 from slimeflow.io.checkpoints import (
     COMPLETE_MARKERS,
     TRACKER_FILENAME,
-    CheckpointError,
     CheckpointRef,
     Iteration,
     commit,

@@ -1,4 +1,4 @@
-"""Each megatron-core CPU shim in slimeflow/_compat.py is still needed: the unshimmed call fails on this machine.
+"""Each megatron-core CPU shim in slimeflow/train/backends/megatron/shims.py is still needed: the unshimmed call fails on this machine.
 
 When one of these tests fails on a CPU-only machine, megatron-core or torch stopped needing that shim: delete it.
 """
@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from slimeflow import _compat
+from slimeflow.train.backends.megatron import shims as _compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the shims only apply without CUDA")
 

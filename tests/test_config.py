@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from slimeflow.config.flags import ConfigError, FlagIndex, leaves
+from slimeflow.config.flags import FlagIndex, leaves
 from slimeflow.config.pipeline import STAGE_CONFIGS, load_pipeline_config, load_stage_config
 from slimeflow.config.train import TrainConfig
+from slimeflow.errors import ConfigError
 
 SEEDS = Path(__file__).parent / "data" / "seed_scripts"
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_pipeline_config, load_stage_config
 from slimeflow.config.yaml_file import read_yaml
+from slimeflow.errors import ConfigError
 
 TRAIN = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2"]  # 8 samples: global batch 8
 

@@ -16,10 +16,11 @@ from megatron_helpers import declared_shapes, load_and_compare_logits
 from safetensors.torch import load_file, save_file
 
 from slimeflow.checkpoint.torch_dist import load_torch_dist, read_common, tensor_metadata
+from slimeflow.config.convert import ConvertConfig
+from slimeflow.errors import StageInputError
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.io.storage import Storage
-from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.convert.config import ConvertConfig
+from slimeflow.stages.base import StageContext
 from slimeflow.stages.convert.stage import run
 
 CASES = {

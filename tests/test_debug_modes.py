@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config
+from slimeflow.errors import ConfigError
 from slimeflow.rollout.types import Sample, Status, TrainBatch
-from slimeflow.stages.rl import loop
+from slimeflow.stages.train import loop
 
 TRAIN = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "2"]
 
@@ -63,7 +63,7 @@ def samples(n_groups: int = 2, n: int = 2) -> list[Sample]:
 
 
 def test_a_saved_rollout_reads_back_as_the_same_train_batch(tmp_path):
-    from slimeflow.stages.rl.debug_data import load_rollout, row_ids, save_rollout
+    from slimeflow.stages.train.debug_data import load_rollout, row_ids, save_rollout
 
     template = str(tmp_path / "debug" / "rollout_{rollout_id}.pt")
     path = save_rollout(template, 3, samples(), n_samples_per_prompt=2)
@@ -93,7 +93,7 @@ SLIME_STATUS_VALUES = {"pending", "completed", "truncated", "aborted", "failed"}
 
 
 def test_a_saved_rollout_has_slimes_layout_and_field_names(tmp_path):
-    from slimeflow.stages.rl.debug_data import save_rollout
+    from slimeflow.stages.train.debug_data import save_rollout
 
     raw = torch.load(save_rollout(str(tmp_path / "{rollout_id}.pt"), 0, samples(), 2), weights_only=True)
     assert {"rollout_id", "samples"} <= set(raw)
@@ -109,7 +109,7 @@ class Payload:
 
 
 def test_a_rollout_file_that_would_run_code_is_refused(tmp_path):
-    from slimeflow.stages.rl.debug_data import load_rollout
+    from slimeflow.stages.train.debug_data import load_rollout
 
     torch.save({"rollout_id": 0, "samples": [Payload()]}, tmp_path / "rollout_0.pt")
     with pytest.raises(ValueError, match="holds more than plain data .* so it is not loaded"):
@@ -117,7 +117,7 @@ def test_a_rollout_file_that_would_run_code_is_refused(tmp_path):
 
 
 def test_a_replay_with_another_group_size_or_a_missing_file_is_refused(tmp_path):
-    from slimeflow.stages.rl.debug_data import load_rollout, save_rollout
+    from slimeflow.stages.train.debug_data import load_rollout, save_rollout
 
     template = str(tmp_path / "rollout_{rollout_id}.pt")
     save_rollout(template, 0, samples(), n_samples_per_prompt=2)
@@ -128,8 +128,8 @@ def test_a_replay_with_another_group_size_or_a_missing_file_is_refused(tmp_path)
 
 
 def test_a_replay_whose_files_are_missing_is_refused_before_ray(tmp_path):
-    from slimeflow.stages.rl.debug_data import save_rollout
-    from slimeflow.stages.rl.stage import replay_problems
+    from slimeflow.stages.train.debug_data import save_rollout
+    from slimeflow.stages.train.stage import replay_problems
 
     template = str(tmp_path / "rollout_{rollout_id}.pt")
     save_rollout(template, 0, samples(), n_samples_per_prompt=2)
@@ -144,7 +144,7 @@ def test_a_replay_whose_files_are_missing_is_refused_before_ray(tmp_path):
 def test_without_a_trainer_the_loop_reports_rollouts_and_saves_nothing():
     from test_loop import FakePlacement, Recorder, Reports
 
-    from slimeflow.stages.rl.placement import NoTrainer
+    from slimeflow.stages.train.placement import NoTrainer
 
     recorder, reports = Recorder(), Reports()
     placement = FakePlacement(recorder)
@@ -158,8 +158,8 @@ def test_without_a_trainer_the_loop_reports_rollouts_and_saves_nothing():
 
 def test_an_evaluation_with_nothing_evaluated_leaves_no_line(tmp_path):
     # --debug-train-only has no engine to evaluate with (slime skips its eval too): no empty {"step": k} record.
-    from slimeflow.stages.rl.actors import ReplayRolloutManager
-    from slimeflow.stages.rl.stage import RolloutLog
+    from slimeflow.stages.train.rollout_manager import ReplayRolloutManager
+    from slimeflow.stages.train.stage import RolloutLog
 
     log = RolloutLog(tmp_path / "rollouts.jsonl")
     config = load_stage_config("train", None, [*TRAIN, "--load-debug-rollout-data", "/d/{rollout_id}.pt"])
@@ -174,8 +174,8 @@ def run_stage(config, workdir: Path, monkeypatch) -> tuple[list[dict], list[str]
     """Run the train stage in `workdir`; returns (rollouts.jsonl records, the actor classes created, manifest)."""
     from slimeflow.io.storage import Storage
     from slimeflow.stages.base import StageContext
-    from slimeflow.stages.rl import placement
-    from slimeflow.stages.rl.stage import run
+    from slimeflow.stages.train import placement
+    from slimeflow.stages.train.stage import run
 
     created: list[str] = []
     real = placement.hosted

@@ -288,7 +288,7 @@ def test_router_spreads_requests_over_both_engines(engine, engine_b):
 def test_several_external_servers_get_a_router_of_ours_with_the_router_flags(engine, engine_b, model_dir, weights_dir):
     """--rollout-external-engine-addrs host:port ...: as slime, sglang-router in front of them, started with the
     --router-* flags over slime's defaults; it is stopped with the engine set."""
-    from slimeflow.stages.rl.engines import EngineSet
+    from slimeflow.stages.train.engines import EngineSet
 
     def received() -> list[int]:
         return [httpx.get(e.url + "/get_model_info", headers=AUTH).json()["requests_received"]
@@ -389,7 +389,7 @@ def test_kv_batch_matches_plain_forward_through_joins_leaves_and_growth(referenc
 def test_a_launch_is_running_before_ready_and_cancel_or_a_failed_start_stops_it(tmp_path):
     """EngineSet.launch returns with the engine's process already running (the caller sets up meanwhile);
     cancel() stops it, and an engine that dies while starting fails ready() with its log and stops the rest."""
-    from slimeflow.stages.rl.engines import EngineSet
+    from slimeflow.stages.train.engines import EngineSet
 
     launching = EngineSet.launch(str(tmp_path / "no-model"), {}, num_engines=2, threads=1)
     processes = [p.process for p in launching.processes]
@@ -410,7 +410,7 @@ def test_an_in_process_engine_answers_as_the_process_does_and_stops_with_its_thr
     import threading
 
     from slimeflow.engine.server import EngineThread
-    from slimeflow.stages.rl.engines import EngineSet
+    from slimeflow.stages.train.engines import EngineSet
 
     launching = EngineSet.launch(str(model_dir), {}, num_engines=1, threads=1, in_process=True)
     assert [type(p) for p in launching.processes] == [EngineThread]
@@ -435,7 +435,7 @@ def test_an_in_process_engine_answers_as_the_process_does_and_stops_with_its_thr
 
 def test_an_in_process_engine_that_cannot_load_says_why_and_two_engines_stay_processes(tmp_path):
     from slimeflow.engine.launch import EngineProcess
-    from slimeflow.stages.rl.engines import EngineSet
+    from slimeflow.stages.train.engines import EngineSet
 
     launching = EngineSet.launch(str(tmp_path / "no-model"), {}, num_engines=1, threads=1, in_process=True)
     with pytest.raises(RuntimeError, match=r"in-process engine for .*no-model failed to start: \w+"):

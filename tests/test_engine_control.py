@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM
 from slimeflow.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
 from slimeflow.engine.launch import new_api_key, start_engine
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.stages.rl.engines import EngineDiedError, EngineSet, WeightTargets
-from slimeflow.stages.rl.weight_sync import WeightSync, buckets
+from slimeflow.stages.train.engines import EngineDiedError, EngineSet, WeightTargets
+from slimeflow.stages.train.weight_sync import WeightSync, buckets
 
 # ~63 MB of float32 weights (4 layers of 512 x 2048 MLPs): large enough that freeing them shows in resident memory.
 SPEC = TinyModelSpec(seed=5, hidden_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -364,8 +364,8 @@ def test_after_an_engine_restart_the_next_shared_memory_push_writes_files_every_
     tolerance) could not map the slot the next push writes into: regroup() drops the segment for new files."""
     import asyncio
 
-    from slimeflow.stages.rl.engines import WeightTargets
-    from slimeflow.stages.rl.weight_sync import WeightSync
+    from slimeflow.stages.train.engines import WeightTargets
+    from slimeflow.stages.train.weight_sync import WeightSync
 
     sync = WeightSync(WeightTargets(worker_urls=(), hf_checkpoint="unused"), transport="shared_memory")
     writer, version = sync._segment(), {"w": torch.ones(8)}

@@ -214,8 +214,8 @@ def test_external_servers_get_the_sglang_api_key_on_every_call(engine, model_dir
     the rollout client and by the weight sync, which writes into the servers' weights directory."""
     from transformers import AutoModelForCausalLM
 
-    from slimeflow.stages.rl.engines import EngineSet
-    from slimeflow.stages.rl.weight_sync import WeightSync
+    from slimeflow.stages.train.engines import EngineSet
+    from slimeflow.stages.train.weight_sync import WeightSync
 
     weights_dir = engine.command[engine.command.index("--weights-dir") + 1]
     engines = EngineSet.start(str(model_dir), {"worker_urls": [engine.url], "weights_dir": weights_dir,

@@ -10,13 +10,14 @@ import pytest
 import torch
 from test_convert import hf_tensors
 
+from slimeflow.config.convert import ConvertConfig
+from slimeflow.config.export import ExportConfig, parse_size
 from slimeflow.config.model import ModelConfig
+from slimeflow.errors import StageInputError
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.io.storage import ArtifactRecord, Storage, join
-from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.convert.config import ConvertConfig
+from slimeflow.stages.base import StageContext
 from slimeflow.stages.convert.stage import run as convert
-from slimeflow.stages.export.config import ExportConfig, parse_size
 from slimeflow.stages.export.stage import run as export
 from slimeflow.stages.model.stage import run as run_model
 
@@ -75,9 +76,9 @@ def test_export_refuses_missing_inputs_and_non_checkpoints(release, tmp_path):
 
 
 def test_pipeline_wiring_feeds_each_stage_the_outputs_before_it():
+    from slimeflow.config.evaluate import EvaluateConfig
     from slimeflow.config.train import TrainConfig
     from slimeflow.flows import wiring
-    from slimeflow.stages.evaluate.config import EvaluateConfig
 
     m = {"model": {"stage": "model", "outputs": {"hf_checkpoint": "/m"}},
          "convert": {"stage": "convert", "outputs": {"torch_dist": "/ref", "checkpoint": "/ref/release"}},
@@ -167,7 +168,7 @@ import json, os, signal, sys
 from pathlib import Path
 from slimeflow.io.storage import S3Config, Storage
 from slimeflow.stages.base import StageContext
-from slimeflow.stages.export.config import ExportConfig
+from slimeflow.config.export import ExportConfig
 from slimeflow.stages.export.stage import run
 
 args = json.loads(sys.argv[1])
@@ -239,7 +240,7 @@ def test_a_kill_while_copying_into_place_reports_the_target_incomplete_and_a_rer
 
 def test_the_stage_cache_reuses_an_export_only_while_its_marker_holds_that_export(tmp_path):
     from slimeflow.flows.stages import cache_key, cached_manifest
-    from slimeflow.manifest import Manifest
+    from slimeflow.io.manifest import Manifest
 
     storage, output = Storage(), str(tmp_path / "out")
     marker = tmp_path / "hf" / ".slimeflow-export.json"

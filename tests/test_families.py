@@ -20,11 +20,11 @@ from safetensors.torch import load_file
 
 from slimeflow.checkpoint.mapping import ModelShape, expected_hf_tensors
 from slimeflow.checkpoint.torch_dist import load_torch_dist, read_common, tensor_metadata
+from slimeflow.config.convert import ConvertConfig
 from slimeflow.families import FAMILIES, family_for
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.io.storage import Storage
 from slimeflow.stages.base import StageContext
-from slimeflow.stages.convert.config import ConvertConfig
 from slimeflow.stages.convert.stage import run
 
 GLM4_CASES = {
@@ -161,8 +161,8 @@ def _trained_backend(hf_dir: Path):
     parameters it started from."""
     from slimeflow.config.train import TrainConfig
     from slimeflow.rollout.types import TrainBatch
-    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
-    from slimeflow.stages.rl.train_step import train_on_rollout
+    from slimeflow.train.backends.torch.backend import TorchBackend
+    from slimeflow.train.train_step import train_on_rollout
 
     config = TrainConfig(batch={"rollout_batch_size": 2, "n_samples_per_prompt": 2, "num_rollout": 1},
                          optimizer={"lr": 1e-2})
@@ -196,7 +196,7 @@ def test_the_torch_backend_checkpoints_the_family_exactly(new_family_dirs, tmp_p
     DeepSeek-V3's experts, which transformers holds fused in memory (mlp.experts.gate_up_proj [E, 2F, H]) and
     checkpoints name one by one, and its expert-score correction bias, a buffer."""
     from slimeflow.families.experts import fuse_experts
-    from slimeflow.stages.rl.backend.checkpoint import read_weights, save_checkpoint
+    from slimeflow.train.backends.torch.checkpoint import read_weights, save_checkpoint
 
     backend, _ = _trained_backend(new_family_dirs[family])
     ref = save_checkpoint(backend, tmp_path / "save", 1, {"rollout_id": 1})
@@ -407,7 +407,7 @@ def test_multi_token_prediction_layers_are_refused_by_name_before_any_write(tmp_
     """DeepSeek-V3's and GLM-4.5's HF checkpoints keep their MTP layer after the decoder layers (model.layers.61.*)."""
     from safetensors.torch import save_file
 
-    from slimeflow.stages.base import StageInputError
+    from slimeflow.errors import StageInputError
 
     hf = build_tiny_model(tmp_path / "hf", TinyModelSpec(family="deepseek_v3", num_hidden_layers=2))
     tensors = hf_tensors(hf)

@@ -26,10 +26,10 @@ from slimeflow.config.train import FaultToleranceConfig, TrainConfig
 from slimeflow.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.rollout import rollout as rollout_module
-from slimeflow.stages.rl.actors import RolloutManager, RolloutSetup
-from slimeflow.stages.rl.engines import EngineDiedError, EngineSet, ReissuingClient, RoutedClient
-from slimeflow.stages.rl.fault_tolerance import HealthMonitor, recover, restore_weights
-from slimeflow.stages.rl.weight_sync import WeightSync
+from slimeflow.stages.train.engines import EngineDiedError, EngineSet, ReissuingClient, RoutedClient
+from slimeflow.stages.train.fault_tolerance import HealthMonitor, recover, restore_weights
+from slimeflow.stages.train.rollout_manager import RolloutManager, RolloutSetup
+from slimeflow.stages.train.weight_sync import WeightSync
 
 GROUPS, SAMPLES = 4, 2
 CHECKS = {"rollout_health_check_interval": 0.5, "rollout_health_check_timeout": 5.0}
@@ -293,7 +293,7 @@ def test_the_trainer_gives_a_restarted_engine_only_the_version_it_last_pushed():
     nothing was pushed yet) it refuses rather than hand the engine weights the rollout did not run on."""
     from types import SimpleNamespace
 
-    from slimeflow.stages.rl.actors import TrainActor
+    from slimeflow.stages.train.train_actor import TrainActor
 
     for pushed, last in ((None, "last pushed none"), (("3", {}), "last pushed version 3")):
         with pytest.raises(RuntimeError, match=f"needs weight version 4, but trainer rank 0 {last}"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from slimeflow.flows.artifacts import eval_rows, link, mlflow_run_url
-from slimeflow.manifest import Manifest
+from slimeflow.io.manifest import Manifest
 
 
 def test_eval_rows_come_from_the_evaluate_metrics_or_the_train_runs_first_and_last_evaluation():

@@ -1,7 +1,8 @@
-"""The package's import graph, read from the `ast` of every module (function-level imports counted): no module of
-one stage imports another stage's module (shared code is a library beside the stages: slimeflow/checkpoint/,
-families/, config/, engine/, rollout/, preprocess/, cluster.py, offload.py, io/), and no two modules import each
-other, directly or round a circle. Imports under `if TYPE_CHECKING:` never run and are not counted.
+"""The package's import graph, read from the `ast` of every module (function-level imports counted), holds
+ARCHITECTURE.md's layout rule: the top level is orchestration (flows/, deployments/), the stages (stages/) and I/O
+(io/); slimeflow/ holds the libraries they use. A library never imports a stage, io/ imports no stage, a stage never
+imports another stage, nothing but the entry points (the CLI, deployments/) imports flows/, and no two modules import
+each other, directly or round a circle. Imports under `if TYPE_CHECKING:` never run and are not counted.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGES = "slimeflow.stages"
 
 # No exceptions are listed: evaluate and train share the rollout and engine libraries (slimeflow/rollout/, engine/),
-# train's inline preprocessing runs the preprocess library (slimeflow/preprocess/), and the circles function-level
-# imports closed were untangled by moving the shared piece down (backend/rng.py, remote.call), a loader to the
-# adapter it calls (slime_plugins.load_group_filter), and slime's whole rollout function above the rollout
-# (slime_rollout_functions.py).
+# train's inline preprocessing runs the preprocess library (slimeflow/preprocess/), the RL math and the backends are
+# a library (slimeflow/train/), and every stage's config lives in slimeflow/config/.
+ENTRY_POINTS = ("slimeflow.cli",)
+ORCHESTRATION = ("slimeflow.flows", "slimeflow.deployments")
 
 
 @cache
@@ -77,7 +78,7 @@ def graph() -> dict[str, set[str]]:
 
 
 def _stage(module: str) -> str | None:
-    """The stage a module belongs to (`rl` for slimeflow.stages.rl.backend.checkpoint); None outside the stages."""
+    """The stage a module belongs to (`rl` for slimeflow.train.backends.torch.checkpoint); None outside the stages."""
     parts = module.split(".")
     if module.startswith(STAGES + ".") and len(parts) > 3:
         return parts[2]
@@ -127,14 +128,27 @@ def _cycles() -> list[set[str]]:
     return found
 
 
+def _layer(module: str) -> str:
+    """flows / stages / io / library: the layer of ARCHITECTURE.md's rule that a module sits in."""
+    if module.startswith(ORCHESTRATION) or module in ENTRY_POINTS:
+        return "orchestration"
+    if module == STAGES or module.startswith(STAGES + "."):
+        return "stages"
+    if module == "slimeflow.io" or module.startswith("slimeflow.io."):
+        return "io"
+    return "library"
+
+
 def test_the_graph_sees_the_imports_it_must():
     """The reader itself: a module-level, a function-level, a relative and a `from package import module` import."""
     edges = graph()
-    assert "slimeflow.checkpoint.torch_dist" in edges["slimeflow.stages.rl.backend.megatron_checkpoint"]
+    assert "slimeflow.checkpoint.torch_dist" in edges["slimeflow.train.backends.megatron.checkpoint"]
     assert "slimeflow.checkpoint.worker" in edges["slimeflow.checkpoint.convert"]
     assert "slimeflow.checkpoint.safe_pickle" in edges["slimeflow.checkpoint.torch_dist"]  # from pkg import module
-    assert "slimeflow.stages.rl.train_step" in edges["slimeflow.stages.rl.actors"]  # inside a method
-    assert _stage("slimeflow.stages.rl.backend.checkpoint") == "rl" and _stage("slimeflow.stages.base") is None
+    assert "slimeflow.train.train_step" in edges["slimeflow.stages.train.train_actor"]  # inside a method
+    assert _stage("slimeflow.stages.train.placement") == "train" and _stage("slimeflow.stages.base") is None
+    assert _layer("slimeflow.train.loss") == "library" and _layer("slimeflow.io.storage") == "io"
+    assert _layer("slimeflow.flows.pipeline") == "orchestration" and _layer("slimeflow.stages") == "stages"
     # under `if TYPE_CHECKING:` (never run): not an edge
     assert "slimeflow.engine.server" not in edges["slimeflow.engine.control"]
 
@@ -142,8 +156,8 @@ def test_the_graph_sees_the_imports_it_must():
 def test_no_stage_imports_another_stages_module():
     crossing = {(_short(module), _short(target)) for module, targets in graph().items() for target in targets
                 if _stage(module) and _stage(target) and _stage(module) != _stage(target)}
-    assert crossing == set(), "a stage imports another stage's module: move the shared code into a library beside " \
-        "the stages (slimeflow/checkpoint/, families/, config/, engine/, rollout/, preprocess/)"
+    assert crossing == set(), "a stage imports another stage's module: move the shared code into a library " \
+        "(slimeflow/train/, rollout/, checkpoint/, families/, config/, engine/, preprocess/) or io/"
 
 
 def test_no_import_circles():
@@ -152,11 +166,24 @@ def test_no_import_circles():
         "a third module, or pass a callable in"
 
 
-def test_the_checkpoint_library_and_the_shared_config_import_no_stage():
-    """The libraries the stages share import no stage's module, only the stages' common base (stages/base.py)."""
-    libraries = ("slimeflow.checkpoint", "slimeflow.families", "slimeflow.cluster", "slimeflow.config.megatron",
-                 "slimeflow.config.model", "slimeflow.config.model_args", "slimeflow.config.train", "slimeflow.engine",
-                 "slimeflow.rollout", "slimeflow.preprocess", "slimeflow.offload")
-    offending = {(module, target) for module, targets in graph().items() if module.startswith(libraries)
-                 for target in targets if _stage(target)}
-    assert offending == set()
+def test_the_layers_import_only_downwards():
+    """orchestration -> stages -> io -> libraries: a library or io never imports a stage (stages/base.py included)
+    or a flow; a stage never imports a flow. No exceptions."""
+    allowed = {"orchestration": {"orchestration", "stages", "io", "library"}, "stages": {"stages", "io", "library"},
+               "io": {"io", "library"}, "library": {"io", "library"}}
+    upward = {(module, target) for module, targets in graph().items() for target in targets
+              if _layer(target) not in allowed[_layer(module)]}
+    assert upward == set()
+
+
+def test_the_libraries_live_where_the_architecture_says():
+    """The RL math and the backends are a library (slimeflow/train/), every stage config is in slimeflow/config/,
+    the error types in slimeflow/errors.py; no stage folder holds a config module of its own."""
+    names = set(modules())
+    assert {"slimeflow.train.loss", "slimeflow.train.advantages", "slimeflow.train.packing",
+            "slimeflow.train.train_step", "slimeflow.train.backends.torch.backend",
+            "slimeflow.train.backends.megatron.backend", "slimeflow.errors"} <= names
+    assert {"slimeflow.stages.train.loop", "slimeflow.stages.train.rollout_manager",
+            "slimeflow.stages.train.train_actor"} <= names
+    assert not [n for n in names if n.startswith(STAGES + ".") and n.endswith(".config")]
+    assert not [n for n in names if n.startswith("slimeflow.stages.rl")]

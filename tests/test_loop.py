@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from slimeflow.config.train import TrainConfig
-from slimeflow.stages.rl import loop
+from slimeflow.stages.train import loop
 
 
 class Recorder:
@@ -132,7 +132,7 @@ def test_the_driver_imports_neither_torch_nor_transformers():
     import subprocess
     import sys
 
-    code = ("import sys, slimeflow.stages.rl.stage; "
+    code = ("import sys, slimeflow.stages.train.stage; "
             "print(sorted(m for m in ('torch', 'transformers', 'safetensors.torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
@@ -152,7 +152,7 @@ class Killed(Exception):
 
 
 def test_a_resumed_run_keeps_each_rollout_once_in_its_record_and_its_mlflow_run(tmp_path):
-    from slimeflow.stages.rl.stage import RolloutLog
+    from slimeflow.stages.train.stage import RolloutLog
 
     path = tmp_path / "train" / "rollouts.jsonl"
 
@@ -189,7 +189,7 @@ def test_a_resumed_run_keeps_each_rollout_once_in_its_record_and_its_mlflow_run(
 def test_a_run_killed_between_a_save_and_its_report_keeps_the_saved_rollouts_line(tmp_path):
     """The checkpoint of rollout 1 is committed, then the run dies before rollout 1's line: the resumed run (which
     starts at 2) writes that line from the metrics the checkpoint carries, once, and logs it to its MLflow run."""
-    from slimeflow.stages.rl.stage import RolloutLog
+    from slimeflow.stages.train.stage import RolloutLog
 
     path = tmp_path / "train" / "rollouts.jsonl"
     saves = {}

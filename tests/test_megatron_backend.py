@@ -32,7 +32,7 @@ def converted(tmp_path_factory) -> dict[str, Path]:
 
 def rollout_batch(hf: Path):
     """The test rollout, its rollout log-probs those of the HF model (what an engine serving it samples from)."""
-    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+    from slimeflow.train.backends.torch.backend import TorchBackend
 
     config = make_config()
     batch = make_batch()
@@ -65,7 +65,7 @@ def test_one_step_equals_the_torch_backend(converted):
     move a weight by up to ~lr: weights agree to 0.1 x lr (measured: ~2e-6 at lr 1e-3). Weight decay 0.1 shows
     Megatron's rule: the torch backend decays every weight, megatron-core's optimizer not norms (1-D weights),
     which therefore end exactly lr x wd x w0 above the torch backend's."""
-    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+    from slimeflow.train.backends.torch.backend import TorchBackend
 
     config = make_config(batch={"micro_batch_size": 3}, optimizer={"lr": LR, "weight_decay": 0.1})
     batch = rollout_batch(converted["hf"])
@@ -150,8 +150,8 @@ def test_a_saved_checkpoint_resumes_the_next_rollout_exactly(converted, one_proc
     from slimeflow.checkpoint.torch_dist import read_common, tensor_metadata
     from slimeflow.io.checkpoints import read_tracker
     from slimeflow.io.storage import Storage
-    from slimeflow.stages.rl.backend.checkpoint import read_weights
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint, save_checkpoint
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from slimeflow.train.backends.torch.checkpoint import read_weights
 
     config = make_config(batch={"micro_batch_size": 2, "global_batch_size": 4},
                          optimizer={"lr": LR, "lr_warmup_iters": 1, "lr_decay_style": "linear", "lr_decay_iters": 8,
@@ -189,7 +189,7 @@ def test_a_saved_checkpoint_resumes_the_next_rollout_exactly(converted, one_proc
 
 def deterministic_job(rank: int, world: int, job: dict) -> dict:
     """train_job, with what --deterministic-mode switched on while the backend lived and what was left after."""
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint
 
     backend = make_backend(job, rank, world)
     try:
@@ -225,7 +225,7 @@ def test_deterministic_mode_on_a_gpu_repeats_two_steps_bit_for_bit(converted, mo
     """Two runs of the same two steps (KL loss, bf16) with --deterministic-mode on the GPU: every CUDA kernel the
     backend runs has a deterministic form under torch's switch (else torch raises), NCCL, cuBLAS and Transformer
     Engine get slime's settings, and the runs agree bit for bit. Written on a CPU machine: not run there."""
-    from slimeflow.stages.rl.backend.determinism import GPU_ENVIRONMENT
+    from slimeflow.train.backends.megatron.determinism import GPU_ENVIRONMENT
 
     for name in GPU_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
@@ -244,7 +244,7 @@ def test_deterministic_mode_on_a_gpu_repeats_two_steps_bit_for_bit(converted, mo
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU path (NCCL, no CPU shims)")
 def test_one_step_on_a_gpu_equals_the_torch_backend(converted):
     """The same step as test_one_step_equals_the_torch_backend, both backends on the GPU (NCCL world of one)."""
-    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+    from slimeflow.train.backends.torch.backend import TorchBackend
 
     config = make_config(batch={"micro_batch_size": 3}, optimizer={"lr": LR})
     batch = rollout_batch(converted["hf"])
@@ -267,8 +267,8 @@ def test_data_parallel_2_equals_one_process(converted, one_process, tmp_path):
 def test_the_opd_teacher_is_loaded_and_run_like_the_reference(converted):
     """--use-opd --opd-type megatron on the Megatron backend: the teacher from --opd-teacher-load (here the policy's
     own checkpoint) gives the policy's log-probs, and the reverse KL in the advantages is exactly 0."""
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
-    from slimeflow.stages.rl.train_step import prepare
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint
+    from slimeflow.train.train_step import prepare
 
     config = make_config(algorithm={"use_opd": True, "opd_type": "megatron",
                                     "opd_teacher_load": str(converted["release"])})
@@ -292,9 +292,9 @@ def test_slimes_megatron_hooks_run_where_slimes_actor_calls_them(converted, monk
     data post-process sees rollout 7's data after the advantages; the train-step hook precedes each of the two
     steps. Its effect: the post-process zeroed the advantages of step 0's samples, so step 0 leaves the weights
     exactly as they were (no KL weight, zero gradient) and step 1 moves them."""
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
-    from slimeflow.stages.rl.train_hooks import TrainHooks
-    from slimeflow.stages.rl.train_step import train_on_rollout
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint
+    from slimeflow.train.train_hooks import TrainHooks
+    from slimeflow.train.train_step import train_on_rollout
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "data" / "slime_plugins"))
     import slime_megatron_hooks as plugin

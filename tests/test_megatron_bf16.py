@@ -15,7 +15,7 @@ import torch
 from megatron_steps import make_backend, make_config, make_job, run_world, train_steps
 
 from slimeflow.config.megatron import MegatronConfig
-from slimeflow.stages.rl.backend.megatron_kernels import (
+from slimeflow.train.backends.megatron.kernels import (
     Kernels,
     grad_reduce_in_fp32,
     kernel_problems,
@@ -50,7 +50,7 @@ def bf16_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | Non
     """Load the checkpoint's weights, train on the job's batch; rank 0's steps, bf16 model weights, fp32 main
     weights (None with the distributed optimizer) and what reached megatron-core. With job["save"]: save then, zero
     the main parameters, resume from the save and return the main parameters it restored ("resumed")."""
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint, save_checkpoint
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 
     backend = make_backend(job, rank, world)
     try:
@@ -109,7 +109,7 @@ def test_a_bf16_step_matches_the_torch_backends_bf16_step(converted, tmp_path):
     bf16 model at this lr, only in the main parameters: why those are compared. The run is then saved and resumed:
     bf16 weights and fp32 main parameters in the checkpoint, as Megatron-LM's, restored exactly."""
     from slimeflow.checkpoint.torch_dist import tensor_metadata
-    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+    from slimeflow.train.backends.torch.backend import TorchBackend
 
     config = bf16_config(**SLIME_FLAGS)
     batch = base.rollout_batch(converted["hf"])
@@ -293,8 +293,8 @@ def test_warmup_fraction_is_a_fraction_of_the_decay_steps_in_both_schedules():
     from types import SimpleNamespace
 
     from slimeflow.config.train import OptimizerConfig
-    from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend
-    from slimeflow.stages.rl.backend.schedule import lr_at
+    from slimeflow.train.backends.megatron.backend import MegatronBackend
+    from slimeflow.train.schedule import lr_at
 
     config = OptimizerConfig(lr=1.0, min_lr=0.1, lr_warmup_fraction=0.25, lr_decay_style="linear", lr_decay_iters=10)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
@@ -318,7 +318,7 @@ def test_a_bf16_step_with_transformer_engine_on_a_gpu(converted):
     """The TE spec loads the converted checkpoint (TE's names, no map) and trains one bf16 step, close to the torch
     backend's bf16 step (tolerances as on the CPU)."""
     pytest.importorskip("transformer_engine")
-    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+    from slimeflow.train.backends.torch.backend import TorchBackend
 
     config = bf16_config(**SLIME_FLAGS)
     batch = base.rollout_batch(converted["hf"])

@@ -18,8 +18,8 @@ from test_model_args import train_config
 from slimeflow.config.megatron import MegatronConfig
 from slimeflow.config.model_args import check_model_args
 from slimeflow.config.slime_flags import refusal_reason
-from slimeflow.stages.rl.backend.determinism import GPU_ENVIRONMENT, DeterministicMode
-from slimeflow.stages.rl.backend.megatron_kernels import Kernels, kernel_problems, optimizer_config
+from slimeflow.train.backends.megatron.determinism import GPU_ENVIRONMENT, DeterministicMode
+from slimeflow.train.backends.megatron.kernels import Kernels, kernel_problems, optimizer_config
 
 converted = base.converted  # the tiny Llama and its torch_dist checkpoint (module fixture; the GPU tests only)
 
@@ -80,7 +80,7 @@ def test_what_needs_a_gpu_or_transformer_engine_is_refused_at_start_by_name():
 def test_slimes_offload_flags_parse_anywhere_and_are_refused_when_the_stage_starts():
     """A CPU login node may launch a GPU run: the flags parse everywhere; the train stage's start checks (before
     Ray) ask this machine's kernels, as every trainer asks its own again when it builds the backend."""
-    from slimeflow.stages.rl.model_args import megatron_backend_problems
+    from slimeflow.train.backends.megatron.preflight import megatron_backend_problems
 
     config = train_config("--train-backend", "megatron", "--ref-load", "r", "--use-distributed-optimizer",
                           "--deterministic-mode", *SLIME_OFFLOAD)
@@ -108,11 +108,11 @@ def test_the_optimizer_flags_reach_megatron_cores_optimizer_config(monkeypatch):
 
 def test_megatron_cores_hybrid_optimizer_still_cannot_step_host_parameters():
     """Why --optimizer-cpu-offload is refused without CUDA: megatron-core 0.16.1's HybridDeviceOptimizer creates
-    CUDA streams, and with host streams stood in (slimeflow._compat's) its step still looks every host parameter up
+    CUDA streams, and with host streams stood in (slimeflow.train.backends.megatron.shims's) its step still looks every host parameter up
     as the host copy of a GPU one: KeyError. When this test fails, the offload may run on a CPU: lift the refusal."""
     from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 
-    from slimeflow._compat import TorchWithHostStreams, cuda_available
+    from slimeflow.train.backends.megatron.shims import TorchWithHostStreams, cuda_available
 
     if cuda_available():
         pytest.skip("on a GPU machine the hybrid optimizer runs (the gpu tests)")

@@ -87,7 +87,7 @@ def resume_job(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     """Every rank: rollout 0 from the job's checkpoint, saved under job['save']; rollout 1 (job['second']) trained
     on, as an uninterrupted run; then a new backend resumed from the save trains rollout 1 again. Rank 0 returns
     the steps and weights of both runs of rollout 1 and the saved extra state as resumed."""
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint, save_checkpoint
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 
     config, runs = job["config"], []
     backend = make_backend(job, rank, world)

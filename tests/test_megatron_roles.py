@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config
+from slimeflow.errors import ConfigError
 
 BASE = ["--rollout-batch-size", "4", "--num-rollout", "1", "--lr", "1e-5", "--micro-batch-size", "1"]
 

@@ -16,9 +16,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.usefixtures("ray_with_plugins_importable")
 def test_the_train_stage_runs_the_megatron_backend_at_tp2(tmp_path):
-    from slimeflow.stages.convert.config import ConvertConfig
+    from slimeflow.config.convert import ConvertConfig
     from slimeflow.stages.convert.stage import run as convert_run
-    from slimeflow.stages.rl.stage import run
+    from slimeflow.stages.train.stage import run
 
     config, ctx = train_config(tmp_path, **{
         "num-rollout": 2, "save-interval": 2, "eval-interval": None, "rollout-batch-size": 4,
@@ -51,7 +51,7 @@ def test_sigkill_mid_save_resumes_the_megatron_backend_exactly(tmp_path):
     from test_train_e2e import kill_and_resume, row_ids
 
     from slimeflow.checkpoint.torch_dist import load_torch_dist
-    from slimeflow.stages.convert.config import ConvertConfig
+    from slimeflow.config.convert import ConvertConfig
     from slimeflow.stages.convert.stage import run as convert_run
 
     config, ctx = train_config(tmp_path / "prep", **{

@@ -121,7 +121,7 @@ def test_the_megatron_backend_trains_moe_families_as_the_torch_backend(family, r
     tolerances as test_one_step_equals_the_torch_backend's. DeepSeek's expert-score correction bias is the one
     difference: megatron moves it by --moe-router-bias-update-rate x sign(mean load - expert's load) after each step
     (slime's training does), HF's training leaves it."""
-    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+    from slimeflow.train.backends.torch.backend import TorchBackend
 
     model = request.getfixturevalue(family)
     config = make_config(batch={"micro_batch_size": 3}, optimizer={"lr": LR})
@@ -161,7 +161,7 @@ def deepseek_v3_one_process(deepseek_v3) -> dict:
 def train_then_save(rank: int, world: int, job: dict) -> dict | None:
     """Train the job's batch from its checkpoint's weights, then save under job["save"] (rollout 0): rank 0's steps
     and weights."""
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint, save_checkpoint
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 
     backend = make_backend(job, rank, world)
     try:
@@ -190,7 +190,7 @@ def test_mla_at_tp2_with_sequence_parallelism_equals_one_process(deepseek_v3, de
     from slimeflow.checkpoint.torch_dist import tensor_metadata
     from slimeflow.io.checkpoints import resolve
     from slimeflow.io.storage import Storage
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint
 
     hf, release, batch = deepseek_v3["hf"], deepseek_v3["release"], deepseek_v3_one_process["batch"]
     parallel = {"tensor_model_parallel_size": 2, "sequence_parallel": True, **experts}
@@ -216,8 +216,8 @@ def _etp1_dynamic_batch_config():
     """TP 2 x EP 2 with experts whole on each rank (--expert-tensor-parallel-size 1), tokens gathered, micro-batches
     packed under --max-tokens-per-gpu 16: in the first step one data-parallel rank packs one, the other two (checked
     below), so the first splits its micro-batch to run as many."""
-    from slimeflow.stages.rl.packing import pack_micro_batches
-    from slimeflow.stages.rl.train_step import plan_steps
+    from slimeflow.train.packing import pack_micro_batches
+    from slimeflow.train.train_step import plan_steps
 
     config = make_config(batch={"use_dynamic_batch_size": True, "max_tokens_per_gpu": 16, "global_batch_size": 4},
                          optimizer={"lr": LR}, algorithm={"use_kl_loss": True, "kl_loss_coef": 0.1},
@@ -277,7 +277,7 @@ def test_the_load_balancing_loss_reaches_only_the_router(qwen3_moe, tmp_path):
 
 
 def test_virtual_pipeline_stages_follow_megatron_lms_rule():
-    from slimeflow.stages.rl.backend.megatron_layout import virtual_pipeline_stages
+    from slimeflow.train.backends.megatron.layout import virtual_pipeline_stages
 
     assert virtual_pipeline_stages(8, MegatronConfig(pipeline_model_parallel_size=2)) is None
     assert virtual_pipeline_stages(8, MegatronConfig(pipeline_model_parallel_size=2,
@@ -292,7 +292,7 @@ def test_virtual_pipeline_stages_follow_megatron_lms_rule():
 def test_moe_settings_a_model_or_a_cpu_cannot_run_are_refused():
     from types import SimpleNamespace
 
-    from slimeflow.stages.rl.backend.megatron_layout import check_moe
+    from slimeflow.train.backends.megatron.layout import check_moe
 
     with pytest.raises(ValueError, match="--expert-model-parallel-size --moe-aux-loss-coeff: .* dense model"):
         check_moe(SimpleNamespace(num_experts=None), MegatronConfig(expert_model_parallel_size=2,
@@ -313,7 +313,7 @@ def test_moe_settings_a_model_or_a_cpu_cannot_run_are_refused():
 def test_the_start_up_check_names_what_ep_and_vpp_cannot_run():
     from test_model_args import train_config
 
-    from slimeflow.stages.rl.model_args import megatron_backend_problems
+    from slimeflow.train.backends.megatron.preflight import megatron_backend_problems
 
     def problems(*flags: str) -> list[str]:
         return [p for p in megatron_backend_problems(train_config("--train-backend", "megatron", "--ref-load", "r",
@@ -342,7 +342,7 @@ def test_the_start_up_check_names_what_ep_and_vpp_cannot_run():
 def resume_save_train(rank: int, world: int, job: dict) -> dict | None:
     """Resume the job's checkpoint, save it again at this layout (job["save"], rollout 0) before training, then
     train the job's batch: rank 0's steps and weights."""
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint, save_checkpoint
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
 
     backend = make_backend(job, rank, world)
     try:
@@ -395,8 +395,8 @@ def test_an_optimizer_split_change_is_refused_where_it_does_not_reshard(monkeypa
     optimizer (not built)."""
     from types import SimpleNamespace
 
-    from slimeflow.io.checkpoints import CheckpointError
-    from slimeflow.stages.rl.backend import megatron_checkpoint
+    from slimeflow.errors import CheckpointError
+    from slimeflow.train.backends.megatron import checkpoint as megatron_checkpoint
 
     monkeypatch.setattr(megatron_checkpoint, "read_common", lambda directory: {"optimizer": {0: {}, 1: {}}})
     sharding = megatron_checkpoint.SHARDING
@@ -419,7 +419,7 @@ def _router_statistics(backend, batch, micro_batches, extra_columns, monkeypatch
     z-loss values megatron's tracker logged, and the gradients."""
     from megatron.core.transformer.moe import moe_utils
 
-    from slimeflow.stages.rl.backend import megatron_backend
+    from slimeflow.train.backends.megatron import backend as megatron_backend
 
     round_up = megatron_backend._round_up
     monkeypatch.setattr(megatron_backend, "_round_up", lambda value, unit: round_up(value, unit) + extra_columns)
@@ -457,7 +457,7 @@ def _router_statistics(backend, batch, micro_batches, extra_columns, monkeypatch
 
 def _padding_invariance(model: dict, tmp_path, monkeypatch) -> bool:
     """The checks of test_padding_changes_no_router_statistic; whether the backend built Transformer Engine's spec."""
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint
 
     batch = make_batch()
     config = make_config(batch={"micro_batch_size": 4}, megatron={"moe_router_load_balancing_type": "seq_aux_loss",
@@ -567,7 +567,7 @@ def test_the_router_losses_weigh_as_in_slime(qwen3_moe, tmp_path, per_token):
     slime's formula by hand (_last_router_gradient), for micro-batches of 4 samples and of 1 (the same samples):
     1e-5 relative to the largest entry (measured: 2e-5 relative on one entry of 3e-9, fp32 rounding). Before issue 19 megatron's per-token scaling left each micro-batch's losses multiplied by its
     token count (measured: 33 x)."""
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint
 
     batch = make_batch()
     backend = make_backend(make_job(tmp_path, "aux", qwen3_moe["hf"], qwen3_moe["release"], batch,
@@ -588,7 +588,7 @@ def _router_gradients_at_dp2(rank: int, world: int, job: dict) -> dict | None:
     """Both modes at DP 2 (one backend each): rank 0 runs 2 micro-batches, rank 1 one (slime's weight is per rank's
     count); the router's reduced gradient and the ranks' by-hand shares summed; the output layer's gradient of a
     policy loss (sum of log-probs / 100), which megatron's scaling must leave as it is in both modes."""
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint
 
     batch, out = job["batch"], {}
     for per_token in (False, True):

@@ -10,9 +10,10 @@ import pytest
 
 from slimeflow.config.model_args import check_model_args
 from slimeflow.config.pipeline import load_stage_config
+from slimeflow.errors import StageInputError
 from slimeflow.io.storage import Storage
-from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.rl.stage import rollout_setup
+from slimeflow.stages.base import StageContext
+from slimeflow.stages.train.stage import rollout_setup
 
 SEEDS = Path(__file__).parent / "data" / "seed_scripts"
 
@@ -101,7 +102,7 @@ def test_full_recomputation_is_taken_with_its_method_and_unit():
      "--recompute-method and --recompute-num-layers without --recompute-granularity full"),
 ])
 def test_recompute_flags_that_megatron_would_reject_or_ignore_are_refused_at_parse(flags, message):
-    from slimeflow.config.flags import ConfigError
+    from slimeflow.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message.replace("-", "\\-")):
         train_config(*flags)
@@ -133,7 +134,7 @@ def script_argv(name: str) -> list[str]:
 @pytest.mark.parametrize("script", sorted(p.name for p in SLIME_SCRIPTS.glob("*.args")))
 def test_every_flag_of_slimes_run_scripts_is_taken_or_refused_with_a_reason(script):
     """No flag of slime's own run scripts is 'unknown': each is implemented or refused saying why."""
-    from slimeflow.config.flags import ConfigError
+    from slimeflow.errors import ConfigError
 
     try:  # the scripts whose every flag is built parse whole (run-qwen3-4B.args, ...)
         load_stage_config("train", None, script_argv(script))
@@ -168,7 +169,7 @@ def test_a_config_that_went_through_json_checks_only_what_was_given():
 def test_flags_that_nothing_reads_are_refused_not_accepted():
     """--save-hf and --eval-config did nothing: refused by name; so are SGLang server arguments, which no server
     slimeflow starts would get."""
-    from slimeflow.config.flags import ConfigError
+    from slimeflow.errors import ConfigError
 
     for flags, reason in ((["--save-hf", "/x"], "slimeflow export"),
                           (["--eval-config", "e.yaml"], "use the --eval-")):
@@ -183,7 +184,7 @@ def test_flags_that_nothing_reads_are_refused_not_accepted():
 
 
 def test_several_worker_urls_on_the_command_line_are_several_servers():
-    from slimeflow.stages.rl.engines import EngineSet
+    from slimeflow.stages.train.engines import EngineSet
 
     config = train_config("--sglang-worker-urls", "http://a:1", "http://b:2", "--sglang-weights-dir", "/w")
     launch = EngineSet.launch("hf", config.sglang.args, 1)
@@ -201,7 +202,7 @@ def test_ppo_without_a_critic_is_refused_before_anything_starts(tmp_path: Path):
 
 def test_the_megatron_backend_refuses_a_run_it_cannot_start(tmp_path: Path):
     from slimeflow.io.checkpoints import commit
-    from slimeflow.stages.rl.model_args import megatron_backend_problems
+    from slimeflow.train.backends.megatron.preflight import megatron_backend_problems
 
     empty = ["--train-backend", "megatron", "--load", str(tmp_path / "empty")]
     problems = megatron_backend_problems(train_config(*empty, "--use-kl-loss", "--bf16", "--actor-num-gpus-per-node",

@@ -91,7 +91,7 @@ def test_moe_flags_on_a_dense_model_are_refused():
 def test_megatrons_moe_runtime_flags_are_the_megatron_backends():
     """Taken by the parser; the torch backend refuses each one set (it runs HF's experts); the Megatron backend
     takes them, the two that need Transformer Engine's kernels where it is installed (megatron_kernels)."""
-    from slimeflow.stages.rl.backend.megatron_kernels import Kernels, kernel_problems
+    from slimeflow.train.backends.megatron.kernels import Kernels, kernel_problems
 
     config = megatron(*DEEPSEEK_V3_ARGS, *DEEPSEEK_V3_RUNTIME)
     assert config.moe_token_dispatcher_type == "alltoall" and config.moe_router_bias_update_rate == 0.0

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from slimeflow.config.model import ModelConfig
+from slimeflow.errors import StageInputError, UnsafePathError
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.io.storage import Storage, UnsafePathError
-from slimeflow.stages.base import StageContext, StageInputError
+from slimeflow.io.storage import Storage
+from slimeflow.stages.base import StageContext
 from slimeflow.stages.model.stage import run
 
 

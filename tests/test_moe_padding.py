@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from slimeflow import _compat
+from slimeflow.train.backends.megatron import shims as _compat
 
 
 def test_the_expert_bias_count_needs_the_padding_mask_stand_in():
@@ -56,7 +56,7 @@ def test_a_later_pipeline_stage_gets_its_sequence_parallel_share_of_the_mask():
     scatter_to_sequence_parallel_region cuts the first stage's, [rows, length] split along the length."""
     from megatron.core.tensor_parallel.mappings import _split_along_first_dim
 
-    from slimeflow.stages.rl.backend.megatron_backend import stage_padding_mask
+    from slimeflow.train.backends.megatron.backend import stage_padding_mask
 
     padding = torch.rand(3, 8) > 0.5
     for rank in range(2):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config
+from slimeflow.errors import ConfigError
 from slimeflow.offload import StateOffload, module_tensors, optimizer_tensors, resident_bytes
 
 TRAIN = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "2"]
@@ -79,7 +79,7 @@ def train_twice(backend, config, offload_dir: Path | None) -> tuple[list[dict[st
     (what a colocated rollout does to it); each rollout's metrics and the final weights."""
     from test_torch_backend import make_batch
 
-    from slimeflow.stages.rl.train_step import train_on_rollout
+    from slimeflow.train.train_step import train_on_rollout
 
     metrics = [train_on_rollout(backend, make_batch(seed=0), config)]
     if offload_dir is not None:
@@ -187,7 +187,7 @@ def test_the_megatron_backend_trains_after_an_offload_exactly_as_without(tmp_pat
 
     from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, read_hf_source
     from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-    from slimeflow.stages.rl.backend.megatron_checkpoint import load_checkpoint
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint
 
     hf = build_tiny_model(tmp_path / "hf", TinyModelSpec(seed=7))
     staged, _ = convert_hf_to_torch_dist(read_hf_source(hf), tmp_path / "ckpt")
@@ -244,7 +244,7 @@ def test_the_devices_are_handed_over_as_slimes_train_py_does(monkeypatch):
     """Interval 2: after rollout 0 (no push follows) the engines keep their weights and release the KV cache; after
     rollout 1 they release both, and take their weights back before the push; the trainer offloads before each
     rollout and evaluation (it reloads its state itself when it trains or pushes)."""
-    from slimeflow.stages.rl import placement
+    from slimeflow.stages.train import placement
 
     log: list = []
     monkeypatch.setattr(placement, "call", lambda ref, what: ref)

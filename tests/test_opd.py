@@ -12,9 +12,9 @@ import torch
 from slimeflow.config.train import AlgorithmConfig, TrainConfig
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.rollout.types import PackedBatch, Sample, Status, TrainBatch
-from slimeflow.stages.rl.advantages import AdvantageInputs, compute_advantages
-from slimeflow.stages.rl.backend.torch_backend import TorchBackend
-from slimeflow.stages.rl.train_step import prepare, train_on_rollout
+from slimeflow.train.advantages import AdvantageInputs, compute_advantages
+from slimeflow.train.backends.torch.backend import TorchBackend
+from slimeflow.train.train_step import prepare, train_on_rollout
 
 LENGTHS = [(7, 3), (9, 4), (5, 2), (12, 5)]
 
@@ -75,7 +75,7 @@ def test_the_reverse_kl_to_the_teacher_is_subtracted_from_the_advantages_before_
                              2).advantages
     expected = [a - 0.5 * (p - t) for a, p, t in zip(base, policy, teacher, strict=True)]
     if normalize:  # whitened after the penalty, as slime
-        from slimeflow.stages.rl.advantages import whiten_batch
+        from slimeflow.train.advantages import whiten_batch
 
         expected = whiten_batch(expected, masks)
     for g_, e in zip(got, expected, strict=True):

@@ -12,7 +12,7 @@ from slimeflow.engine.sglang_launch import (
     sglang_server_command,
     to_flags,
 )
-from slimeflow.stages.rl.placement_plan import (
+from slimeflow.stages.train.placement_plan import (
     BundleLocation,
     EngineSlots,
     PlacementPlan,
@@ -181,7 +181,7 @@ def test_external_engines_and_their_router():
     assert launched[0].startswith("--sglang-router-ip/--sglang-router-port name a router of yours, but the engines "
                                   "are launched here")
 
-    from slimeflow.stages.rl.engines import EngineSet
+    from slimeflow.stages.train.engines import EngineSet
 
     ok = config("--rollout-external-engine-addrs", "10.0.0.1:30000", "http://10.0.0.2:30000/",
                 "--sglang-weights-dir", "/w")
@@ -205,7 +205,7 @@ def test_the_weights_reach_sglang_servers_launched_here_only_in_sglangs_formats(
     engines on other nodes than trainer rank 0); disaggregated ones its broadcast group (nccl) or disk
     (--sglang-weights-dir); the embedded engine reads no weights directory, so that flag is refused there rather
     than ignored."""
-    from slimeflow.stages.rl.placement_plan import sglang_weight_problems
+    from slimeflow.stages.train.placement_plan import sglang_weight_problems
 
     default, nccl = config(), config("--update-weight-transport", "nccl")
     on_disk = config("--sglang-weights-dir", "/shared/weights")
@@ -231,8 +231,8 @@ def test_the_trainer_picks_the_transport_slime_uses_for_its_engines():
     apart: HTTP (embedded), or the flag's nccl; TP ranks per engine from --rollout-num-gpus-per-engine."""
     from types import SimpleNamespace
 
-    from slimeflow.stages.rl.actors import TrainActor
-    from slimeflow.stages.rl.engines import WeightTargets
+    from slimeflow.stages.train.engines import WeightTargets
+    from slimeflow.stages.train.train_actor import TrainActor
 
     def chosen(sglang: bool, *flags: str) -> tuple[str, int]:
         actor = SimpleNamespace(config=config(*flags), hooks=SimpleNamespace(args=None))
@@ -249,7 +249,7 @@ def test_the_trainer_picks_the_transport_slime_uses_for_its_engines():
 def test_sglang_servers_launched_here_take_the_weights_directory_into_their_weight_targets():
     from types import SimpleNamespace
 
-    from slimeflow.stages.rl.engines import EngineSet
+    from slimeflow.stages.train.engines import EngineSet
 
     served = SimpleNamespace(url="http://127.0.0.1:30000", wait_ready=lambda path, timeout: None, stop=lambda: None)
     for kind, expected in (("sglang", "/shared/weights"), ("embedded", None)):

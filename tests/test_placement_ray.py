@@ -17,9 +17,9 @@ import ray
 
 from slimeflow.cluster import LOCAL_RAY_SYSTEM_CONFIG
 from slimeflow.config.pipeline import load_stage_config
-from slimeflow.stages.rl.engine_actor import ENGINE_ACTOR_ENV, engine_actor_options
-from slimeflow.stages.rl.placement_group import PlacedGroup, create_placement_group
-from slimeflow.stages.rl.placement_plan import plan_placement
+from slimeflow.stages.train.engine_actor import ENGINE_ACTOR_ENV, engine_actor_options
+from slimeflow.stages.train.placement_group import PlacedGroup, create_placement_group
+from slimeflow.stages.train.placement_plan import plan_placement
 
 pytestmark = pytest.mark.slow
 
@@ -146,8 +146,8 @@ def test_more_gpus_than_the_cluster_has_is_a_clear_error(cluster):
 
 
 def test_an_engine_that_dies_at_start_reaches_the_caller_with_its_log(cluster, tmp_path):
-    from slimeflow.stages.rl.engine_actor import EngineSpec, start_engine_actors
-    from slimeflow.stages.rl.remote import LoopError
+    from slimeflow.stages.train.engine_actor import EngineSpec, start_engine_actors
+    from slimeflow.stages.train.remote import LoopError
 
     group = placed("--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1")
     try:
@@ -168,9 +168,9 @@ def test_a_rollout_through_engine_actors_pinned_to_their_bundles(cluster, tmp_pa
     generated and trained on."""
     from test_train_e2e import train_config
 
-    from slimeflow.stages.rl.placement import create_placement
-    from slimeflow.stages.rl.remote import call
-    from slimeflow.stages.rl.stage import rollout_setup, with_defaults
+    from slimeflow.stages.train.placement import create_placement
+    from slimeflow.stages.train.remote import call
+    from slimeflow.stages.train.stage import rollout_setup, with_defaults
 
     config, ctx = train_config(tmp_path, **{
         "num-rollout": 1, "rollout-batch-size": 2, "n-samples-per-prompt": 2, "eval-interval": None,
@@ -215,9 +215,9 @@ def test_with_fault_tolerance_the_loop_survives_an_sglang_server_killed_mid_roll
     import httpx
     from test_train_e2e import train_config
 
-    from slimeflow.stages.rl.placement import create_placement
-    from slimeflow.stages.rl.remote import call
-    from slimeflow.stages.rl.stage import rollout_setup, with_defaults
+    from slimeflow.stages.train.placement import create_placement
+    from slimeflow.stages.train.remote import call
+    from slimeflow.stages.train.stage import rollout_setup, with_defaults
 
     config, ctx = train_config(tmp_path, **{
         "num-rollout": 2, "rollout-batch-size": 4, "n-samples-per-prompt": 2, "eval-interval": None,
@@ -276,9 +276,9 @@ def test_colocated_sglang_servers_take_sglangs_tensor_body_from_the_trainer(clus
     import torch
     from test_train_e2e import train_config
 
-    from slimeflow.stages.rl.placement import create_placement
-    from slimeflow.stages.rl.remote import call
-    from slimeflow.stages.rl.stage import rollout_setup, with_defaults
+    from slimeflow.stages.train.placement import create_placement
+    from slimeflow.stages.train.remote import call
+    from slimeflow.stages.train.stage import rollout_setup, with_defaults
 
     def perturb(self: Any) -> None:
         noise = torch.Generator().manual_seed(0)

@@ -10,11 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 from preprocess_helpers import messages, quarantine, reasons, run_stage, write_jsonl
 
+from slimeflow.errors import StageInputError
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.io.manifest import Manifest
 from slimeflow.io.prompts import PromptDataset, iter_prompts
 from slimeflow.io.storage import Storage
-from slimeflow.manifest import Manifest
-from slimeflow.stages.base import StageInputError
 
 DAPO = [{"prompt": messages(f"Compute {a} * {a + 3}. Answer in \\boxed{{}}."), "label": str(a * (a + 3)),
          "metadata": {"source": "dapo", "level": a % 5}} for a in range(40)]
@@ -310,7 +310,7 @@ import json, os, signal, sys
 from pathlib import Path
 from slimeflow.io.storage import S3Config, Storage
 from slimeflow.stages.base import StageContext
-from slimeflow.preprocess.config import PreprocessConfig
+from slimeflow.config.preprocess import PreprocessConfig
 from slimeflow.stages.preprocess.stage import run
 
 args = json.loads(sys.argv[1])
@@ -353,7 +353,7 @@ import json, os, signal, sys
 from pathlib import Path
 from slimeflow.io.storage import Storage
 from slimeflow.stages.base import StageContext
-from slimeflow.preprocess.config import PreprocessConfig
+from slimeflow.config.preprocess import PreprocessConfig
 from slimeflow.stages.preprocess.stage import run
 
 args = json.loads(sys.argv[1])

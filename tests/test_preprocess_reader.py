@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 from preprocess_helpers import assert_count_identity, messages, run_stage, write_jsonl
 
+from slimeflow.io.manifest import Manifest
 from slimeflow.io.prompts import PromptDataset, iter_prompts
 from slimeflow.io.storage import Storage
-from slimeflow.manifest import Manifest
 from slimeflow.preprocess.tokens import TokenStats
 from slimeflow.preprocess.writer import Deduper
 

@@ -14,13 +14,14 @@ from preprocess_helpers import write_jsonl
 from test_train_inputs import prompt_parquet
 
 from slimeflow.config.train import TrainConfig
+from slimeflow.errors import StageInputError
 from slimeflow.io.prompts import PromptDataset
 from slimeflow.io.storage import Storage
 from slimeflow.preprocess.inline import is_raw
 from slimeflow.rollout.data_source import DataSource
 from slimeflow.rollout.raw_data import prepare_data
-from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.rl import stage
+from slimeflow.stages.base import StageContext
+from slimeflow.stages.train import stage
 
 ROWS = [{"question": "1+1=", "answer": "2"}, {"question": "2+1=", "answer": "3"}, {"question": "3+1=", "answer": "4"}]
 
@@ -191,7 +192,7 @@ def test_train_on_a_raw_jsonl_trains_and_reports_the_quarantined_row(tmp_path, o
 
 
 def test_evaluate_preprocesses_a_raw_eval_set_with_its_own_keys(tmp_path):
-    from slimeflow.stages.evaluate.config import EvaluateConfig
+    from slimeflow.config.evaluate import EvaluateConfig
     from slimeflow.stages.evaluate.stage import _eval_sets
 
     raw = write_jsonl(tmp_path / "eval.jsonl", [*ROWS, {"question": None, "answer": "0"}])

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from slimeflow.config.train import AlgorithmConfig
-from slimeflow.stages.rl import algorithms as alg
-from slimeflow.stages.rl.advantages import AdvantageInputs, compute_advantages
+from slimeflow.train import algorithms as alg
+from slimeflow.train.advantages import AdvantageInputs, compute_advantages
 
 
 def t(*values: float) -> torch.Tensor:

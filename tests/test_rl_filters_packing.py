@@ -13,7 +13,7 @@ from slimeflow.rollout.filters import (
 )
 from slimeflow.rollout.slime_plugins import load_group_filter
 from slimeflow.rollout.types import Sample
-from slimeflow.stages.rl.packing import (
+from slimeflow.train.packing import (
     balanced_partition,
     pack_micro_batches,
     padded_micro_batches,

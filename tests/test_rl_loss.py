@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from slimeflow.config.train import AlgorithmConfig
-from slimeflow.rollout.plugins import PluginError
-from slimeflow.stages.rl.loss import LossInputs, LossNormalizer, compute_loss, load_custom_loss
-from slimeflow.stages.rl.packing import pack_micro_batches
+from slimeflow.errors import PluginError
+from slimeflow.train.loss import LossInputs, LossNormalizer, compute_loss, load_custom_loss
+from slimeflow.train.packing import pack_micro_batches
 
 
 def t(*values: float) -> torch.Tensor:
@@ -120,7 +120,7 @@ def test_zero_length_and_fully_masked_samples():
 
 def custom_loss(config, inputs, reduce):
     """A custom loss built from the public pieces: plain REINFORCE on the masked tokens."""
-    from slimeflow.stages.rl.algorithms import compute_approx_kl
+    from slimeflow.train.algorithms import compute_approx_kl
     pg = reduce([-a * lp for a, lp in zip(inputs.advantages, inputs.log_probs, strict=True)])
     kl = reduce([compute_approx_kl(lp, old, "k3") for lp, old in zip(inputs.log_probs, inputs.old_log_probs,
                                                                         strict=True)])
@@ -148,7 +148,7 @@ class TinyPolicy(torch.nn.Module):
         self.head = torch.nn.Linear(hidden, vocab, dtype=torch.float64)
 
     def forward(self, tokens: torch.Tensor, response_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from slimeflow.stages.rl.algorithms import compute_entropy_from_logits, compute_log_probs
+        from slimeflow.train.algorithms import compute_entropy_from_logits, compute_log_probs
         logits = self.head(torch.tanh(self.embed(tokens[:-1]).cumsum(0)))[-response_length:]
         target = tokens[-response_length:]
         return compute_log_probs(logits, target), compute_entropy_from_logits(logits)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from slimeflow.config.train import AlgorithmConfig
-from slimeflow.rollout.plugins import PluginError, load_plugin
+from slimeflow.errors import PluginError
+from slimeflow.rollout.plugins import load_plugin
 from slimeflow.rollout.types import Sample, Status, TrainBatch
-from slimeflow.stages.rl.advantages import AdvantageInputs, compute_advantages, load_custom_advantage
+from slimeflow.train.advantages import AdvantageInputs, compute_advantages, load_custom_advantage
 
 NOT_A_FUNCTION = 3
 

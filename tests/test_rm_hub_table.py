@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config
 from slimeflow.config.train import RewardConfig
+from slimeflow.errors import ConfigError
 from slimeflow.rollout.answers import MathJudge
 from slimeflow.rollout.rewards import RewardScorer
 from slimeflow.rollout.rule_rewards import builtin_reward

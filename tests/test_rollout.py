@@ -230,8 +230,8 @@ def test_evaluate_sets_uses_the_eval_sampling_params(make_ctx):
 
 
 def test_wrong_plugin_paths_are_named_before_anything_starts(tmp_path):
-    from slimeflow.stages.base import StageInputError
-    from slimeflow.stages.rl.stage import check_plugins
+    from slimeflow.errors import StageInputError
+    from slimeflow.stages.train.stage import check_plugins
 
     cfg = config(rollout={"custom_generate_function_path": "no_such_module:generate"},
                  reward={"custom_rm_path": "slimeflow.rollout.rewards:no_such_reward"})
@@ -247,7 +247,7 @@ def test_an_engine_url_that_does_not_answer_is_a_clear_error_not_a_hang():
 
     from slimeflow.engine.client import EngineUnavailableError
     from slimeflow.engine.launch import free_port
-    from slimeflow.stages.rl.engines import EngineSet
+    from slimeflow.stages.train.engines import EngineSet
 
     url = f"http://127.0.0.1:{free_port()}"
     started = time.perf_counter()
@@ -274,7 +274,7 @@ class RecordingEngine:
 
 
 def test_batched_generates_issued_together_go_as_one_request_and_each_caller_gets_its_slice():
-    from slimeflow.stages.rl.engines import Coalescer
+    from slimeflow.stages.train.engines import Coalescer
 
     engine = RecordingEngine()
     coalescer = Coalescer(engine)
@@ -290,7 +290,7 @@ def test_batched_generates_issued_together_go_as_one_request_and_each_caller_get
 
 def test_a_rejected_merged_request_fails_only_the_bad_caller():
     from slimeflow.engine.client import EngineRequestError
-    from slimeflow.stages.rl.engines import Coalescer
+    from slimeflow.stages.train.engines import Coalescer
 
     engine = RecordingEngine(bad={1})
     coalescer = Coalescer(engine)

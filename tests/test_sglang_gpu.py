@@ -25,8 +25,8 @@ def test_three_rollouts_through_a_launched_sglang_server(tmp_path, weights_from)
     SGLang's /update_weights_from_tensor body of CUDA IPC handles to the trainer's buckets (engine/tensor_ipc.py)."""
     from test_train_e2e import train_config
 
-    from slimeflow.stages.rl.engine_actor import sglang_installed
-    from slimeflow.stages.rl.stage import run
+    from slimeflow.stages.train.engine_actor import sglang_installed
+    from slimeflow.stages.train.stage import run
 
     assert sglang_installed()
     sglang = {"mem_fraction_static": 0.3, **({"weights_dir": str(tmp_path / "weights")} if weights_from == "disk"

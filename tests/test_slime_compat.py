@@ -256,8 +256,8 @@ def test_a_generate_function_gets_evaluation_in_eval(make_ctx):
 
 
 def test_the_startup_check_calls_nothing_it_cannot_call():
-    from slimeflow.stages.base import StageInputError
-    from slimeflow.stages.rl.stage import check_plugins
+    from slimeflow.errors import StageInputError
+    from slimeflow.stages.train.stage import check_plugins
 
     fine = config(rollout={"dynamic_sampling_filter_path":
                            "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
@@ -317,8 +317,8 @@ CALLED_BY_MEGATRON = ["--custom-megatron-init-path", "--custom-megatron-before-l
 
 
 def test_every_slime_path_flag_is_taken_or_refused_by_name():
-    from slimeflow.config.flags import ConfigError
     from slimeflow.config.pipeline import load_stage_config
+    from slimeflow.errors import ConfigError
 
     base = ["--rollout-batch-size", "1", "--num-rollout", "1"]
     for flag in CALLED:
@@ -345,8 +345,8 @@ def test_every_slime_path_flag_is_taken_or_refused_by_name():
 
 
 def test_slimes_megatron_advantage_form_is_refused_at_start_up():
-    from slimeflow.stages.base import StageInputError
-    from slimeflow.stages.rl.stage import check_plugins
+    from slimeflow.errors import StageInputError
+    from slimeflow.stages.train.stage import check_plugins
 
     with pytest.raises(StageInputError, match="slime's Megatron form advantage"):
         check_plugins(config(algorithm={"custom_advantage_function_path": "slime_style_hooks:slime_megatron_advantage"}))
@@ -356,7 +356,7 @@ def test_a_rollout_function_in_slimes_form_runs_with_slimes_data_source(make_ctx
     from slimeflow.rollout.plugins import load_plugin
     from slimeflow.rollout.slime_rollout_functions import run_rollout_function
     from slimeflow.slime_compat.rollout.sglang_rollout import GenerateState
-    from slimeflow.stages.rl.stage import check_plugins
+    from slimeflow.stages.train.stage import check_plugins
 
     cfg = config(rollout={"rollout_function_path": "slime_style_rollout.generate_rollout",
                           "custom_generate_function_path": "slime_style_hooks:record_evaluation"})
@@ -376,7 +376,7 @@ def test_a_rollout_function_in_slimes_form_runs_with_slimes_data_source(make_ctx
 
 
 def test_reward_post_process_replaces_group_normalisation(make_ctx):
-    from slimeflow.stages.rl.advantages import AdvantageInputs, compute_advantages
+    from slimeflow.train.advantages import AdvantageInputs, compute_advantages
 
     cfg = config(algorithm={"custom_reward_post_process_path": "slime_style_hooks:scale_rewards"})
     result = run(make_ctx(ScriptedEngine({"a1": "1", "b2": "0"}), cfg),
@@ -421,7 +421,7 @@ def test_the_eval_log_function_gets_slimes_eval_data(make_ctx):
 
 def test_convert_samples_to_train_data_builds_the_train_batch(make_ctx):
     from slimeflow.rollout.slime_rollout_hooks import train_batch
-    from slimeflow.stages.rl.advantages import AdvantageInputs, compute_advantages
+    from slimeflow.train.advantages import AdvantageInputs, compute_advantages
 
     cfg = config(algorithm={"custom_convert_samples_to_train_data_path": "slime_style_hooks:to_train_data"})
     result = run(make_ctx(ScriptedEngine({"a1": "1", "b2": "0"}), cfg),
@@ -454,7 +454,7 @@ def test_an_eval_function_in_slimes_form_gives_slimes_eval_metrics(make_ctx):
 
     from slimeflow.rollout.plugins import load_plugin
     from slimeflow.rollout.slime_rollout_functions import run_eval_function
-    from slimeflow.stages.rl.stage import check_plugins
+    from slimeflow.stages.train.stage import check_plugins
 
     slime_style_hooks.EVAL_LOGGED.clear()
     cfg = config(eval={"eval_function_path": "slime_style_rollout.eval_rollout",

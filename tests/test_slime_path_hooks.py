@@ -13,17 +13,17 @@ from test_rollout import ScriptedEngine, config, run
 from test_tis_mismatch import ROLLOUT, approx, hand_batch
 
 from slimeflow import slime_compat
-from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config
 from slimeflow.config.train import AlgorithmConfig, TrainConfig
+from slimeflow.errors import ConfigError
 from slimeflow.rollout.data_source import BufferedDataSource, DataSource
 from slimeflow.rollout.plugins import load_plugin
 from slimeflow.rollout.slime_data_source import PluginDataSource
 from slimeflow.rollout.slime_plugins import slime_args
-from slimeflow.stages.rl import loop
-from slimeflow.stages.rl.actors import RolloutManager
-from slimeflow.stages.rl.loss import LossNormalizer, compute_loss, load_custom_pg_loss_reducer
-from slimeflow.stages.rl.stage import plugin_problems
+from slimeflow.stages.train import loop
+from slimeflow.stages.train.rollout_manager import RolloutManager
+from slimeflow.stages.train.stage import plugin_problems
+from slimeflow.train.loss import LossNormalizer, compute_loss, load_custom_pg_loss_reducer
 
 PLUGINS = Path(__file__).parent / "data" / "slime_plugins"
 SOURCE = "slime_style_data_source.ListDataSource"
@@ -169,7 +169,7 @@ def test_a_custom_config_sets_plugin_args_and_overrides_the_flags_it_names(tmp_p
 
 def test_editing_a_custom_configs_plugin_settings_changes_the_train_stages_cache_key(tmp_path):
     """The plug-in settings are not config fields; a pipeline rerun must still train again when they change."""
-    from slimeflow.manifest import config_hash
+    from slimeflow.io.manifest import config_hash
 
     path = custom_config(tmp_path, "max_turns: 3\n")
     before = config_hash(load_stage_config("train", None, [*TRAIN, "--custom-config-path", path]))
@@ -201,7 +201,7 @@ def test_slimes_default_class_means_slimeflows_data_source_and_its_base_classes_
 def test_the_rollout_manager_builds_the_class_and_leaves_prompt_data_to_it(tmp_path):
     from slimeflow.io.storage import Storage
     from slimeflow.rollout.raw_data import prepare_data
-    from slimeflow.stages.rl.actors import RolloutSetup, _data_source
+    from slimeflow.stages.train.rollout_manager import RolloutSetup, _data_source
 
     raw = tmp_path / "prompts.jsonl"
     raw.write_text('{"input": "x"}\n')  # raw data: slimeflow would preprocess it for its own data source
@@ -214,9 +214,10 @@ def test_the_rollout_manager_builds_the_class_and_leaves_prompt_data_to_it(tmp_p
 
 
 def test_a_custom_data_source_needs_num_rollout_but_no_prompt_data(tmp_path):
+    from slimeflow.errors import StageInputError
     from slimeflow.io.storage import Storage
-    from slimeflow.stages.base import StageContext, StageInputError
-    from slimeflow.stages.rl.stage import rollout_setup
+    from slimeflow.stages.base import StageContext
+    from slimeflow.stages.train.stage import rollout_setup
 
     argv = ["--rollout-batch-size", "2", "--num-epoch", "1", "--data-source-path", SOURCE]
     with pytest.raises(StageInputError) as err:
@@ -249,7 +250,7 @@ def scaled_by_custom_key(args, *, pg_loss, train_log_probs, rollout_log_probs, l
 
 
 def test_a_custom_tis_function_reads_the_custom_configs_keys_from_args(tmp_path):
-    from slimeflow.stages.rl.loss import load_custom_tis
+    from slimeflow.train.loss import load_custom_tis
 
     cfg = load_stage_config("train", None, [
         *TRAIN, "--custom-config-path", custom_config(tmp_path, "tis_scale: 0.5\nuse_tis: true\n"),

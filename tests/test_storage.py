@@ -8,15 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from slimeflow.errors import ChecksumError, NotFoundError, StorageError, UnsafePathError
 from slimeflow.io.storage import (
     CHUNK_SIZE,
     ArtifactRecord,
-    ChecksumError,
-    NotFoundError,
     S3Config,
     Storage,
-    StorageError,
-    UnsafePathError,
     inside,
     is_local,
     join,

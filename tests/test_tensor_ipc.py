@@ -103,8 +103,8 @@ def test_bad_bodies_are_refused_with_what_is_wrong():
 
 
 def test_the_ipc_transport_refuses_engines_on_other_hosts():
-    from slimeflow.stages.rl.engines import WeightTargets
-    from slimeflow.stages.rl.weight_sync import WeightSync
+    from slimeflow.stages.train.engines import WeightTargets
+    from slimeflow.stages.train.weight_sync import WeightSync
 
     with pytest.raises(ValueError, match=r"IPC handles\); \['http://10.0.0.7:30000'\] are elsewhere"):
         WeightSync(WeightTargets(("http://127.0.0.1:30000", "http://10.0.0.7:30000"), "hf", sglang=True),

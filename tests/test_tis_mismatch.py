@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config
 from slimeflow.config.train import AlgorithmConfig, TrainConfig
+from slimeflow.errors import ConfigError
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.rollout.types import TrainBatch
-from slimeflow.stages.rl.backend.torch_backend import TorchBackend
-from slimeflow.stages.rl.loss import LossInputs, LossNormalizer, compute_loss
-from slimeflow.stages.rl.train_step import train_on_rollout
+from slimeflow.train.backends.torch.backend import TorchBackend
+from slimeflow.train.loss import LossInputs, LossNormalizer, compute_loss
+from slimeflow.train.train_step import train_on_rollout
 
 
 def t(*values: float) -> torch.Tensor:

@@ -11,9 +11,9 @@ import torch
 from slimeflow.config.train import OptimizerConfig, TrainConfig
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.rollout.types import TrainBatch
-from slimeflow.stages.rl.backend.schedule import build_scheduler, lr_at
-from slimeflow.stages.rl.backend.torch_backend import TorchBackend
-from slimeflow.stages.rl.train_step import Prepared, accumulate_gradients, train_on_rollout
+from slimeflow.train.backends.torch.backend import TorchBackend
+from slimeflow.train.schedule import build_scheduler, lr_at
+from slimeflow.train.train_step import Prepared, accumulate_gradients, train_on_rollout
 
 LENGTHS = [(7, 3), (9, 4), (5, 2), (12, 5), (6, 3), (10, 1), (8, 4), (11, 6)]
 """(prompt + response tokens, response tokens) of the test rollout: 4 groups of 2."""
@@ -121,7 +121,7 @@ def make_group_batch() -> TrainBatch:
 
 
 def test_samples_that_share_their_inputs_share_one_forward_row(hf_dir):
-    from slimeflow.stages.rl.backend.torch_backend import distinct_rows
+    from slimeflow.train.backends.torch.backend import distinct_rows
 
     batch = make_group_batch()
     firsts, row_of = distinct_rows(batch.tokens, batch.response_lengths)
@@ -194,7 +194,7 @@ def test_warm_up_without_decay_steps_runs_in_megatrons_scheduler_and_a_too_long_
     outlasts its decay is refused by both backends with the flags to change (megatron-core only asserts)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from slimeflow.stages.rl.backend.schedule import schedule_steps
+    from slimeflow.train.schedule import schedule_steps
 
     constant = OptimizerConfig(lr=1.0, lr_warmup_iters=5)
     warmup, decay = schedule_steps(constant, None)
@@ -268,8 +268,8 @@ def test_rollout_data_postprocess_runs_on_the_torch_backend_and_its_masks_are_tr
     """slime's --rollout-data-postprocess-path (tests/data/slime_plugins/slime_megatron_hooks.py) on the torch
     backend: called once with the rollout id and slime's rollout_data, after the log-probs; it zeroes every loss
     mask, so the step has no gradient at all (without it this batch's grad_norm is 1.9)."""
-    from slimeflow.stages.rl.train_hooks import TrainHooks
-    from slimeflow.stages.rl.train_step import train_on_rollout
+    from slimeflow.train.train_hooks import TrainHooks
+    from slimeflow.train.train_step import train_on_rollout
 
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "data" / "slime_plugins"))
     import slime_megatron_hooks as plugin

@@ -9,11 +9,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config
-from slimeflow.stages.base import StageInputError
-from slimeflow.stages.rl.sinks import close_sinks, fan_out, open_sinks
-from slimeflow.stages.rl.stage import RolloutLog
+from slimeflow.errors import ConfigError, StageInputError
+from slimeflow.io.sinks import close_sinks, fan_out, open_sinks
+from slimeflow.stages.train.stage import RolloutLog
 
 BASE = ["--hf-checkpoint", "tiny:qwen3", "--prompt-data", "p.parquet", "--rollout-batch-size", "2",
         "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--num-rollout", "2"]

@@ -12,15 +12,15 @@ import torch
 
 from slimeflow.checkpoint.hf_write import write_hf
 from slimeflow.config.train import TrainConfig
+from slimeflow.errors import CheckpointError
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.io import checkpoints
+from slimeflow.io import checkpoints, ownership
 from slimeflow.io.storage import Storage
 from slimeflow.rollout.types import TrainBatch
-from slimeflow.stages.rl.backend import checkpoint as ckpt
-from slimeflow.stages.rl.backend import ownership
-from slimeflow.stages.rl.backend.checkpoint import load_checkpoint, resolve_start, save_checkpoint
-from slimeflow.stages.rl.backend.torch_backend import TorchBackend
-from slimeflow.stages.rl.train_step import train_on_rollout
+from slimeflow.train.backends.torch import checkpoint as ckpt
+from slimeflow.train.backends.torch.backend import TorchBackend
+from slimeflow.train.backends.torch.checkpoint import load_checkpoint, resolve_start, save_checkpoint
+from slimeflow.train.train_step import train_on_rollout
 
 CONFIG = TrainConfig(batch={"rollout_batch_size": 2, "n_samples_per_prompt": 2, "num_rollout": 4},
                      optimizer={"lr": 1e-3, "lr_warmup_iters": 1, "lr_decay_style": "cosine", "min_lr": 1e-4})
@@ -137,7 +137,7 @@ def test_resolve_start_falls_back_from_load_to_ref_load_to_hf(saved, tmp_path):
         start = resolve_start(load, ref.root)
         assert (start.source, start.ref, start.weights_only) == ("ref_load", ref, True)
     assert resolve_start(str(empty), None) == ckpt.StartPoint("hf_checkpoint", None, weights_only=True)
-    with pytest.raises(checkpoints.CheckpointError):
+    with pytest.raises(CheckpointError):
         resolve_start(None, str(empty))
     # ref_load: the weights only (fresh optimizer and schedule), no extra state.
     fresh = make_backend(hf_dir)
@@ -165,7 +165,7 @@ def test_a_reference_model_loads_from_ref_load(saved):
 def test_a_train_actor_whose_ray_node_died_or_whose_root_was_claimed_refuses_to_commit(tmp_path, monkeypatch):
     # After a SIGKILL of the job, an actor finishing a save finds itself reparented (its raylet exited); on a
     # cluster, the run restarted on the same --save has claimed the root.
-    from slimeflow.stages.rl.actors import TrainActor
+    from slimeflow.stages.train.train_actor import TrainActor
 
     root = tmp_path / "save"
     actor = object.__new__(TrainActor)  # the check reads the parent pid and run token recorded at start, and --save

@@ -90,8 +90,8 @@ def train_section(tmp_path: Path, model: str = MODEL, **overrides) -> dict:
     """The demo's train section (flag spelling) over the demo data, prepared by the model and preprocess stages in
     `tmp_path` (the model stage builds `model`): --hf-checkpoint, --prompt-data and --eval-prompt-data filled in."""
     from slimeflow.config.model import ModelConfig
+    from slimeflow.config.preprocess import PreprocessConfig
     from slimeflow.io.storage import Storage
-    from slimeflow.preprocess.config import PreprocessConfig
     from slimeflow.stages.base import StageContext
     from slimeflow.stages.model.stage import run as model_run
     from slimeflow.stages.preprocess.stage import run as preprocess_run
@@ -120,7 +120,7 @@ def train_config(tmp_path: Path, model: str = MODEL, **overrides):
 
 
 def test_the_demo_task_is_learned(tmp_path):
-    from slimeflow.stages.rl.stage import run
+    from slimeflow.stages.train.stage import run
 
     # With TensorBoard as a second sink (slime's --use-tensorboard): the stage opens it, feeds it and closes it.
     # No interval saves (the run still saves after its last rollout): each save converts the weights in a process
@@ -150,7 +150,7 @@ from pathlib import Path
 from slimeflow.io.storage import Storage
 from slimeflow.stages.base import StageContext
 from slimeflow.config.train import TrainConfig
-from slimeflow.stages.rl.stage import run
+from slimeflow.stages.train.stage import run
 config = TrainConfig.model_validate_json(Path(sys.argv[1]).read_text())
 run(config, StageContext(Storage(), Path(sys.argv[2]), sys.argv[2]))
 """

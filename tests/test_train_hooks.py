@@ -1,4 +1,4 @@
-"""slime's training-side hooks (stages/rl/train_hooks.py) outside a training step: the disk weight sync's post-write
+"""slime's training-side hooks (slimeflow/train/train_hooks.py) outside a training step: the disk weight sync's post-write
 hook, and the start-up check of the hooks' signatures. Their calls inside a step are tested on each backend
 (test_megatron_backend.py, test_torch_backend.py)."""
 
@@ -40,9 +40,9 @@ class RecordingServer:
 
 def test_the_post_write_hook_runs_after_the_files_are_written_and_before_the_engines_load(plugin, tmp_path):
     from slimeflow.rollout.slime_plugins import slime_args
-    from slimeflow.stages.rl.engines import WeightTargets
-    from slimeflow.stages.rl.train_hooks import post_write_hook
-    from slimeflow.stages.rl.weight_sync import WeightSync
+    from slimeflow.stages.train.engines import WeightTargets
+    from slimeflow.stages.train.weight_sync import WeightSync
+    from slimeflow.train.train_hooks import post_write_hook
 
     hf = tmp_path / "hf"
     hf.mkdir()
@@ -61,8 +61,8 @@ def test_the_post_write_hook_runs_after_the_files_are_written_and_before_the_eng
 
 
 def test_hooks_that_cannot_take_slimes_call_are_named_at_start_up(plugin):
-    from slimeflow.stages.base import StageInputError
-    from slimeflow.stages.rl.stage import check_plugins
+    from slimeflow.errors import StageInputError
+    from slimeflow.stages.train.stage import check_plugins
 
     config = TrainConfig(batch={"rollout_batch_size": 1, "num_rollout": 1}, placement={"train_backend": "megatron"},
                          train_hooks={"custom_megatron_before_train_step_hook_path": "slime_megatron_hooks:no_step_id",
@@ -83,8 +83,8 @@ def test_a_ranks_rollout_data_is_its_own_samples_and_its_changes_land_on_them():
     """With several data-parallel ranks slime's rollout_data is the rank's partition: here samples 1 and 3 of 4.
     The hook's replaced advantages and in-place loss-mask edits go back to those samples, and only to them."""
     from slimeflow.rollout.types import TrainBatch
-    from slimeflow.stages.rl.train_hooks import TrainHooks, postprocess_rollout_data
-    from slimeflow.stages.rl.train_step import Prepared
+    from slimeflow.train.train_hooks import TrainHooks, postprocess_rollout_data
+    from slimeflow.train.train_step import Prepared
 
     seen = {}
 
@@ -109,7 +109,7 @@ def test_a_provided_models_routers_take_the_runs_loss_scaling(per_token):
     aux and z losses): check_provided sets the run's --calculate-per-token-loss on the config and on them."""
     import types
 
-    from slimeflow.stages.rl.train_hooks import check_provided
+    from slimeflow.train.train_hooks import check_provided
 
     model = torch.nn.Module()
     model.config = types.SimpleNamespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,

@@ -10,10 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from slimeflow.config.train import TrainConfig
+from slimeflow.errors import StageInputError
 from slimeflow.io.storage import Storage
 from slimeflow.preprocess.writer import schema_for
-from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.rl import stage
+from slimeflow.stages.base import StageContext
+from slimeflow.stages.train import stage
 
 
 def prompt_parquet(path, rows: int):
@@ -67,7 +68,7 @@ def test_good_data_passes_the_check(tmp_path):
 
 
 def test_evaluate_checks_its_sets_the_same_way(tmp_path):
-    from slimeflow.stages.evaluate.config import EvaluateConfig
+    from slimeflow.config.evaluate import EvaluateConfig
     from slimeflow.stages.evaluate.stage import _eval_sets
 
     prompt_parquet(tmp_path / "zero.parquet", 0)
@@ -111,7 +112,7 @@ def test_an_actor_failure_reaches_the_driver_with_its_type_and_message():
     import ray
 
     from slimeflow.cluster import LOCAL_RAY_SYSTEM_CONFIG
-    from slimeflow.stages.rl.remote import LoopError, call, hosted
+    from slimeflow.stages.train.remote import LoopError, call, hosted
 
     started = not ray.is_initialized()  # an in-process train test earlier in the session may have left its Ray up
     if started:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from slimeflow.config.flags import ConfigError
 from slimeflow.config.pipeline import load_stage_config
+from slimeflow.errors import ConfigError
 
 TRAIN = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "2"]
 

@@ -21,11 +21,11 @@ from slimeflow.checkpoint.launch import Launcher, launch
 from slimeflow.checkpoint.mapping import ModelShape, expected_hf_tensors, expert_hf_tensors, global_rules
 from slimeflow.checkpoint.staging import JOB_PREFIX, claimed_dir, remove_abandoned, staging_prefix
 from slimeflow.checkpoint.worker import Job, Share
+from slimeflow.errors import CheckpointError, StageInputError
 from slimeflow.families import FamilySpec, family_for, supported_architectures
 from slimeflow.io import checkpoints
-from slimeflow.io.checkpoints import RELEASE, CheckpointError
+from slimeflow.io.checkpoints import RELEASE
 from slimeflow.io.storage import Storage, inside, is_local, join, local_path
-from slimeflow.stages.base import StageInputError
 
 ITERATION = 1  # a converted model is saved as iteration 1 and published as release/, as Megatron's tools do
 

@@ -14,19 +14,20 @@ from typing import Any
 
 from slimeflow.checkpoint.publish import MARKER, STAGING, ExportMarker, read_marker
 from slimeflow.config.model import ModelConfig
+from slimeflow.errors import StageInputError, UnsafePathError
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model, is_tiny_uri
-from slimeflow.io.storage import ArtifactRecord, Storage, UnsafePathError, inside, is_local, join, local_path
+from slimeflow.io.storage import ArtifactRecord, Storage, inside, is_local, join, local_path
 from slimeflow.progress import byte_progress
-from slimeflow.stages.base import StageContext, StageInputError
 
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def materialise(config: ModelConfig, ctx: StageContext) -> Path:
-    """A local directory holding the checkpoint: built (tiny spec), downloaded (remote URI) or used in place."""
+def materialise(config: ModelConfig, storage: Storage, workdir: Path, show_progress: bool = False) -> Path:
+    """A local directory holding the checkpoint: built (tiny spec), downloaded (remote URI) or used in place.
+    Built and downloaded ones go under --cache-dir, else `workdir`/model."""
     spec = config.hf_checkpoint
-    target_root = Path(config.cache_dir) if config.cache_dir else ctx.workdir / "model"
+    target_root = Path(config.cache_dir) if config.cache_dir else workdir / "model"
     if is_tiny_uri(spec):
         tiny = TinyModelSpec.from_uri(spec)
         target = target_root / ("tiny-" + hashlib.sha256(tiny.to_uri().encode()).hexdigest()[:12])
@@ -39,17 +40,17 @@ def materialise(config: ModelConfig, ctx: StageContext) -> Path:
                                   "Give an HF model directory (config.json, tokenizer, safetensors weights).")
         return path
     target = target_root / ("remote-" + hashlib.sha256(spec.encode()).hexdigest()[:12])
-    files = ctx.storage.list(spec, recursive=True)
+    files = storage.list(spec, recursive=True)
     if not files:
         raise StageInputError(f"--hf-checkpoint {spec}", ["holds no files"], "Check the URI and the S3 credentials.")
-    exported = _complete_export(ctx.storage, spec, files)
-    with byte_progress(f"download {spec}", None, ctx.show_progress) as advance:
+    exported = _complete_export(storage, spec, files)
+    with byte_progress(f"download {spec}", None, show_progress) as advance:
         if exported is None:
-            ctx.storage.copy_tree(spec, str(target), progress=advance)
+            storage.copy_tree(spec, str(target), progress=advance)
         else:  # our own export: exactly the files its marker lists, each checked against its sha256
             for record in exported.files:
                 relative = inside(spec, record.path)
-                ctx.storage.get_file(join(spec, relative), target / relative, expect=record)
+                storage.get_file(join(spec, relative), target / relative, expect=record)
                 advance(record.size)
     return target
 

@@ -18,8 +18,8 @@ from slimeflow.checkpoint.integrity import verify_checkpoint
 from slimeflow.checkpoint.mapping import ModelShape, global_rules, megatron_to_hf
 from slimeflow.checkpoint.staging import claimed_dir, remove_abandoned
 from slimeflow.checkpoint.torch_dist import load_torch_dist, read_common, tensor_metadata, unstack_layers
+from slimeflow.errors import StageInputError
 from slimeflow.families import FamilySpec, family_for, supported_architectures
-from slimeflow.stages.base import StageInputError
 
 MAX_SHARD_BYTES = 4 * 1024**3
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")

@@ -19,7 +19,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from slimeflow.io.checkpoints import COMPLETE_MARKERS, CheckpointError
+from slimeflow.errors import CheckpointError
+from slimeflow.io.checkpoints import COMPLETE_MARKERS
 from slimeflow.io.storage import ArtifactRecord, Storage
 
 logger = logging.getLogger(__name__)

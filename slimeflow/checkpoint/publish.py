@@ -32,9 +32,9 @@ from typing import Literal
 
 import pydantic
 
-from slimeflow.io.storage import ArtifactRecord, NotFoundError, Storage, StorageError, inside, join
-from slimeflow.manifest import content_hash
-from slimeflow.stages.base import StageInputError
+from slimeflow.errors import NotFoundError, StageInputError, StorageError
+from slimeflow.io.manifest import content_hash
+from slimeflow.io.storage import ArtifactRecord, Storage, inside, join
 
 MARKER = ".slimeflow-export.json"
 STAGING = ".slimeflow-staging"

@@ -18,21 +18,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError
 
 from slimeflow.config.slime_flags import deferred, explain_unknown
+from slimeflow.errors import ConfigError
 
 Kind = Literal["bool", "list", "pairs", "scalar"]
 SGLANG_PREFIX = "--sglang-"
 ROUTER_PREFIX = "--router-"
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used: every line names the flag (or key), the value and what is allowed."""
-
-    def __init__(self, problems: Sequence[str], where: str = ""):
-        self.problems = list(problems)
-        head = f"invalid configuration{f' ({where})' if where else ''}:"
-        super().__init__("\n".join([head, *(f"  {p}" for p in self.problems)]))
-
-
 @dataclass(frozen=True)
 class Leaf:
     """One flag: where its value lives in the config tree, and how the command line spells and parses it."""

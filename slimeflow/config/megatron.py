@@ -147,7 +147,7 @@ class MegatronConfig(ConfigModel):
     """Fused token permutation (Transformer Engine, GPUs)."""
 
     # Precision and kernels (Megatron-LM's flags that slime's scripts pass): read by the Megatron backend only, as
-    # megatron-core's TransformerConfig / DDP config fields (stages/rl/backend/megatron_kernels.py).
+    # megatron-core's TransformerConfig / DDP config fields (slimeflow/train/backends/megatron/kernels.py).
     attention_softmax_in_fp32: bool = False
     """Attention softmax in fp32 under --bf16 (TransformerConfig's; torch's fused attention, the CPU path, always
     computes it in fp32)."""
@@ -165,7 +165,7 @@ class MegatronConfig(ConfigModel):
 
     # Determinism and the optimizer's memory (Megatron-LM's flags that slime's scripts pass): read by the Megatron
     # backend only, as megatron-core's TransformerConfig / OptimizerConfig fields; what needs a GPU or Transformer
-    # Engine is refused at start where they are missing (stages/rl/backend/megatron_kernels.py).
+    # Engine is refused at start where they are missing (slimeflow/train/backends/megatron/kernels.py).
     deterministic_mode: bool = False
     """megatron-core's deterministic code paths and torch.use_deterministic_algorithms for the trainers' lifetime;
     on GPUs also deterministic NCCL, cuBLAS and Transformer Engine attention (their environment variables)."""

@@ -22,7 +22,8 @@ def actor_overrides(path: str, index: Any) -> dict[str, Any]:
     FlagIndex). Raises ConfigError naming the file and every key or entry it cannot take."""
     import yaml
 
-    from slimeflow.config.flags import ConfigError, nest_keys
+    from slimeflow.config.flags import nest_keys
+    from slimeflow.errors import ConfigError
 
     where = f"--megatron-config-path {path}"
     try:

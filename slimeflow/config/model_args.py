@@ -9,7 +9,7 @@ SP), the distributed optimizer and recompute are Megatron's; the torch backend t
 --actor-num-nodes x --actor-num-gpus-per-node ranks, so a non-default value is refused; the Megatron backend builds
 TP, SP, PP (with the interleaved schedule), DP, EP, the distributed optimizer and recomputation and refuses the
 rest by name (MEGATRON_NOT_BUILT; its
-start-up checks are stages/rl/model_args.py's megatron_backend_problems).
+start-up checks are slimeflow/train/backends/megatron/preflight.py's megatron_backend_problems).
 """
 
 from __future__ import annotations

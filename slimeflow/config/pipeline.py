@@ -14,18 +14,21 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from slimeflow import stages
 from slimeflow.config.base import ConfigModel
-from slimeflow.config.flags import ConfigError, FlagIndex, merge, nest_keys, parse_flags, validate
+from slimeflow.config.convert import ConvertConfig
+from slimeflow.config.evaluate import EvaluateConfig
+from slimeflow.config.export import ExportConfig
+from slimeflow.config.flags import FlagIndex, merge, nest_keys, parse_flags, validate
 from slimeflow.config.infra import InfraConfig
 from slimeflow.config.model import ModelConfig
 from slimeflow.config.model_args import TRAINING_ONLY
+from slimeflow.config.preprocess import PreprocessConfig
 from slimeflow.config.slime_flags import deferred, explain_unknown
 from slimeflow.config.train import MegatronConfig, TrainConfig
-from slimeflow.preprocess.config import PreprocessConfig
-from slimeflow.stages.convert.config import ConvertConfig
-from slimeflow.stages.evaluate.config import EvaluateConfig
-from slimeflow.stages.export.config import ExportConfig
+from slimeflow.errors import ConfigError
+
+PIPELINE_ORDER: tuple[str, ...] = ("model", "convert", "preprocess", "train", "evaluate", "export")
+"""The stages, in the order a pipeline runs them."""
 
 STAGE_CONFIGS: dict[str, type[ConfigModel]] = {
     "model": ModelConfig,
@@ -100,23 +103,17 @@ class PipelineConfig(RunSettings):
 
     @model_validator(mode="after")
     def _stages(self) -> PipelineConfig:
-        configured = [s for s in stages.PIPELINE_ORDER if getattr(self, s) is not None]
-        chosen = self.stages if self.stages is not None else [s for s in configured if s in stages.available()]
-        unknown = [s for s in chosen if s not in stages.PIPELINE_ORDER]
+        configured = [s for s in PIPELINE_ORDER if getattr(self, s) is not None]
+        chosen = self.stages if self.stages is not None else configured
+        unknown = [s for s in chosen if s not in PIPELINE_ORDER]
         if unknown:
-            raise ValueError(f"--stages {unknown}: unknown stage; the stages are {', '.join(stages.PIPELINE_ORDER)}")
-        missing = [s for s in chosen if s not in stages.available()]
-        if missing:
-            raise ValueError(
-                f"--stages: {', '.join(missing)} not available in this version of slimeflow "
-                f"(available: {', '.join(stages.available())}); remove it from the stage list"
-            )
+            raise ValueError(f"--stages {unknown}: unknown stage; the stages are {', '.join(PIPELINE_ORDER)}")
         unconfigured = [s for s in chosen if getattr(self, s) is None]
         if unconfigured:
             raise ValueError(f"--stages: {', '.join(unconfigured)} selected but has no config section")
         if not chosen:
-            raise ValueError(f"no stage to run: configure at least one of {', '.join(stages.available())}")
-        self.__dict__["stages"] = [s for s in stages.PIPELINE_ORDER if s in chosen]
+            raise ValueError(f"no stage to run: configure at least one of {', '.join(PIPELINE_ORDER)}")
+        self.__dict__["stages"] = [s for s in PIPELINE_ORDER if s in chosen]
         return self
 
     def settings(self) -> RunSettings:

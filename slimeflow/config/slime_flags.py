@@ -31,7 +31,7 @@ _SANDWICH = ("GLM4's sandwich norms come from its HF config (model_type glm4), w
 # Megatron-LM flags that slime's scripts/run-*.sh and scripts/models/*.sh pass (THUDM/slime 624b824a8).
 # (--bf16's precision flags, the fusion switches, --attention-backend, --lr-warmup-fraction, --deterministic-mode and
 # the optimizer's --use-precision-aware-optimizer and --optimizer-cpu-offload options are taken: the Megatron backend
-# sets them as megatron-core fields, stages/rl/backend/megatron_kernels.py.)
+# sets them as megatron-core fields, slimeflow/train/backends/megatron/kernels.py.)
 NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (
     "--decoder-last-pipeline-num-layers", "--rotary-interleaved", "--no-position-embedding",
 )})

@@ -476,7 +476,7 @@ class WeightSyncConfig(ConfigModel):
 
 
 class TrainHooksConfig(ConfigModel):
-    """slime's hooks into its Megatron actor (stages/rl/train_hooks.py), called at the same points of a training
+    """slime's hooks into its Megatron actor (slimeflow/train/train_hooks.py), called at the same points of a training
     step, with slime's `args` (every train flag by its slime name, and the checkpoint's Megatron args)."""
 
     custom_megatron_init_path: PluginPath = None
@@ -700,8 +700,9 @@ class TrainConfig(ConfigModel):
         """--megatron-config-path: its actor overrides win over the other values, as in slime."""
         if not isinstance(data, dict) or not data.get("megatron_config_path"):
             return data
-        from slimeflow.config.flags import ConfigError, FlagIndex, merge
+        from slimeflow.config.flags import FlagIndex, merge
         from slimeflow.config.megatron_roles import actor_overrides
+        from slimeflow.errors import ConfigError
 
         try:
             return merge(data, actor_overrides(str(data["megatron_config_path"]), FlagIndex(cls)))

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from slimeflow.config.flags import ConfigError
+from slimeflow.errors import ConfigError
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

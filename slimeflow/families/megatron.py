@@ -289,7 +289,7 @@ def gpt_model_from_args(args: argparse.Namespace, dtype: torch.dtype = torch.flo
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-    from slimeflow._compat import megatron_on_cpu
+    from slimeflow.train.backends.megatron.shims import megatron_on_cpu
 
     mla = _mla_config(args)
     fields = dict(

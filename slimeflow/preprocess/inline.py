@@ -16,13 +16,13 @@ from typing import Any
 
 import orjson
 
+from slimeflow.config.preprocess import PreprocessConfig
+from slimeflow.errors import StageInputError, StorageError
+from slimeflow.io.manifest import Manifest
 from slimeflow.io.prompts import COLUMNS
-from slimeflow.io.storage import Storage, StorageError, join
-from slimeflow.manifest import Manifest
-from slimeflow.preprocess.config import PreprocessConfig
+from slimeflow.io.storage import Storage, join
 from slimeflow.preprocess.pipeline import MANIFEST, preprocess
 from slimeflow.preprocess.sources import file_format, resolve
-from slimeflow.stages.base import StageInputError
 
 TRAIN = "train"
 """The set name --prompt-data gets (the preprocess stage's training set)."""

@@ -23,15 +23,15 @@ from typing import Any
 import numpy as np
 import orjson
 
-from slimeflow.io.storage import ArtifactRecord, Storage, StorageError, UnsafePathError, inside, join
-from slimeflow.manifest import Manifest, content_hash
-from slimeflow.preprocess.config import PreprocessConfig
+from slimeflow.config.preprocess import PreprocessConfig
+from slimeflow.errors import StageInputError, StorageError, UnsafePathError
+from slimeflow.io.manifest import Manifest, content_hash
+from slimeflow.io.storage import ArtifactRecord, Storage, inside, join
 from slimeflow.preprocess.prepare import PreparedBatch, Preparer, Rows, first_seen
 from slimeflow.preprocess.sources import Problem, read_batches, resolve, unreadable
 from slimeflow.preprocess.staging import staging_dir
 from slimeflow.preprocess.tokens import PromptTokenizer, TokenStats
 from slimeflow.preprocess.writer import SCHEMA, DatasetWriter, Deduper
-from slimeflow.stages.base import StageInputError
 
 PART = "part-00000.parquet"
 QUARANTINE = "quarantine.jsonl"

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from slimeflow.preprocess.config import PreprocessConfig
+from slimeflow.config.preprocess import PreprocessConfig
 from slimeflow.preprocess.rows import Prepared, RowError, RowMapper, is_empty
 from slimeflow.preprocess.sources import Problem, SourceBatch, json_default
 from slimeflow.preprocess.tokens import PromptTokenizer

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from slimeflow.preprocess.config import PreprocessConfig
+from slimeflow.config.preprocess import PreprocessConfig
 from slimeflow.preprocess.sources import json_default
 
 Prompt = str | list[dict[str, Any]]

@@ -24,8 +24,8 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from slimeflow.io.storage import Storage, StorageError, is_local, local_path
-from slimeflow.stages.base import StageInputError
+from slimeflow.errors import StageInputError, StorageError
+from slimeflow.io.storage import Storage, is_local, local_path
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 RAW_LIMIT = 2000

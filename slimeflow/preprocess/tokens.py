@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from slimeflow.errors import StageInputError
 from slimeflow.io.storage import is_local, local_path
 from slimeflow.preprocess.rows import Prompt, RowError
-from slimeflow.stages.base import StageInputError
 
 HISTOGRAM_EDGES = (0, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 COUNT_CHUNK = 2048

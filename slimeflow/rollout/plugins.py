@@ -8,10 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from slimeflow import slime_compat
-
-
-class PluginError(ValueError):
-    """A plug-in path that cannot be loaded: names the flag, the path and the reason."""
+from slimeflow.errors import PluginError
 
 
 def load_plugin(path: str, flag: str) -> Callable[..., Any]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from slimeflow.config.preprocess import PreprocessConfig
 from slimeflow.config.train import DataConfig, TrainConfig
 from slimeflow.io.storage import Storage
-from slimeflow.preprocess.config import PreprocessConfig
 from slimeflow.preprocess.inline import TRAIN, PreparedSet, is_raw, prepare_raw
 
 logger = logging.getLogger(__name__)

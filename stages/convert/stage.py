@@ -21,14 +21,15 @@ from slimeflow.checkpoint.hf_source import fingerprint, materialise
 from slimeflow.checkpoint.hf_write import write_hf
 from slimeflow.checkpoint.integrity import CHECKSUMS, write_checksums
 from slimeflow.checkpoint.staging import claimed_dir, staging_prefix
+from slimeflow.config.convert import ConvertConfig
 from slimeflow.config.model import ModelConfig
 from slimeflow.config.model_args import check_model_args
+from slimeflow.errors import CheckpointError, StageInputError
 from slimeflow.io import checkpoints
 from slimeflow.io.checkpoints import RELEASE
+from slimeflow.io.manifest import Manifest, content_hash
 from slimeflow.io.storage import Storage, is_local, join, local_path
-from slimeflow.manifest import Manifest, content_hash
-from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.convert.config import ConvertConfig
+from slimeflow.stages.base import StageContext
 
 
 def run(config: ConvertConfig, ctx: StageContext) -> Manifest:
@@ -42,7 +43,8 @@ def _to_torch_dist(config: ConvertConfig, ctx: StageContext) -> Manifest:
     if config.hf_checkpoint is None:
         raise StageInputError("convert hf-to-torch-dist", ["no HF checkpoint given"],
                               "Pass --hf-checkpoint DIR (in a pipeline, the model stage's output is used).")
-    source = read_hf_source(materialise(ModelConfig(hf_checkpoint=config.hf_checkpoint), ctx),
+    source = read_hf_source(materialise(ModelConfig(hf_checkpoint=config.hf_checkpoint), ctx.storage,
+                                          ctx.workdir, ctx.show_progress),
                             config.megatron.make_vocab_size_divisible_by, config.megatron.tensor_model_parallel_size)
     check_model_flags(config, source.path / "config.json", "--hf-checkpoint")
     save = config.save or str(ctx.workdir / "torch_dist")
@@ -87,7 +89,7 @@ def run_to_hf(config: ConvertConfig, ctx: StageContext) -> Manifest:
     assert config.input_dir and config.output_dir and config.origin_hf_dir
     try:
         ref = checkpoints.resolve(ctx.storage, config.input_dir)
-    except checkpoints.CheckpointError as err:
+    except CheckpointError as err:
         raise StageInputError(f"--input-dir {config.input_dir}", [str(err)],
                               "Point it at a checkpoint root, release/ or an iter_XXXXXXX/ directory.") from None
     origin = local_path(config.origin_hf_dir)

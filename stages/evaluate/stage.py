@@ -9,13 +9,14 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slimeflow.config.evaluate import EvaluateConfig
 from slimeflow.config.train import DataConfig
+from slimeflow.errors import CheckpointError, StageInputError
 from slimeflow.io import checkpoints
+from slimeflow.io.manifest import Manifest
 from slimeflow.io.storage import join, local_path
-from slimeflow.manifest import Manifest
 from slimeflow.rollout.raw_data import PreparedSet, manifest_entries, prepare_eval_sets, preprocess_config
-from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.evaluate.config import EvaluateConfig
+from slimeflow.stages.base import StageContext
 
 if TYPE_CHECKING:
     from slimeflow.engine.client import EngineClient
@@ -93,7 +94,7 @@ def _model_dir(config: EvaluateConfig, ctx: StageContext) -> tuple[Path, str]:
         return Path(config.hf_checkpoint), config.hf_checkpoint
     try:
         ref = checkpoints.resolve(ctx.storage, config.load)
-    except checkpoints.CheckpointError as err:
+    except CheckpointError as err:
         raise StageInputError(f"--load {config.load}", [str(err)],
                               "Point it at a checkpoint root, release/ or an iter_XXXXXXX/ directory.") from None
     target = ctx.workdir / "evaluate" / "hf"

@@ -15,11 +15,12 @@ from pathlib import Path
 from slimeflow.checkpoint.hf_source import fingerprint
 from slimeflow.checkpoint.hf_write import write_hf
 from slimeflow.checkpoint.publish import MARKER, check_target, publish, write_marker
+from slimeflow.config.export import ExportConfig, parse_size
+from slimeflow.errors import CheckpointError, StageInputError
 from slimeflow.io import checkpoints
+from slimeflow.io.manifest import Manifest, content_hash
 from slimeflow.io.storage import is_local, join, local_path
-from slimeflow.manifest import Manifest, content_hash
-from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.export.config import ExportConfig, parse_size
+from slimeflow.stages.base import StageContext
 
 
 def run(config: ExportConfig, ctx: StageContext) -> Manifest:
@@ -56,7 +57,7 @@ def _inputs(config: ExportConfig, ctx: StageContext) -> tuple[checkpoints.Checkp
                               "In a pipeline these come from the train and model stages; alone, pass them.")
     try:
         ref = checkpoints.resolve(ctx.storage, config.input_dir)
-    except checkpoints.CheckpointError as err:
+    except CheckpointError as err:
         raise StageInputError(f"--input-dir {config.input_dir}", [str(err)],
                               "Point it at a checkpoint root, release/ or an iter_XXXXXXX/ directory.") from None
     if not is_local(ref.uri):

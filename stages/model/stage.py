@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from slimeflow.checkpoint.hf_source import fingerprint, inspect_hf_dir, materialise
 from slimeflow.config.model import ModelConfig
-from slimeflow.manifest import Manifest, content_hash
+from slimeflow.io.manifest import Manifest, content_hash
 from slimeflow.stages.base import StageContext
 
 
 def run(config: ModelConfig, ctx: StageContext) -> Manifest:
     """Materialise `config.hf_checkpoint` locally, validate it, and return its manifest."""
-    local = materialise(config, ctx)
+    local = materialise(config, ctx.storage, ctx.workdir, ctx.show_progress)
     facts = inspect_hf_dir(local)
     records = fingerprint(local, ctx.storage, ctx.show_progress)
     return Manifest(

@@ -4,9 +4,9 @@ on raw data sets."""
 
 from __future__ import annotations
 
+from slimeflow.config.preprocess import PreprocessConfig
+from slimeflow.io.manifest import Manifest
 from slimeflow.io.storage import join
-from slimeflow.manifest import Manifest
-from slimeflow.preprocess.config import PreprocessConfig
 from slimeflow.preprocess.pipeline import preprocess
 from slimeflow.stages.base import StageContext
 

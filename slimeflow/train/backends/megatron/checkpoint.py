@@ -33,17 +33,18 @@ from slimeflow.checkpoint.hf_write import replace_dir
 from slimeflow.checkpoint.integrity import verify_checkpoint, write_checksums
 from slimeflow.checkpoint.staging import claimed_dir, staging_prefix
 from slimeflow.checkpoint.torch_dist import CHECKPOINT_VERSION, read_common, tensor_metadata
+from slimeflow.errors import CheckpointError
 from slimeflow.io import checkpoints
-from slimeflow.io.checkpoints import RELEASE, CheckpointError, CheckpointRef
+from slimeflow.io.checkpoints import RELEASE, CheckpointRef
+from slimeflow.io.ownership import local_root
 from slimeflow.io.storage import Storage
-from slimeflow.stages.rl.backend.checkpoint import EXTRA_STATE, SIDE_DIR, reading
-from slimeflow.stages.rl.backend.ownership import local_root
-from slimeflow.stages.rl.backend.rng import rng_state, set_rng_state
+from slimeflow.train.backends.torch.checkpoint import EXTRA_STATE, SIDE_DIR, reading
+from slimeflow.train.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend
+    from slimeflow.train.backends.megatron.backend import MegatronBackend
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def save_checkpoint(backend: MegatronBackend, root: str | Path, rollout_id: int,
     """
     from megatron.core import dist_checkpointing
 
-    from slimeflow._compat import in_process_write_results
+    from slimeflow.train.backends.megatron.shims import in_process_write_results
 
     extra_json = json.dumps(extra_state)  # fail before writing anything
     root_path, name = local_root(root), checkpoints.iteration_dirname(rollout_id)

@@ -16,11 +16,11 @@ import torch
 
 from slimeflow.config.train import TrainConfig
 from slimeflow.rollout.types import TrainBatch
-from slimeflow.stages.rl.advantages import AdvantageInputs, compute_advantages
-from slimeflow.stages.rl.backend.torch_backend import LogProbs, TorchBackend, scoring_model
-from slimeflow.stages.rl.loss import LossInputs, LossNormalizer, LossOutput, compute_loss
-from slimeflow.stages.rl.packing import split_for_data_parallel
-from slimeflow.stages.rl.train_hooks import TrainHooks, postprocess_rollout_data
+from slimeflow.train.advantages import AdvantageInputs, compute_advantages
+from slimeflow.train.backends.torch.backend import LogProbs, TorchBackend, scoring_model
+from slimeflow.train.loss import LossInputs, LossNormalizer, LossOutput, compute_loss
+from slimeflow.train.packing import split_for_data_parallel
+from slimeflow.train.train_hooks import TrainHooks, postprocess_rollout_data
 
 
 @dataclass

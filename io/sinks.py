@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from slimeflow.config.train import LoggingConfig
-from slimeflow.stages.base import StageInputError
+from slimeflow.errors import StageInputError
 
 LogMetrics = Callable[[dict[str, float], int], None]
 

@@ -1,7 +1,7 @@
 """The torch training backend: a transformers causal LM trained with AdamW, on a CPU or one GPU, data parallel.
 
 Every data-parallel rank (a Ray actor in production, a process in tests) holds a full replica. The loss of
-slimeflow.stages.rl.loss is normalised by the global batch, so after backward each rank's gradients are summed
+slimeflow.train.loss is normalised by the global batch, so after backward each rank's gradients are summed
 (all-reduce SUM) and every replica takes the same step. Dropout is off (the model stays in eval mode), as in
 slime's RL runs, so the trainer's log-probs of a batch do not depend on the mode they were computed in.
 """
@@ -21,11 +21,11 @@ from slimeflow.config.train import AlgorithmConfig, BatchConfig, OptimizerConfig
 from slimeflow.families.experts import fuse_experts, split_experts
 from slimeflow.offload import module_tensors, optimizer_tensors
 from slimeflow.rollout.types import TrainBatch
-from slimeflow.stages.rl import algorithms as alg
-from slimeflow.stages.rl.backend.rng import seed_everything
-from slimeflow.stages.rl.backend.schedule import build_scheduler
-from slimeflow.stages.rl.loss import LossOutput, LossPlugins
-from slimeflow.stages.rl.packing import pack_micro_batches
+from slimeflow.train import algorithms as alg
+from slimeflow.train.loss import LossOutput, LossPlugins
+from slimeflow.train.packing import pack_micro_batches
+from slimeflow.train.rng import seed_everything
+from slimeflow.train.schedule import build_scheduler
 
 
 @dataclass
@@ -124,7 +124,7 @@ class TorchBackend:
     def _load_reference(self, ref_load: str | None) -> torch.nn.Module:
         model = load_model(self.hf_checkpoint, self.device, trainable=False)
         if ref_load is not None:
-            from slimeflow.stages.rl.backend.checkpoint import read_weights
+            from slimeflow.train.backends.torch.checkpoint import read_weights
 
             assign_weights(model, read_weights(ref_load, self.hf_checkpoint), f"--ref-load {ref_load}")
         return model

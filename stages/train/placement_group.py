@@ -9,7 +9,7 @@ from typing import Any
 
 import ray
 
-from slimeflow.stages.rl.placement_plan import BundleLocation, PlacementPlan, bind_slots, engine_problems
+from slimeflow.stages.train.placement_plan import BundleLocation, PlacementPlan, bind_slots, engine_problems
 
 PLACEMENT_GROUP_TIMEOUT_S = 300.0
 """How long to wait for Ray to find the GPUs of the group (slime waits without limit; we say what is missing)."""
@@ -41,7 +41,7 @@ class EnginePlacement:
 
     def start(self, model_path: str, api_key: str, num_threads: int | None) -> list[Any]:
         """An EngineActor per engine, starting (engine_actor.PlacedEngine handles)."""
-        from slimeflow.stages.rl.engine_actor import EngineSpec, start_engine_actors
+        from slimeflow.stages.train.engine_actor import EngineSpec, start_engine_actors
 
         specs = [EngineSpec(self.kind, model_path, rank, self.num_gpus_per_engine, base,
                             self.seed + rank * self.num_gpus_per_node, self.server_args, num_threads, api_key,

@@ -14,8 +14,8 @@ import torch
 
 from slimeflow.config.train import AlgorithmConfig
 from slimeflow.rollout.plugins import load_plugin
-from slimeflow.stages.rl import algorithms as alg
-from slimeflow.stages.rl.advantages import CustomAdvantage, load_custom_advantage
+from slimeflow.train import algorithms as alg
+from slimeflow.train.advantages import CustomAdvantage, load_custom_advantage
 
 Reduce = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 """Per-sample token values -> this micro-batch's share of the global-batch aggregate."""

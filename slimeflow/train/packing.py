@@ -1,7 +1,7 @@
 """Dynamic batch sizing: pack samples into micro-batches under a token budget, and balance data-parallel ranks.
 
 Packing changes only how samples are grouped for forward/backward; with the global-batch normaliser of
-slimeflow.stages.rl.loss the loss and gradients are the same for any packing.
+slimeflow.train.loss the loss and gradients are the same for any packing.
 """
 
 from __future__ import annotations

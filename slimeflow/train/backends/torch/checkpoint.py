@@ -37,14 +37,15 @@ from slimeflow.checkpoint.integrity import verify_checkpoint, write_checksums
 from slimeflow.checkpoint.mapping import ModelShape, megatron_to_hf
 from slimeflow.checkpoint.staging import claimed_dir, held
 from slimeflow.checkpoint.torch_dist import load_torch_dist, unstack_layers
+from slimeflow.errors import CheckpointError
 from slimeflow.io import checkpoints
-from slimeflow.io.checkpoints import RELEASE, CheckpointError, CheckpointRef
+from slimeflow.io.checkpoints import RELEASE, CheckpointRef
+from slimeflow.io.ownership import local_root
 from slimeflow.io.storage import Storage, local_path
-from slimeflow.stages.rl.backend.ownership import local_root
-from slimeflow.stages.rl.backend.rng import rng_state, set_rng_state
+from slimeflow.train.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
-    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
+    from slimeflow.train.backends.torch.backend import TorchBackend
 
 logger = logging.getLogger(__name__)
 

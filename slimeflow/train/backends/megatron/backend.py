@@ -19,7 +19,7 @@ fused kernel (families.megatron.sdpa_attention), on right-padded rows as the tor
 
 The model's shape is the Megatron args of the torch_dist checkpoint it starts from (--load or --ref-load, as
 slime's Megatron backend; the convert stage writes one from the HF checkpoint); every rank reads its own share.
-On a CPU every call into megatron runs inside `slimeflow._compat.megatron_on_cpu`; on any machine inside
+On a CPU every call into megatron runs inside `slimeflow.train.backends.megatron.shims.megatron_on_cpu`; on any machine inside
 `megatron_fixes` (megatron-core bugs shimmed: the routers' expert-bias count with a padding mask). An MoE model gets
 the padding mask of every micro-batch, so padding counts in no router statistic (expert-bias loads, aux and z losses).
 """
@@ -32,12 +32,11 @@ from typing import Any
 
 import torch
 
-from slimeflow._compat import megatron_runtime
 from slimeflow.config.train import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig
 from slimeflow.offload import module_tensors, optimizer_tensors
 from slimeflow.rollout.types import TrainBatch
-from slimeflow.stages.rl.backend.determinism import DeterministicMode
-from slimeflow.stages.rl.backend.megatron_kernels import (
+from slimeflow.train.backends.megatron.determinism import DeterministicMode
+from slimeflow.train.backends.megatron.kernels import (
     Kernels,
     grad_reduce_in_fp32,
     in_precision,
@@ -46,13 +45,13 @@ from slimeflow.stages.rl.backend.megatron_kernels import (
     transformer_fields,
     unwrapped,
 )
-from slimeflow.stages.rl.backend.megatron_layout import (
+from slimeflow.train.backends.megatron.layout import (
     check_moe,
     moe_runtime,
     virtual_pipeline_stages,
 )
-from slimeflow.stages.rl.backend.rng import seed_everything
-from slimeflow.stages.rl.backend.torch_backend import (
+from slimeflow.train.backends.megatron.shims import megatron_runtime
+from slimeflow.train.backends.torch.backend import (
     LogProbs,
     RowLayout,
     default_device,
@@ -63,9 +62,10 @@ from slimeflow.stages.rl.backend.torch_backend import (
     scoring_model,
     sum_over_ranks,
 )
-from slimeflow.stages.rl.loss import LossOutput, LossPlugins
-from slimeflow.stages.rl.packing import pack_micro_batches
-from slimeflow.stages.rl.train_hooks import TrainHooks, check_provided
+from slimeflow.train.loss import LossOutput, LossPlugins
+from slimeflow.train.packing import pack_micro_batches
+from slimeflow.train.rng import seed_everything
+from slimeflow.train.train_hooks import TrainHooks, check_provided
 
 LossOf = Callable[[list[int], LogProbs], LossOutput]
 
@@ -218,7 +218,7 @@ class MegatronBackend:
                 "recompute_num_layers": m.recompute_num_layers}
 
     def _reference(self, ref_load: str | None) -> list[torch.nn.Module]:
-        from slimeflow.stages.rl.backend.megatron_checkpoint import load_weights
+        from slimeflow.train.backends.megatron.checkpoint import load_weights
 
         if ref_load is None:
             raise ValueError("--use-kl-loss or --kl-coef > 0 with --train-backend megatron needs --ref-load (the "
@@ -258,7 +258,7 @@ class MegatronBackend:
         per parameter group, which is what leaves norms and biases undecayed)."""
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from slimeflow.stages.rl.backend.schedule import schedule_steps
+        from slimeflow.train.schedule import schedule_steps
 
         o = self.optimizer_config
         warmup, decay = schedule_steps(o, total_steps)  # the torch backend's schedule (schedule.lr_at), too

@@ -21,7 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from slimeflow.engine.client import EngineClient
-from slimeflow.stages.rl.engines import WeightTargets
+from slimeflow.stages.train.engines import WeightTargets
 
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
 """slime's --update-weight-buffer-size default (bytes per bucket)."""

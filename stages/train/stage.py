@@ -21,20 +21,21 @@ from slimeflow.cluster import init_ray, local_ray_stopped, scratch_dir, stopping
 from slimeflow.config.model_args import check_model_args
 from slimeflow.config.train import TrainConfig, slime_megatron_differences
 from slimeflow.engine.sglang_launch import installed_server_args
+from slimeflow.errors import PluginError, StageInputError
 from slimeflow.io import checkpoints
+from slimeflow.io.manifest import Manifest, content_hash
+from slimeflow.io.ownership import claim_root
+from slimeflow.io.sinks import close_sinks, fan_out, open_sinks
 from slimeflow.io.storage import join
-from slimeflow.manifest import Manifest, content_hash
-from slimeflow.rollout.plugins import PluginError, load_plugin
+from slimeflow.rollout.plugins import load_plugin
 from slimeflow.rollout.raw_data import PreparedSet, manifest_entries, prepare_data
-from slimeflow.stages.base import StageContext, StageInputError
-from slimeflow.stages.rl import async_loop, loop
-from slimeflow.stages.rl.actors import RolloutSetup
-from slimeflow.stages.rl.backend.ownership import claim_root
-from slimeflow.stages.rl.model_args import megatron_backend_problems
-from slimeflow.stages.rl.placement import create_placement
-from slimeflow.stages.rl.placement_plan import flag_problems
-from slimeflow.stages.rl.plots import plot_curves
-from slimeflow.stages.rl.sinks import close_sinks, fan_out, open_sinks
+from slimeflow.stages.base import StageContext
+from slimeflow.stages.train import async_loop, loop
+from slimeflow.stages.train.placement import create_placement
+from slimeflow.stages.train.placement_plan import flag_problems
+from slimeflow.stages.train.plots import plot_curves
+from slimeflow.stages.train.rollout_manager import RolloutSetup
+from slimeflow.train.backends.megatron.preflight import megatron_backend_problems
 
 log = logging.getLogger("slimeflow.train")
 
@@ -116,7 +117,7 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
 def replay_problems(config: TrainConfig) -> list[str]:
     """--debug-train-only: the saved rollouts to train on are there (prompts are not read, but --num-epoch counts
     them)."""
-    from slimeflow.stages.rl.debug_data import rollout_path
+    from slimeflow.stages.train.debug_data import rollout_path
 
     template = config.debug.load_debug_rollout_data
     if config.batch.num_rollout is None:

@@ -1,35 +1,32 @@
-"""The Ray actors of the loop: a RolloutManager (data, engines, rollout function) and a group of TrainActors.
+"""The RolloutManager Ray actor: the buffered data source, the rollout engines and the rollout function.
 
-The RolloutManager owns the buffered data source, the rollout engines (embedded engines started here, with the
-real sglang-router in front of two or more, or external SGLang servers named by --sglang-worker-urls /
---sglang-router-ip/port) and the rollout function; it returns the train batch as a Ray object that the
-TrainActors read directly. Each TrainActor is one data-parallel rank holding a training backend. Weights go
-from rank 0 straight to every engine (the RolloutManager only says where they are), versioned: version `k` is the
-policy that generates rollout `k`.
+It owns the engines (embedded engines started here, with the real sglang-router in front of two or more, or external
+SGLang servers named by --sglang-worker-urls / --sglang-router-ip/port) and returns the train batch as a Ray object
+that the TrainActors read directly. Weights go from trainer rank 0 straight to every engine (the RolloutManager only
+says where they are), versioned: version `k` is the policy that generates rollout `k`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
 
 from slimeflow.config.train import TrainConfig
 from slimeflow.rollout.plugins import load_plugin
-from slimeflow.stages.rl.engines import WeightTargets
+from slimeflow.stages.train.engines import WeightTargets
+from slimeflow.stages.train.heap import freeze_startup_heap
 
 T = TypeVar("T")
 
 if TYPE_CHECKING:
     from slimeflow.rollout.rollout import RolloutContext
     from slimeflow.rollout.types import PackedBatch, Sample
-    from slimeflow.stages.rl.placement_group import EnginePlacement
+    from slimeflow.stages.train.placement_group import EnginePlacement
 
 ENGINE_WEIGHTS_TIMEOUT_S = 1800.0
 """How long a restarted engine may wait for the trainer's weights: with --async the trainer first ends the training
@@ -59,7 +56,7 @@ class RolloutManager:
     """Data source + buffer, engines (and router), rewards and the rollout function, in one Ray actor."""
 
     def __init__(self, config: TrainConfig, setup: RolloutSetup):
-        from slimeflow.stages.rl.engines import EngineSet
+        from slimeflow.stages.train.engines import EngineSet
 
         self.config = config
         self.setup = setup
@@ -90,7 +87,7 @@ class RolloutManager:
         except BaseException:
             self.scorer.close()  # its grading worker, if it started one
             raise
-        from slimeflow.stages.rl.fault_tolerance import HealthMonitor
+        from slimeflow.stages.train.fault_tolerance import HealthMonitor
 
         self._work: asyncio.Task | None = None
         self.monitor = HealthMonitor(self.engines, config.fault_tolerance, on_failure=self._cancel_work)
@@ -117,8 +114,8 @@ class RolloutManager:
         from slimeflow.rollout.rollout import generate_rollout
         from slimeflow.rollout.slime_rollout_hooks import train_batch
         from slimeflow.rollout.types import PackedBatch
-        from slimeflow.stages.rl.debug_data import row_ids, save_rollout
-        from slimeflow.stages.rl.loop import served_version
+        from slimeflow.stages.train.debug_data import row_ids, save_rollout
+        from slimeflow.stages.train.loop import served_version
 
         # The loop's first rollout follows its first push; with --debug-rollout-only no trainer pushes weights.
         if self.first_rollout_id is None:
@@ -222,7 +219,7 @@ class RolloutManager:
         self.engines.check_alive()
 
     def _raise_monitor_failure(self) -> None:
-        from slimeflow.stages.rl.engines import EngineDiedError
+        from slimeflow.stages.train.engines import EngineDiedError
 
         if self.monitor.failure is not None:
             raise EngineDiedError(self.monitor.failure)
@@ -370,7 +367,7 @@ class ReplayRolloutManager:
         from slimeflow.rollout.slime_plugins import slime_args
         from slimeflow.rollout.slime_rollout_hooks import train_batch
         from slimeflow.rollout.types import PackedBatch
-        from slimeflow.stages.rl.debug_data import load_rollout, row_ids, save_rollout
+        from slimeflow.stages.train.debug_data import load_rollout, row_ids, save_rollout
 
         samples = load_rollout(self.template, rollout_id, self.config.batch.n_samples_per_prompt)
         if self.config.debug.save_debug_rollout_data is not None:
@@ -397,190 +394,6 @@ class ReplayRolloutManager:
 def rollout_manager_class(config: TrainConfig) -> type:
     """What serves the loop's rollouts: saved ones with --debug-train-only, else engines."""
     return ReplayRolloutManager if config.debug.debug_train_only else RolloutManager
-
-
-class TrainActor:
-    """One data-parallel rank: a training backend, its checkpoints and its share of every global batch."""
-
-    def __init__(self, config: TrainConfig, hf_checkpoint: str, rank: int, world_size: int, init_method: str,
-                 total_steps: int, num_threads: int | None = None, run_token: str | None = None,
-                 offload_dir: str | None = None):
-        """`offload_dir`: where --offload-train writes this rank's state on a CPU (the run's scratch)."""
-        import tempfile
-
-        import torch
-
-        from slimeflow.offload import StateOffload
-
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        self.config, self.rank, self.world_size = config, rank, world_size
-        self.parent_pid = os.getppid()  # under Ray: this node's raylet (see check_may_commit)
-        self.run_token = run_token  # the run's claim on --save (see check_may_commit)
-        from slimeflow.stages.rl.train_hooks import TrainHooks
-
-        self.hooks = TrainHooks.load(config)  # slime's hooks into its training actor (train_hooks)
-        self.backend, self.checkpoints = _backend(config, hf_checkpoint, rank, world_size, init_method, total_steps,
-                                                  self.hooks)
-        self.state_offload = StateOffload(Path(offload_dir or tempfile.gettempdir()))
-        freeze_startup_heap()
-
-    def offload(self) -> dict[str, float]:
-        """--offload-train, before a rollout: move this rank's weights, gradients and optimizer state off its device
-        (slime's actor sleep) until it next loads, trains, saves or pushes weights; what it moved and the resident
-        memory it gave back, as metrics (none when it was offloaded already)."""
-        if self.state_offload.offloaded:
-            return {}
-        return self.state_offload.offload(self.backend.state_tensors()).metrics("offload/train")
-
-    def _onload(self) -> None:
-        """Bring the offloaded state back, bit for bit, before anything reads it (a no-op when none is offloaded)."""
-        self.state_offload.onload()
-
-    def load(self) -> tuple[int, dict[str, Any]]:
-        """slime's start: the latest checkpoint of --load, else --ref-load's weights, else the HF weights.
-        Returns (the first rollout id to run, the saved extra state: data position, ...)."""
-        from slimeflow.stages.rl.backend.checkpoint import resolve_start
-
-        ckpt = self.config.checkpoint
-        self._onload()
-        start = resolve_start(ckpt.load, ckpt.ref_load)
-        extra = (self.checkpoints.load_checkpoint(self.backend, start.ref, start.weights_only)
-                 if start.ref is not None else {})
-        first = extra["rollout_id"] + 1 if "rollout_id" in extra else 0
-        return (ckpt.start_rollout_id if ckpt.start_rollout_id is not None else first), extra
-
-    def train(self, rollout_id: int, batch: PackedBatch) -> dict[str, float]:
-        from slimeflow.stages.rl.train_step import train_on_rollout
-
-        self._onload()
-        return train_on_rollout(self.backend, batch.unpack(), self.config, rank=self.backend.dp_rank,
-                                world_size=self.backend.dp_size, rollout_id=rollout_id, hooks=self.hooks)
-
-    def connect_engines(self, targets: WeightTargets) -> None:
-        """Make this rank the one that pushes weights to the engines of `targets` (rank 0; ranks are identical)."""
-        from slimeflow.stages.rl.train_hooks import post_write_hook
-        from slimeflow.stages.rl.weight_sync import WeightSync
-
-        sync = self.config.weight_sync
-        # As slime: colocated engines take tensors in place (SGLang's body of handles for SGLang servers, CUDA IPC on
-        # GPUs; a /dev/shm segment for the embedded engine), others by nccl.
-        colocated = None
-        if self.config.placement.colocate and targets.weights_dir is None:
-            colocated = "ipc" if targets.sglang else "shared_memory"
-        transport = {"nccl": "distributed", "disk": "disk", None: colocated}[sync.update_weight_transport]
-        self.weight_sync = WeightSync(targets, sync.update_weight_buffer_size, transport,
-                                      post_write=post_write_hook(self.config, self.hooks.args, targets),
-                                      tp_size=self.config.placement.rollout_num_gpus_per_engine)
-        self.pushed: tuple[str, dict[str, Any]] | None = None
-        """With --use-fault-tolerance: the version and a host copy of the weights last pushed, for push_to."""
-        self.loop = asyncio.new_event_loop()
-
-    def update_weights(self, version: str, restarted: list[str] | None = None) -> str:
-        """Push the current weights to every engine as `version` (rank 0, after connect_engines); returns the
-        version. Every rank calls it: the Megatron backend gathers its TP/PP shards onto rank 0 first. `restarted`:
-        engines restarted since the last push (fault tolerance), which the push regroups first."""
-        self._onload()
-        weights = self.backend.named_weights()
-        if self.rank != 0:
-            return version
-        if restarted:
-            self.loop.run_until_complete(self.weight_sync.regroup())
-        pushed = self.loop.run_until_complete(self.weight_sync.push(weights, version))
-        if self.config.fault_tolerance.use_fault_tolerance:
-            # Copied: training changes the weights in place before the rollout of `version` has ended.
-            self.pushed = (version, {name: t.detach().to("cpu", copy=True) for name, t in weights.items()})
-        if self.config.placement.offload_rollout:
-            # The engines release their weights before the next push: with no mapping of this rank's the segment's
-            # memory goes with them (the next push writes new files, a small cost beside their reload from disk).
-            self.weight_sync.drop_segment()
-        return pushed
-
-    def push_to(self, urls: list[str], version: str) -> str:
-        """--use-fault-tolerance, rank 0: give the restarted engines at `urls` the weights last pushed, as `version`,
-        through the transport in use (the distributed one in a group of their own, closed after). Raises when the
-        last push was another version."""
-        import dataclasses
-
-        from slimeflow.stages.rl.weight_sync import WeightSync
-
-        if self.pushed is None or self.pushed[0] != version:
-            last = "none" if self.pushed is None else f"version {self.pushed[0]}"
-            raise RuntimeError(f"a restarted engine needs weight version {version}, but trainer rank 0 last pushed "
-                               f"{last}")
-        main = self.weight_sync
-        targets = dataclasses.replace(main.targets, worker_urls=tuple(urls))
-        sync = WeightSync(targets, main.buffer_size, main.transport, tp_size=main.tp_size)
-
-        async def push() -> str:
-            try:
-                return await sync.push(self.pushed[1], version)
-            finally:
-                await sync.aclose()
-
-        return self.loop.run_until_complete(push())
-
-    def save(self, rollout_id: int, extra_state: dict[str, Any]) -> str:
-        self._onload()
-        ref = self.checkpoints.save_checkpoint(self.backend, self.config.checkpoint.save, rollout_id,
-                              {**extra_state, "rollout_id": rollout_id}, before_commit=self.check_may_commit)
-        return ref.uri
-
-    def check_may_commit(self) -> None:
-        """Refuse to commit a checkpoint once this actor's job is gone or another run has claimed --save.
-
-        Ray gives each actor a process group of its own, so a job killed with SIGKILL takes its actors down only
-        when they notice their raylet's death, a second or more later; a save in flight could commit in that time,
-        into a checkpoint root that a restarted run may already be resuming from. On one machine the raylet's death
-        shows at once (this process's parent changes); on a cluster, where a driver can die while the raylets live,
-        the restarted run's claim on the root does (backend.ownership.claim_root).
-        """
-        from slimeflow.stages.rl.backend.ownership import check_owner
-
-        if os.getppid() != self.parent_pid:
-            raise RuntimeError(f"not committing the checkpoint: this TrainActor's parent process {self.parent_pid} "
-                               "(its Ray node) has exited, so the job that asked for the save is gone")
-        if self.run_token is not None:
-            check_owner(self.config.checkpoint.save, self.run_token)
-
-
-def _backend(config: TrainConfig, hf_checkpoint: str, rank: int, world_size: int, init_method: str,
-             total_steps: int, hooks: Any = None) -> tuple[Any, Any]:
-    """The --train-backend's backend for this rank and the module that saves and loads its checkpoints.
-
-    The Megatron backend takes its model's shape from the checkpoint it starts from (--load's latest, else
-    --ref-load), as slime's does; the torch backend from the HF checkpoint."""
-    from slimeflow.rollout.slime_plugins import slime_args
-    from slimeflow.stages.rl.backend.checkpoint import resolve_start
-
-    common = {"optimizer": config.optimizer, "algorithm": config.algorithm, "batch": config.batch,
-              "seed": config.seed, "rank": rank, "world_size": world_size, "init_method": init_method or None,
-              "total_steps": total_steps, "ref_load": config.checkpoint.ref_load,
-              "temperature": config.rollout.rollout_temperature,
-              "plugin_args": slime_args(config) if config.algorithm.custom_tis_function_path else None}
-    if config.placement.train_backend == "megatron":
-        from slimeflow.stages.rl.backend import megatron_checkpoint
-        from slimeflow.stages.rl.backend.megatron_backend import MegatronBackend
-        from slimeflow.stages.rl.backend.ownership import local_root
-
-        start = resolve_start(config.checkpoint.load, config.checkpoint.ref_load)
-        if start.ref is None:
-            raise ValueError("--train-backend megatron starts from a torch_dist checkpoint: pass --ref-load (the HF "
-                             "checkpoint converted with `slimeflow convert`) or --load")
-        backend = MegatronBackend(hf_checkpoint, local_root(start.ref.uri), parallel=config.megatron, hooks=hooks,
-                                  **common)
-        return backend, megatron_checkpoint
-    from slimeflow.stages.rl.backend import checkpoint
-    from slimeflow.stages.rl.backend.torch_backend import TorchBackend
-
-    return TorchBackend(hf_checkpoint=hf_checkpoint, **common), checkpoint
-
-
-def freeze_startup_heap() -> None:
-    """Exempt what start-up allocated (modules, the model, the tokenizer: ~200k objects) from garbage collection
-    for the life of the process. Otherwise every full collection walks all of it: in the RolloutManager one came
-    every ~50 rollouts and stalled that rollout 250 ms (a 256-sample rollout takes ~15 ms)."""
-    gc.freeze()
 
 
 def _resident(pids: list[int]) -> int:

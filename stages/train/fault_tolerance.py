@@ -39,7 +39,7 @@ from slimeflow.engine.client import EngineClient
 
 if TYPE_CHECKING:
     from slimeflow.config.train import FaultToleranceConfig
-    from slimeflow.stages.rl.engines import EngineSet
+    from slimeflow.stages.train.engines import EngineSet
 
 log = logging.getLogger("slimeflow.fault_tolerance")
 
@@ -235,7 +235,7 @@ def restore_weights(engines: EngineSet, rank: int, reason: str, version: str | N
     involved: the quickest mid-rollout), else the trainer's push. (served version, "peer" | "trainer" | "none");
     raises EngineDiedError when neither can. `version` None: nothing was pushed, so the checkpoint it loaded is what
     every engine serves, unless a peer says otherwise (its copy is taken then)."""
-    from slimeflow.stages.rl.engines import EngineDiedError
+    from slimeflow.stages.train.engines import EngineDiedError
 
     url = engines.worker_urls[rank]
     embedded = [getattr(p, "engine_kind", "embedded") == "embedded" for p in engines.processes[:len(engines.worker_urls)]]

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from slimeflow.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
 
 if TYPE_CHECKING:
-    from slimeflow.stages.rl.placement_group import EnginePlacement
+    from slimeflow.stages.train.placement_group import EnginePlacement
 
 
 @dataclass(frozen=True)

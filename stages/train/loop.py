@@ -1,6 +1,6 @@
 """The loop, as slime's train.py: generate -> train -> save -> update weights -> evaluate, for num_rollout rollouts.
 
-Placement, engines, backends and checkpoints live in the actors (actors.py); this file is the algorithm.
+Placement, engines, backends and checkpoints live in the actors (rollout_manager.py, train_actor.py); this file is the algorithm.
 A `Reporter` receives every rollout's prompt row ids (as soon as it is generated, so every checkpointed rollout
 has them on record), its metrics, and every evaluation; the train stage writes them to rollouts.jsonl,
 row_ids.jsonl and MLflow as they come, so a killed run has reported everything up to its death.
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # placement.py builds the actors, which read this file's cadence (should_push, served_version)
-    from slimeflow.stages.rl.placement import Placement
+    from slimeflow.stages.train.placement import Placement
 
 Metrics = dict[str, float]
 

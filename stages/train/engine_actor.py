@@ -119,7 +119,7 @@ class PlacedEngine:
         self.url: str | None = None
 
     def wait_ready(self, path: str, timeout_s: float) -> None:
-        from slimeflow.stages.rl.remote import call
+        from slimeflow.stages.train.remote import call
 
         self.url = call(self.actor.wait_ready.remote(path, timeout_s), f"starting rollout engine {self.rank}")
 
@@ -134,7 +134,7 @@ class PlacedEngine:
 
     def restart(self) -> None:
         """Kill the server and start it again in its actor, on the same bundle and port; `wait_ready` follows."""
-        from slimeflow.stages.rl.remote import call
+        from slimeflow.stages.train.remote import call
 
         call(self.actor.restart.remote(), f"restarting rollout engine {self.rank}")
 
@@ -150,7 +150,7 @@ class PlacedEngine:
 def start_engine_actors(specs: list[EngineSpec], bundles: list[int], placement_group: Any) -> list[PlacedEngine]:
     """One EngineActor per spec on its bundle of `placement_group`; their servers start at once (wait_ready on
     each handle waits for them)."""
-    from slimeflow.stages.rl.remote import hosted
+    from slimeflow.stages.train.remote import hosted
 
     remote = ray.remote(hosted(EngineActor))
     return [PlacedEngine(remote.options(**engine_actor_options(placement_group, bundle)).remote(spec), spec.rank,

@@ -80,7 +80,7 @@ def optimizer_problems(parallel: MegatronConfig, kernels: Kernels) -> list[str]:
     fails (KeyError, tests/test_megatron_optimizer_flags.py)."""
     import os
 
-    from slimeflow.stages.rl.backend.determinism import environment_problems
+    from slimeflow.train.backends.megatron.determinism import environment_problems
 
     problems = []
     if parallel.use_precision_aware_optimizer and not parallel.use_distributed_optimizer:

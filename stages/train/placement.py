@@ -20,11 +20,12 @@ import ray
 
 from slimeflow.cluster import cpu_threads, has_gpus
 from slimeflow.config.train import TrainConfig
-from slimeflow.stages.rl.actors import RolloutSetup, TrainActor, rollout_manager_class
-from slimeflow.stages.rl.engine_actor import sglang_installed
-from slimeflow.stages.rl.placement_group import PlacedGroup, create_placement_group
-from slimeflow.stages.rl.placement_plan import plan_placement, sglang_weight_problems
-from slimeflow.stages.rl.remote import LoopError, call, hosted
+from slimeflow.stages.train.engine_actor import sglang_installed
+from slimeflow.stages.train.placement_group import PlacedGroup, create_placement_group
+from slimeflow.stages.train.placement_plan import plan_placement, sglang_weight_problems
+from slimeflow.stages.train.remote import LoopError, call, hosted
+from slimeflow.stages.train.rollout_manager import RolloutSetup, rollout_manager_class
+from slimeflow.stages.train.train_actor import TrainActor
 
 if TYPE_CHECKING:
     from slimeflow.rollout.types import TrainBatch
@@ -46,7 +47,7 @@ class Colocation:
         self.offload_train, self.offload_rollout = offload_train, offload_rollout
         self.interval = update_weights_interval
         self.metrics: dict[str, float] = {}
-        from slimeflow.stages.rl.loop import Timer
+        from slimeflow.stages.train.loop import Timer
 
         self.timer = Timer()
 
@@ -58,7 +59,7 @@ class Colocation:
                 call(self.manager.resume_memory.remote(), "resuming the engines' memory")
 
     def for_training(self, rollout_id: int) -> None:
-        from slimeflow.stages.rl.loop import should_push
+        from slimeflow.stages.train.loop import should_push
 
         if self.offload_rollout:
             tags = None if should_push(self.interval, rollout_id) else ["kv_cache"]
@@ -71,7 +72,7 @@ class Colocation:
 
     def take_metrics(self) -> dict[str, float]:
         """What the hand-overs since the last call freed, and their seconds (time/handover_*, inside time/generate)."""
-        from slimeflow.stages.rl.loop import Timer
+        from slimeflow.stages.train.loop import Timer
 
         metrics, self.metrics = {**self.metrics, **self.timer.seconds}, {}
         self.timer = Timer()

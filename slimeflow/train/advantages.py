@@ -13,7 +13,7 @@ import torch
 
 from slimeflow.config.train import AlgorithmConfig
 from slimeflow.rollout.plugins import load_plugin
-from slimeflow.stages.rl import algorithms as alg
+from slimeflow.train import algorithms as alg
 
 
 @dataclass

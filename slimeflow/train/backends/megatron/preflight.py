@@ -4,7 +4,7 @@ slimeflow/config/model_args.py checks against the HF config."""
 from __future__ import annotations
 
 from slimeflow.config.train import TrainConfig
-from slimeflow.stages.rl.backend.megatron_kernels import Kernels, kernel_problems
+from slimeflow.train.backends.megatron.kernels import Kernels, kernel_problems
 
 
 def megatron_backend_problems(config: TrainConfig) -> list[str]:

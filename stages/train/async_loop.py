@@ -20,8 +20,16 @@ from __future__ import annotations
 from collections import deque
 
 from slimeflow.config.train import staleness_bound
-from slimeflow.stages.rl.loop import LoopResult, Metrics, Reporter, Timer, evaluate, should_run, should_save
-from slimeflow.stages.rl.placement import Placement
+from slimeflow.stages.train.loop import (
+    LoopResult,
+    Metrics,
+    Reporter,
+    Timer,
+    evaluate,
+    should_run,
+    should_save,
+)
+from slimeflow.stages.train.placement import Placement
 
 
 class StalenessError(RuntimeError):
