@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from slimeflow.config.base import replace
 from slimeflow.config.convert import ConvertConfig
 from slimeflow.config.evaluate import EvaluateConfig
 from slimeflow.config.export import ExportConfig
@@ -35,31 +36,31 @@ def convert(config: ConvertConfig, m: Manifests) -> ConvertConfig:
     """Convert converts the model stage's checkpoint (hf-to-torch-dist)."""
     if config.hf_checkpoint is not None or config.direction != "hf-to-torch-dist" or "model" not in m:
         return config
-    return config.model_copy(update={"hf_checkpoint": _out(m, "model", "hf_checkpoint")})
+    return replace(config, hf_checkpoint=_out(m, "model", "hf_checkpoint"))
 
 
 def preprocess(config: PreprocessConfig, m: Manifests) -> PreprocessConfig:
     """Preprocess takes the model stage's tokenizer (chat template, token counts)."""
     if config.hf_checkpoint is not None or "model" not in m:
         return config
-    return config.model_copy(update={"hf_checkpoint": _out(m, "model", "hf_checkpoint")})
+    return replace(config, hf_checkpoint=_out(m, "model", "hf_checkpoint"))
 
 
 def train(config: TrainConfig, m: Manifests) -> TrainConfig:
     """Train starts from the model, with the converted checkpoint as reference and the preprocessed prompts."""
     ckpt, data, ev = config.checkpoint, config.data, config.eval
-    ckpt = ckpt.model_copy(update={
+    ckpt = replace(ckpt, **{
         "hf_checkpoint": ckpt.hf_checkpoint or _out(m, "model", "hf_checkpoint"),
         "ref_load": ckpt.ref_load or _out(m, "convert", "torch_dist"),
     })
-    data = data.model_copy(update={"prompt_data": data.prompt_data or _out(m, "preprocess", "train")})
-    ev = ev.model_copy(update={"eval_prompt_data": ev.eval_prompt_data or eval_sets(m)})
-    return config.model_copy(update={"checkpoint": ckpt, "data": data, "eval": ev})
+    data = replace(data, prompt_data=data.prompt_data or _out(m, "preprocess", "train"))
+    ev = replace(ev, eval_prompt_data=ev.eval_prompt_data or eval_sets(m))
+    return replace(config, checkpoint=ckpt, data=data, eval=ev)
 
 
 def evaluate(config: EvaluateConfig, m: Manifests) -> EvaluateConfig:
     """Evaluate reads the trained checkpoint (else the converted one) on the preprocess stage's eval sets."""
-    return config.model_copy(update={
+    return replace(config, **{
         "load": config.load or _out(m, "train", "checkpoint") or _out(m, "convert", "checkpoint"),
         "hf_checkpoint": config.hf_checkpoint or _out(m, "model", "hf_checkpoint"),
         "eval_prompt_data": config.eval_prompt_data or eval_sets(m),
@@ -68,7 +69,7 @@ def evaluate(config: EvaluateConfig, m: Manifests) -> EvaluateConfig:
 
 def export(config: ExportConfig, m: Manifests) -> ExportConfig:
     """Export writes the trained checkpoint (else the converted one) with the model's config and tokenizer."""
-    return config.model_copy(update={
+    return replace(config, **{
         "input_dir": config.input_dir or _out(m, "train", "checkpoint") or _out(m, "convert", "checkpoint"),
         "origin_hf_dir": config.origin_hf_dir or _out(m, "model", "hf_checkpoint"),
     })

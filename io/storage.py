@@ -24,6 +24,7 @@ import pydantic
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
+from slimeflow.config.base import replace
 from slimeflow.errors import ChecksumError, NotFoundError, StorageError, UnsafePathError
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class S3Config(pydantic.BaseModel):
 
     def merged_over(self, other: S3Config) -> S3Config:
         """A config with this one's non-None fields, the rest taken from `other` (config over environment)."""
-        return other.model_copy(update={name: value for name, value in self if value is not None})
+        return replace(other, **{name: value for name, value in self if value is not None})
 
 
 class ArtifactRecord(pydantic.BaseModel):
@@ -459,7 +460,7 @@ class Storage:
         # Every key is checked before anything is written: a key holding '..' must not land outside dst_uri.
         targets = {rel: join(dst_uri, inside(src_uri, rel)) for rel in _relative_to(path, fs.find(path))}
         return [
-            self._copy(join(src_uri, rel), target, progress=progress).model_copy(update={"path": rel})
+            replace(self._copy(join(src_uri, rel), target, progress=progress), path=rel)
             for rel, target in targets.items()
         ]
 

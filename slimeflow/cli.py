@@ -17,6 +17,7 @@ from contextlib import nullcontext
 import yaml
 
 from slimeflow import __version__, stages
+from slimeflow.config.base import replace
 from slimeflow.config.flags import add_flags
 from slimeflow.config.pipeline import (
     STAGE_CONFIGS,
@@ -26,7 +27,8 @@ from slimeflow.config.pipeline import (
     load_stage_config,
 )
 from slimeflow.config.slime_flags import deferring_refusals
-from slimeflow.config.train import TrainConfig, slime_megatron_differences
+from slimeflow.config.train import TrainConfig
+from slimeflow.config.train_validation import slime_megatron_differences
 from slimeflow.config.yaml_file import read_yaml
 from slimeflow.errors import ConfigError
 
@@ -101,7 +103,7 @@ def _load(command: str, rest: list[str], only_stage: str | None):
             # Translate and validate a stage that cannot run yet: its section alone.
             return load_stage_config(only_stage, data.get(only_stage), flags), only_stage
     config = load_pipeline_config(data, flags, os.environ, only_stage=only_stage, where=where)
-    return config.model_copy(update={"show_progress": sys.stderr.isatty()}), None
+    return replace(config, show_progress=sys.stderr.isatty()), None
 
 
 def _execute(config) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from slimeflow.checkpoint.publish import MARKER, STAGING, ExportMarker, read_marker
+from slimeflow.config.base import replace
 from slimeflow.config.model import ModelConfig
 from slimeflow.errors import StageInputError, UnsafePathError
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model, is_tiny_uri
@@ -181,5 +182,5 @@ def fingerprint(path: Path, storage: Storage, show_progress: bool = False) -> li
         for file in files:
             record = storage.sha256(str(file))
             advance(record.size)
-            records.append(record.model_copy(update={"path": file.relative_to(path).as_posix()}))
+            records.append(replace(record, path=file.relative_to(path).as_posix()))
     return records

@@ -19,6 +19,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from slimeflow.config.base import replace
 from slimeflow.errors import CheckpointError
 from slimeflow.io.checkpoints import COMPLETE_MARKERS
 from slimeflow.io.storage import ArtifactRecord, Storage
@@ -114,7 +115,7 @@ def _hash(directory: Path, names: list[str]) -> list[ArtifactRecord]:
     storage = Storage()
 
     def one(name: str) -> ArtifactRecord:
-        return storage.sha256(str(directory / name)).model_copy(update={"path": name})
+        return replace(storage.sha256(str(directory / name)), path=name)
 
     with ThreadPoolExecutor(min(_HASH_THREADS, max(len(names), 1))) as pool:
         return list(pool.map(one, names))

@@ -32,6 +32,7 @@ from typing import Literal
 
 import pydantic
 
+from slimeflow.config.base import replace
 from slimeflow.errors import NotFoundError, StageInputError, StorageError
 from slimeflow.io.manifest import content_hash
 from slimeflow.io.storage import ArtifactRecord, Storage, inside, join
@@ -127,7 +128,7 @@ def publish(storage: Storage, local: Path, target: str, records: list[ArtifactRe
     for name in sorted(new, key=lambda name: name == _LAST):
         storage.copy(join(target, staging, name), join(target, name))
     _remove(storage, target, [name for name in old if name not in new])
-    complete = marker.model_copy(update={"state": "complete", "replacing": [], "staging": None})
+    complete = replace(marker, state="complete", replacing=[], staging=None)
     storage.write_text(join(target, MARKER), complete.model_dump_json(indent=1))
     storage.remove(join(target, STAGING), recursive=True)  # ours by name: this run's and any killed run's
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 from pydantic import SecretStr
 
-from slimeflow.config.base import ConfigModel
+from slimeflow.config.base import ConfigModel, replace
 from slimeflow.io.storage import S3Config
 
 # The standard variables each tool already reads; slimeflow reads them once, at config load, and passes state on.
@@ -53,4 +53,4 @@ class InfraConfig(ConfigModel):
             s3_secret_access_key=s3.secret_access_key,
             s3_region=s3.region,
         )
-        return self.model_copy(update=filled)
+        return replace(self, **filled)

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from slimeflow.config.base import ConfigModel
+from slimeflow.config.base import ConfigModel, replace
 from slimeflow.config.convert import ConvertConfig
 from slimeflow.config.evaluate import EvaluateConfig
 from slimeflow.config.export import ExportConfig
@@ -159,7 +159,7 @@ def load_pipeline_config(
         raise ConfigError(problems, where)
     config = validate(PipelineConfig, tree, TOP_INDEX, where)
     if environ is not None:
-        config = config.model_copy(update={"infra": config.infra.with_environment(environ)})
+        config = replace(config, infra=config.infra.with_environment(environ))
     return config
 
 

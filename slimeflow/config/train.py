@@ -3,17 +3,27 @@
 `--rollout-batch-size 32` sets `TrainConfig.batch.rollout_batch_size`; every leaf name is unique across the tree,
 so a slime flag list maps onto it flag for flag (slimeflow.config.flags). Functions take the group they use.
 It lives with the shared configs, not in the train stage, because the rollout library reads it too (the evaluate
-stage builds one for its rollouts).
+stage builds one for its rollouts). The rollout-side groups are declared in train_rollout.py; what the flags may be
+together, and the defaults that follow from other flags, are in train_validation.py (each group's model validator
+calls its check there, TrainConfig's calls check_train).
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, Field, ModelWrapValidatorHandler, PrivateAttr, model_validator
 
-from slimeflow.config.base import ConfigModel, OptionalPositiveInt, PluginPath, PositiveInt
+from slimeflow.config import train_validation as checks
+from slimeflow.config.base import ConfigModel, OptionalPositiveInt, PluginPath, PositiveInt, validate_derived
 from slimeflow.config.megatron import MegatronConfig
+from slimeflow.config.train_rollout import DataConfig, EvalConfig, RewardConfig, RolloutConfig, SglangConfig
+
+__all__ = [
+    "AlgorithmConfig", "BatchConfig", "CheckpointConfig", "DataConfig", "DebugConfig", "EvalConfig",
+    "FaultToleranceConfig", "LoggingConfig", "OptimizerConfig", "PlacementConfig", "RewardConfig", "RolloutConfig",
+    "SglangConfig", "TrainConfig", "TrainHooksConfig", "WeightSyncConfig", "staleness_bound",
+]
 
 
 class BatchConfig(ConfigModel):
@@ -40,153 +50,14 @@ class BatchConfig(ConfigModel):
     balance_data: bool = False
     """Balance tokens across data-parallel ranks."""
 
-    @model_validator(mode="after")
-    def _batch_invariant(self) -> BatchConfig:
-        samples = self.rollout_batch_size * self.n_samples_per_prompt
-        steps, gbs = self.num_steps_per_rollout, self.global_batch_size
-        if steps is not None:
-            if samples % steps:
-                raise ValueError(
-                    f"--num-steps-per-rollout {steps} does not divide rollout_batch_size x n_samples_per_prompt = "
-                    f"{self.rollout_batch_size} x {self.n_samples_per_prompt} = {samples}; choose a divisor of {samples}"
-                )
-            derived = samples // steps
-            if gbs is not None and gbs != derived:
-                raise ValueError(
-                    f"--global-batch-size {gbs} contradicts rollout_batch_size x n_samples_per_prompt / "
-                    f"num_steps_per_rollout = {samples} / {steps} = {derived}; set one of the two, or make them agree"
-                )
-            gbs = derived
-        elif gbs is None:
-            steps, gbs = 1, samples
-        elif samples % gbs:
-            raise ValueError(
-                f"rollout_batch_size x n_samples_per_prompt = {self.rollout_batch_size} x "
-                f"{self.n_samples_per_prompt} = {samples} is not a multiple of --global-batch-size {gbs}"
-            )
-        else:
-            steps = samples // gbs
-        if self.num_rollout is None and self.num_epoch is None:
-            raise ValueError("set --num-rollout (rollouts to run) or --num-epoch (epochs over the prompt data)")
-        if self.num_rollout is not None and self.num_epoch is not None:
-            raise ValueError(f"--num-rollout {self.num_rollout} and --num-epoch {self.num_epoch} both set the "
-                             "loop's length; give one (--num-epoch N runs N x ceil(prompts / rollout_batch_size))")
-        if not self.use_dynamic_batch_size and self.micro_batch_size > gbs:
-            raise ValueError(f"--micro-batch-size {self.micro_batch_size} is larger than the global batch "
-                             f"({gbs} samples per optimizer step); choose at most {gbs}")
-        if self.use_dynamic_batch_size and self.max_tokens_per_gpu is None:
-            raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget per micro-batch)")
-        # Derived values are stored without re-running validation (validate_assignment would recurse).
-        self.__dict__["num_steps_per_rollout"] = steps
-        self.__dict__["global_batch_size"] = gbs
-        return self
-
-
-class DataConfig(ConfigModel):
-    """Where prompts come from and how rows map onto samples."""
-
-    prompt_data: str | None = None
-    """Raw data (JSONL, JSON, CSV, parquet: preprocessed first) or prompt parquet, a path or URI; in a pipeline, the
-    preprocess stage's output."""
-    input_key: str = "input"
-    """Column holding the prompt (a string or an OpenAI messages list)."""
-    label_key: str | None = None
-    """Column holding the label the reward compares against."""
-    metadata_key: str = "metadata"
-    """Column holding a dict or JSON string loaded into Sample.metadata."""
-    tool_key: str | None = None
-    """Column holding tool schemas for tool-aware chat templates."""
-    apply_chat_template: bool = False
-    """Render message lists with the tokenizer's chat template."""
-    rollout_shuffle: bool = False
-    """Shuffle prompts each epoch, seeded by (rollout_seed, epoch)."""
-    rollout_seed: int = 42
-    """Seed of the data order and of sampling."""
-    rollout_max_prompt_len: OptionalPositiveInt = None
-    """Drop prompts longer than this many tokens."""
-    data_source_path: PluginPath = None
-    """A data source class in place of slimeflow's (slime's contract: cls(args) with get_samples(num_samples) ->
-    list of groups, add_samples(groups), save(rollout_id), load(rollout_id), __len__); --prompt-data is then its
-    own business (args.prompt_data, as given) and --num-rollout is required."""
-
-    @field_validator("data_source_path")
+    @model_validator(mode="wrap")
     @classmethod
-    def _slimes_default_is_ours(cls, value: str | None) -> str | None:
-        # slime's default class, named explicitly by some scripts, is what slimeflow's own data source does.
-        return None if value in SLIME_DEFAULT_DATA_SOURCES else value
-
-
-SLIME_DEFAULT_DATA_SOURCES = ("slime.rollout.data_source.RolloutDataSourceWithBuffer",
-                               "slime.rollout.data_source:RolloutDataSourceWithBuffer")
-
-
-class RolloutConfig(ConfigModel):
-    """Generation: sampling parameters, custom generate functions and sampling strategies."""
-
-    rollout_max_response_len: PositiveInt = 1024
-    """Maximum new tokens per response."""
-    rollout_temperature: float = Field(1.0, gt=0)
-    """Sampling temperature (must be > 0: RL needs the sampling distribution)."""
-    rollout_top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass, in (0, 1]."""
-    rollout_top_k: int = Field(-1, ge=-1)
-    """Top-k sampling; -1 disables it."""
-    rollout_stop: list[str] | None = None
-    """Stop strings."""
-    rollout_stop_token_ids: list[int] | None = None
-    """Stop token ids."""
-    custom_generate_function_path: PluginPath = None
-    """async generate(args, sample, sampling_params) -> Sample, for multi-turn and agentic rollouts."""
-    rollout_function_path: PluginPath = None
-    """Replace the whole rollout function: generate_rollout(args, rollout_id, data_source, evaluation=False) ->
-    RolloutFnTrainOutput | list[list[Sample]] (slime's contract; the dynamic-sampling flags are then its own)."""
-    over_sampling_batch_size: OptionalPositiveInt = None
-    """Prompts requested per over-sampling round (>= rollout_batch_size; defaults to it)."""
-    dynamic_sampling_filter_path: PluginPath = None
-    """Keep a group only if this filter passes, e.g. check_reward_nonzero_std."""
-    partial_rollout: bool = False
-    """Keep aborted half-generated samples in the buffer and continue them next rollout."""
-    mask_offpolicy_in_partial_rollout: bool = False
-    """Mask the tokens of a partial sample that an older policy generated."""
-    buffer_filter_path: PluginPath = None
-    """How groups are taken from the buffer (default pop_first: FIFO)."""
-    rollout_sample_hook_path: list[str] | None = None
-    """hook(args, sample, *, rollout_id=None, evaluation=False) -> Sample | None, on each generated sample before
-    its reward, in the order given (slime's contract)."""
-    rollout_sample_filter_path: PluginPath = None
-    """filter(args, groups) -> None, setting `remove_sample` on samples that must not train (their loss mask
-    becomes 0; they still count in advantage normalisation), as slime."""
-    rollout_all_samples_process_path: PluginPath = None
-    """process(args, all_samples, data_source) on every finished group of the rollout, kept or filtered out
-    (slime's contract; data_source is slime's API over the rollout's buffer)."""
-    custom_rollout_log_function_path: PluginPath = None
-    """log(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool; True skips the default
-    rollout metrics (slime's contract)."""
-
-
-class RewardConfig(ConfigModel):
-    """How responses are scored."""
-
-    rm_type: str | None = None
-    """Built-in reward: math, deepscaler, dapo, f1, gpqa, random (as slime's rm_hub), prefix_match (ours); a `boxed_`
-    prefix is accepted; metadata['rm_type'] overrides. ifbench is refused (see rule_rewards.IFBENCH_REFUSED)."""
-    custom_rm_path: PluginPath = None
-    """async reward(args, sample) -> float, or a group function with group_rm."""
-    rm_url: str | None = None
-    """Remote reward server (HTTP)."""
-    group_rm: bool = False
-    """Reward a whole group at once."""
-    reward_key: str | None = None
-    """The entry of a dict a reward function or server returns that is the reward (as slime; without it a dict's
-    'reward', else its 'score')."""
-    eval_reward_key: str | None = None
-    """--reward-key for evaluation (default: --reward-key)."""
+    def _defaults(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        return validate_derived(handler, data, checks.batch_defaults(cls, data))
 
     @model_validator(mode="after")
-    def _refuse_unbuilt(self) -> RewardConfig:
-        from slimeflow.rollout.rule_rewards import refuse_unbuilt  # rule_rewards is heavier than a config
-
-        refuse_unbuilt(self.rm_type)
+    def _check(self) -> BatchConfig:
+        checks.check_batch(self)
         return self
 
 
@@ -285,32 +156,14 @@ class AlgorithmConfig(ConfigModel):
         """On-policy distillation with the teacher run by the trainer (--opd-type megatron)."""
         return self.use_opd and self.opd_type == "megatron"
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _defaults(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        return validate_derived(handler, data, checks.algorithm_defaults(cls, data))
+
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
-        if self.kl_coef and self.kl_loss_coef:
-            raise ValueError(
-                f"--kl-coef {self.kl_coef} and --kl-loss-coef {self.kl_loss_coef} are both non-zero; "
-                "slime allows only one: the KL goes into the reward (kl_coef) or into the loss (kl_loss_coef)"
-            )
-        if self.use_rollout_logprobs and self.use_tis:
-            raise ValueError("--use-rollout-logprobs and --use-tis together: with the engine's log-probs as the old "
-                             "policy's there is nothing left to correct (slime refuses it too); give one")
-        if self.tis_clip_low > self.tis_clip:
-            raise ValueError(f"--tis-clip-low {self.tis_clip_low} is above --tis-clip {self.tis_clip}; "
-                             "the TIS weight is clipped to [tis_clip_low, tis_clip]")
-        if self.use_opd and self.opd_type is None:
-            raise ValueError("--use-opd needs --opd-type: sglang (the samples' teacher_log_probs, from a teacher "
-                             "server) or megatron (a teacher model from --opd-teacher-load, run by the trainer)")
-        if self.use_opd and self.opd_type == "megatron" and self.opd_teacher_load is None:
-            raise ValueError("--opd-type megatron needs --opd-teacher-load: the teacher's torch_dist checkpoint")
-        if self.opd_teacher_load is not None and not (self.use_opd and self.opd_type == "megatron"):
-            raise ValueError(f"--opd-teacher-load {self.opd_teacher_load} is read only with --use-opd --opd-type "
-                             "megatron (with sglang the teacher's log-probs come with the samples): remove it or add "
-                             "those")
-        if self.loss_type == "custom_loss" and self.custom_loss_function_path is None:
-            raise ValueError("--loss-type custom_loss needs --custom-loss-function-path module:function")
-        if self.eps_clip_high is None:
-            self.__dict__["eps_clip_high"] = self.eps_clip
+        checks.check_algorithm(self)
         return self
 
 
@@ -345,11 +198,8 @@ class OptimizerConfig(ConfigModel):
     """Train in bfloat16 (fp32 otherwise)."""
 
     @model_validator(mode="after")
-    def _check_warmup(self) -> OptimizerConfig:
-        """Megatron-LM's rule: the warm-up is given in steps or as a fraction, not both."""
-        if self.lr_warmup_fraction is not None and self.lr_warmup_iters:
-            raise ValueError(f"--lr-warmup-fraction {self.lr_warmup_fraction} with --lr-warmup-iters "
-                             f"{self.lr_warmup_iters}: give the warm-up one way; drop one of them")
+    def _check(self) -> OptimizerConfig:
+        checks.check_optimizer(self)
         return self
 
 
@@ -368,33 +218,6 @@ class CheckpointConfig(ConfigModel):
     """Save every this many rollouts."""
     start_rollout_id: int | None = Field(None, ge=0)
     """Override the rollout id to start from (default: from the loaded checkpoint)."""
-
-
-class EvalConfig(ConfigModel):
-    """Evaluation during training."""
-
-    eval_interval: OptionalPositiveInt = None
-    """Evaluate every this many rollouts."""
-    eval_prompt_data: dict[str, str] = Field(default_factory=dict)
-    """Named eval sets: --eval-prompt-data NAME PATH [NAME PATH ...] (raw data or prompt parquet, as --prompt-data)."""
-    n_samples_per_eval_prompt: PositiveInt = 1
-    """Responses per eval prompt (pass@k, avg@n)."""
-    eval_max_response_len: OptionalPositiveInt = None
-    """Maximum new tokens in eval (default: rollout_max_response_len)."""
-    eval_temperature: float | None = Field(None, ge=0)
-    """Eval temperature (default: rollout_temperature)."""
-    eval_top_p: float | None = Field(None, gt=0, le=1)
-    """Eval top-p (default: rollout_top_p)."""
-    eval_top_k: int | None = Field(None, ge=-1)
-    """Eval top-k (default: rollout_top_k)."""
-    skip_eval_before_train: bool = False
-    """Do not evaluate before the first rollout."""
-    eval_function_path: PluginPath = None
-    """eval_generate_rollout(args, rollout_id, data_source, evaluation=True) -> RolloutFnEvalOutput, replacing the
-    evaluation of --eval-prompt-data (slime's contract; args.eval_prompt_data is slime's [name, path, ...] list)."""
-    custom_eval_rollout_log_function_path: PluginPath = None
-    """log(rollout_id, args, data, extra_metrics) -> bool, data = {set: {rewards, truncated, samples}}; True skips
-    the default eval metrics (slime's contract)."""
 
 
 class PlacementConfig(ConfigModel):
@@ -438,21 +261,14 @@ class PlacementConfig(ConfigModel):
     function that keeps Python busy while the engine decodes (they would share one GIL). Two or more embedded
     engines always run as processes."""
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _defaults(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        return validate_derived(handler, data, checks.placement_defaults(cls, data))
+
     @model_validator(mode="after")
-    def _colocate(self) -> PlacementConfig:
-        # As slime: --offload is both; --colocate turns on whichever is not given; otherwise both are off.
-        for name in ("offload_train", "offload_rollout"):
-            value = True if self.offload else getattr(self, name)
-            self.__dict__[name] = self.colocate if value is None else value
-        if self.colocate:
-            # As slime: colocated rollout uses exactly the training devices.
-            self.__dict__["rollout_num_gpus"] = self.actor_num_nodes * self.actor_num_gpus_per_node
-        devices, per_engine = self.rollout_num_gpus, self.rollout_num_gpus_per_engine
-        if devices is not None and devices % per_engine:
-            source = " (the training devices, with --colocate)" if self.colocate else ""
-            raise ValueError(f"--rollout-num-gpus {devices}{source} is not a multiple of --rollout-num-gpus-per-engine "
-                             f"{per_engine}: {devices % per_engine} device(s) would serve no engine; make it a "
-                             "multiple")
+    def _check(self) -> PlacementConfig:
+        checks.check_placement(self)
         return self
 
 
@@ -523,39 +339,6 @@ class FaultToleranceConfig(ConfigModel):
     """Seconds after a rollout starts before the first health check."""
 
 
-class SglangConfig(ConfigModel):
-    """Every `--sglang-X value` flag, keyed by X, and every `--router-X value` flag, keyed by X. slimeflow reads
-    those in READ itself; the other `--sglang-*` flags are SGLang server arguments, passed to the SGLang servers
-    slimeflow launches (engine/sglang_launch.py), and `--router-*` flags go to the sglang-router it starts."""
-
-    READ: ClassVar[frozenset[str]] = frozenset({"worker_urls", "weights_dir", "api_key", "router_ip", "router_port",
-                                                "router_request_timeout_secs", "server_concurrency"})
-
-    args: dict[str, Any] = Field(default_factory=dict)
-    """SGLang arguments, keyed by name without the sglang_ prefix."""
-    router: dict[str, Any] = Field(default_factory=dict)
-    """sglang-router arguments, keyed by name without the router_ prefix."""
-
-    def server_args(self) -> dict[str, Any]:
-        """The SGLang server arguments given (what slimeflow passes to the SGLang servers it launches)."""
-        return {key: value for key, value in self.args.items() if key not in self.READ}
-
-    def unread(self, launches_sglang: bool) -> list[str]:
-        """The --sglang-* flags given that no server would get, with the reason, one line each: all server
-        arguments when the engines are not SGLang servers launched here, else those slimeflow sets itself."""
-        from slimeflow.engine.sglang_launch import SET_BY_SLIMEFLOW
-
-        problems = [f"--sglang-{key.replace('_', '-')}: not taken ({SET_BY_SLIMEFLOW[key]}); remove it"
-                    for key in sorted(self.server_args()) if key in SET_BY_SLIMEFLOW]
-        if not launches_sglang:
-            problems += [f"--sglang-{key.replace('_', '-')}: an SGLang server argument, but no SGLang server is "
-                         "launched here (the engines are servers started elsewhere, or the embedded engine, which "
-                         "takes none, where SGLang is not installed); install SGLang on a GPU cluster, or start "
-                         "your SGLang servers with it and pass --rollout-external-engine-addrs"
-                         for key in sorted(self.server_args()) if key not in SET_BY_SLIMEFLOW]
-        return problems
-
-
 class DebugConfig(ConfigModel):
     """slime's debug modes: rollouts without a trainer, or training on saved rollouts without an engine."""
 
@@ -571,42 +354,15 @@ class DebugConfig(ConfigModel):
     """Train on the samples saved at this path (`{rollout_id}` as above) instead of generating them; implies
     --debug-train-only, as in slime."""
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _defaults(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        return validate_derived(handler, data, checks.debug_defaults(cls, data))
+
     @model_validator(mode="after")
     def _check(self) -> DebugConfig:
-        problems = [p for flag, path in (("--save-debug-rollout-data", self.save_debug_rollout_data),
-                                         ("--load-debug-rollout-data", self.load_debug_rollout_data))
-                    if path is not None for p in _path_template_problems(flag, path)]
-        if self.save_debug_rollout_data is not None and "{rollout_id}" not in self.save_debug_rollout_data:
-            problems.append(f"--save-debug-rollout-data {self.save_debug_rollout_data} has no {{rollout_id}}: every "
-                            "rollout would overwrite one file; put {rollout_id} in it, e.g. "
-                            "/tmp/debug/rollout_{rollout_id}.pt")
-        if self.debug_rollout_only and (self.debug_train_only or self.load_debug_rollout_data is not None):
-            given = "--debug-train-only" if self.debug_train_only else "--load-debug-rollout-data (which implies it)"
-            problems.append(f"--debug-rollout-only and {given} are both set: the one runs no trainer, the other no "
-                            "engine; choose one (as slime refuses the pair)")
-        elif self.debug_train_only and self.load_debug_rollout_data is None:
-            problems.append("--debug-train-only needs --load-debug-rollout-data PATH (the rollouts to train on, "
-                            "written by a run with --save-debug-rollout-data PATH); give it, or drop "
-                            "--debug-train-only (slime's SFT scripts use it without saved rollouts, to train on "
-                            "--prompt-data's conversations through slime's sft_rollout, which slimeflow does not "
-                            "support yet)")
-        if problems:
-            raise ValueError("; ".join(problems))
-        if self.load_debug_rollout_data is not None:
-            self.__dict__["debug_train_only"] = True  # as slime: loaded rollouts need no engine
+        checks.check_debug(self)
         return self
-
-
-def _path_template_problems(flag: str, path: str) -> list[str]:
-    """A debug-data path is local and takes only the {rollout_id} placeholder (slime formats it so)."""
-    if "://" in path:
-        return [f"{flag} {path}: give a local path (or a shared file system's); URIs are not read or written here"]
-    try:
-        path.format(rollout_id=0)
-    except (KeyError, IndexError, ValueError) as err:
-        return [f"{flag} {path}: its only placeholder may be {{rollout_id}} ({type(err).__name__}: {err}); write a "
-                "literal brace as {{ or }}"]
-    return []
 
 
 class LoggingConfig(ConfigModel):
@@ -640,9 +396,8 @@ class LoggingConfig(ConfigModel):
     """TensorBoard experiment (default: the start time, YYYYmmdd_HHMMSS, as slime)."""
 
     @model_validator(mode="after")
-    def _named(self) -> LoggingConfig:
-        if self.use_wandb and self.wandb_mode != "disabled" and not (self.wandb_project and self.wandb_group):
-            raise ValueError("--use-wandb needs --wandb-project and --wandb-group (the run is named after the group)")
+    def _check(self) -> LoggingConfig:
+        checks.check_logging(self)
         return self
 
 
@@ -680,172 +435,51 @@ class TrainConfig(ConfigModel):
         """The plug-in settings of --custom-config-path (its keys that are not flags): attributes of slime's args."""
         return dict(self._custom_args)
 
-    @model_validator(mode="before")
+    @model_validator(mode="wrap")
     @classmethod
-    def _custom_config_flags(cls, data: Any) -> Any:
-        """The flags that --custom-config-path's file sets, over those given (slime sets its keys after parsing)."""
-        if not isinstance(data, dict) or not data.get("custom_config_path"):
-            return data
-        from slimeflow.config.custom_config import read_custom_config
-        from slimeflow.config.flags import merge
-
-        flags, _ = read_custom_config(data["custom_config_path"], cls)
-        plain = {key: value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
-                 for key, value in data.items()}
-        return merge(plain, flags)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _megatron_roles(cls, data: Any) -> Any:
-        """--megatron-config-path: its actor overrides win over the other values, as in slime."""
-        if not isinstance(data, dict) or not data.get("megatron_config_path"):
-            return data
-        from slimeflow.config.flags import FlagIndex, merge
-        from slimeflow.config.megatron_roles import actor_overrides
-        from slimeflow.errors import ConfigError
-
-        try:
-            return merge(data, actor_overrides(str(data["megatron_config_path"]), FlagIndex(cls)))
-        except ConfigError as err:  # one problem per line, each naming the file
-            raise ValueError("\n  ".join(err.problems)) from None
+    def _inputs(cls, data: Any, handler: ModelWrapValidatorHandler[TrainConfig]) -> TrainConfig:
+        """The flags --megatron-config-path's and --custom-config-path's files set, then the defaults that follow
+        flags of other groups (train_validation.train_defaults)."""
+        if not isinstance(data, dict):
+            return handler(data)
+        data = _custom_config_flags(cls, _megatron_roles(cls, data))
+        return validate_derived(handler, data, {}, checks.train_defaults(cls, data))
 
     @model_validator(mode="after")
-    def _cross_group(self) -> TrainConfig:
+    def _check(self) -> TrainConfig:
         if self.custom_config_path:
             from slimeflow.config.custom_config import read_custom_config
 
             self._custom_args = read_custom_config(self.custom_config_path, type(self))[1]
-        over = self.rollout.over_sampling_batch_size
-        if over is not None and over < self.batch.rollout_batch_size:
-            raise ValueError(
-                f"--over-sampling-batch-size {over} is smaller than --rollout-batch-size "
-                f"{self.batch.rollout_batch_size}; it must be >= rollout_batch_size (or left unset)"
-            )
-        ranks = self.placement.actor_num_nodes * self.placement.actor_num_gpus_per_node
-        share = self.batch.global_batch_size // ranks  # the batch invariant has set global_batch_size
-        if ranks > 1 and not self.batch.use_dynamic_batch_size and self.batch.micro_batch_size > share:
-            raise ValueError(
-                f"--micro-batch-size {self.batch.micro_batch_size} is larger than a data-parallel rank's share of the "
-                f"global batch ({self.batch.global_batch_size} samples over {ranks} ranks = {share}); choose at most "
-                f"{max(share, 1)}")
-        check_async(self)
-        placement = self.placement
-        if self.debug.debug_rollout_only or self.debug.debug_train_only:
-            # As slime for --debug-rollout-only (no trainer: nothing to make room for); --debug-train-only has no engine.
-            placement.__dict__["offload_rollout"] = False
-            placement.__dict__["offload_train"] = placement.offload_train and not self.debug.debug_rollout_only
-        check_fault_tolerance(self)
-        check_train_hooks(self)
-        if self.batch.n_samples_per_prompt == 1 and self.algorithm.advantage_estimator in ("grpo", "gspo", "cispo"):
-            # As slime: the std of a one-sample group is undefined, so std normalisation is switched off.
-            self.algorithm.__dict__["disable_grpo_std_normalization"] = True
+        checks.check_train(self)
         return self
 
 
-def slime_megatron_differences(config: TrainConfig | None) -> list[str]:
-    """Where this run's Megatron backend departs from slime's with the same flags: slime's Megatron backend always
-    trains bf16 (`args.bf16 = not args.fp16`) with the distributed optimizer (`args.use_distributed_optimizer =
-    True`, slime/backends/megatron_utils/arguments.py), so its scripts pass neither; here both are flags (the CPU
-    default, fp32 and the plain optimizer, is what the equivalence tests check)."""
-    if config is None or config.placement.train_backend != "megatron":
-        return []
-    missing = [flag for flag, given in (("--bf16", config.optimizer.bf16),
-                                        ("--use-distributed-optimizer", config.megatron.use_distributed_optimizer))
-               if not given]
-    if not missing:
-        return []
-    what = {"--bf16": "bf16 (bf16 weights, fp32 main parameters)",
-            "--use-distributed-optimizer": "the distributed optimizer (optimizer state sharded over data-parallel ranks)"}
-    return [f"slime's Megatron backend always trains with {' and '.join(what[flag] for flag in missing)}: slime sets "
-            f"them itself, so its scripts do not pass {' '.join(missing)}; this run trains without them (add "
-            f"{' '.join(missing)} for slime's numerics and memory)"]
+def _megatron_roles(cls: type[TrainConfig], data: dict[str, Any]) -> dict[str, Any]:
+    """--megatron-config-path: its actor overrides win over the other values, as in slime."""
+    if not data.get("megatron_config_path"):
+        return data
+    from slimeflow.config.flags import FlagIndex, merge
+    from slimeflow.config.megatron_roles import actor_overrides
+    from slimeflow.errors import ConfigError
+
+    try:
+        return merge(data, actor_overrides(str(data["megatron_config_path"]), FlagIndex(cls)))
+    except ConfigError as err:  # one problem per line, each naming the file
+        raise ValueError("\n  ".join(err.problems)) from None
 
 
-def check_train_hooks(config: TrainConfig) -> None:
-    """slime's Megatron-actor hooks need the Megatron backend (the torch backend has no megatron model, optimizer or
-    schedule to hand them); the post-write hook needs a disk weight sync."""
-    hooks = config.train_hooks
-    problems = []
-    if config.placement.train_backend == "torch":
-        problems += [f"--{name.replace('_', '-')} is a hook into slime's Megatron actor (it is handed megatron's model "
-                     "chunks, optimizer or parallel state): use --train-backend megatron" for name in
-                     hooks.MEGATRON_ONLY if getattr(hooks, name) is not None]
-    external = config.placement.rollout_external_engine_addrs or config.sglang.args.get("worker_urls")
-    disk = config.weight_sync.update_weight_transport == "disk" or (
-        external and config.weight_sync.update_weight_transport is None)
-    if config.weight_sync.custom_update_weight_post_write_path is not None and not disk:
-        problems.append("--custom-update-weight-post-write-path runs after a disk weight sync writes its files; this "
-                        "run pushes weights to embedded engines over HTTP or nccl: use it with external SGLang servers "
-                        "(--sglang-worker-urls, --sglang-weights-dir)")
-    if problems:
-        raise ValueError("; ".join(problems))
+def _custom_config_flags(cls: type[TrainConfig], data: dict[str, Any]) -> dict[str, Any]:
+    """The flags that --custom-config-path's file sets, over those given (slime sets its keys after parsing)."""
+    if not data.get("custom_config_path"):
+        return data
+    from slimeflow.config.custom_config import read_custom_config
+    from slimeflow.config.flags import merge
 
-
-def check_fault_tolerance(config: TrainConfig) -> None:
-    """--use-fault-tolerance restarts engines this run started and gives the restarted one the trainer's weights
-    (fault_tolerance.restore_weights): what it cannot restart is refused with the reason."""
-    if not config.fault_tolerance.use_fault_tolerance:
-        return
-    placement = config.placement
-    refused = {
-        "--rollout-external-engine-addrs / --sglang-worker-urls": (
-            bool(placement.rollout_external_engine_addrs or config.sglang.args.get("worker_urls")),
-            "servers started elsewhere cannot be restarted by this run"),
-        "--offload-rollout (colocated)": (
-            placement.offload_rollout,
-            "the engines release their memory while the trainer trains, so a health check then would find them "
-            "unable to generate; run fault-tolerant engines disaggregated"),
-        "--engine-in-process": (
-            placement.engine_in_process and "engine_in_process" in placement.model_fields_set,
-            "an engine serving from a thread of the rollout manager cannot be killed and restarted; leave it out "
-            "(fault-tolerant engines run as processes)"),
-    }
-    problems = [f"--use-fault-tolerance with {flag}: {reason}" for flag, (given, reason) in refused.items() if given]
-    if problems:
-        raise ValueError("; ".join(problems))
-    placement.__dict__["engine_in_process"] = False  # a lone engine gets a process of its own, to restart
-
-
-def check_async(config: TrainConfig) -> None:
-    """--async and its flags: what the asynchronous loop cannot do is refused with the reason (slime's where it has
-    one). On a CPU an async run's engine gets a process of its own unless --engine-in-process is given."""
-    placement, bound = config.placement, config.algorithm.max_staleness
-    if not placement.async_:
-        needs = {"--max-staleness": (bound, "the synchronous loop generates each rollout with the weights it last "
-                                            "pushed, so its staleness is bounded by --update-weights-interval alone"),
-                 "--async-buffer-size": (None if placement.async_buffer_size == 1 else placement.async_buffer_size,
-                                         "only the asynchronous loop generates rollouts ahead of training")}
-        problems = [f"{flag} {value} needs --async ({reason})" for flag, (value, reason) in needs.items()
-                    if value is not None]
-    else:
-        refused = {
-            "--colocate": (placement.colocate, "slime refuses it too ('Colocation is not supported for async "
-                           "training'): colocated engines and trainer share the devices, so generation cannot overlap "
-                           "training"),
-            "--debug-rollout-only": (config.debug.debug_rollout_only, "there is no trainer to overlap generation with"),
-            "--debug-train-only": (config.debug.debug_train_only, "there is no engine: saved rollouts are replayed"),
-            "--offload-train/--offload-rollout": ((placement.offload_train or placement.offload_rollout)
-                                                  and not placement.colocate,  # else refused as --colocate
-                                                  "the trainer and the engines compute at once, so neither can give its "
-                                                  "memory to the other; leave offload to colocated runs"),
-        }
-        problems = [f"--async with {flag}: {reason}" for flag, (given, reason) in refused.items() if given]
-        ahead = loop_staleness(config)
-        if bound is not None and ahead > bound:
-            problems.append(f"--update-weights-interval {config.weight_sync.update_weights_interval} with "
-                            f"--async-buffer-size {placement.async_buffer_size} lets the async loop train on samples up "
-                            f"to {ahead} policy versions old (interval + buffer size - 1), more than --max-staleness "
-                            f"{bound}; lower either or raise --max-staleness")
-    if problems:
-        raise ValueError("; ".join(problems))
-    if placement.async_ and "engine_in_process" not in placement.model_fields_set:
-        placement.__dict__["engine_in_process"] = False  # overlap: engine and rollout loop need not share one GIL
-
-
-def loop_staleness(config: TrainConfig) -> int:
-    """The most policy versions the async loop's own rollouts lag the trainer: rollout k is asked for while rollout
-    k - N trains (N = --async-buffer-size), from the weights pushed last, at most interval - 1 rollouts earlier."""
-    return config.placement.async_buffer_size + config.weight_sync.update_weights_interval - 1
+    flags, _ = read_custom_config(data["custom_config_path"], cls)
+    plain = {key: value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
+             for key, value in data.items()}
+    return merge(plain, flags)
 
 
 def staleness_bound(config: TrainConfig) -> int | None:
@@ -859,4 +493,4 @@ def staleness_bound(config: TrainConfig) -> int | None:
     if config.algorithm.max_staleness is not None:
         return config.algorithm.max_staleness
     rollout = config.rollout
-    return loop_staleness(config) + int(rollout.partial_rollout and not rollout.mask_offpolicy_in_partial_rollout)
+    return checks.loop_staleness(config) + int(rollout.partial_rollout and not rollout.mask_offpolicy_in_partial_rollout)

@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from slimeflow.config.base import replace
 from slimeflow.config.preprocess import PreprocessConfig
 from slimeflow.errors import StageInputError, StorageError
 from slimeflow.io.manifest import Manifest
@@ -93,7 +94,7 @@ def prepare_raw(name: str, uri: str, config: PreprocessConfig, storage: Storage,
         manifest = Manifest.read(storage, manifest_uri)
         return PreparedSet(name, uri, _prompt_data(manifest, name), manifest, reused=True)
     sets: dict[str, Any] = {"input": [uri]} if name == TRAIN else {"eval_input": {name: uri}}
-    run_config = config.model_copy(update={"input": [], "eval_input": {}, "output": output, **sets})
+    run_config = replace(config, **{"input": [], "eval_input": {}, "output": output, **sets})
     manifest = preprocess(run_config, storage, root, output)
     return PreparedSet(name, uri, _prompt_data(manifest, name), manifest, reused=False)
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from slimeflow.config.base import replace
 from slimeflow.config.preprocess import PreprocessConfig
 from slimeflow.errors import StageInputError, StorageError, UnsafePathError
 from slimeflow.io.manifest import Manifest, content_hash
@@ -316,10 +317,10 @@ def _publish(results: list[SetResult], quarantine: Quarantine, config: Preproces
             if not writer.rows:
                 continue
             relative = writer.path.relative_to(staging).as_posix()
-            records.append(storage.put_file(writer.path, join(output, relative)).model_copy(update={"path": relative}))
+            records.append(replace(storage.put_file(writer.path, join(output, relative)), path=relative))
             outputs["train" if relative.startswith("train/") else f"eval.{name}"] = join(output, str(Path(relative).parent))
         sets[result.name] = _set_facts(result)
-    records.append(storage.put_file(quarantine.path, join(output, QUARANTINE)).model_copy(update={"path": QUARANTINE}))
+    records.append(replace(storage.put_file(quarantine.path, join(output, QUARANTINE)), path=QUARANTINE))
     outputs.update(quarantine=join(output, QUARANTINE), manifest=join(output, MANIFEST))
     outputs["commit"] = outputs["manifest"]  # the stage cache reuses this run only while it names this content
     inputs = [f for r in results for f in r.files]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from slimeflow.config.base import replace
 from slimeflow.config.preprocess import PreprocessConfig
 from slimeflow.config.train import DataConfig, TrainConfig
 from slimeflow.io.storage import Storage
@@ -25,7 +26,7 @@ def preprocess_config(data: DataConfig, hf_checkpoint: str | None) -> Preprocess
     config = PreprocessConfig(input_key=data.input_key, label_key=data.label_key, metadata_key=data.metadata_key,
                               tool_key=data.tool_key, apply_chat_template=data.apply_chat_template,
                               rollout_max_prompt_len=data.rollout_max_prompt_len, dedup=False)
-    return config.model_copy(update={"hf_checkpoint": hf_checkpoint}) if config.needs_tokenizer() else config
+    return replace(config, hf_checkpoint=hf_checkpoint) if config.needs_tokenizer() else config
 
 
 def prepare_data(config: TrainConfig, storage: Storage, workdir: Path) -> tuple[TrainConfig, dict[str, PreparedSet]]:
@@ -38,10 +39,10 @@ def prepare_data(config: TrainConfig, storage: Storage, workdir: Path) -> tuple[
     # A --data-source-path class reads --prompt-data itself (args.prompt_data, as the user gave it).
     if data.prompt_data is not None and data.data_source_path is None and is_raw(data.prompt_data, storage):
         prepared["data.train"] = _prepare(TRAIN, data.prompt_data, mapping, storage, root)
-        data = data.model_copy(update={"prompt_data": prepared["data.train"].prompt_data})
+        data = replace(data, prompt_data=prepared["data.train"].prompt_data)
     evals, prepared_evals = prepare_eval_sets(config.eval.eval_prompt_data, mapping, storage, root)
-    ev = config.eval.model_copy(update={"eval_prompt_data": evals})
-    return config.model_copy(update={"data": data, "eval": ev}), {**prepared, **prepared_evals}
+    ev = replace(config.eval, eval_prompt_data=evals)
+    return replace(config, data=data, eval=ev), {**prepared, **prepared_evals}
 
 
 def prepare_eval_sets(sets: dict[str, str], mapping: PreprocessConfig, storage: Storage,

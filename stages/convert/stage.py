@@ -21,6 +21,7 @@ from slimeflow.checkpoint.hf_source import fingerprint, materialise
 from slimeflow.checkpoint.hf_write import write_hf
 from slimeflow.checkpoint.integrity import CHECKSUMS, write_checksums
 from slimeflow.checkpoint.staging import claimed_dir, staging_prefix
+from slimeflow.config.base import replace
 from slimeflow.config.convert import ConvertConfig
 from slimeflow.config.model import ModelConfig
 from slimeflow.config.model_args import check_model_args
@@ -58,7 +59,7 @@ def _to_torch_dist(config: ConvertConfig, ctx: StageContext) -> Manifest:
         # Hashed once, before the commit: the release's own checksums (verified where it is loaded, e.g. as
         # --ref-load) and the manifest's records.
         records = write_checksums(staged)
-        records.append(ctx.storage.sha256(str(staged / CHECKSUMS)).model_copy(update={"path": CHECKSUMS}))
+        records.append(replace(ctx.storage.sha256(str(staged / CHECKSUMS)), path=CHECKSUMS))
         ref = publish_release(ctx.storage, staged, save)
         seconds = time.perf_counter() - started
         if not is_local(save):

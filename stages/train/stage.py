@@ -18,8 +18,10 @@ from typing import Any
 
 from slimeflow.checkpoint.hf_source import fingerprint
 from slimeflow.cluster import init_ray, local_ray_stopped, scratch_dir, stopping_local_ray_on_termination
+from slimeflow.config.base import replace
 from slimeflow.config.model_args import check_model_args
-from slimeflow.config.train import TrainConfig, slime_megatron_differences
+from slimeflow.config.train import TrainConfig
+from slimeflow.config.train_validation import slime_megatron_differences
 from slimeflow.engine.sglang_launch import installed_server_args
 from slimeflow.errors import PluginError, StageInputError
 from slimeflow.io import checkpoints
@@ -73,7 +75,7 @@ def with_defaults(config: TrainConfig, ctx: StageContext) -> TrainConfig:
     ckpt = config.checkpoint
     save = ckpt.save or str((ctx.workdir / "checkpoints").resolve())
     update = {"save": save, "load": ckpt.load or save}
-    return config.model_copy(update={"checkpoint": ckpt.model_copy(update=update)})
+    return replace(config, checkpoint=replace(ckpt, **update))
 
 
 def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
