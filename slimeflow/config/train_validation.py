@@ -384,3 +384,88 @@ def slime_megatron_differences(config: TrainConfig | None) -> list[str]:
     return [f"slime's Megatron backend always trains with {' and '.join(what[flag] for flag in missing)}: slime sets "
             f"them itself, so its scripts do not pass {' '.join(missing)}; this run trains without them (add "
             f"{' '.join(missing)} for slime's numerics and memory)"]
+
+
+def megatron_layout_problems(config: TrainConfig) -> list[str]:
+    """--train-backend megatron: the reference model the KL needs, the rank count against TP x PP, and the parallel
+    layouts the backend does not build (checked at start-up: --ref-load may come from a pipeline's convert stage)."""
+    problems = []
+    ckpt, placement, m = config.checkpoint, config.placement, config.megatron
+    if config.algorithm.needs_reference and ckpt.ref_load is None:
+        problems.append("--use-kl-loss / --kl-coef with --train-backend megatron need --ref-load (the reference "
+                        "model's torch_dist checkpoint)")
+    ranks = placement.actor_num_nodes * placement.actor_num_gpus_per_node
+    model_parallel = m.tensor_model_parallel_size * m.pipeline_model_parallel_size
+    if ranks % model_parallel:
+        problems.append(f"{ranks} training ranks (--actor-num-nodes x --actor-num-gpus-per-node) are not a multiple "
+                        f"of --tensor-model-parallel-size x --pipeline-model-parallel-size = {model_parallel}")
+    return problems + _parallel_problems(config)
+
+
+def _parallel_problems(config: TrainConfig) -> list[str]:
+    """The virtual pipeline and expert parallel settings the Megatron backend cannot run."""
+    m, problems = config.megatron, []
+    ranks = config.placement.actor_num_nodes * config.placement.actor_num_gpus_per_node
+    if m.num_layers_per_virtual_pipeline_stage is not None and m.pipeline_model_parallel_size == 1:
+        problems.append("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1 (it "
+                        "interleaves pipeline stages); drop it or raise the pipeline size")
+    if m.num_layers_per_virtual_pipeline_stage is not None and m.num_layers is not None and \
+            m.num_layers % (m.pipeline_model_parallel_size * m.num_layers_per_virtual_pipeline_stage):
+        problems.append(f"--num-layers-per-virtual-pipeline-stage {m.num_layers_per_virtual_pipeline_stage}: "
+                        f"--num-layers {m.num_layers} does not split into --pipeline-model-parallel-size "
+                        f"{m.pipeline_model_parallel_size} x stages of that many layers")
+    tp, ep, etp = m.tensor_model_parallel_size, m.expert_model_parallel_size, m.expert_tensor_parallel_size
+    if etp not in (None, 1, tp):
+        problems.append(f"--expert-tensor-parallel-size {etp}: the Megatron backend splits experts over the "
+                        f"tensor-parallel ranks as the rest of the model ({tp}, the default) or not at all (1); other "
+                        f"sizes are not built (unverified against a one-process run): use 1 or {tp}")
+    etp = tp if etp is None else etp
+    if ep > 1 and ranks % (ep * etp * m.pipeline_model_parallel_size):
+        problems.append(f"{ranks} training ranks are not a multiple of --expert-model-parallel-size {ep} x "
+                        f"--expert-tensor-parallel-size {etp} x --pipeline-model-parallel-size "
+                        f"{m.pipeline_model_parallel_size}")
+    if tp > 1 and (ep > 1 or m.num_experts or m.multi_latent_attention) and not m.sequence_parallel:
+        problems.append(f"an MoE model or multi-latent attention at --tensor-model-parallel-size {tp} trains with "
+                        "--sequence-parallel only (megatron-core's MoE layer raises when it trains tensor-parallel "
+                        "without it; MLA's RoPE key gets a partial gradient on each rank); add --sequence-parallel")
+    if m.moe_token_dispatcher_type == "flex":
+        problems.append("--moe-token-dispatcher-type flex: DeepEP / HybridEP dispatch (GPU kernels) is not built; "
+                        "use allgather or alltoall")
+    return problems
+
+
+def unbuilt_problems(config: TrainConfig) -> list[str]:
+    """What the flags ask for that this version does not build (refused when a run starts: the evaluate stage builds
+    a TrainConfig for its rollouts, which never trains)."""
+    if config.algorithm.advantage_estimator == "ppo":  # the library computes GAE from values no run produces yet
+        return ["--advantage-estimator ppo needs a critic's values (slime's --use-critic), which this version "
+                "does not train; use grpo, gspo, cispo, reinforce_plus_plus or reinforce_plus_plus_baseline"]
+    return []
+
+
+def data_source_problems(config: TrainConfig) -> list[str]:
+    """--data-source-path: the loop's length must be given (slime counts len(data_source) // rollout_batch_size per
+    epoch; the run does not construct the class before it starts)."""
+    if config.batch.num_rollout is None:
+        return [f"--num-epoch with --data-source-path {config.data.data_source_path}: the run does not "
+                "count a custom data source's prompts before it starts; give --num-rollout instead"]
+    return []
+
+
+def external_engine_problems(config: TrainConfig) -> list[str]:
+    """SGLang servers started elsewhere: named once, with a directory for the weights, and a router of the user's
+    only in front of them."""
+    placement, sglang, problems = config.placement, config.sglang, []
+    external = placement.rollout_external_engine_addrs or sglang.args.get("worker_urls")
+    if placement.rollout_external_engine_addrs and sglang.args.get("worker_urls"):
+        problems.append("--rollout-external-engine-addrs and --sglang-worker-urls both name external servers; give "
+                        "one (slime spells it --rollout-external-engine-addrs)")
+    if external and not sglang.args.get("weights_dir") and not config.debug.debug_rollout_only:
+        problems.append("external SGLang servers need --sglang-weights-dir DIR: a directory every server can read, "
+                        "where the trainer writes the weights it pushes")
+    given_router = sglang.args.get("router_ip") is not None or sglang.args.get("router_port") is not None
+    if given_router and not external:
+        problems.append("--sglang-router-ip/--sglang-router-port name a router of yours, but the engines are launched "
+                        "here and registering them with an outside router is not supported yet; drop them (slimeflow "
+                        "starts its own router) or start the servers yourself (--rollout-external-engine-addrs)")
+    return problems

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from slimeflow.config.train import PlacementConfig, TrainConfig
+from slimeflow.config.train_validation import external_engine_problems
 
 
 @dataclass(frozen=True)
@@ -128,17 +129,8 @@ def flag_problems(config: TrainConfig, sglang_server_args: set[str] | None) -> l
     problems = sglang.unread(launches_sglang)
     if launches_sglang:
         problems += server_arg_problems(sglang.server_args(), sglang_server_args)
-    if placement.rollout_external_engine_addrs and sglang.args.get("worker_urls"):
-        problems.append("--rollout-external-engine-addrs and --sglang-worker-urls both name external servers; give "
-                        "one (slime spells it --rollout-external-engine-addrs)")
-    if external and not sglang.args.get("weights_dir") and not config.debug.debug_rollout_only:
-        problems.append("external SGLang servers need --sglang-weights-dir DIR: a directory every server can read, "
-                        "where the trainer writes the weights it pushes")
+    problems += external_engine_problems(config)
     given_router = sglang.args.get("router_ip") is not None or sglang.args.get("router_port") is not None
-    if given_router and not external:
-        problems.append("--sglang-router-ip/--sglang-router-port name a router of yours, but the engines are launched "
-                        "here and registering them with an outside router is not supported yet; drop them (slimeflow "
-                        "starts its own router) or start the servers yourself (--rollout-external-engine-addrs)")
     try:
         plan = plan_placement(placement, debug_rollout_only=config.debug.debug_rollout_only,
                               debug_train_only=config.debug.debug_train_only, external_engines=bool(external))

@@ -21,7 +21,11 @@ from slimeflow.cluster import init_ray, local_ray_stopped, scratch_dir, stopping
 from slimeflow.config.base import replace
 from slimeflow.config.model_args import check_model_args
 from slimeflow.config.train import TrainConfig
-from slimeflow.config.train_validation import slime_megatron_differences
+from slimeflow.config.train_validation import (
+    data_source_problems,
+    slime_megatron_differences,
+    unbuilt_problems,
+)
 from slimeflow.engine.sglang_launch import installed_server_args
 from slimeflow.errors import PluginError, StageInputError
 from slimeflow.io import checkpoints
@@ -90,17 +94,13 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
     if config.debug.debug_train_only:
         problems += replay_problems(config)
     elif config.data.data_source_path is not None:
-        if config.batch.num_rollout is None:  # slime counts len(data_source) // rollout_batch_size per epoch
-            problems.append(f"--num-epoch with --data-source-path {config.data.data_source_path}: the run does not "
-                            "count a custom data source's prompts before it starts; give --num-rollout instead")
+        problems += data_source_problems(config)
     elif config.data.prompt_data is None:
         problems.append("--prompt-data is not set (a raw dataset, or the preprocess stage's train parquet)")
     problems += data_problems(config, ctx)
     # SGLang's server arguments are read only when some are given: importing SGLang takes seconds (and torch)
     problems += flag_problems(config, installed_server_args() if config.sglang.server_args() else None)
-    if config.algorithm.advantage_estimator == "ppo":  # the library computes GAE from values no run produces yet
-        problems.append("--advantage-estimator ppo needs a critic's values (slime's --use-critic), which this version "
-                        "does not train; use grpo, gspo, cispo, reinforce_plus_plus or reinforce_plus_plus_baseline")
+    problems += unbuilt_problems(config)
     if config.placement.train_backend == "megatron":
         problems += megatron_backend_problems(config)
     if problems:
