@@ -145,12 +145,12 @@ def test_sglang_teacher_log_probs_come_with_the_samples_and_their_absence_is_nam
 
 def test_a_slime_post_process_storing_a_tensor_reaches_slimeflows_sample():
     """slime's post_process_rewards stores a float32 tensor in sample.teacher_log_probs."""
-    from slimeflow.rollout.slime_plugins import from_slime, to_slime
+    from slimeflow.rollout.slime_plugins import returned_sample
 
     origin = Sample(group_index=0, index=0, prompt="p", tokens=[1, 2, 3], response_length=2)
-    theirs = to_slime(origin)
+    theirs = origin  # slime's Sample is slimeflow's: the post-process writes the rollout's own sample
     theirs.teacher_log_probs = torch.tensor([-0.25, -1.5])
-    assert from_slime(theirs, origin, "post-process").teacher_log_probs == [-0.25, -1.5]
+    assert returned_sample(theirs, "post-process", origin).teacher_log_probs == [-0.25, -1.5]
 
 
 def test_the_teachers_answer_is_kept_for_the_post_process_which_sets_teacher_log_probs(monkeypatch):

@@ -20,6 +20,7 @@ from slimeflow.rollout.data_source import BufferedDataSource, DataSource
 from slimeflow.rollout.plugins import load_plugin
 from slimeflow.rollout.slime_data_source import PluginDataSource
 from slimeflow.rollout.slime_plugins import slime_args
+from slimeflow.slime_compat.utils.types import Sample as SlimeSample
 from slimeflow.stages.train import loop
 from slimeflow.stages.train.rollout_manager import RolloutManager
 from slimeflow.stages.train.stage import plugin_problems
@@ -64,7 +65,7 @@ def test_a_slime_data_source_feeds_the_rollout_and_takes_back_its_aborted_groups
     assert [g[0].prompt for g in first.groups] == ["a1", "b2"] and len(data) == 3
     (aborted,) = data.source.buffer  # slime Samples, in the class's own buffer (its add_samples)
     assert [s.response for s in aborted] == ["…", "…"] and aborted[0].metadata["start_rollout_id"] == 0
-    assert type(aborted[0]).__module__ == "slimeflow.slime_compat.utils.types"
+    assert type(aborted[0]) is SlimeSample  # slime's Sample, which is slimeflow's own (one class)
     engine.hang.clear()
     second = run(make_ctx(engine, _with_custom(tmp_path, rollout={"partial_rollout": True})), data, rollout_id=1)
     assert [g[0].prompt for g in second.groups] == ["c3", "a1"]  # the buffered group first, then the class's next

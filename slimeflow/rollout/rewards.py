@@ -9,6 +9,7 @@ rm_type "remote_rm" (or no rm_type with --rm-url set) asks the reward server; th
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import math
 import random
@@ -22,7 +23,7 @@ from slimeflow.config.train import RewardConfig
 from slimeflow.rollout.answers import MathJudge
 from slimeflow.rollout.plugins import load_plugin
 from slimeflow.rollout.rule_rewards import builtin_reward
-from slimeflow.rollout.slime_plugins import from_slime, to_slime
+from slimeflow.rollout.slime_plugins import returned_sample
 from slimeflow.rollout.types import Sample, Status
 
 EVAL_SET = "eval_set"
@@ -120,7 +121,7 @@ class RewardScorer:
             await asyncio.gather(*(self.score(sample) for sample in group))
             return
         try:
-            rewards = await _maybe_await(self.custom(self._args(), [to_slime(s) for s in group]))
+            rewards = await _maybe_await(self.custom(self._args(), list(group)))
             if len(rewards) != len(group):
                 raise ValueError(f"returned {len(rewards)} rewards for a group of {len(group)}")
             values = [reward_value(r, self.reward_key(s)) for r, s in zip(rewards, group, strict=True)]
@@ -150,7 +151,7 @@ class RewardScorer:
         try:
             source = self._source(sample)
             if self.custom is not None:
-                value = await _maybe_await(self.custom(self._args(), to_slime(sample)))
+                value = await _maybe_await(self.custom(self._args(), sample))
                 if self.post_processed and isinstance(value, dict) and self.reward_key(sample) is None:
                     sample.reward = value  # for the post-process, which returns the numbers
                     return
@@ -167,8 +168,9 @@ class RewardScorer:
         return self.args if self.args is not None else SimpleNamespace(**self.config.model_dump())
 
     async def reward_of(self, view: Any) -> float:
-        """The reward of slime's Sample `view` (for slime's generate_and_rm); raises what scoring raised."""
-        sample = from_slime(view, view, "generate_and_rm")
+        """The reward of slime's Sample `view` (for slime's generate_and_rm); raises what scoring raised. A copy is
+        scored: scoring marks a failure on its sample, and slime's generate_and_rm takes only the number."""
+        sample = copy.copy(returned_sample(view, "generate_and_rm"))
         await self.score(sample)
         if sample.status is Status.FAILED:
             raise ValueError(sample.failure_reason)
@@ -176,7 +178,7 @@ class RewardScorer:
 
     async def rewards_of_group(self, views: list[Any]) -> list[float]:
         """The rewards of a group of slime Samples with --group-rm (for slime's generate_and_rm_group)."""
-        samples = [from_slime(view, view, "generate_and_rm_group") for view in views]
+        samples = [copy.copy(returned_sample(view, "generate_and_rm_group")) for view in views]
         await self.score_group(samples)
         failed = [s.failure_reason for s in samples if s.status is Status.FAILED]
         if failed:

@@ -425,6 +425,7 @@ def reset_group(group: Group) -> Group:
     for sample in group:
         sample.tokens, sample.response, sample.response_length = [], "", 0
         sample.rollout_log_probs, sample.reward, sample.status, sample.loss_mask = None, None, Status.PENDING, None
+        sample.weight_versions = []  # a slime generate's record of the versions that answered (see returned_sample)
         for key in (START_ROLLOUT_ID, OLDEST_WEIGHT_VERSION, "weight_version"):
             sample.metadata.pop(key, None)
     return group

@@ -3,7 +3,7 @@
 slime instantiates the class with `args` and calls `get_samples(num_samples)` for groups, `add_samples(groups)` for
 the groups a rollout aborts, `save(rollout_id)` at each checkpoint and `load(start_rollout_id - 1)` before the first
 rollout (so -1 on a fresh run). `PluginDataSource` gives the rollout the interface of BufferedDataSource over such a
-class: groups go out as slimeflow Samples and come back as slime's. Its checkpoint state is the rollout id it saved at;
+class (its Samples are slimeflow's: one class). Its checkpoint state is the rollout id it saved at;
 what the class saves is its own (slime's writes under args.save and reads from args.load).
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from slimeflow.rollout.data_source import START_ROLLOUT_ID, Group
-from slimeflow.rollout.slime_plugins import from_slime, plugin_name, to_slime
+from slimeflow.rollout.slime_plugins import plugin_name, returned_sample
 from slimeflow.rollout.types import Sample, Status
 
 
@@ -29,7 +29,7 @@ class PluginDataSource:
         self.loaded = False
 
     def get_groups(self, num_groups: int) -> list[Group]:
-        """`num_groups` groups from the class's get_samples, checked for shape and converted."""
+        """`num_groups` groups from the class's get_samples, checked for shape and their samples checked."""
         if num_groups == 0:
             return []
         groups = self.source.get_samples(num_groups)
@@ -43,29 +43,27 @@ class PluginDataSource:
         if wrong:
             raise ValueError(f"{self.where}: get_samples returned a group of {wrong[0]} samples; each group holds "
                              f"--n-samples-per-prompt {self.n_samples_per_prompt}")
-        return [self._native(group) for group in groups]
+        return [self._checked(group) for group in groups]
 
-    def _native(self, group: list[Any]) -> Group:
+    def _checked(self, group: list[Any]) -> Group:
         samples = []
-        for view in group:
-            origin = Sample(group_index=self._next_group, index=self._next_sample, prompt="")
+        for sample in group:
+            numbered = Sample(group_index=self._next_group, index=self._next_sample)
             self._next_sample += 1
-            samples.append(from_slime(view, origin, f"{self.where} get_samples"))
+            samples.append(returned_sample(sample, f"{self.where} get_samples", numbered))
         self._next_group += 1
         return samples
 
     def add_groups(self, groups: Sequence[Group], rollout_id: int) -> None:
         """Give groups back to the class (aborted ones); each sample keeps the rollout id it started in, as
         BufferedDataSource does."""
-        views = []
         for group in groups:
             for sample in group:
                 if sample.status is Status.FAILED:
                     raise ValueError(f"sample {sample.index} failed ({sample.failure_reason}); it cannot be resumed")
                 sample.metadata.setdefault(START_ROLLOUT_ID, rollout_id)
-            views.append([to_slime(sample) for sample in group])
-        if views:
-            self.source.add_samples(views)
+        if groups:
+            self.source.add_samples([list(group) for group in groups])
 
     def __len__(self) -> int:
         return len(self.source)

@@ -1,9 +1,10 @@
 """The boundary between slimeflow's records and slime's plug-in contracts (slimeflow.slime_compat).
 
 A plug-in gets what slime gives it: `args` with slime's attribute names (every train flag, plus the running
-router's address and the other names slime's plug-ins read) and slime's `Sample`; what it returns is converted
-back to slimeflow's `Sample`. The compat objects carry slimeflow's names too (`args.client`, `args.tokenizer`,
-`args.config`; a Sample's fields), so plug-ins written to slimeflow's documented contracts run the same way.
+router's address and the other names slime's plug-ins read) and the rollout's own samples, which are slime's
+`Sample` (one class); what it returns is checked by `returned_sample`. `args` carries slimeflow's names too
+(`args.client`, `args.tokenizer`, `args.config`), so plug-ins written to slimeflow's documented contracts run the
+same way.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ from urllib.parse import urlsplit
 from slimeflow.config.train import TrainConfig
 from slimeflow.rollout.filters import FilterOutcome, GroupFilter
 from slimeflow.rollout.plugins import load_plugin
-from slimeflow.rollout.types import Sample, Status
+from slimeflow.rollout.types import Sample, floats
 from slimeflow.slime_compat.rollout.filter_hub.base_types import DynamicFilterOutput
-from slimeflow.slime_compat.utils.types import Sample as SlimeSample
-from slimeflow.slime_compat.utils.types import floats
 
 SLIME_DEFAULTS: dict[str, Any] = {
     # slime flags slimeflow has no setting for, at the values slimeflow behaves as.
@@ -79,50 +78,38 @@ def slime_args(config: TrainConfig, *, router_url: str | None = None, num_engine
     return SlimeArgs(**values)
 
 
-def to_slime(sample: Sample) -> SlimeSample:
-    """slime's Sample with this sample's fields (lists copied; metadata shared, as the plug-in may write it)."""
-    return SlimeSample(group_index=sample.group_index, index=sample.index, prompt=sample.prompt,
-                       tokens=list(sample.tokens), response=sample.response, response_length=sample.response_length,
-                       label=sample.label, reward=sample.reward,
-                       loss_mask=None if sample.loss_mask is None else list(sample.loss_mask),
-                       rollout_log_probs=None if sample.rollout_log_probs is None else list(sample.rollout_log_probs),
-                       teacher_log_probs=floats(sample.teacher_log_probs),
-                       status=sample.status, metadata=sample.metadata)
-
-
-def from_slime(sample: Any, origin: Sample, where: str) -> Sample:
-    """slimeflow's Sample from what a plug-in returned for `origin` (the reward is kept as it is: a dict reward is
-    reduced by the scorer with --reward-key). Raises TypeError naming `where` when it is not a Sample."""
-    if not isinstance(sample, SlimeSample | Sample):
-        raise TypeError(f"{where} returned {type(sample).__name__}; it must return a Sample or a list of Samples")
-    native = Sample(group_index=origin.group_index if sample.group_index is None else sample.group_index,
-                    index=origin.index if sample.index is None else sample.index, prompt=sample.prompt,
-                    label=sample.label, metadata=dict(sample.metadata or {}), tokens=list(sample.tokens),
-                    response=sample.response, response_length=sample.response_length, reward=sample.reward,
-                    loss_mask=None if sample.loss_mask is None else list(sample.loss_mask),
-                    rollout_log_probs=None if sample.rollout_log_probs is None else list(sample.rollout_log_probs),
-                    teacher_log_probs=floats(getattr(sample, "teacher_log_probs", None)),
-                    status=Status(sample.status.value), failure_reason=getattr(sample, "failure_reason", None))
-    versions = getattr(sample, "weight_versions", None)
-    if versions:
-        native.metadata["weight_version"] = versions[-1]
-    return native
+def returned_sample(value: Any, where: str, origin: Sample | None = None) -> Sample:
+    """`value`, a sample a plug-in returned (for `origin`), ready for the rollout; raises TypeError naming `where`
+    when it is not a Sample. Indices it left unset are origin's; its metadata is its own dict (samples a plug-in
+    made from one another may share one); a tensor of teacher log-probs (slime's OPD post-process stores one)
+    becomes a list; the last weight version slime's append_response_tokens recorded is metadata['weight_version'],
+    which the rollout's version checks read. The reward is kept as it is: a dict reward is reduced by the scorer
+    with --reward-key."""
+    if not isinstance(value, Sample):
+        raise TypeError(f"{where} returned {type(value).__name__}; it must return a Sample or a list of Samples")
+    if origin is not None:
+        value.group_index = origin.group_index if value.group_index is None else value.group_index
+        value.index = origin.index if value.index is None else value.index
+    value.metadata = dict(value.metadata or {})
+    value.teacher_log_probs = floats(value.teacher_log_probs)
+    if value.weight_versions:
+        value.metadata["weight_version"] = value.weight_versions[-1]
+    return value
 
 
 async def call_generate(function: Callable[..., Any], args: Any, sample: Sample, params: dict[str, Any],
                         evaluation: bool = False) -> list[Sample]:
-    """slime's custom generate call: `await f(args, sample, sampling_params[, evaluation=])` on slime's Sample;
-    a returned Sample or list[Sample] (the trajectory's training samples) as slimeflow Samples."""
-    view = to_slime(sample)
+    """slime's custom generate call: `await f(args, sample, sampling_params[, evaluation=])`; the returned Sample
+    or list[Sample] (the trajectory's training samples), checked."""
     if takes_keyword(function, "evaluation"):
-        result = await function(args, view, dict(params), evaluation=evaluation)
+        result = await function(args, sample, dict(params), evaluation=evaluation)
     else:
-        result = await function(args, view, dict(params))
+        result = await function(args, sample, dict(params))
     where = f"--custom-generate-function-path {plugin_name(function)}"
     results = result if isinstance(result, list) else [result]
     if not results:
         raise ValueError(f"{where} returned an empty list; return the sample (or its samples)")
-    return [from_slime(r, sample, where) for r in results]
+    return [returned_sample(r, where, sample) for r in results]
 
 
 def takes_keyword(function: Callable[..., Any], name: str) -> bool:
@@ -163,7 +150,7 @@ def group_filter(function: Callable[..., Any], args: Any) -> Callable[[Sequence[
     slime_form = accepts(function, 2) and not accepts(function, 1)
 
     def run(group: Sequence[Sample]) -> FilterOutcome:
-        out = function(args, [to_slime(s) for s in group]) if slime_form else function(group)
+        out = function(args, list(group)) if slime_form else function(group)
         if isinstance(out, FilterOutcome):
             return out
         if isinstance(out, DynamicFilterOutput) or hasattr(out, "keep"):
@@ -179,19 +166,14 @@ def group_filter(function: Callable[..., Any], args: Any) -> Callable[[Sequence[
 
 def buffer_filter(function: Callable[..., Any], args: Any) -> Callable[[list[list[Sample]], int], list[list[Sample]]]:
     """A buffer filter as the data source calls it (buffer, num_groups): slime's `f(args, rollout_id, buffer,
-    num_samples)` on slime Samples (what it removes from the buffer leaves ours too), or slimeflow's `f(buffer, n)`."""
+    num_samples)`, which removes what it takes from the buffer (as slime's pop_first), or slimeflow's `f(buffer, n)`."""
     if not accepts(function, 4) or accepts(function, 2):
         return function
 
     def run(buffer: list[list[Sample]], num_groups: int) -> list[list[Sample]]:
-        views = [[to_slime(s) for s in group] for group in buffer]
-        origin = {id(view): group for view, group in zip(views, buffer, strict=True)}
         where = f"--buffer-filter-path {plugin_name(function)}"
-        taken = function(args, None, views, num_groups)
-        kept = [origin[id(view)] for view in views if id(view) in origin]
-        buffer[:] = kept
-        return [[from_slime(s, g, where) for s, g in zip(view, origin.get(id(view), view), strict=True)]
-                for view in taken]
+        taken = function(args, None, buffer, num_groups)
+        return [[returned_sample(s, where) for s in group] for group in taken]
 
     return run
 

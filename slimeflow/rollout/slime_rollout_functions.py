@@ -10,8 +10,8 @@ from typing import Any
 from slimeflow.rollout.plugins import load_plugin
 from slimeflow.rollout.rewards import reward_value
 from slimeflow.rollout.rollout import RolloutResult, rollout_metrics
-from slimeflow.rollout.slime_plugins import plugin_name
-from slimeflow.rollout.slime_rollout_hooks import native_sample, post_process_rewards, slime_view
+from slimeflow.rollout.slime_plugins import plugin_name, returned_sample
+from slimeflow.rollout.slime_rollout_hooks import post_process_rewards, slime_view
 from slimeflow.slime_compat.rollout.base_types import call_rollout_fn
 
 
@@ -30,7 +30,7 @@ def run_rollout_function(function: Callable[..., Any], ctx: Any, data: Any, roll
     output = call_rollout_fn(function, ctx.args, rollout_id, source, evaluation=False)
     groups = []
     for group in output.samples:
-        samples = [native_sample(source, view, where) for view in _leaves(group)]
+        samples = [returned_sample(view, where) for view in _leaves(group)]
         for sample in samples:
             if sample.reward is None:
                 raise ValueError(f"{where} returned sample {sample.index} (group {sample.group_index}) without a "

@@ -1,6 +1,6 @@
 """slime's rollout-level hooks around slimeflow's rollout: sample hooks, the rollout sample filter, reward
 post-processing, the all-samples process, the rollout and eval log functions, and the conversion of samples to
-train data. Each is called with slime's signature on slime's `Sample` (slime_plugins converts at the boundary).
+train data. Each is called with slime's signature on the rollout's samples (slime's `Sample` is slimeflow's).
 A whole rollout or eval function, which replaces the rollout, is slime_rollout_functions.py's."""
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ from typing import Any
 from slimeflow.config.train import TrainConfig
 from slimeflow.rollout.plugins import load_plugin
 from slimeflow.rollout.slime_data_source import PluginDataSource
-from slimeflow.rollout.slime_plugins import from_slime, plugin_name, takes_keyword, to_slime
-from slimeflow.rollout.types import Sample, Status
-from slimeflow.slime_compat.utils.types import Sample as SlimeSample
-from slimeflow.slime_compat.utils.types import floats
+from slimeflow.rollout.slime_plugins import plugin_name, returned_sample, takes_keyword
+from slimeflow.rollout.types import Sample, Status, floats
 
 
 async def apply_sample_hooks(hooks: Sequence[Callable[..., Any]], args: Any, samples: list[Sample], *,
@@ -25,18 +23,18 @@ async def apply_sample_hooks(hooks: Sequence[Callable[..., Any]], args: Any, sam
     sample it was given, changed in place)."""
     out = []
     for sample in samples:
-        view = to_slime(sample)
+        view = sample
         for hook in hooks:
             kwargs = {k: v for k, v in {"rollout_id": rollout_id, "evaluation": evaluation}.items() if takes_keyword(hook, k)}
             result = hook(args, view, **kwargs)
             if inspect.isawaitable(result):
                 result = await result
             if result is not None:
-                if not isinstance(result, SlimeSample):
+                if not isinstance(result, Sample):
                     raise TypeError(f"--rollout-sample-hook-path {plugin_name(hook)} returned {type(result).__name__}; "
                                     "return the Sample or None")
                 view = result
-        out.append(from_slime(view, sample, "--rollout-sample-hook-path"))
+        out.append(returned_sample(view, "--rollout-sample-hook-path", sample))
     return out
 
 
@@ -44,14 +42,12 @@ def apply_sample_filter(function: Callable[..., Any], args: Any, groups: list[li
     """--rollout-sample-filter-path, as slime: `filter(args, groups)` on the rollout's kept groups, setting
     `remove_sample` on the samples that must not train; their loss masks become all 0 (they still count in the
     group's advantage normalisation, as in slime). Returns how many were removed."""
-    views = [[to_slime(s) for s in group] for group in groups]
-    function(args, views)
+    function(args, [list(group) for group in groups])
     removed = 0
-    for group, view_group in zip(groups, views, strict=True):
-        for sample, view in zip(group, view_group, strict=True):
-            if view.remove_sample:
-                sample.loss_mask = [0] * sample.response_length
-                removed += 1
+    for sample in (s for group in groups for s in group):
+        if sample.remove_sample:
+            sample.loss_mask = [0] * sample.response_length
+            removed += 1
     return removed
 
 
@@ -59,7 +55,7 @@ def call_rollout_log(function: Callable[..., Any], rollout_id: int, args: Any, s
                      metrics: dict[str, float], seconds: float) -> bool:
     """--custom-rollout-log-function-path, as slime: `log(rollout_id, args, samples, rollout_extra_metrics,
     rollout_time) -> bool`; True skips the default rollout metrics."""
-    return bool(function(rollout_id, args, [to_slime(s) for s in samples], dict(metrics), seconds))
+    return bool(function(rollout_id, args, list(samples), dict(metrics), seconds))
 
 
 def call_eval_log(function: Callable[..., Any], rollout_id: int | None, args: Any,
@@ -72,7 +68,7 @@ def call_eval_log(function: Callable[..., Any], rollout_id: int | None, args: An
         good = [s for g in groups for s in g if s.status is not Status.FAILED and s.reward is not None]
         data[name] = {"rewards": [float(s.reward) for s in good],
                       "truncated": [int(s.status is Status.TRUNCATED) for s in good],
-                      "samples": [to_slime(s) for s in good]}
+                      "samples": good}
     return bool(function(rollout_id, args, data, dict(metrics)))
 
 
@@ -82,41 +78,36 @@ def post_process_rewards(function: Callable[..., Any], args: Any, groups: list[l
     metadata['raw_reward'])."""
     samples = [s for group in groups for s in group]
     where = f"--custom-reward-post-process-path {plugin_name(function)}"
-    views = [to_slime(s) for s in samples]
-    raw, rewards = function(args, views)
+    raw, rewards = function(args, list(samples))
     if len(raw) != len(samples) or len(rewards) != len(samples):
         raise ValueError(f"{where} returned {len(raw)} raw rewards and {len(rewards)} rewards for {len(samples)} "
                          "samples; return one of each per sample")
-    for sample, view, raw_reward, reward in zip(samples, views, raw, rewards, strict=True):
+    for sample, raw_reward, reward in zip(samples, raw, rewards, strict=True):
         sample.metadata["raw_reward"] = float(raw_reward)
         sample.reward = float(reward)
-        # on-policy distillation's post-process sets them (slime's on_policy_distillation)
-        sample.teacher_log_probs = floats(view.teacher_log_probs)
+        # on-policy distillation's post-process sets them, as a tensor (slime's on_policy_distillation)
+        sample.teacher_log_probs = floats(sample.teacher_log_probs)
 
 
 def process_all_samples(function: Callable[..., Any], args: Any, kept: list[list[Sample]],
                         finished: list[list[Sample]], source: Any) -> None:
     """--rollout-all-samples-process-path, as slime: `process(args, all_samples, data_source)` on every finished
-    group in prompt order, kept or filtered out; what it changes in the kept samples is carried back."""
+    group in prompt order, kept or filtered out; it changes the samples in place, and a sample it puts in another's
+    place in its group's list replaces that one in the kept groups."""
     ordered = sorted(finished, key=lambda group: group[0].group_index)
-    views = [[to_slime(s) for s in group] for group in ordered]
-    function(args, views, source)
-    back = {id(sample): view for group, view_group in zip(ordered, views, strict=True)
-            for sample, view in zip(group, view_group, strict=True)}
+    given = [list(group) for group in ordered]
+    function(args, given, source)
+    back = {id(sample): new for group, new_group in zip(ordered, given, strict=True)
+            for sample, new in zip(group, new_group, strict=True)}
     where = f"--rollout-all-samples-process-path {plugin_name(function)}"
     for group in kept:
-        group[:] = [from_slime(back[id(s)], s, where) if id(s) in back else s for s in group]
+        group[:] = [returned_sample(back[id(s)], where, s) if id(s) in back else s for s in group]
 
 
 def slime_view(data: Any, rollout_id: int | None) -> Any:
     """The data source a slime plug-in gets: the --data-source-path object itself (as slime passes it), else
     slime's API over slimeflow's buffered data source."""
     return data.source if isinstance(data, PluginDataSource) else SlimeDataSource(data, rollout_id)
-
-
-def native_sample(source: Any, view: Any, where: str) -> Sample:
-    """A sample a slime plug-in returned (`view`, from `source`), as slimeflow's."""
-    return source.native(view, where) if isinstance(source, SlimeDataSource) else from_slime(view, view, where)
 
 
 def finish_rollout(ctx: Any, kept: list[list[Sample]], metrics: dict[str, float],
@@ -145,28 +136,19 @@ def finish_rollout(ctx: Any, kept: list[list[Sample]], metrics: dict[str, float]
 
 class SlimeDataSource:
     """slime's data-source API (get_samples, add_samples) over slimeflow's buffered data source, for a rollout
-    function: groups go out as slime Samples and come back as ours."""
+    function."""
 
     def __init__(self, data: Any, rollout_id: int):
         self.data, self.rollout_id = data, rollout_id
-        self._origin: dict[int, Sample] = {}
 
-    def get_samples(self, num_samples: int) -> list[list[SlimeSample]]:
+    def get_samples(self, num_samples: int) -> list[list[Sample]]:
         """`num_samples` groups (the buffer's first, as slime's data source with buffer)."""
-        views = []
-        for group in self.data.get_groups(num_samples):
-            view = [to_slime(s) for s in group]
-            self._origin.update({id(v): s for v, s in zip(view, group, strict=True)})
-            views.append(view)
-        return views
+        return self.data.get_groups(num_samples)
 
-    def add_samples(self, samples: list[list[SlimeSample]]) -> None:
+    def add_samples(self, samples: list[list[Sample]]) -> None:
         """Put groups back into the buffer (aborted ones, continued by a later rollout)."""
-        self.data.add_groups([[self.native(s, "data_source.add_samples") for s in group] for group in samples],
+        self.data.add_groups([[returned_sample(s, "data_source.add_samples") for s in group] for group in samples],
                              self.rollout_id)
-
-    def native(self, view: Any, where: str) -> Sample:
-        return from_slime(view, self._origin.get(id(view), view), where)
 
     def get_buffer_length(self) -> int:
         return len(self.data)
@@ -193,7 +175,7 @@ def train_batch(config: TrainConfig, args: Any, samples: list[Sample]) -> Any:
         return TrainBatch.from_samples(samples)
     function = load_plugin(path, "custom-convert-samples-to-train-data-path")
     where = f"--custom-convert-samples-to-train-data-path {plugin_name(function)}"
-    data = function(args, [to_slime(s) for s in samples])
+    data = function(args, list(samples))
     unread = sorted(set(data) - _TRAIN_DATA_USED - _TRAIN_DATA_INFO)
     missing = sorted({"tokens", "response_lengths", "rewards", "loss_masks"} - set(data))
     if unread or missing:
