@@ -17,7 +17,8 @@ import torch
 from slimeflow.config.train import TrainConfig
 from slimeflow.rollout.types import TrainBatch
 from slimeflow.train.advantages import AdvantageInputs, compute_advantages
-from slimeflow.train.backends.torch.backend import LogProbs, TorchBackend, scoring_model
+from slimeflow.train.backends.common import LogProbs, scoring_model
+from slimeflow.train.backends.protocol import Backend
 from slimeflow.train.loss import LossInputs, LossNormalizer, LossOutput, compute_loss
 from slimeflow.train.packing import split_for_data_parallel
 from slimeflow.train.train_hooks import TrainHooks, postprocess_rollout_data
@@ -51,7 +52,7 @@ def plan_steps(batch: TrainBatch, global_batch_size: int, rank: int, world_size:
     return plan
 
 
-def train_on_rollout(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, rank: int = 0,
+def train_on_rollout(backend: Backend, batch: TrainBatch, config: TrainConfig, rank: int = 0,
                      world_size: int = 1, rollout_id: int = 0, hooks: TrainHooks | None = None) -> dict[str, float]:
     """Train on one rollout (rows in group order: consecutive groups of n_samples_per_prompt).
 
@@ -88,7 +89,7 @@ def train_on_rollout(backend: TorchBackend, batch: TrainBatch, config: TrainConf
     return metrics
 
 
-def prepare(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, shares: list[list[int]],
+def prepare(backend: Backend, batch: TrainBatch, config: TrainConfig, shares: list[list[int]],
             world_size: int, single_step: bool = False, hooks: TrainHooks | None = None) -> Prepared:
     """Old (and reference) log-probs of this rank's samples (`shares`: its samples in each optimizer step, as
     plan_steps splits them), gathered from all ranks, then the advantages of the whole rollout
@@ -158,7 +159,7 @@ def group_size(batch: TrainBatch, n_samples_per_prompt: int) -> int:
     return sizes.pop() if len(sizes) == 1 else len(batch)
 
 
-def _advantages_need_no_log_probs(config: TrainConfig, backend: TorchBackend) -> bool:
+def _advantages_need_no_log_probs(config: TrainConfig, backend: Backend) -> bool:
     """GRPO-style estimators read only the rewards; the KL-shaped ones and custom functions read log-probs."""
     return (backend.plugins.advantage is None and config.algorithm.advantage_estimator in ("grpo", "gspo", "cispo")
             and not config.algorithm.use_opd)  # OPD's penalty reads the old policy's log-probs
@@ -182,14 +183,14 @@ def _gather(own: list[int], values: list[torch.Tensor], total: int, world_size: 
     return out  # type: ignore[return-value]
 
 
-def step_micro_batches(backend: TorchBackend, lengths: list[int], share: list[int]) -> list[list[int]]:
+def step_micro_batches(backend: Backend, lengths: list[int], share: list[int]) -> list[list[int]]:
     """The micro-batches (batch indices) this rank runs its `share` of one optimizer step in (`lengths`: every
     sample's tokens), for the training step and the log-prob passes alike. Collective under expert parallelism
     with --use-dynamic-batch-size (the ranks even out their counts): every rank calls it for every step."""
     return [[share[j] for j in micro] for micro in backend.micro_batches([lengths[i] for i in share])]
 
 
-def accumulate_gradients(backend: TorchBackend, batch: TrainBatch, indices: list[int], share: list[int],
+def accumulate_gradients(backend: Backend, batch: TrainBatch, indices: list[int], share: list[int],
                          prepared: Prepared, config: TrainConfig) -> dict[str, float]:
     """Forward/backward over this rank's micro-batches (`share`) of the global batch `indices`; returns the global
     batch's loss metrics (summed over ranks). The gradients summed over ranks equal one pass over the batch."""

@@ -35,7 +35,7 @@ from slimeflow.stages.train.placement import create_placement
 from slimeflow.stages.train.placement_plan import flag_problems
 from slimeflow.stages.train.plots import plot_curves
 from slimeflow.stages.train.rollout_manager import RolloutSetup
-from slimeflow.train.backends.megatron.preflight import megatron_backend_problems
+from slimeflow.train.backends import backend_spec
 
 log = logging.getLogger("slimeflow.train")
 
@@ -99,8 +99,9 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
     if config.algorithm.advantage_estimator == "ppo":  # the library computes GAE from values no run produces yet
         problems.append("--advantage-estimator ppo needs a critic's values (slime's --use-critic), which this version "
                         "does not train; use grpo, gspo, cispo, reinforce_plus_plus or reinforce_plus_plus_baseline")
-    if config.placement.train_backend == "megatron":
-        problems += megatron_backend_problems(config)
+    preflight = backend_spec(config.placement.train_backend).preflight
+    if preflight is not None:
+        problems += preflight(config)
     if problems:
         raise StageInputError("the train stage cannot start", problems,
                               "In a pipeline these come from the model and preprocess stages; alone, pass them "
