@@ -121,7 +121,8 @@ def check_provided(model: torch.nn.Module, tensor_parallel: int, pipeline_parall
     config.calculate_per_token_loss = per_token_loss
     for module in model.modules() if isinstance(model, torch.nn.Module) else ():  # megatron's routers keep their own copy (how they scale the aux and z losses)
         if hasattr(module, "calculate_per_token_loss"):
-            module.calculate_per_token_loss = per_token_loss
+            router: Any = module  # a plain attribute of megatron's routers, which torch's Module typing does not know
+            router.calculate_per_token_loss = per_token_loss
     config.batch_p2p_comm = False
 
 

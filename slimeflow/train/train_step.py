@@ -63,6 +63,7 @@ def train_on_rollout(backend: Backend, batch: TrainBatch, config: TrainConfig, r
     (prompt + response tokens of the rollout over the wall time of the steps, all ranks together).
     `hooks`: slime's hooks (train_hooks), called where slime's actor calls them.
     """
+    assert config.batch.global_batch_size is not None  # BatchConfig derives it
     plan = plan_steps(batch, config.batch.global_batch_size, rank, world_size, config.batch.balance_data)
     own = sorted(i for _, share in plan for i in share)
     prepared = prepare(backend, batch, config, [share for _, share in plan], world_size, single_step=len(plan) == 1,
@@ -204,14 +205,17 @@ def accumulate_gradients(backend: Backend, batch: TrainBatch, indices: list[int]
         assert out.entropy is not None
         entropy = out.entropy if algo.entropy_coef else [e.detach() for e in out.entropy]
 
-        def pick(values: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
-            return None if values is None else [values[i].to(device) for i in rows]
+        def pick(values: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [values[i].to(device) for i in rows]
 
-        old = pick(prepared.old_log_probs) or [lp.detach() for lp in out.log_probs]
+        def pick_given(values: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+            return None if values is None else pick(values)
+
+        old = pick_given(prepared.old_log_probs) or [lp.detach() for lp in out.log_probs]
         inputs = LossInputs(log_probs=out.log_probs, old_log_probs=old,
                             advantages=pick(prepared.advantages), loss_masks=pick(batch.loss_masks),
-                            ref_log_probs=pick(prepared.ref_log_probs) if algo.use_kl_loss else None,
-                            rollout_log_probs=pick(batch.rollout_log_probs),
+                            ref_log_probs=pick_given(prepared.ref_log_probs) if algo.use_kl_loss else None,
+                            rollout_log_probs=pick_given(batch.rollout_log_probs),
                             entropy=entropy, total_lengths=[lengths[i] for i in rows])
         return compute_loss(algo, inputs, normalizer, backend.plugins.loss, backend.plugins.tis,
                             backend.plugins.pg_loss_reducer)

@@ -265,7 +265,8 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
         raise
     colocation = None
     if placement.offload_train or placement.offload_rollout:
-        colocation = Colocation(manager, actors, placement.offload_train, placement.offload_rollout and targets is not None,
+        colocation = Colocation(manager, actors, bool(placement.offload_train),
+                                bool(placement.offload_rollout) and targets is not None,
                                 config.weight_sync.update_weights_interval)
     rollouts = RolloutManagerHandle(manager, colocation)
     recover = rollouts.recover_engines if config.fault_tolerance.use_fault_tolerance else None

@@ -48,6 +48,7 @@ def run(config: TrainConfig, ctx: StageContext) -> Manifest:
     config, prepared = prepare_data(config, ctx.storage, ctx.workdir)  # raw data sets -> prompt parquet
     setup = rollout_setup(config, ctx)
     num_rollout = resolve_num_rollout(config, setup.prompt_data, ctx)
+    assert config.batch.num_steps_per_rollout is not None  # BatchConfig derives it
     total_steps = num_rollout * config.batch.num_steps_per_rollout
     sinks = open_sinks(config.logging, ctx.workdir, config.model_dump(mode="json"))  # W&B, TensorBoard
     try:
@@ -204,6 +205,7 @@ def resolve_num_rollout(config: TrainConfig, prompt_data: str, ctx: StageContext
     from slimeflow.io.prompts import PromptDataset
 
     prompts = len(PromptDataset(prompt_data, ctx.storage))
+    assert config.batch.num_epoch is not None  # BatchConfig asks for --num-rollout or --num-epoch
     return config.batch.num_epoch * math.ceil(prompts / config.batch.rollout_batch_size)
 
 

@@ -132,13 +132,14 @@ class TrainActor:
             last = "none" if self.pushed is None else f"version {self.pushed[0]}"
             raise RuntimeError(f"a restarted engine needs weight version {version}, but trainer rank 0 last pushed "
                                f"{last}")
+        weights = self.pushed[1]
         main = self.weight_sync
         targets = dataclasses.replace(main.targets, worker_urls=tuple(urls))
         sync = WeightSync(targets, main.buffer_size, main.transport, tp_size=main.tp_size)
 
         async def push() -> str:
             try:
-                return await sync.push(self.pushed[1], version)
+                return await sync.push(weights, version)
             finally:
                 await sync.aclose()
 

@@ -242,7 +242,7 @@ class MegatronBackend:
         megatron_checkpoint.load_weights(chunks, ref_load)
         return in_precision(chunks, self.optimizer_config.bf16)
 
-    def _wrapped(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    def _wrapped(self, chunks: list[torch.nn.Module]) -> list[Any]:
         """Each chunk in megatron's DDP (contiguous fp32 gradient buffers, summed over DP ranks when the step
         finalises); the schedule reads its hooks from the first chunk's config, as Megatron-LM sets them."""
         from megatron.core.distributed import (
@@ -255,7 +255,7 @@ class MegatronBackend:
             grad_reduce_in_fp32=grad_reduce_in_fp32(self.parallel, self.optimizer_config.bf16), overlap_grad_reduce=False, use_distributed_optimizer=self.parallel.use_distributed_optimizer,
             average_in_collective=False), module=model, disable_bucketing=i > 0)  # gloo has no ReduceOp.AVG
             for i, model in enumerate(chunks)]
-        config = chunks[0].config
+        config: Any = chunks[0].config  # megatron's TransformerConfig (megatron-core ships no type information)
         no_sync = [ddp.no_sync for ddp in wrapped]
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         # megatron's own, as slime's: with --calculate-per-token-loss it divides every gradient by the step's loss
@@ -502,7 +502,11 @@ class MegatronBackend:
             for chunk in self.model:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
-        return {"grad_norm": float(grad_norm if grad_norm is not None else unclipped), "lr": float(lr)}
+        norm = grad_norm if grad_norm is not None else unclipped
+        if norm is None:
+            raise RuntimeError("megatron's optimizer step returned no gradient norm at --clip-grad "
+                               f"{self.optimizer_config.clip_grad}")
+        return {"grad_norm": float(norm), "lr": float(lr)}
 
     # -- checkpoints and weights ----------------------------------------------------------------------------------
 
@@ -541,7 +545,7 @@ class MegatronBackend:
         return megatron_to_hf(unstack_layers(tensors), shape)
 
 
-def gather_global_tensors(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor] | None:
+def gather_global_tensors(chunks: list[Any]) -> dict[str, torch.Tensor] | None:
     """The model's checkpoint tensors as global tensors under their checkpoint keys (layers stacked, as in a
     torch_dist checkpoint) on global rank 0, None on the others. Built from `model.sharded_state_dict()`, the
     declaration megatron saves from, so the TP split (fused QKV and gate/up included) and the PP layer offsets are

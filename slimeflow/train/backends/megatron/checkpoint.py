@@ -135,6 +135,7 @@ def save_checkpoint(backend: MegatronBackend, root: str | Path, rollout_id: int,
             staged = stack.enter_context(claimed_dir(root_path, staging_prefix(name)))
         box = [None if staged is None else str(staged)]
         torch.distributed.broadcast_object_list(box, src=0)
+        assert box[0] is not None  # rank 0 broadcasts the directory it claimed
         staged = Path(box[0])
         error = None
         try:
@@ -228,7 +229,7 @@ def load_weights(chunks: list[torch.nn.Module], checkpoint: str | Path) -> None:
     assign(chunks, loaded, ref.uri)
 
 
-def model_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+def model_state(chunks: list[Any]) -> dict[str, Any]:
     """The model chunks' sharded state dicts under Megatron-LM's names: `model`, or `model0`, `model1`, ... for
     virtual pipeline stages. The tensors' keys are global (layer offsets applied), so the files do not depend on
     the chunking and load at any other layout."""

@@ -190,14 +190,16 @@ class TorchBackend:
         if self.world_size == 1:
             return
         params = [p for p in self.model.parameters() if p.requires_grad]
+        grads = []
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+            grads.append(p.grad)
+        flat = torch.cat([g.reshape(-1) for g in grads])
         torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM)
         offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+        for p, g in zip(params, grads, strict=True):
+            g.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
 
     def optimizer_step(self) -> dict[str, float]:
