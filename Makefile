@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= examples/demo.yaml
 
-.PHONY: demo test install install-dev lint clean
+.PHONY: demo test install install-dev lint typecheck clean
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11) on PATH, or: make PYTHON=/path/to/python3.11"; exit 1; }
@@ -26,13 +26,17 @@ demo: $(VENV)/.installed
 	$(BIN)/slimeflow run $(CONFIG)
 
 # pytest exits 5 when it collects no tests: that is a broken suite here, and it is said so.
-test: $(VENV)/.installed-dev
+test: $(VENV)/.installed-dev typecheck
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is missing or mis-selected"; exit 1; fi; exit $$rc
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
+
+# The RL library and the train stage: the Backend protocol holds only if both backends type-check against it.
+typecheck: $(VENV)/.installed-dev
+	$(BIN)/mypy slimeflow/train stages/train
 
 clean:
 	rm -rf $(VENV) runs build dist *.egg-info

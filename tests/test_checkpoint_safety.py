@@ -22,12 +22,12 @@ from slimeflow.checkpoint.torch_dist import read_common, tensor_metadata
 from slimeflow.config.train import TrainConfig
 from slimeflow.errors import CheckpointError
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.train.backends.checkpoint import resolve_start
 from slimeflow.train.backends.torch import checkpoint as ckpt
 from slimeflow.train.backends.torch.backend import TorchBackend
 from slimeflow.train.backends.torch.checkpoint import (
     load_checkpoint,
     read_weights,
-    resolve_start,
     save_checkpoint,
 )
 

@@ -121,7 +121,7 @@ def make_group_batch() -> TrainBatch:
 
 
 def test_samples_that_share_their_inputs_share_one_forward_row(hf_dir):
-    from slimeflow.train.backends.torch.backend import distinct_rows
+    from slimeflow.train.backends.common import distinct_rows
 
     batch = make_group_batch()
     firsts, row_of = distinct_rows(batch.tokens, batch.response_lengths)

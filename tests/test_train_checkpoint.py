@@ -17,9 +17,10 @@ from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.io import checkpoints, ownership
 from slimeflow.io.storage import Storage
 from slimeflow.rollout.types import TrainBatch
+from slimeflow.train.backends.checkpoint import StartPoint, resolve_start
 from slimeflow.train.backends.torch import checkpoint as ckpt
 from slimeflow.train.backends.torch.backend import TorchBackend
-from slimeflow.train.backends.torch.checkpoint import load_checkpoint, resolve_start, save_checkpoint
+from slimeflow.train.backends.torch.checkpoint import load_checkpoint, save_checkpoint
 from slimeflow.train.train_step import train_on_rollout
 
 CONFIG = TrainConfig(batch={"rollout_batch_size": 2, "n_samples_per_prompt": 2, "num_rollout": 4},
@@ -132,11 +133,11 @@ def test_resolve_start_falls_back_from_load_to_ref_load_to_hf(saved, tmp_path):
     half = tmp_path / "half" / "iter_0000007"
     half.mkdir(parents=True)
     (half / "common.pt").write_bytes(b"")  # a save that never finished
-    assert resolve_start(ref.root, None) == ckpt.StartPoint("load", ref, weights_only=False)
+    assert resolve_start(ref.root, None) == StartPoint("load", ref, weights_only=False)
     for load in (str(empty), str(tmp_path / "missing"), str(tmp_path / "half"), None):
         start = resolve_start(load, ref.root)
         assert (start.source, start.ref, start.weights_only) == ("ref_load", ref, True)
-    assert resolve_start(str(empty), None) == ckpt.StartPoint("hf_checkpoint", None, weights_only=True)
+    assert resolve_start(str(empty), None) == StartPoint("hf_checkpoint", None, weights_only=True)
     with pytest.raises(CheckpointError):
         resolve_start(None, str(empty))
     # ref_load: the weights only (fresh optimizer and schedule), no extra state.

@@ -9,7 +9,7 @@ what the class saves is its own (slime's writes under args.save and reads from a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from slimeflow.rollout.data_source import START_ROLLOUT_ID, Group
@@ -20,7 +20,7 @@ from slimeflow.rollout.types import Sample, Status
 class PluginDataSource:
     """A slime data source object, seen as slimeflow's BufferedDataSource (get_groups, add_groups, len, state)."""
 
-    def __init__(self, cls: type, args: Any, n_samples_per_prompt: int):
+    def __init__(self, cls: Callable[..., Any], args: Any, n_samples_per_prompt: int):
         self.source = cls(args)
         self.n_samples_per_prompt = n_samples_per_prompt
         self.where = f"--data-source-path {plugin_name(cls)}"

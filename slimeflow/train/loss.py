@@ -159,6 +159,8 @@ def load_custom_loss(config: AlgorithmConfig) -> CustomLoss | None:
     """The function at --custom-loss-function-path when --loss-type custom_loss, else None."""
     if config.loss_type != "custom_loss":
         return None
+    if config.custom_loss_function_path is None:
+        raise ValueError("--loss-type custom_loss needs --custom-loss-function-path")
     return load_plugin(config.custom_loss_function_path, "custom-loss-function-path")
 
 
@@ -217,20 +219,23 @@ def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce,
     agg = _flat_reduce(reduce, lengths)
     log_probs = torch.cat(inputs.log_probs)
     rollout = None if inputs.rollout_log_probs is None else torch.cat(inputs.rollout_log_probs)
-    if config.use_rollout_logprobs and rollout is None:
+    if not config.use_rollout_logprobs:
+        old_log_probs = torch.cat(inputs.old_log_probs)
+    elif rollout is None:
         raise ValueError("--use-rollout-logprobs needs the rollout engine's log-probs of every sample")
-    old_log_probs = rollout if config.use_rollout_logprobs else torch.cat(inputs.old_log_probs)
+    else:
+        old_log_probs = rollout
     if config.advantage_estimator == "gspo":
         index = alg.sample_index(lengths, log_probs.device)
         ppo_kl = alg.gspo_kl_flat(log_probs, old_log_probs, torch.cat(inputs.loss_masks), index, len(lengths))
     else:
         ppo_kl = old_log_probs - log_probs
     advantages = torch.cat(inputs.advantages)
+    eps_clip_high = config.eps_clip if config.eps_clip_high is None else config.eps_clip_high
     if config.advantage_estimator == "cispo":
-        losses, clipfrac = alg.compute_cispo_loss(ppo_kl, log_probs, advantages, config.eps_clip,
-                                                  config.eps_clip_high)
+        losses, clipfrac = alg.compute_cispo_loss(ppo_kl, log_probs, advantages, config.eps_clip, eps_clip_high)
     else:
-        losses, clipfrac = alg.compute_policy_loss(ppo_kl, advantages, config.eps_clip, config.eps_clip_high,
+        losses, clipfrac = alg.compute_policy_loss(ppo_kl, advantages, config.eps_clip, eps_clip_high,
                                                    config.eps_clip_c)
 
     metrics: dict[str, torch.Tensor] = {}
@@ -273,14 +278,15 @@ def _pg_reduce(reducer: PgLossReducer, config: AlgorithmConfig, inputs: LossInpu
                normalizer: LossNormalizer) -> Callable[[list[torch.Tensor]], Callable[[torch.Tensor], torch.Tensor]]:
     """masks -> the custom reducer's sum over the micro-batch divided by the global batch's normaliser (its sample
     count, or its token count per token), as slime scales the loss after the reducer."""
-    if inputs.total_lengths is None:
+    total_lengths = inputs.total_lengths
+    if total_lengths is None:
         raise ValueError("--custom-pg-loss-reducer-function-path needs each sample's total length (prompt + response)")
     per_token = config.calculate_per_token_loss
     scale = normalizer.num_tokens if per_token else normalizer.num_samples
     lengths = [lp.numel() for lp in inputs.log_probs]
 
     def with_masks(masks: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-        reduce = reducer(list(inputs.total_lengths), lengths, list(masks), per_token)
+        reduce = reducer(list(total_lengths), lengths, list(masks), per_token)
         return lambda flat: torch.as_tensor(reduce(flat)) / scale
 
     return with_masks

@@ -19,12 +19,15 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from slimeflow.config.train import TrainConfig
 from slimeflow.rollout.plugins import load_plugin
+
+if TYPE_CHECKING:
+    from slimeflow.train.backends.protocol import Backend
 
 Hook = Callable[..., Any]
 RUN_LAYOUT = frozenset({
@@ -93,7 +96,7 @@ class TrainHooks:
         if self.before_log_prob is not None:
             self.before_log_prob(self.args, model, store_prefix)
 
-    def before_step(self, rollout_id: int, step_id: int, backend: Any) -> None:
+    def before_step(self, rollout_id: int, step_id: int, backend: Backend) -> None:
         if self.before_train_step is not None:
             self.before_train_step(self.args, rollout_id, step_id, backend.model, backend.optimizer, backend.scheduler)
 
@@ -118,7 +121,8 @@ def check_provided(model: torch.nn.Module, tensor_parallel: int, pipeline_parall
     config.calculate_per_token_loss = per_token_loss
     for module in model.modules() if isinstance(model, torch.nn.Module) else ():  # megatron's routers keep their own copy (how they scale the aux and z losses)
         if hasattr(module, "calculate_per_token_loss"):
-            module.calculate_per_token_loss = per_token_loss
+            router: Any = module  # a plain attribute of megatron's routers, which torch's Module typing does not know
+            router.calculate_per_token_loss = per_token_loss
     config.batch_p2p_comm = False
 
 

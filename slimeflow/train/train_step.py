@@ -17,7 +17,8 @@ import torch
 from slimeflow.config.train import TrainConfig
 from slimeflow.rollout.types import TrainBatch
 from slimeflow.train.advantages import AdvantageInputs, compute_advantages
-from slimeflow.train.backends.torch.backend import LogProbs, TorchBackend, scoring_model
+from slimeflow.train.backends.common import LogProbs, scoring_model
+from slimeflow.train.backends.protocol import Backend
 from slimeflow.train.loss import LossInputs, LossNormalizer, LossOutput, compute_loss
 from slimeflow.train.packing import split_for_data_parallel
 from slimeflow.train.train_hooks import TrainHooks, postprocess_rollout_data
@@ -51,7 +52,7 @@ def plan_steps(batch: TrainBatch, global_batch_size: int, rank: int, world_size:
     return plan
 
 
-def train_on_rollout(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, rank: int = 0,
+def train_on_rollout(backend: Backend, batch: TrainBatch, config: TrainConfig, rank: int = 0,
                      world_size: int = 1, rollout_id: int = 0, hooks: TrainHooks | None = None) -> dict[str, float]:
     """Train on one rollout (rows in group order: consecutive groups of n_samples_per_prompt).
 
@@ -62,6 +63,7 @@ def train_on_rollout(backend: TorchBackend, batch: TrainBatch, config: TrainConf
     (prompt + response tokens of the rollout over the wall time of the steps, all ranks together).
     `hooks`: slime's hooks (train_hooks), called where slime's actor calls them.
     """
+    assert config.batch.global_batch_size is not None  # BatchConfig derives it
     plan = plan_steps(batch, config.batch.global_batch_size, rank, world_size, config.batch.balance_data)
     own = sorted(i for _, share in plan for i in share)
     prepared = prepare(backend, batch, config, [share for _, share in plan], world_size, single_step=len(plan) == 1,
@@ -88,7 +90,7 @@ def train_on_rollout(backend: TorchBackend, batch: TrainBatch, config: TrainConf
     return metrics
 
 
-def prepare(backend: TorchBackend, batch: TrainBatch, config: TrainConfig, shares: list[list[int]],
+def prepare(backend: Backend, batch: TrainBatch, config: TrainConfig, shares: list[list[int]],
             world_size: int, single_step: bool = False, hooks: TrainHooks | None = None) -> Prepared:
     """Old (and reference) log-probs of this rank's samples (`shares`: its samples in each optimizer step, as
     plan_steps splits them), gathered from all ranks, then the advantages of the whole rollout
@@ -158,7 +160,7 @@ def group_size(batch: TrainBatch, n_samples_per_prompt: int) -> int:
     return sizes.pop() if len(sizes) == 1 else len(batch)
 
 
-def _advantages_need_no_log_probs(config: TrainConfig, backend: TorchBackend) -> bool:
+def _advantages_need_no_log_probs(config: TrainConfig, backend: Backend) -> bool:
     """GRPO-style estimators read only the rewards; the KL-shaped ones and custom functions read log-probs."""
     return (backend.plugins.advantage is None and config.algorithm.advantage_estimator in ("grpo", "gspo", "cispo")
             and not config.algorithm.use_opd)  # OPD's penalty reads the old policy's log-probs
@@ -182,14 +184,14 @@ def _gather(own: list[int], values: list[torch.Tensor], total: int, world_size: 
     return out  # type: ignore[return-value]
 
 
-def step_micro_batches(backend: TorchBackend, lengths: list[int], share: list[int]) -> list[list[int]]:
+def step_micro_batches(backend: Backend, lengths: list[int], share: list[int]) -> list[list[int]]:
     """The micro-batches (batch indices) this rank runs its `share` of one optimizer step in (`lengths`: every
     sample's tokens), for the training step and the log-prob passes alike. Collective under expert parallelism
     with --use-dynamic-batch-size (the ranks even out their counts): every rank calls it for every step."""
     return [[share[j] for j in micro] for micro in backend.micro_batches([lengths[i] for i in share])]
 
 
-def accumulate_gradients(backend: TorchBackend, batch: TrainBatch, indices: list[int], share: list[int],
+def accumulate_gradients(backend: Backend, batch: TrainBatch, indices: list[int], share: list[int],
                          prepared: Prepared, config: TrainConfig) -> dict[str, float]:
     """Forward/backward over this rank's micro-batches (`share`) of the global batch `indices`; returns the global
     batch's loss metrics (summed over ranks). The gradients summed over ranks equal one pass over the batch."""
@@ -203,14 +205,17 @@ def accumulate_gradients(backend: TorchBackend, batch: TrainBatch, indices: list
         assert out.entropy is not None
         entropy = out.entropy if algo.entropy_coef else [e.detach() for e in out.entropy]
 
-        def pick(values: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
-            return None if values is None else [values[i].to(device) for i in rows]
+        def pick(values: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [values[i].to(device) for i in rows]
 
-        old = pick(prepared.old_log_probs) or [lp.detach() for lp in out.log_probs]
+        def pick_given(values: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+            return None if values is None else pick(values)
+
+        old = pick_given(prepared.old_log_probs) or [lp.detach() for lp in out.log_probs]
         inputs = LossInputs(log_probs=out.log_probs, old_log_probs=old,
                             advantages=pick(prepared.advantages), loss_masks=pick(batch.loss_masks),
-                            ref_log_probs=pick(prepared.ref_log_probs) if algo.use_kl_loss else None,
-                            rollout_log_probs=pick(batch.rollout_log_probs),
+                            ref_log_probs=pick_given(prepared.ref_log_probs) if algo.use_kl_loss else None,
+                            rollout_log_probs=pick_given(batch.rollout_log_probs),
                             entropy=entropy, total_lengths=[lengths[i] for i in rows])
         return compute_loss(algo, inputs, normalizer, backend.plugins.loss, backend.plugins.tis,
                             backend.plugins.pg_loss_reducer)

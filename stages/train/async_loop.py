@@ -42,6 +42,7 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
     rollout_manager, actor_group = placement.rollout_manager, placement.actor_group
     interval, eval_interval = config.weight_sync.update_weights_interval, config.eval.eval_interval
     ahead, bound = config.placement.async_buffer_size, staleness_bound(config)
+    assert bound is not None  # bounded under --async, the only loop this one runs
     start_rollout_id, saved_state = actor_group.load()
     result = LoopResult(start_rollout_id, num_rollout)
     evaluate_first = start_rollout_id < num_rollout and bool(eval_interval) and not config.eval.skip_eval_before_train

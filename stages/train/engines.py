@@ -303,7 +303,7 @@ class Coalescer:
     merged. When the engine rejects a merged request (400: a bad prompt, say; 413: too large a body), each part is
     sent again on its own, so that only the bad one fails, as it would have alone."""
 
-    def __init__(self, client: EngineClient):
+    def __init__(self, client: EngineClient | ReissuingClient):
         self.client = client
         self.waiting: dict[bool, list[_Part]] = {}
         self.sending: set[asyncio.Task] = set()  # referenced until done (the loop keeps only weak references)

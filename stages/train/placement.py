@@ -26,6 +26,7 @@ from slimeflow.stages.train.placement_plan import plan_placement, sglang_weight_
 from slimeflow.stages.train.remote import LoopError, call, hosted
 from slimeflow.stages.train.rollout_manager import RolloutSetup, rollout_manager_class
 from slimeflow.stages.train.train_actor import TrainActor
+from slimeflow.train.backends import backend_spec
 
 if TYPE_CHECKING:
     from slimeflow.rollout.types import TrainBatch
@@ -240,8 +241,8 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
     if group is not None:
         setup = replace(setup, engines_on=group.engine_placement(  # the memory saver as slime: --offload-rollout
             kind, config.seed, placement.num_gpus_per_node, config.sglang.server_args(), placement.offload_rollout))
-    # megatron-core keeps its parallel state in torch.distributed groups, so even one Megatron rank needs a world.
-    needs_world = world > 1 or config.placement.train_backend == "megatron"
+    # Some backends need a process group even for one rank (megatron-core keeps its parallel state in them).
+    needs_world = world > 1 or backend_spec(config.placement.train_backend).always_distributed
     init_method = (scratch / f"dist-{uuid.uuid4().hex[:8]}").resolve().as_uri() if needs_world else ""
     manager = ray.remote(num_cpus=0)(hosted(rollout_manager_class(config))).remote(config, setup)
     ranks = 0 if config.debug.debug_rollout_only else world
@@ -264,7 +265,8 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
         raise
     colocation = None
     if placement.offload_train or placement.offload_rollout:
-        colocation = Colocation(manager, actors, placement.offload_train, placement.offload_rollout and targets is not None,
+        colocation = Colocation(manager, actors, bool(placement.offload_train),
+                                bool(placement.offload_rollout) and targets is not None,
                                 config.weight_sync.update_weights_interval)
     rollouts = RolloutManagerHandle(manager, colocation)
     recover = rollouts.recover_engines if config.fault_tolerance.use_fault_tolerance else None

@@ -127,7 +127,7 @@ def flag_problems(config: TrainConfig, sglang_server_args: set[str] | None) -> l
     external = placement.rollout_external_engine_addrs or sglang.args.get("worker_urls")
     launches_sglang = sglang_server_args is not None and not external and not config.debug.debug_train_only
     problems = sglang.unread(launches_sglang)
-    if launches_sglang:
+    if launches_sglang and sglang_server_args is not None:
         problems += server_arg_problems(sglang.server_args(), sglang_server_args)
     problems += external_engine_problems(config)
     given_router = sglang.args.get("router_ip") is not None or sglang.args.get("router_port") is not None

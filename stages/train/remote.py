@@ -34,7 +34,7 @@ class ActorFailure(RuntimeError):
         return f"{self.context}: {self.kind}: {self.message}" if self.context else f"{self.kind}: {self.message}"
 
 
-def hosted(cls: type) -> type:
+def hosted(cls: type[Any]) -> type:
     """`cls` for `ray.remote`: its __init__ and public methods raise only ActorFailure; after a failed __init__
     the actor stays up and every call raises that failure (so the caller learns why it could not start)."""
 

@@ -282,9 +282,7 @@ class RolloutManager:
         else:
             state = self.data.state_dict()
         kept = [self.in_flight[k].to_dict() for k in sorted(self.in_flight) if trained is None or k > trained]
-        if kept:
-            state["in_flight"] = kept
-        return state
+        return {**state, "in_flight": kept} if kept else state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.data.load_state_dict(state)
@@ -330,6 +328,8 @@ def _data_source(config: TrainConfig, setup: RolloutSetup) -> Any:
 
         cls = load_plugin(config.data.data_source_path, "data-source-path")
         return PluginDataSource(cls, slime_args(config), config.batch.n_samples_per_prompt)
+    if setup.prompt_data is None:
+        raise ValueError("the rollout needs --prompt-data (the prompts to generate from) or --data-source-path")
     source = DataSource.from_prompt_data(setup.prompt_data, n_samples_per_prompt=config.batch.n_samples_per_prompt,
                                          shuffle=config.data.rollout_shuffle, seed=config.data.rollout_seed)
     buffer_filter = (slime_buffer_filter(load_plugin(config.rollout.buffer_filter_path, "buffer-filter-path"),
@@ -348,8 +348,8 @@ def weight_versions(samples: list[Sample]) -> dict[str, float]:
     oldest = [s.metadata.get(OLDEST_WEIGHT_VERSION, s.metadata.get("weight_version")) for s in samples]
     if not newest or any(v is None or not str(v).isdigit() for v in newest + oldest):
         return {}
-    return {"rollout/weight_version_min": float(min(int(v) for v in oldest)),
-            "rollout/weight_version_max": float(max(int(v) for v in newest))}
+    return {"rollout/weight_version_min": float(min(int(str(v)) for v in oldest)),
+            "rollout/weight_version_max": float(max(int(str(v)) for v in newest))}
 
 
 class ReplayRolloutManager:

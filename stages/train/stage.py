@@ -41,7 +41,7 @@ from slimeflow.stages.train.placement import create_placement
 from slimeflow.stages.train.placement_plan import flag_problems
 from slimeflow.stages.train.plots import plot_curves
 from slimeflow.stages.train.rollout_manager import RolloutSetup
-from slimeflow.train.backends.megatron.preflight import megatron_backend_problems
+from slimeflow.train.backends import backend_spec
 
 log = logging.getLogger("slimeflow.train")
 
@@ -54,6 +54,7 @@ def run(config: TrainConfig, ctx: StageContext) -> Manifest:
     config, prepared = prepare_data(config, ctx.storage, ctx.workdir)  # raw data sets -> prompt parquet
     setup = rollout_setup(config, ctx)
     num_rollout = resolve_num_rollout(config, setup.prompt_data, ctx)
+    assert config.batch.num_steps_per_rollout is not None  # BatchConfig derives it
     total_steps = num_rollout * config.batch.num_steps_per_rollout
     sinks = open_sinks(config.logging, ctx.workdir, config.model_dump(mode="json"))  # W&B, TensorBoard
     try:
@@ -101,8 +102,9 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
     # SGLang's server arguments are read only when some are given: importing SGLang takes seconds (and torch)
     problems += flag_problems(config, installed_server_args() if config.sglang.server_args() else None)
     problems += unbuilt_problems(config)
-    if config.placement.train_backend == "megatron":
-        problems += megatron_backend_problems(config)
+    preflight = backend_spec(config.placement.train_backend).preflight
+    if preflight is not None:
+        problems += preflight(config)
     if problems:
         raise StageInputError("the train stage cannot start", problems,
                               "In a pipeline these come from the model and preprocess stages; alone, pass them "
@@ -205,6 +207,7 @@ def resolve_num_rollout(config: TrainConfig, prompt_data: str, ctx: StageContext
     from slimeflow.io.prompts import PromptDataset
 
     prompts = len(PromptDataset(prompt_data, ctx.storage))
+    assert config.batch.num_epoch is not None  # BatchConfig asks for --num-rollout or --num-epoch
     return config.batch.num_epoch * math.ceil(prompts / config.batch.rollout_batch_size)
 
 

@@ -14,12 +14,14 @@ from typing import TYPE_CHECKING, Any
 from slimeflow.config.train import TrainConfig
 from slimeflow.stages.train.engines import WeightTargets
 from slimeflow.stages.train.heap import freeze_startup_heap
+from slimeflow.train.backends import Backend, build_backend
 
 if TYPE_CHECKING:
     from slimeflow.rollout.types import PackedBatch
 
 # The driver imports this module only to create the actors: what they compute with (torch, transformers, the
-# backends) is imported inside them, which keeps ~0.8 s of torch import out of the driver's start-up.
+# backends) is imported inside them, which keeps ~0.8 s of torch import out of the driver's start-up (the backend
+# registry imports a backend's module only when a rank builds it).
 
 
 class TrainActor:
@@ -43,8 +45,8 @@ class TrainActor:
         from slimeflow.train.train_hooks import TrainHooks
 
         self.hooks = TrainHooks.load(config)  # slime's hooks into its training actor (train_hooks)
-        self.backend, self.checkpoints = _backend(config, hf_checkpoint, rank, world_size, init_method, total_steps,
-                                                  self.hooks)
+        self.backend: Backend = build_backend(config.placement.train_backend, config, hf_checkpoint, rank,
+                                              world_size, init_method, total_steps, self.hooks)
         self.state_offload = StateOffload(Path(offload_dir or tempfile.gettempdir()))
         freeze_startup_heap()
 
@@ -63,13 +65,12 @@ class TrainActor:
     def load(self) -> tuple[int, dict[str, Any]]:
         """slime's start: the latest checkpoint of --load, else --ref-load's weights, else the HF weights.
         Returns (the first rollout id to run, the saved extra state: data position, ...)."""
-        from slimeflow.train.backends.torch.checkpoint import resolve_start
+        from slimeflow.train.backends.checkpoint import resolve_start
 
         ckpt = self.config.checkpoint
         self._onload()
         start = resolve_start(ckpt.load, ckpt.ref_load)
-        extra = (self.checkpoints.load_checkpoint(self.backend, start.ref, start.weights_only)
-                 if start.ref is not None else {})
+        extra = self.backend.load_checkpoint(start.ref, start.weights_only) if start.ref is not None else {}
         first = extra["rollout_id"] + 1 if "rollout_id" in extra else 0
         return (ckpt.start_rollout_id if ckpt.start_rollout_id is not None else first), extra
 
@@ -131,22 +132,26 @@ class TrainActor:
             last = "none" if self.pushed is None else f"version {self.pushed[0]}"
             raise RuntimeError(f"a restarted engine needs weight version {version}, but trainer rank 0 last pushed "
                                f"{last}")
+        weights = self.pushed[1]
         main = self.weight_sync
         targets = dataclasses.replace(main.targets, worker_urls=tuple(urls))
         sync = WeightSync(targets, main.buffer_size, main.transport, tp_size=main.tp_size)
 
         async def push() -> str:
             try:
-                return await sync.push(self.pushed[1], version)
+                return await sync.push(weights, version)
             finally:
                 await sync.aclose()
 
         return self.loop.run_until_complete(push())
 
     def save(self, rollout_id: int, extra_state: dict[str, Any]) -> str:
+        save = self.config.checkpoint.save
+        if save is None:  # the loop saves only with --save
+            raise ValueError(f"rollout {rollout_id}: the trainer was asked to save a checkpoint, but --save is not set")
         self._onload()
-        ref = self.checkpoints.save_checkpoint(self.backend, self.config.checkpoint.save, rollout_id,
-                              {**extra_state, "rollout_id": rollout_id}, before_commit=self.check_may_commit)
+        ref = self.backend.save_checkpoint(save, rollout_id, {**extra_state, "rollout_id": rollout_id},
+                                           before_commit=self.check_may_commit)
         return ref.uri
 
     def check_may_commit(self) -> None:
@@ -166,34 +171,3 @@ class TrainActor:
         if self.run_token is not None:
             check_owner(self.config.checkpoint.save, self.run_token)
 
-
-def _backend(config: TrainConfig, hf_checkpoint: str, rank: int, world_size: int, init_method: str,
-             total_steps: int, hooks: Any = None) -> tuple[Any, Any]:
-    """The --train-backend's backend for this rank and the module that saves and loads its checkpoints.
-
-    The Megatron backend takes its model's shape from the checkpoint it starts from (--load's latest, else
-    --ref-load), as slime's does; the torch backend from the HF checkpoint."""
-    from slimeflow.rollout.slime_plugins import slime_args
-    from slimeflow.train.backends.torch.checkpoint import resolve_start
-
-    common = {"optimizer": config.optimizer, "algorithm": config.algorithm, "batch": config.batch,
-              "seed": config.seed, "rank": rank, "world_size": world_size, "init_method": init_method or None,
-              "total_steps": total_steps, "ref_load": config.checkpoint.ref_load,
-              "temperature": config.rollout.rollout_temperature,
-              "plugin_args": slime_args(config) if config.algorithm.custom_tis_function_path else None}
-    if config.placement.train_backend == "megatron":
-        from slimeflow.io.ownership import local_root
-        from slimeflow.train.backends.megatron import checkpoint as megatron_checkpoint
-        from slimeflow.train.backends.megatron.backend import MegatronBackend
-
-        start = resolve_start(config.checkpoint.load, config.checkpoint.ref_load)
-        if start.ref is None:
-            raise ValueError("--train-backend megatron starts from a torch_dist checkpoint: pass --ref-load (the HF "
-                             "checkpoint converted with `slimeflow convert`) or --load")
-        backend = MegatronBackend(hf_checkpoint, local_root(start.ref.uri), parallel=config.megatron, hooks=hooks,
-                                  **common)
-        return backend, megatron_checkpoint
-    from slimeflow.train.backends.torch import checkpoint
-    from slimeflow.train.backends.torch.backend import TorchBackend
-
-    return TorchBackend(hf_checkpoint=hf_checkpoint, **common), checkpoint

@@ -28,13 +28,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
-from slimeflow.config.train import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig
+from slimeflow.config.train import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig, TrainConfig
+from slimeflow.io.checkpoints import CheckpointRef
+from slimeflow.io.ownership import local_root
 from slimeflow.offload import module_tensors, optimizer_tensors
 from slimeflow.rollout.types import TrainBatch
+from slimeflow.train.backends.checkpoint import resolve_start
+from slimeflow.train.backends.common import (
+    LogProbs,
+    RowLayout,
+    default_device,
+    init_process_group,
+    log_prob_steps,
+    plan_micro_batches,
+    response_log_probs,
+    scoring_model,
+    sum_over_ranks,
+)
+from slimeflow.train.backends.megatron import checkpoint as megatron_checkpoint
 from slimeflow.train.backends.megatron.determinism import DeterministicMode
 from slimeflow.train.backends.megatron.kernels import (
     Kernels,
@@ -51,21 +66,13 @@ from slimeflow.train.backends.megatron.layout import (
     virtual_pipeline_stages,
 )
 from slimeflow.train.backends.megatron.shims import megatron_runtime
-from slimeflow.train.backends.torch.backend import (
-    LogProbs,
-    RowLayout,
-    default_device,
-    init_process_group,
-    log_prob_steps,
-    plan_micro_batches,
-    response_log_probs,
-    scoring_model,
-    sum_over_ranks,
-)
 from slimeflow.train.loss import LossOutput, LossPlugins
 from slimeflow.train.packing import pack_micro_batches
 from slimeflow.train.rng import seed_everything
 from slimeflow.train.train_hooks import TrainHooks, check_provided
+
+if TYPE_CHECKING:
+    from slimeflow.train.backends.protocol import RankArgs
 
 LossOf = Callable[[list[int], LogProbs], LossOutput]
 
@@ -74,7 +81,7 @@ class MegatronBackend:
     """One rank of the Megatron world: its shard of the policy (and of the frozen reference model when needed).
 
     checkpoint: the torch_dist checkpoint directory whose Megatron args give the model's shape (the one training
-    starts from); its weights are loaded by megatron_checkpoint.load_checkpoint. Other arguments as TorchBackend's;
+    starts from); its weights are loaded by load_checkpoint. Other arguments as TorchBackend's;
     `parallel` holds the parallel sizes (--tensor-model-parallel-size, --pipeline-model-parallel-size, ...) and the
     MoE runtime flags. `model` is the list of this rank's model chunks (one without a virtual pipeline), each in
     megatron's DDP, as Megatron-LM keeps it. `hooks`: slime's Megatron hooks (train_hooks): the init hook runs once
@@ -103,6 +110,16 @@ class MegatronBackend:
         except BaseException:
             self._restore_switches()
             raise
+
+    @classmethod
+    def build(cls, config: TrainConfig, hf_checkpoint: str, args: RankArgs, hooks: TrainHooks | None) -> Self:
+        """The rank's shard of the model whose shape the start checkpoint's Megatron args give (--load's latest,
+        else --ref-load), as slime's Megatron backend; ValueError when there is neither."""
+        start = resolve_start(config.checkpoint.load, config.checkpoint.ref_load)
+        if start.ref is None:
+            raise ValueError("--train-backend megatron starts from a torch_dist checkpoint: pass --ref-load (the HF "
+                             "checkpoint converted with `slimeflow convert`) or --load")
+        return cls(hf_checkpoint, local_root(start.ref.uri), parallel=config.megatron, hooks=hooks, **args)
 
     def _start(self, checkpoint: str | Path, world_size: int, init_method: str | None, total_steps: int | None,
                ref_load: str | None, hooks: TrainHooks | None, plugin_args: Any) -> None:
@@ -218,16 +235,14 @@ class MegatronBackend:
                 "recompute_num_layers": m.recompute_num_layers}
 
     def _reference(self, ref_load: str | None) -> list[torch.nn.Module]:
-        from slimeflow.train.backends.megatron.checkpoint import load_weights
-
         if ref_load is None:
             raise ValueError("--use-kl-loss or --kl-coef > 0 with --train-backend megatron needs --ref-load (the "
                              "reference model's torch_dist checkpoint, as in slime)")
         chunks = self._build(trainable=False)
-        load_weights(chunks, ref_load)
+        megatron_checkpoint.load_weights(chunks, ref_load)
         return in_precision(chunks, self.optimizer_config.bf16)
 
-    def _wrapped(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    def _wrapped(self, chunks: list[torch.nn.Module]) -> list[Any]:
         """Each chunk in megatron's DDP (contiguous fp32 gradient buffers, summed over DP ranks when the step
         finalises); the schedule reads its hooks from the first chunk's config, as Megatron-LM sets them."""
         from megatron.core.distributed import (
@@ -240,7 +255,7 @@ class MegatronBackend:
             grad_reduce_in_fp32=grad_reduce_in_fp32(self.parallel, self.optimizer_config.bf16), overlap_grad_reduce=False, use_distributed_optimizer=self.parallel.use_distributed_optimizer,
             average_in_collective=False), module=model, disable_bucketing=i > 0)  # gloo has no ReduceOp.AVG
             for i, model in enumerate(chunks)]
-        config = chunks[0].config
+        config: Any = chunks[0].config  # megatron's TransformerConfig (megatron-core ships no type information)
         no_sync = [ddp.no_sync for ddp in wrapped]
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         # megatron's own, as slime's: with --calculate-per-token-loss it divides every gradient by the step's loss
@@ -487,9 +502,22 @@ class MegatronBackend:
             for chunk in self.model:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
-        return {"grad_norm": float(grad_norm if grad_norm is not None else unclipped), "lr": float(lr)}
+        norm = grad_norm if grad_norm is not None else unclipped
+        if norm is None:
+            raise RuntimeError("megatron's optimizer step returned no gradient norm at --clip-grad "
+                               f"{self.optimizer_config.clip_grad}")
+        return {"grad_norm": float(norm), "lr": float(lr)}
 
-    # -- weights ------------------------------------------------------------------------------------------------
+    # -- checkpoints and weights ----------------------------------------------------------------------------------
+
+    def save_checkpoint(self, root: str | Path, rollout_id: int, extra_state: dict[str, Any],
+                        before_commit: Callable[[], None] | None = None) -> CheckpointRef:
+        """megatron/checkpoint.py's save_checkpoint of this rank's shards."""
+        return megatron_checkpoint.save_checkpoint(self, root, rollout_id, extra_state, before_commit)
+
+    def load_checkpoint(self, ref_or_uri: CheckpointRef | str | Path, weights_only: bool = False) -> dict[str, Any]:
+        """megatron/checkpoint.py's load_checkpoint into this rank's shards."""
+        return megatron_checkpoint.load_checkpoint(self, ref_or_uri, weights_only)
 
     def state_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor this rank holds on its device (what --offload-train moves off it): the policy shard's
@@ -517,7 +545,7 @@ class MegatronBackend:
         return megatron_to_hf(unstack_layers(tensors), shape)
 
 
-def gather_global_tensors(chunks: list[torch.nn.Module]) -> dict[str, torch.Tensor] | None:
+def gather_global_tensors(chunks: list[Any]) -> dict[str, torch.Tensor] | None:
     """The model's checkpoint tensors as global tensors under their checkpoint keys (layers stacked, as in a
     torch_dist checkpoint) on global rank 0, None on the others. Built from `model.sharded_state_dict()`, the
     declaration megatron saves from, so the TP split (fused QKV and gate/up included) and the PP layer offsets are

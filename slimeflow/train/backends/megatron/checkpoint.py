@@ -12,7 +12,7 @@ Each rank writes and reads only its own shards, so a checkpoint loads at another
 pipeline) than it was saved at; the RNG states are per (pipeline, tensor) rank, so, as Megatron-LM does, they are
 restored only at the layout they were saved at (common.pt's args record it). An MoE model's optimizer state under
 expert parallelism is split in two (dense and expert parameters); it reshards to another expert-parallel size.
-Staging, commit and refusals follow the torch backend's checkpoints (checkpoint.py): a save is staged in
+Staging, commit and refusals follow the torch backend's checkpoints (torch/checkpoint.py): a save is staged in
 `<root>/.iter_XXXXXXX.tmp-*` (claimed by rank 0), moved into place when complete and only then committed.
 """
 
@@ -38,7 +38,13 @@ from slimeflow.io import checkpoints
 from slimeflow.io.checkpoints import RELEASE, CheckpointRef
 from slimeflow.io.ownership import local_root
 from slimeflow.io.storage import Storage
-from slimeflow.train.backends.torch.checkpoint import EXTRA_STATE, SIDE_DIR, reading
+from slimeflow.train.backends.checkpoint import (
+    EXTRA_STATE,
+    SIDE_DIR,
+    TRAINING_STATE,
+    read_extra_state,
+    reading,
+)
 from slimeflow.train.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -115,7 +121,7 @@ def save_checkpoint(backend: MegatronBackend, root: str | Path, rollout_id: int,
     """Save weights, optimizer, schedule, RNG and `extra_state` as `<root>/iter_{rollout_id:07d}`, then commit it.
 
     Collective: every rank calls it and writes its shards; rank 0 stages, adds the side files and commits.
-    Every rank gets the committed checkpoint, or the error rank 0 met. `before_commit` as in checkpoint.py.
+    Every rank gets the committed checkpoint, or the error rank 0 met. `before_commit` as in Backend.save_checkpoint.
     """
     from megatron.core import dist_checkpointing
 
@@ -129,6 +135,7 @@ def save_checkpoint(backend: MegatronBackend, root: str | Path, rollout_id: int,
             staged = stack.enter_context(claimed_dir(root_path, staging_prefix(name)))
         box = [None if staged is None else str(staged)]
         torch.distributed.broadcast_object_list(box, src=0)
+        assert box[0] is not None  # rank 0 broadcasts the directory it claimed
         staged = Path(box[0])
         error = None
         try:
@@ -206,8 +213,7 @@ def load_checkpoint(backend: MegatronBackend, ref_or_uri: CheckpointRef | str | 
         rng = loaded["rng_state"][0]
         set_rng_state(rng)
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["rng_tracker_states"])
-    with reading(directory / SIDE_DIR / EXTRA_STATE):
-        return json.loads((directory / SIDE_DIR / EXTRA_STATE).read_text(encoding="utf-8"))
+    return read_extra_state(directory)
 
 
 def load_weights(chunks: list[torch.nn.Module], checkpoint: str | Path) -> None:
@@ -223,7 +229,7 @@ def load_weights(chunks: list[torch.nn.Module], checkpoint: str | Path) -> None:
     assign(chunks, loaded, ref.uri)
 
 
-def model_state(chunks: list[torch.nn.Module]) -> dict[str, Any]:
+def model_state(chunks: list[Any]) -> dict[str, Any]:
     """The model chunks' sharded state dicts under Megatron-LM's names: `model`, or `model0`, `model1`, ... for
     virtual pipeline stages. The tensors' keys are global (layer offsets applied), so the files do not depend on
     the chunking and load at any other layout."""
@@ -349,7 +355,7 @@ def has_resume_state(ref: CheckpointRef, directory: Path) -> bool:
         return True
     if ref.iteration == RELEASE and not has_optimizer and not has_extra:
         return False
-    saved_by_torch = (directory / SIDE_DIR / "training_state.pt").is_file()
+    saved_by_torch = (directory / SIDE_DIR / TRAINING_STATE).is_file()
     why = ("it was saved by the torch backend, whose optimizer state Megatron's optimizer cannot take"
            if saved_by_torch else "its optimizer state or its slimeflow/extra_state.json is missing")
     raise CheckpointError(

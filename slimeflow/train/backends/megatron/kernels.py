@@ -157,8 +157,9 @@ def in_precision(chunks: list[torch.nn.Module], bf16: bool) -> list[torch.nn.Mod
     return [Float16Module(chunk.config, chunk) for chunk in chunks]
 
 
-def unwrapped(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel inside a chunk's wrappers (megatron's DDP, Float16Module)."""
+def unwrapped(chunk: torch.nn.Module) -> Any:
+    """The GPTModel inside a chunk's wrappers (megatron's DDP, Float16Module); megatron-core ships no type
+    information, so to a type checker it is Any."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
 

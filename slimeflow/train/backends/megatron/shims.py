@@ -111,11 +111,11 @@ def _run_with_cuda_type_names(function: Callable[..., Any]) -> Callable[..., Any
             name = own_type(tensor, *type_args, **type_kwargs)
             return _CUDA_TYPE_NAMES.get(name, name) if not type_args and not type_kwargs else name
 
-        torch.Tensor.type = type_
+        torch.Tensor.type = type_  # type: ignore[method-assign, assignment]  # the shim itself, for this call only
         try:
             return function(*args, **kwargs)
         finally:
-            torch.Tensor.type = own_type
+            torch.Tensor.type = own_type  # type: ignore[method-assign]
 
     return run
 

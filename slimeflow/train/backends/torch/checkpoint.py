@@ -21,11 +21,9 @@ import json
 import logging
 import pickle
 import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +40,13 @@ from slimeflow.io import checkpoints
 from slimeflow.io.checkpoints import RELEASE, CheckpointRef
 from slimeflow.io.ownership import local_root
 from slimeflow.io.storage import Storage, local_path
+from slimeflow.train.backends.checkpoint import (
+    EXTRA_STATE,
+    SIDE_DIR,
+    TRAINING_STATE,
+    read_extra_state,
+    reading,
+)
 from slimeflow.train.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -49,10 +54,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SIDE_DIR = "slimeflow"
-TRAINING_STATE = "training_state.pt"
 RNG_STATE = "rng_state.pt"
-EXTRA_STATE = "extra_state.json"
 _HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
                   *TOKENIZER_FILES)
 """What the convert stage's reader needs next to the weights (config and tokenizer), copied from the HF dir."""
@@ -175,18 +177,6 @@ def _read_weights(directory: Path, hf_dir: str | Path) -> dict[str, torch.Tensor
     return megatron_to_hf(unstack_layers(tensors), shape)
 
 
-@contextmanager
-def reading(path: Path) -> Iterator[None]:
-    """Turn a failure to read `path` (EOFError, a bad zip record, ...) into a CheckpointError that names it."""
-    try:
-        yield
-    except (CheckpointError, KeyError):
-        raise
-    except Exception as err:
-        raise CheckpointError(f"reading {path} failed: {type(err).__name__}: {err}. The checkpoint is damaged "
-                              "or was not written by Megatron or slimeflow; restore it from a copy") from err
-
-
 def load_checkpoint(backend: TorchBackend, ref_or_uri: CheckpointRef | str | Path,
                     weights_only: bool = False) -> dict[str, Any]:
     """Verify the checkpoint, restore weights, then (unless weights_only) optimizer, scheduler and this rank's RNG
@@ -207,8 +197,7 @@ def load_checkpoint(backend: TorchBackend, ref_or_uri: CheckpointRef | str | Pat
     with reading(side / RNG_STATE):
         rngs = _read_rngs(side / RNG_STATE)
     set_rng_state(rngs[backend.rank % len(rngs)])
-    with reading(side / EXTRA_STATE):
-        return json.loads((side / EXTRA_STATE).read_text(encoding="utf-8"))
+    return read_extra_state(directory)
 
 
 def has_resume_state(ref: CheckpointRef, side: Path) -> bool:
@@ -223,28 +212,3 @@ def has_resume_state(ref: CheckpointRef, side: Path) -> bool:
         f"scheduler, RNG and data position it was saved with are lost, and starting over from its weights would "
         f"restart at rollout 0 over the checkpoints in {ref.root}. To train on from its weights, pass "
         f"--ref-load {ref.uri} with a new --save; to resume from an earlier checkpoint, move {ref.uri} aside")
-
-
-@dataclass(frozen=True)
-class StartPoint:
-    """Where training starts: `ref` to load (None: the HF checkpoint's own weights) and whether weights only."""
-
-    source: Literal["load", "ref_load", "hf_checkpoint"]
-    ref: CheckpointRef | None
-    weights_only: bool
-
-
-def resolve_start(load: str | None, ref_load: str | None) -> StartPoint:
-    """slime's rule: --load holding a valid checkpoint resumes from its latest (everything); otherwise --ref-load
-    (weights only; CheckpointError if it holds no checkpoint); otherwise the HF checkpoint's weights.
-
-    Then: `load_checkpoint(backend, start.ref, start.weights_only)` when start.ref is not None.
-    """
-    storage = Storage()
-    if load is not None:
-        latest = checkpoints.find_latest(storage, str(local_root(load)))
-        if latest is not None:
-            return StartPoint("load", latest, weights_only=False)
-    if ref_load is not None:
-        return StartPoint("ref_load", checkpoints.resolve(storage, str(local_root(ref_load))), weights_only=True)
-    return StartPoint("hf_checkpoint", None, weights_only=True)
