@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from slimeflow.config.train import TrainConfig
 from slimeflow.stages.train.engines import WeightTargets
 from slimeflow.stages.train.heap import freeze_startup_heap
+from slimeflow.supervise import parent_gone
 
 if TYPE_CHECKING:
     from slimeflow.rollout.types import PackedBatch
@@ -156,11 +157,11 @@ class TrainActor:
         when they notice their raylet's death, a second or more later; a save in flight could commit in that time,
         into a checkpoint root that a restarted run may already be resuming from. On one machine the raylet's death
         shows at once (this process's parent changes); on a cluster, where a driver can die while the raylets live,
-        the restarted run's claim on the root does (backend.ownership.claim_root).
+        the restarted run's claim on the root does (io.guard.claim_root).
         """
-        from slimeflow.io.ownership import check_owner
+        from slimeflow.io.guard import check_owner
 
-        if os.getppid() != self.parent_pid:
+        if parent_gone(self.parent_pid):
             raise RuntimeError(f"not committing the checkpoint: this TrainActor's parent process {self.parent_pid} "
                                "(its Ray node) has exited, so the job that asked for the save is gone")
         if self.run_token is not None:
@@ -182,7 +183,7 @@ def _backend(config: TrainConfig, hf_checkpoint: str, rank: int, world_size: int
               "temperature": config.rollout.rollout_temperature,
               "plugin_args": slime_args(config) if config.algorithm.custom_tis_function_path else None}
     if config.placement.train_backend == "megatron":
-        from slimeflow.io.ownership import local_root
+        from slimeflow.io.checkpoints import local_root
         from slimeflow.train.backends.megatron import checkpoint as megatron_checkpoint
         from slimeflow.train.backends.megatron.backend import MegatronBackend
 
