@@ -21,13 +21,13 @@ from slimeflow.flows.stages import (
     tracker_for,
     train_flow,
 )
-from slimeflow.io.locks import exclusive
+from slimeflow.io.guard import exclusive
 
 
 @flow(name="slimeflow-pipeline", log_prints=True)
 def pipeline_flow(config: PipelineConfig) -> dict[str, dict]:
     """Run the configured stages in order under one MLflow run; returns each stage's manifest. The run holds its
-    work directory throughout: a second run on it is refused (io.locks), never interleaved with this one."""
+    work directory throughout: a second run on it is refused (io.guard), never interleaved with this one."""
     settings = config.settings()
     m: dict[str, dict] = {}
     with (exclusive(settings.workdir, f"pipeline run {config.name!r}"),

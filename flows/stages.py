@@ -25,7 +25,7 @@ from slimeflow.config.preprocess import PreprocessConfig
 from slimeflow.config.train import TrainConfig
 from slimeflow.errors import StorageError
 from slimeflow.flows.artifacts import publish
-from slimeflow.io.locks import exclusive
+from slimeflow.io.guard import exclusive
 from slimeflow.io.manifest import MANIFEST_DIR, Manifest, config_hash
 from slimeflow.io.storage import Storage, is_local, join
 from slimeflow.io.tracking import Tracker
@@ -78,7 +78,7 @@ def execute_stage(stage: str, config, settings: RunSettings, parent_run_id: str 
                   upstream: list[dict] | None = None) -> dict:
     """Run one stage inside a nested MLflow run (or skip it when cached), write its manifest, link it in Prefect.
 
-    The stage holds its work directory while it runs (io.locks): a second run on it is refused, not interleaved."""
+    The stage holds its work directory while it runs (io.guard): a second run on it is refused, not interleaved."""
     with exclusive(settings.workdir, f"{stage} stage of run {settings.name!r}"):
         return _execute(stage, config, settings, parent_run_id, upstream)
 

@@ -15,10 +15,11 @@ import logging
 import re
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from slimeflow.errors import CheckpointError, NotFoundError
-from slimeflow.io.storage import Storage, join, split
+from slimeflow.io.storage import Storage, is_local, join, local_path, split
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,14 @@ class CheckpointRef:
     root: str
     iteration: Iteration
     uri: str
+
+
+def local_root(root: str | Path) -> Path:
+    """`root` as a local path; ValueError for object-store roots, which the training backends do not save to."""
+    if not is_local(str(root)):
+        raise ValueError(f"checkpoint root {root}: the torch backend saves and loads local paths only; save to a "
+                         "local directory and copy it with slimeflow.io.storage.Storage.copy_tree")
+    return local_path(str(root))
 
 
 def iteration_dirname(it: Iteration) -> str:

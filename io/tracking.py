@@ -7,7 +7,6 @@ log into each other's runs. The default store is `sqlite:///<workdir>/mlflow.db`
 from __future__ import annotations
 
 import contextlib
-import fcntl
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,8 @@ from typing import Any
 from mlflow.entities import Metric, Param, RunStatus
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID, MLFLOW_RUN_NAME
+
+from slimeflow.io.guard import exclusive
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 BATCH = 100  # MLflow's limit on params per log_batch call
@@ -81,19 +82,15 @@ def _store_lock(tracking_uri: str) -> Iterator[None]:
 
     MLflow creates a new sqlite store by running its migrations, which two processes cannot do at once (the second
     fails with `table _alembic_tmp_experiments already exists`); nor can they both create the experiment. Two runs
-    on one fresh work directory take turns here instead; the lock is released when the process exits.
+    on one fresh work directory take turns here instead (io.guard; a killed holder's turn ends with it).
     """
     database = _sqlite_file(tracking_uri)
     if database is None:
         yield
         return
-    database.parent.mkdir(parents=True, exist_ok=True)
-    with database.with_name(database.name + ".lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with exclusive(database.parent, f"creating the MLflow store {database.name}", lock_name=f"{database.name}.lock",
+                   wait=True):
+        yield
 
 
 def _sqlite_file(tracking_uri: str) -> Path | None:

@@ -23,9 +23,9 @@ import pytest
 
 from slimeflow.checkpoint.convert import assign_shares, convert_hf_to_torch_dist, read_hf_source
 from slimeflow.checkpoint.launch import launch
-from slimeflow.checkpoint.staging import claimed_dir
 from slimeflow.checkpoint.worker import Job
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.io.guard import claimed_dir
 
 T = TypeVar("T")
 SOON_S = 5.0

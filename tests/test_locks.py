@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from slimeflow.io.locks import LOCK_FILENAME, DirectoryBusy, exclusive
+from slimeflow.io.guard import LOCK_FILENAME, DirectoryBusy, exclusive
 
 HOLD = """
 import sys, time
-from slimeflow.io.locks import exclusive
+from slimeflow.io.guard import exclusive
 with exclusive(sys.argv[1], "pipeline run 'other'"):
     print("held", flush=True)
     time.sleep(120)

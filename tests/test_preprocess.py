@@ -380,9 +380,10 @@ def test_the_staging_left_by_a_killed_run_is_removed_by_the_next_and_a_live_runs
     (work / "preprocess-abcdefgh").mkdir()  # our name, no lock yet: a run creating it right now
     run_stage(tmp_path, input_key="prompt", input=[str(source)])
     assert sorted(p.name for p in work.iterdir()) == ["preprocess-abcdefgh", "preprocess-notes"]
-    from slimeflow.preprocess.staging import staging_dir
+    from slimeflow.io.guard import claimed_scratch
+    from slimeflow.preprocess.pipeline import STAGING_PREFIX
 
-    with staging_dir(work) as live:  # a concurrent run, alive while this one runs
+    with claimed_scratch(work, STAGING_PREFIX) as live:  # a concurrent run, alive while this one runs
         run_stage(tmp_path, input_key="prompt", input=[str(source)])
         assert live.is_dir()
     assert not live.exists()

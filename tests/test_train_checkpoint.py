@@ -14,7 +14,7 @@ from slimeflow.checkpoint.hf_write import write_hf
 from slimeflow.config.train import TrainConfig
 from slimeflow.errors import CheckpointError
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
-from slimeflow.io import checkpoints, ownership
+from slimeflow.io import checkpoints, guard
 from slimeflow.io.storage import Storage
 from slimeflow.rollout.types import TrainBatch
 from slimeflow.train.backends.checkpoint import StartPoint, resolve_start
@@ -171,12 +171,12 @@ def test_a_train_actor_whose_ray_node_died_or_whose_root_was_claimed_refuses_to_
     root = tmp_path / "save"
     actor = object.__new__(TrainActor)  # the check reads the parent pid and run token recorded at start, and --save
     actor.config = CONFIG.model_copy(update={"checkpoint": CONFIG.checkpoint.model_copy(update={"save": str(root)})})
-    actor.parent_pid, actor.run_token = os.getppid(), ownership.claim_root(root)
+    actor.parent_pid, actor.run_token = os.getppid(), guard.claim_root(root)
     actor.check_may_commit()  # the parent is alive and the root is this run's: nothing to say
-    newer = ownership.claim_root(root)
+    newer = guard.claim_root(root)
     with pytest.raises(RuntimeError, match=r"not committing the checkpoint: .* was claimed by another run .*--save"):
         actor.check_may_commit()
-    ownership.check_owner(root, newer)
+    guard.check_owner(root, newer)
     actor.run_token = newer
     monkeypatch.setattr(os, "getppid", lambda: 1)
     with pytest.raises(RuntimeError, match="not committing the checkpoint: this TrainActor's parent process"):
@@ -186,15 +186,13 @@ def test_a_train_actor_whose_ray_node_died_or_whose_root_was_claimed_refuses_to_
 def test_a_run_claiming_its_root_removes_the_staging_killed_saves_left_and_keeps_a_live_ones(tmp_path):
     """A SIGKILL mid-save leaves `.hf-weights-*` (the HF weights being converted) and `.iter_XXXXXXX.tmp-*` (the
     staged checkpoint); they are ours by name, their owner is gone, and the next run on the root removes them."""
-    from slimeflow.checkpoint.staging import claimed_dir
-
     root = tmp_path / "ckpt"
     left = [root / ".hf-weights-0a1b2c3d", root / ".iter_0000003.tmp-4e5f6a7b"]
     others = [root / ".hf-weights-notours", root / "iter_0000001", root / "notes"]
     for path in left + others:
         (path / "inside").mkdir(parents=True)
-    with claimed_dir(root, ".hf-weights-") as live:  # a save still running (this process holds its lock)
-        ownership.claim_root(root)
+    with guard.claimed_dir(root, ".hf-weights-") as live:  # a save still running (this process holds its lock)
+        guard.claim_root(root)
         assert live.is_dir()
     assert not [p for p in left if p.exists()]
     assert all(p.is_dir() for p in others)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from process_sessions import wait_until_gone
 
-from slimeflow.checkpoint.staging import ABANDONED
 from slimeflow.config.pipeline import load_pipeline_config
+from slimeflow.io.guard import ABANDONED
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "examples" / "data"

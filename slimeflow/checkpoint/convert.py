@@ -19,12 +19,18 @@ from slimeflow.checkpoint.hf_source import INDEX_FILE, inspect_hf_dir
 from slimeflow.checkpoint.hf_write import replace_dir
 from slimeflow.checkpoint.launch import Launcher, launch
 from slimeflow.checkpoint.mapping import ModelShape, expected_hf_tensors, expert_hf_tensors, global_rules
-from slimeflow.checkpoint.staging import JOB_PREFIX, claimed_dir, remove_abandoned, staging_prefix
 from slimeflow.checkpoint.worker import Job, Share
 from slimeflow.errors import CheckpointError, StageInputError
 from slimeflow.families import FamilySpec, family_for, supported_architectures
 from slimeflow.io import checkpoints
 from slimeflow.io.checkpoints import RELEASE
+from slimeflow.io.guard import (
+    CONVERT_JOB_PREFIX,
+    claimed_dir,
+    claimed_scratch,
+    remove_abandoned,
+    staging_prefix,
+)
 from slimeflow.io.storage import Storage, inside, is_local, join, local_path
 
 ITERATION = 1  # a converted model is saved as iteration 1 and published as release/, as Megatron's tools do
@@ -181,9 +187,9 @@ def write_torch_dist(source: HFSource, staging: Path, processes: int = 1, make_v
     `ray_address`, None: a local Ray); returns each rank's report. On failure `staging` is removed.
 
     The job's files live in a claimed `.convert-job-*` beside `staging`, removed at the end; first, what crashed
-    conversions left beside it is removed (staging.remove_abandoned)."""
+    conversions left beside it is removed (io.guard.remove_abandoned)."""
     remove_abandoned(staging.parent)
-    with claimed_dir(staging.parent, JOB_PREFIX) as scratch:
+    with claimed_scratch(staging.parent, CONVERT_JOB_PREFIX) as scratch:
         job = Job(hf_dir=str(source.path), weight_map=source.weight_map, shape=source.shape.__dict__,
                   dtype=source.dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                   tensor_model_parallel_size=tensor_model_parallel_size, checkpoint_dir=str(staging),
@@ -197,8 +203,6 @@ def write_torch_dist(source: HFSource, staging: Path, processes: int = 1, make_v
             shutil.rmtree(staging, ignore_errors=True)
             _raise_if_out_of_space(err, staging, sum(source.sizes.values()))
             raise
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _raise_if_out_of_space(err: BaseException, staging: Path, needed: int) -> None:

@@ -16,10 +16,10 @@ import torch
 from slimeflow.checkpoint.hf_source import INDEX_FILE
 from slimeflow.checkpoint.integrity import verify_checkpoint
 from slimeflow.checkpoint.mapping import ModelShape, global_rules, megatron_to_hf
-from slimeflow.checkpoint.staging import claimed_dir, remove_abandoned
 from slimeflow.checkpoint.torch_dist import load_torch_dist, read_common, tensor_metadata, unstack_layers
 from slimeflow.errors import StageInputError
 from slimeflow.families import FamilySpec, family_for, supported_architectures
+from slimeflow.io.guard import claimed_dir, remove_abandoned, staging_prefix
 
 MAX_SHARD_BYTES = 4 * 1024**3
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
@@ -53,7 +53,7 @@ def write_hf(checkpoint_dir: Path, output: Path, origin: Path, vocab_size: int |
     shape = ModelShape.from_megatron_args(args, family, vocab_size or hf_config["vocab_size"],
                                           source=str(Path(checkpoint_dir) / "common.pt"))
     plan = _plan(shape, tensor_metadata(checkpoint_dir), checkpoint_dir)
-    prefix = f".{output.name}.tmp-"  # claimed while written: what a killed export left is removed here next time
+    prefix = staging_prefix(output.name)  # claimed while written: what a killed export left is removed here next time
     remove_abandoned(output.parent, prefix)
     with claimed_dir(output.parent, prefix) as staging:
         try:

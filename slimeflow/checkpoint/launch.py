@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from slimeflow.checkpoint.supervise import exit_description
+from slimeflow.supervise import exit_description
 
 Launcher = Literal["local", "ray"]
 LAUNCHERS: tuple[str, ...] = ("local", "ray")

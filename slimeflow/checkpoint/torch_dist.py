@@ -40,7 +40,7 @@ from slimeflow.checkpoint.dcp_format import (
     write_metadata,
     write_synced,
 )
-from slimeflow.checkpoint.supervise import periodically
+from slimeflow.supervise import periodically
 
 CHECKPOINT_VERSION = 3.0
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")

@@ -7,7 +7,7 @@ names and fusions, and writes them in megatron-core's torch_dist format (torch_d
 as its slice of the expert axis; rank 0's common.pt carries the args. Each rank leaves `rank-<r>.json` next to the
 job file: what it read (tensors, bytes, which experts), what it held and wrote, and its peak RSS. Run as its own
 process (never imported into a caller's process): a process group is process-global. A rank dies with its
-launcher (supervise.py).
+launcher (slimeflow/supervise.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from typing import Any, NoReturn
 
 import torch
 
-from slimeflow.checkpoint import supervise
 from slimeflow.checkpoint.diskspace import no_space_left, ran_out_of_space
 from slimeflow.checkpoint.mapping import (
     ModelShape,
@@ -39,6 +38,7 @@ from slimeflow.checkpoint.mapping import (
     megatron_args,
 )
 from slimeflow.checkpoint.torch_dist import ExpertRows, RowBlocks, save_torch_dist
+from slimeflow.supervise import die_with_parent
 
 JOB_TIMEOUT = timedelta(minutes=60)
 
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     started = time.time()
     if options.parent_pid is not None:
-        supervise.die_with_parent(options.parent_pid)
+        die_with_parent(options.parent_pid)
     job = Job.read(options.job)
     torch.distributed.init_process_group(_backend(options.rank), init_method=job.init_method, rank=options.rank,
                                          world_size=len(job.shares), timeout=JOB_TIMEOUT)

@@ -49,6 +49,7 @@ from slimeflow.engine.weights import (
     read_checkpoint,
     update_body_limit,
 )
+from slimeflow.supervise import die_with_parent
 
 log = logging.getLogger("slimeflow.engine")
 HEALTH_GENERATE_TIMEOUT_S = 30.0
@@ -289,17 +290,6 @@ def _probe_token(loaded: LoadedModel) -> int:
     return bos if bos is not None else 0
 
 
-def _watch_parent(parent_pid: int, server: uvicorn.Server) -> None:
-    """Shut the server down when the process that launched it is gone (so a killed test leaves no engine)."""
-    while not server.should_exit:
-        try:
-            os.kill(parent_pid, 0)
-        except ProcessLookupError:
-            server.should_exit = True
-            return
-        time.sleep(1.0)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m slimeflow.engine.server", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -314,7 +304,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--seed", type=int, default=0, help="seeds requests that give no sampling_seed")
-    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="exit when this process, the one that starts the engine, is gone")
     parser.add_argument("--api-key", default=None,
                         help=f"callers must send 'Authorization: Bearer KEY' on every path but /health* (as SGLang's "
                              f"--api-key); default: ${API_KEY_ENV}, which keeps the key out of `ps`; none: no check")
@@ -366,8 +357,8 @@ def main(argv: list[str] | None = None) -> None:
     # What start-up allocated (modules, model, tokenizer) lives as long as the process: exempt it from garbage
     # collection, or every full collection walks it all (a ~250 ms stall every few dozen 256-sample requests).
     gc.freeze()
-    if args.parent_pid is not None:
-        threading.Thread(target=_watch_parent, args=(args.parent_pid, server), daemon=True).start()
+    if args.parent_pid is not None:  # shut down when the launcher is gone (so a killed test leaves no engine)
+        die_with_parent(args.parent_pid, stop=lambda: setattr(server, "should_exit", True))
     state.batcher.start()
     log.info("serving %s on %s at http://%s:%d", args.model_path, state.loaded.device, args.host, args.port)
     try:

@@ -26,16 +26,18 @@ import orjson
 from slimeflow.config.base import replace
 from slimeflow.config.preprocess import PreprocessConfig
 from slimeflow.errors import StageInputError, StorageError, UnsafePathError
+from slimeflow.io.guard import claimed_scratch, remove_abandoned
 from slimeflow.io.manifest import Manifest, content_hash
 from slimeflow.io.storage import ArtifactRecord, Storage, inside, join
 from slimeflow.preprocess.prepare import PreparedBatch, Preparer, Rows, first_seen
 from slimeflow.preprocess.sources import Problem, read_batches, resolve, unreadable
-from slimeflow.preprocess.staging import staging_dir
 from slimeflow.preprocess.tokens import PromptTokenizer, TokenStats
 from slimeflow.preprocess.writer import SCHEMA, DatasetWriter, Deduper
 
 PART = "part-00000.parquet"
 QUARANTINE = "quarantine.jsonl"
+STAGING_PREFIX = "preprocess-"
+"""A run stages its parquet in `<workdir>/preprocess-<8 hex digits>`, claimed while it lives (io.guard)."""
 MANIFEST = "manifest.json"
 
 
@@ -43,7 +45,8 @@ def preprocess(config: PreprocessConfig, storage: Storage, workdir: Path, output
     """`config`'s sets -> prompt parquet, quarantine and manifest under `output`, staged under `workdir`; a failed run
     keeps its quarantine at <workdir>/preprocess/quarantine.jsonl."""
     tokenizer = _tokenizer(config)
-    with staging_dir(workdir) as staging:  # removes what killed runs left there first
+    remove_abandoned(workdir, STAGING_PREFIX)  # what killed runs left there
+    with claimed_scratch(workdir, STAGING_PREFIX) as staging:
         quarantine = Quarantine(staging / QUARANTINE, config.strict)
         sets = {"train": config.input, **config.eval_input} if config.input else dict(config.eval_input)
         if not sets:

@@ -20,7 +20,6 @@ from slimeflow.checkpoint.convert import publish_release, read_hf_source, write_
 from slimeflow.checkpoint.hf_source import fingerprint, materialise
 from slimeflow.checkpoint.hf_write import write_hf
 from slimeflow.checkpoint.integrity import CHECKSUMS, write_checksums
-from slimeflow.checkpoint.staging import claimed_dir, staging_prefix
 from slimeflow.config.base import replace
 from slimeflow.config.convert import ConvertConfig
 from slimeflow.config.model import ModelConfig
@@ -28,6 +27,7 @@ from slimeflow.config.model_args import check_model_args
 from slimeflow.errors import CheckpointError, StageInputError
 from slimeflow.io import checkpoints
 from slimeflow.io.checkpoints import RELEASE
+from slimeflow.io.guard import claimed_dir, staging_prefix
 from slimeflow.io.manifest import Manifest, content_hash
 from slimeflow.io.storage import Storage, is_local, join, local_path
 from slimeflow.stages.base import StageContext

@@ -220,7 +220,7 @@ class Placement:
 def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int, scratch: Path,
                      run_token: str | None = None) -> Placement:
     """The RolloutManager and `actor_num_nodes x actor_num_gpus_per_node` TrainActors; `run_token` is the run's
-    claim on --save (backend.ownership.claim_root), checked before every commit. The debug modes change the cast:
+    claim on --save (io.guard.claim_root), checked before every commit. The debug modes change the cast:
     --debug-rollout-only creates no TrainActor, --debug-train-only replays saved rollouts without an engine."""
     placement = config.placement
     world = placement.actor_num_nodes * placement.actor_num_gpus_per_node

@@ -29,8 +29,8 @@ from slimeflow.config.train_validation import (
 from slimeflow.engine.sglang_launch import installed_server_args
 from slimeflow.errors import PluginError, StageInputError
 from slimeflow.io import checkpoints
+from slimeflow.io.guard import claim_root
 from slimeflow.io.manifest import Manifest, content_hash
-from slimeflow.io.ownership import claim_root
 from slimeflow.io.sinks import close_sinks, fan_out, open_sinks
 from slimeflow.io.storage import join
 from slimeflow.rollout.plugins import load_plugin

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from slimeflow.config.train import TrainConfig
 from slimeflow.stages.train.engines import WeightTargets
 from slimeflow.stages.train.heap import freeze_startup_heap
+from slimeflow.supervise import parent_gone
 from slimeflow.train.backends import Backend, build_backend
 
 if TYPE_CHECKING:
@@ -161,11 +162,11 @@ class TrainActor:
         when they notice their raylet's death, a second or more later; a save in flight could commit in that time,
         into a checkpoint root that a restarted run may already be resuming from. On one machine the raylet's death
         shows at once (this process's parent changes); on a cluster, where a driver can die while the raylets live,
-        the restarted run's claim on the root does (backend.ownership.claim_root).
+        the restarted run's claim on the root does (io.guard.claim_root).
         """
-        from slimeflow.io.ownership import check_owner
+        from slimeflow.io.guard import check_owner
 
-        if os.getppid() != self.parent_pid:
+        if parent_gone(self.parent_pid):
             raise RuntimeError(f"not committing the checkpoint: this TrainActor's parent process {self.parent_pid} "
                                "(its Ray node) has exited, so the job that asked for the save is gone")
         if self.run_token is not None:

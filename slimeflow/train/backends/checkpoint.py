@@ -18,8 +18,7 @@ from typing import Any, Literal
 
 from slimeflow.errors import CheckpointError
 from slimeflow.io import checkpoints
-from slimeflow.io.checkpoints import CheckpointRef
-from slimeflow.io.ownership import local_root
+from slimeflow.io.checkpoints import CheckpointRef, local_root
 from slimeflow.io.storage import Storage
 
 SIDE_DIR = "slimeflow"

@@ -33,8 +33,7 @@ from typing import TYPE_CHECKING, Any, Self
 import torch
 
 from slimeflow.config.train import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig, TrainConfig
-from slimeflow.io.checkpoints import CheckpointRef
-from slimeflow.io.ownership import local_root
+from slimeflow.io.checkpoints import CheckpointRef, local_root
 from slimeflow.offload import module_tensors, optimizer_tensors
 from slimeflow.rollout.types import TrainBatch
 from slimeflow.train.backends.checkpoint import resolve_start

@@ -31,12 +31,11 @@ import torch
 
 from slimeflow.checkpoint.hf_write import replace_dir
 from slimeflow.checkpoint.integrity import verify_checkpoint, write_checksums
-from slimeflow.checkpoint.staging import claimed_dir, staging_prefix
 from slimeflow.checkpoint.torch_dist import CHECKPOINT_VERSION, read_common, tensor_metadata
 from slimeflow.errors import CheckpointError
 from slimeflow.io import checkpoints
-from slimeflow.io.checkpoints import RELEASE, CheckpointRef
-from slimeflow.io.ownership import local_root
+from slimeflow.io.checkpoints import RELEASE, CheckpointRef, local_root
+from slimeflow.io.guard import claimed_dir, staging_prefix
 from slimeflow.io.storage import Storage
 from slimeflow.train.backends.checkpoint import (
     EXTRA_STATE,

@@ -33,12 +33,11 @@ from slimeflow.checkpoint.hf_source import TOKENIZER_FILES
 from slimeflow.checkpoint.hf_write import origin_family, replace_dir
 from slimeflow.checkpoint.integrity import verify_checkpoint, write_checksums
 from slimeflow.checkpoint.mapping import ModelShape, megatron_to_hf
-from slimeflow.checkpoint.staging import claimed_dir, held
 from slimeflow.checkpoint.torch_dist import load_torch_dist, unstack_layers
 from slimeflow.errors import CheckpointError
 from slimeflow.io import checkpoints
-from slimeflow.io.checkpoints import RELEASE, CheckpointRef
-from slimeflow.io.ownership import local_root
+from slimeflow.io.checkpoints import RELEASE, CheckpointRef, local_root
+from slimeflow.io.guard import HF_WEIGHTS_PREFIX, claimed_scratch, held
 from slimeflow.io.storage import Storage, local_path
 from slimeflow.train.backends.checkpoint import (
     EXTRA_STATE,
@@ -117,17 +116,14 @@ def _stage_weights(backend: TorchBackend, root: Path, rollout_id: int) -> Path:
     (in a claimed `.hf-weights-*`, removed after; one a killed save left is removed by the next run)."""
     from safetensors.torch import save_file
 
-    with claimed_dir(root, ".hf-weights-") as scratch:
-        try:
-            weights = {k: v.contiguous() for k, v in backend.checkpoint_weights().items()}
-            save_file(weights, str(scratch / "model.safetensors"), metadata={"format": "pt"})
-            for filename in _HF_SIDE_FILES:
-                if (backend.hf_checkpoint / filename).is_file():
-                    shutil.copy2(backend.hf_checkpoint / filename, scratch / filename)
-            staged, _ = convert_hf_to_torch_dist(read_hf_source(scratch), root, processes=1, iteration=rollout_id,
-                                                 staging_name=checkpoints.iteration_dirname(rollout_id))
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+    with claimed_scratch(root, HF_WEIGHTS_PREFIX) as scratch:
+        weights = {k: v.contiguous() for k, v in backend.checkpoint_weights().items()}
+        save_file(weights, str(scratch / "model.safetensors"), metadata={"format": "pt"})
+        for filename in _HF_SIDE_FILES:
+            if (backend.hf_checkpoint / filename).is_file():
+                shutil.copy2(backend.hf_checkpoint / filename, scratch / filename)
+        staged, _ = convert_hf_to_torch_dist(read_hf_source(scratch), root, processes=1, iteration=rollout_id,
+                                             staging_name=checkpoints.iteration_dirname(rollout_id))
     return staged
 
 
