@@ -8,6 +8,7 @@ arrive there. MLflow stays the record (the flows log to it); these are extra cop
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import secrets
 import string
@@ -135,6 +136,4 @@ def close_sinks(sinks: list[Sink]) -> None:
 
 
 def _importable(name: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(name) is not None
