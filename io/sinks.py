@@ -33,7 +33,7 @@ class WandbSink:
     eval/step, as slime defines its step metrics."""
 
     def __init__(self, config: LoggingConfig, directory: Path, run_config: Mapping[str, Any]):
-        import wandb
+        import wandb  # an optional dependency (--use-wandb)
 
         if config.wandb_key and config.wandb_mode != "offline":
             wandb.login(key=config.wandb_key, host=config.wandb_host)
@@ -60,7 +60,7 @@ class WandbSink:
         self.run.log({**metrics, step_metric: step})
 
     def close(self) -> None:
-        import wandb
+        import wandb  # an optional dependency (--use-wandb)
 
         self.run.finish()
         wandb.teardown()  # stops the wandb-core process this run started
@@ -68,7 +68,7 @@ class WandbSink:
 
 class TensorboardSink:
     def __init__(self, directory: Path):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # an optional dependency (--use-tensorboard)
 
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory

@@ -143,7 +143,7 @@ def installed_server_args() -> set[str] | None:
     installed (the engines are then the embedded engine)."""
     if importlib.util.find_spec("sglang") is None:
         return None
-    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.server_args import ServerArgs  # an optional dependency (GPU machines only)
 
     return {f.name for f in dataclasses.fields(ServerArgs)}
 

@@ -175,7 +175,9 @@ PLUGIN_FLAGS = {
 
 def plugin_problems(flag: str, path: str | None, group_rm: bool) -> list[str]:
     """Why the plug-in at `path` cannot be loaded or called as --`flag` is (empty when it can, or path is None)."""
-    from slimeflow.rollout.slime_plugins import call_problem
+    from slimeflow.rollout.slime_plugins import (
+        call_problem,  # here: it imports torch; the driver stays free of it
+    )
 
     if path is None:
         return []
