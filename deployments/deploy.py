@@ -14,6 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
+from prefect import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound, PrefectHTTPStatusError
+from prefect.schedules import Cron
+from prefect.settings import PREFECT_API_URL
+from prefect.types.entrypoint import EntrypointType
+from prefect.workers.process import ProcessWorker
+
+from slimeflow.deployments.definitions import POOL, specs
 
 if TYPE_CHECKING:
     from slimeflow.deployments.definitions import DeploymentSpec
@@ -27,10 +36,6 @@ class DeployError(Exception):
 
 def ensure_pool(client, name: str) -> bool:
     """Create the process work pool `name` unless it exists; True when this call created it."""
-    from prefect.client.schemas.actions import WorkPoolCreate
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-    from prefect.workers.process import ProcessWorker
-
     try:
         pool = client.read_work_pool(name)
     except ObjectNotFound:
@@ -50,11 +55,6 @@ def ensure_pool(client, name: str) -> bool:
 
 def apply(chosen: Sequence[DeploymentSpec], pool: str, working_dir: Path) -> list[tuple[str, str]]:
     """Ensure the pool, then create or update each deployment; returns [(full name, id)]."""
-    from prefect import get_client
-    from prefect.exceptions import PrefectHTTPStatusError
-    from prefect.schedules import Cron
-    from prefect.types.entrypoint import EntrypointType
-
     with get_client(sync_client=True) as client:
         if ensure_pool(client, pool):
             print(f"created work pool {pool!r} (process)")
@@ -75,8 +75,6 @@ def apply(chosen: Sequence[DeploymentSpec], pool: str, working_dir: Path) -> lis
 
 
 def _api_url() -> str:
-    from prefect.settings import PREFECT_API_URL
-
     url = PREFECT_API_URL.value()
     if not url:
         raise DeployError("no Prefect server to deploy to: PREFECT_API_URL is not set. Start one "
@@ -86,8 +84,6 @@ def _api_url() -> str:
 
 
 def main(argv: Sequence[str] = ()) -> int:
-    from slimeflow.deployments.definitions import POOL, specs
-
     every = specs()
     known = [s.name for s in every]
     parser = argparse.ArgumentParser(prog="slimeflow deploy", description=__doc__,

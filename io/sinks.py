@@ -8,6 +8,7 @@ arrive there. MLflow stays the record (the flows log to it); these are extra cop
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import secrets
 import string
@@ -32,7 +33,7 @@ class WandbSink:
     eval/step, as slime defines its step metrics."""
 
     def __init__(self, config: LoggingConfig, directory: Path, run_config: Mapping[str, Any]):
-        import wandb
+        import wandb  # an optional dependency (--use-wandb)
 
         if config.wandb_key and config.wandb_mode != "offline":
             wandb.login(key=config.wandb_key, host=config.wandb_host)
@@ -59,7 +60,7 @@ class WandbSink:
         self.run.log({**metrics, step_metric: step})
 
     def close(self) -> None:
-        import wandb
+        import wandb  # an optional dependency (--use-wandb)
 
         self.run.finish()
         wandb.teardown()  # stops the wandb-core process this run started
@@ -67,7 +68,7 @@ class WandbSink:
 
 class TensorboardSink:
     def __init__(self, directory: Path):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # an optional dependency (--use-tensorboard)
 
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
@@ -135,6 +136,4 @@ def close_sinks(sinks: list[Sink]) -> None:
 
 
 def _importable(name: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(name) is not None

@@ -14,7 +14,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import ray
+from ray._private import worker
 
 LOCAL_RAY_SYSTEM_CONFIG = {
     # Ray runs workers at nice 15 by default; here the actors are the job itself, and at nice 15 training ran
@@ -89,8 +91,6 @@ def stopping_local_ray_on_termination() -> Iterator[None]:
 
 
 def _local_ray_lost_a_process() -> bool:
-    from ray._private import worker
-
     node = worker._global_node
     return node is not None and any(info.process.poll() is not None
                                     for infos in node.all_processes.values() for info in infos)
@@ -99,9 +99,6 @@ def _local_ray_lost_a_process() -> bool:
 def stop_local_ray() -> None:
     """SIGKILL the processes of the local Ray cluster this process started: the workers first, then the raylet, GCS
     and the rest. No-op where this process started none (not connected, or joined to a cluster by address)."""
-    import psutil
-    from ray._private import worker
-
     global _stopped
     node = worker._global_node
     if node is None:

@@ -10,6 +10,8 @@ tensor object stays the one its owner (a module, an optimizer's state) holds, so
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -17,14 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 
 def trim_heap() -> None:
     """glibc keeps freed heap pages for reuse; malloc_trim hands them back, so the process's resident memory drops."""
-    import ctypes
-    import ctypes.util
-
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
     if libc is not None and hasattr(libc, "malloc_trim"):
@@ -33,8 +33,6 @@ def trim_heap() -> None:
 
 def resident_bytes() -> int:
     """This process's resident memory (RSS), in bytes."""
-    import psutil
-
     return int(psutil.Process().memory_info().rss)
 
 
@@ -180,8 +178,6 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
 def _memory_of(storage: torch.UntypedStorage) -> memoryview:
     """The bytes of a CPU storage as a writable memoryview. Through ctypes, not numpy: a storage that has been
     exported to numpy is marked not resizable for good, and could not be freed again."""
-    import ctypes
-
     return memoryview((ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())).cast("B")
 
 

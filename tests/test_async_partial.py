@@ -12,7 +12,7 @@ from slimeflow.config.train import TrainConfig, staleness_bound
 from slimeflow.rollout.data_source import START_ROLLOUT_ID, BufferedDataSource, DataSource
 from slimeflow.rollout.rollout import OLDEST_WEIGHT_VERSION
 from slimeflow.rollout.types import Sample, Status
-from slimeflow.stages.train.rollout_manager import InFlight, RolloutManager, weight_versions
+from slimeflow.stages.train.rollouts import InFlight, Rollouts, weight_versions
 
 make_ctx = test_rollout.make_ctx  # the fixture: make(engine, config, version) -> a RolloutContext
 
@@ -83,7 +83,7 @@ def test_the_default_bound_lets_a_partial_sample_be_continued_once():
 
 
 def test_the_checkpoint_state_carries_the_rollouts_after_the_trained_one_and_the_partial_samples():
-    manager = RolloutManager.__new__(RolloutManager)  # its state only: no engine
+    manager = Rollouts.__new__(Rollouts)  # its state only: no engine
     manager.data = BufferedDataSource(DataSource(prompts("a1", "b2"), n_samples_per_prompt=1))
     partial = Sample(group_index=0, index=0, prompt="a1", response="…", response_length=1,
                      metadata={"weight_version": "3"})
@@ -94,7 +94,7 @@ def test_the_checkpoint_state_carries_the_rollouts_after_the_trained_one_and_the
     assert [r["rollout_id"] for r in state["in_flight"]] == [5, 6]
     assert state["buffer"][0][0]["response"] == "…" and state["buffer"][0][0]["metadata"][START_ROLLOUT_ID] == 4
 
-    restored = RolloutManager.__new__(RolloutManager)
+    restored = Rollouts.__new__(Rollouts)
     restored.data = BufferedDataSource(DataSource(prompts("a1", "b2"), n_samples_per_prompt=1))
     restored.load_state_dict(state)
     assert sorted(restored.in_flight) == [5, 6] and restored.in_flight[6].metrics == {"k": 6.0}

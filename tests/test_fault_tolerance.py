@@ -28,7 +28,8 @@ from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.rollout import rollout as rollout_module
 from slimeflow.stages.train.engines import EngineDiedError, EngineSet, ReissuingClient, RoutedClient
 from slimeflow.stages.train.fault_tolerance import HealthMonitor, recover, restore_weights
-from slimeflow.stages.train.rollout_manager import RolloutManager, RolloutSetup
+from slimeflow.stages.train.rollout_manager import RolloutSetup
+from slimeflow.stages.train.rollouts import Rollouts
 from slimeflow.stages.train.weight_sync import WeightSync
 
 GROUPS, SAMPLES = 4, 2
@@ -47,8 +48,8 @@ def manager(tmp_path_factory):
         "rollout": {"rollout_max_response_len": 48}, "reward": {"rm_type": "prefix_match"},
         "placement": {"rollout_num_gpus": 2},
         "fault_tolerance": {"use_fault_tolerance": True, **CHECKS}})
-    rollouts = RolloutManager(config, RolloutSetup(str(model), str(root / "prompts.parquet"), {}, num_engines=2,
-                                                   engine_threads=1, concurrency=64))
+    rollouts = Rollouts(config, RolloutSetup(str(model), str(root / "prompts.parquet"), {}, num_engines=2,
+                                             engine_threads=1, concurrency=64))
     try:
         yield rollouts
     finally:
@@ -293,8 +294,8 @@ def test_the_trainer_gives_a_restarted_engine_only_the_version_it_last_pushed():
     nothing was pushed yet) it refuses rather than hand the engine weights the rollout did not run on."""
     from types import SimpleNamespace
 
-    from slimeflow.stages.train.train_actor import TrainActor
+    from slimeflow.stages.train.trainer import Trainer
 
     for pushed, last in ((None, "last pushed none"), (("3", {}), "last pushed version 3")):
         with pytest.raises(RuntimeError, match=f"needs weight version 4, but trainer rank 0 {last}"):
-            TrainActor.push_to(SimpleNamespace(pushed=pushed), ["http://127.0.0.1:1"], "4")
+            Trainer.push_to(SimpleNamespace(pushed=pushed), ["http://127.0.0.1:1"], "4")

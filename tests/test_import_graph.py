@@ -145,7 +145,7 @@ def test_the_graph_sees_the_imports_it_must():
     assert "slimeflow.checkpoint.torch_dist" in edges["slimeflow.train.backends.megatron.checkpoint"]
     assert "slimeflow.checkpoint.worker" in edges["slimeflow.checkpoint.convert"]
     assert "slimeflow.checkpoint.safe_pickle" in edges["slimeflow.checkpoint.torch_dist"]  # from pkg import module
-    assert "slimeflow.train.train_step" in edges["slimeflow.stages.train.train_actor"]  # inside a method
+    assert "slimeflow.stages.train.trainer" in edges["slimeflow.stages.train.train_actor"]  # inside a method
     assert _stage("slimeflow.stages.train.placement") == "train" and _stage("slimeflow.stages.base") is None
     assert _layer("slimeflow.train.loss") == "library" and _layer("slimeflow.io.storage") == "io"
     assert _layer("slimeflow.flows.pipeline") == "orchestration" and _layer("slimeflow.stages") == "stages"

@@ -15,12 +15,8 @@ import torch
 from megatron_steps import make_backend, make_config, make_job, run_world, train_steps
 
 from slimeflow.config.megatron import MegatronConfig
-from slimeflow.train.backends.megatron.kernels import (
-    Kernels,
-    grad_reduce_in_fp32,
-    kernel_problems,
-    transformer_fields,
-)
+from slimeflow.train.backends.megatron.core_settings import transformer_fields
+from slimeflow.train.backends.megatron.kernels import Kernels, grad_reduce_in_fp32, kernel_problems
 
 converted = base.converted  # the tiny Llama and its torch_dist checkpoint (module fixture)
 

@@ -18,8 +18,9 @@ from test_model_args import train_config
 from slimeflow.config.megatron import MegatronConfig
 from slimeflow.config.model_args import check_model_args
 from slimeflow.config.slime_flags import refusal_reason
+from slimeflow.train.backends.megatron.core_settings import optimizer_config
 from slimeflow.train.backends.megatron.determinism import GPU_ENVIRONMENT, DeterministicMode
-from slimeflow.train.backends.megatron.kernels import Kernels, kernel_problems, optimizer_config
+from slimeflow.train.backends.megatron.kernels import Kernels, kernel_problems
 
 converted = base.converted  # the tiny Llama and its torch_dist checkpoint (module fixture; the GPU tests only)
 

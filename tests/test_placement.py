@@ -232,11 +232,11 @@ def test_the_trainer_picks_the_transport_slime_uses_for_its_engines():
     from types import SimpleNamespace
 
     from slimeflow.stages.train.engines import WeightTargets
-    from slimeflow.stages.train.train_actor import TrainActor
+    from slimeflow.stages.train.trainer import Trainer
 
     def chosen(sglang: bool, *flags: str) -> tuple[str, int]:
         actor = SimpleNamespace(config=config(*flags), hooks=SimpleNamespace(args=None))
-        TrainActor.connect_engines(actor, WeightTargets(("http://127.0.0.1:1",), "hf", sglang=sglang))
+        Trainer.connect_engines(actor, WeightTargets(("http://127.0.0.1:1",), "hf", sglang=sglang))
         actor.loop.close()
         return actor.weight_sync.transport, actor.weight_sync.tp_size
 

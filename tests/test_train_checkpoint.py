@@ -166,10 +166,10 @@ def test_a_reference_model_loads_from_ref_load(saved):
 def test_a_train_actor_whose_ray_node_died_or_whose_root_was_claimed_refuses_to_commit(tmp_path, monkeypatch):
     # After a SIGKILL of the job, an actor finishing a save finds itself reparented (its raylet exited); on a
     # cluster, the run restarted on the same --save has claimed the root.
-    from slimeflow.stages.train.train_actor import TrainActor
+    from slimeflow.stages.train.trainer import Trainer
 
     root = tmp_path / "save"
-    actor = object.__new__(TrainActor)  # the check reads the parent pid and run token recorded at start, and --save
+    actor = object.__new__(Trainer)  # the check reads the parent pid and run token recorded at start, and --save
     actor.config = CONFIG.model_copy(update={"checkpoint": CONFIG.checkpoint.model_copy(update={"save": str(root)})})
     actor.parent_pid, actor.run_token = os.getppid(), guard.claim_root(root)
     actor.check_may_commit()  # the parent is alive and the root is this run's: nothing to say

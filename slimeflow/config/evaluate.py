@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 
 from slimeflow.config.base import ConfigModel, OptionalPositiveInt, PositiveInt
+from slimeflow.config.train_validation import refuse_unbuilt
 
 
 class EvaluateConfig(ConfigModel):
@@ -48,7 +49,5 @@ class EvaluateConfig(ConfigModel):
     @field_validator("rm_type")
     @classmethod
     def _refuse_unbuilt(cls, rm_type: str | None) -> str | None:
-        from slimeflow.rollout.rule_rewards import refuse_unbuilt  # imported when an rm_type is given only
-
         refuse_unbuilt(rm_type)
         return rm_type

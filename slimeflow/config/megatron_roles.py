@@ -13,6 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from slimeflow.config.flags import nest_keys
+from slimeflow.errors import ConfigError
+
 GPU_ALLOCATION = ("num_nodes", "num_gpus_per_node")
 """Keys slime skips in a role entry (its GPU allocation always follows the command line)."""
 
@@ -20,11 +25,6 @@ GPU_ALLOCATION = ("num_nodes", "num_gpus_per_node")
 def actor_overrides(path: str, index: Any) -> dict[str, Any]:
     """The actor entry's overrides of the YAML at `path`, nested as the train config's groups (`index`: its
     FlagIndex). Raises ConfigError naming the file and every key or entry it cannot take."""
-    import yaml
-
-    from slimeflow.config.flags import nest_keys
-    from slimeflow.errors import ConfigError
-
     where = f"--megatron-config-path {path}"
     try:
         raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}

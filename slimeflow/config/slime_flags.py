@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -117,8 +118,6 @@ def deferred(flag: str) -> bool:
 
 def explain_unknown(flag: str, known: list[str]) -> str:
     """One line saying why `flag` is not taken and what to do instead."""
-    import difflib
-
     if flag in RENAMED:
         return f"{flag}: use {RENAMED[flag]} (the current slime spelling)"
     reason = refusal_reason(flag)

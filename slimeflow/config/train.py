@@ -16,8 +16,12 @@ from pydantic import BaseModel, Field, ModelWrapValidatorHandler, PrivateAttr, m
 
 from slimeflow.config import train_validation as checks
 from slimeflow.config.base import ConfigModel, OptionalPositiveInt, PluginPath, PositiveInt, validate_derived
+from slimeflow.config.custom_config import read_custom_config
+from slimeflow.config.flags import FlagIndex, merge
 from slimeflow.config.megatron import MegatronConfig
+from slimeflow.config.megatron_roles import actor_overrides
 from slimeflow.config.train_rollout import DataConfig, EvalConfig, RewardConfig, RolloutConfig, SglangConfig
+from slimeflow.errors import ConfigError
 
 __all__ = [
     "AlgorithmConfig", "BatchConfig", "CheckpointConfig", "DataConfig", "DebugConfig", "EvalConfig",
@@ -448,8 +452,6 @@ class TrainConfig(ConfigModel):
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         if self.custom_config_path:
-            from slimeflow.config.custom_config import read_custom_config
-
             self._custom_args = read_custom_config(self.custom_config_path, type(self))[1]
         checks.check_train(self)
         return self
@@ -459,10 +461,6 @@ def _megatron_roles(cls: type[TrainConfig], data: dict[str, Any]) -> dict[str, A
     """--megatron-config-path: its actor overrides win over the other values, as in slime."""
     if not data.get("megatron_config_path"):
         return data
-    from slimeflow.config.flags import FlagIndex, merge
-    from slimeflow.config.megatron_roles import actor_overrides
-    from slimeflow.errors import ConfigError
-
     try:
         return merge(data, actor_overrides(str(data["megatron_config_path"]), FlagIndex(cls)))
     except ConfigError as err:  # one problem per line, each naming the file
@@ -473,9 +471,6 @@ def _custom_config_flags(cls: type[TrainConfig], data: dict[str, Any]) -> dict[s
     """The flags that --custom-config-path's file sets, over those given (slime sets its keys after parsing)."""
     if not data.get("custom_config_path"):
         return data
-    from slimeflow.config.custom_config import read_custom_config
-    from slimeflow.config.flags import merge
-
     flags, _ = read_custom_config(data["custom_config_path"], cls)
     plain = {key: value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
              for key, value in data.items()}

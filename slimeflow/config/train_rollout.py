@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from slimeflow.config import train_validation as checks
 from slimeflow.config.base import ConfigModel, OptionalPositiveInt, PluginPath, PositiveInt
+from slimeflow.engine.sglang_launch import SET_BY_SLIMEFLOW
 
 
 class DataConfig(ConfigModel):
@@ -98,7 +99,7 @@ class RewardConfig(ConfigModel):
 
     rm_type: str | None = None
     """Built-in reward: math, deepscaler, dapo, f1, gpqa, random (as slime's rm_hub), prefix_match (ours); a `boxed_`
-    prefix is accepted; metadata['rm_type'] overrides. ifbench is refused (see rule_rewards.IFBENCH_REFUSED)."""
+    prefix is accepted; metadata['rm_type'] overrides. ifbench is refused (see train_validation.IFBENCH_REFUSED)."""
     custom_rm_path: PluginPath = None
     """async reward(args, sample) -> float, or a group function with group_rm."""
     rm_url: str | None = None
@@ -164,8 +165,6 @@ class SglangConfig(ConfigModel):
     def unread(self, launches_sglang: bool) -> list[str]:
         """The --sglang-* flags given that no server would get, with the reason, one line each: all server
         arguments when the engines are not SGLang servers launched here, else those slimeflow sets itself."""
-        from slimeflow.engine.sglang_launch import SET_BY_SLIMEFLOW
-
         problems = [f"--sglang-{key.replace('_', '-')}: not taken ({SET_BY_SLIMEFLOW[key]}); remove it"
                     for key in sorted(self.server_args()) if key in SET_BY_SLIMEFLOW]
         if not launches_sglang:

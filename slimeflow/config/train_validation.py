@@ -173,9 +173,19 @@ def check_batch(batch: BatchConfig) -> None:
 
 
 def check_reward(reward: RewardConfig) -> None:
-    from slimeflow.rollout.rule_rewards import refuse_unbuilt  # rule_rewards is heavier than a config
-
     refuse_unbuilt(reward.rm_type)
+
+
+IFBENCH_REFUSED = (
+    "rm_type 'ifbench' is not built in: slime's scorer runs allenai/IFBench's instruction checkers "
+    "(evaluation_lib), which it clones from GitHub at import; they are not a PyPI package (only their dependencies "
+    "are) and need spaCy and NLTK data downloads. Score IFBench with --custom-rm-path and IFBench installed")
+
+
+def refuse_unbuilt(rm_type: str | None, flag: str = "--rm-type") -> None:
+    """Raise, naming `flag` and the reason, for an rm_type slime has that is not built here (ifbench)."""
+    if rm_type and rm_type.strip().removeprefix("boxed_") == "ifbench":
+        raise ValueError(f"{flag} {rm_type}: {IFBENCH_REFUSED}")
 
 
 def check_algorithm(algorithm: AlgorithmConfig) -> None:

@@ -105,7 +105,7 @@ class EngineClient:
 
     async def weights_snapshot(self) -> tuple[dict[str, torch.Tensor], str]:
         """The HF-named tensors an embedded engine serves and their weight version (embedded engine only)."""
-        from safetensors.torch import load as load_safetensors
+        from safetensors.torch import load as load_safetensors  # here: as in update_weights_from_tensor
 
         response = await self._request("GET", "/get_weights_snapshot")
         return load_safetensors(response.content), response.headers["x-weight-version"]

@@ -200,7 +200,9 @@ def launch_engine_thread(model_path: str | Path, *, port: int | None = None, hos
                          api_key: str | None = None, **options: Any) -> EngineThread:
     """launch_engine's in-process twin: the engine serves from a thread of this process (server.EngineThread),
     loading while this returns; same flags, same `url`, `api_key`, `wait_ready` and `stop`."""
-    from slimeflow.engine.server import EngineThread
+    from slimeflow.engine.server import (
+        EngineThread,  # here: the server imports torch, the driver imports this module
+    )
 
     return EngineThread(_engine_flags(model_path, host, port or free_port(host), options), api_key or new_api_key())
 

@@ -13,6 +13,10 @@ environment, as launch.py does for the router.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import difflib
+import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
@@ -117,9 +121,6 @@ def router_options(router_args: Mapping[str, Any], request_timeout_secs: Any = N
 
 def router_flag_problems(router_args: Mapping[str, Any]) -> list[str]:
     """Each --router-X flag that sglang-router does not define (with the closest ones) or that is refused."""
-    import argparse
-    import difflib
-
     from sglang_router.launch_router import RouterArgs  # ~1 s of import: only when --router-* flags are given
 
     parser = argparse.ArgumentParser(add_help=False)
@@ -140,12 +141,9 @@ def router_flag_problems(router_args: Mapping[str, Any]) -> list[str]:
 def installed_server_args() -> set[str] | None:
     """The argument names of the installed SGLang's server (its ServerArgs fields); None where SGLang is not
     installed (the engines are then the embedded engine)."""
-    import dataclasses
-    import importlib.util
-
     if importlib.util.find_spec("sglang") is None:
         return None
-    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.server_args import ServerArgs  # an optional dependency (GPU machines only)
 
     return {f.name for f in dataclasses.fields(ServerArgs)}
 
@@ -153,8 +151,6 @@ def installed_server_args() -> set[str] | None:
 def server_arg_problems(server_args: Mapping[str, Any], known: set[str]) -> list[str]:
     """Each --sglang-X flag that is not an argument of the SGLang server (`known`: installed_server_args()), with the
     closest ones (slime drops such flags with a warning)."""
-    import difflib
-
     problems = []
     for name in sorted(set(server_args) - known - set(SET_BY_SLIMEFLOW)):
         close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.75)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import importlib
 import io
 import pickle
 from collections.abc import Mapping
@@ -57,8 +58,6 @@ class FlattenedTensorMetadata:
 
 def _sglang_attr(modules: tuple[str, ...], name: str) -> Any:
     """SGLang's own object where SGLang is installed (so that its server can rebuild what names it), else None."""
-    import importlib
-
     for module in modules:
         try:
             return getattr(importlib.import_module(module), name)

@@ -10,14 +10,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoConfig, AutoModelForCausalLM
+
 MODEL_TYPE_ALIASES: dict[str, str] = {"kimi_k2": "deepseek_v3"}
 """model_type in config.json -> the transformers model_type that computes it."""
 
 
 def load_config(path: str | Path, **kwargs: Any):
     """The transformers config of an HF directory (an aliased model_type read as its family's)."""
-    from transformers import AutoConfig
-
     fields = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     alias = MODEL_TYPE_ALIASES.get(fields.get("model_type"))
     if alias is None:
@@ -28,7 +28,5 @@ def load_config(path: str | Path, **kwargs: Any):
 
 def load_causal_lm(path: str | Path, **kwargs: Any):
     """AutoModelForCausalLM.from_pretrained with `load_config`'s config; keyword arguments go to from_pretrained."""
-    from transformers import AutoModelForCausalLM
-
     config = load_config(path, local_files_only=kwargs.get("local_files_only", False))
     return AutoModelForCausalLM.from_pretrained(path, config=config, **kwargs)

@@ -8,17 +8,35 @@ gets them from a Megatron-LM patch. `SandwichNormLayer` adds them under that pat
 attention (DeepSeek-V3) runs on the local spec with a core attention that takes MLA's key/value head sizes, its
 latent norms keyed as TE fuses them; a model whose dense and expert layers differ gets one layer spec per layer.
 
-megatron is imported inside the functions: it is heavy and only the Megatron paths need it.
+Only the Megatron paths import this module (the backend registry imports the Megatron backend when a rank builds
+it), so megatron-core is imported at its top.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
+from megatron.core.extensions.transformer_engine import TENorm
+from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.post_training.modelopt.layers import Linear
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
+
+from slimeflow.train.backends.megatron.shims import megatron_on_cpu
 
 
 def _normed(bda: Callable[..., Any], norm: torch.nn.Module) -> Callable[..., Any]:
@@ -65,9 +83,6 @@ class SequenceParallelNorm(TorchNorm):
 def sandwich_norm_layer(norm: Any = None) -> type:
     """A TransformerLayer with RMSNorm on the attention and MLP outputs before each residual add (GLM4); the norms
     are built as `norm` (None: as the layer's input norm, the local spec's; TE's spec fuses that one away)."""
-    from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
     class SandwichNormLayer(TransformerLayer):
         def __init__(self, config, submodules, *args, **kwargs):
             super().__init__(config, submodules, *args, **kwargs)
@@ -88,9 +103,6 @@ def sdpa_attention() -> type:
     outputs and softmax scale; no parameters, so checkpoints are unchanged. Causal masks only, no dropout: the
     training backend's right-padded rows need no other mask (a causal position never sees the padding after it).
     """
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.enums import AttnMaskType
-
     class SdpaAttention(DotProductAttention):
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
@@ -110,8 +122,6 @@ def mla_core_attention(sdpa: bool = False) -> type:
     """megatron-core's local DotProductAttention (with `sdpa`, sdpa_attention's), taking the key and value head sizes
     that MLA passes (Transformer Engine's attention takes them; the local one has no such arguments). Keys are as
     long as queries, values kv_channels long (the args set kv_channels to MLA's v_head_dim)."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
     class MLADotProductAttention(sdpa_attention() if sdpa else DotProductAttention):
         def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
             if v_channels is not None and v_channels != config.kv_channels:
@@ -144,10 +154,6 @@ def key_map(args: argparse.Namespace, moe: bool | None = None, te: bool = False)
 def te_layer_spec(args: argparse.Namespace, moe: bool | None = None, grouped_gemm: bool = False):
     """Transformer Engine's layer spec for these args (GPUs with TE): megatron-core's, experts as TEGroupedMLP with
     `grouped_gemm`, GLM4's sandwich norms as TENorm. Its names are the checkpoint's (key_map: none)."""
-    from megatron.core.extensions.transformer_engine import TENorm
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
     experts = getattr(args, "num_experts", None) if moe is not False else None
     spec = get_gpt_layer_with_transformer_engine_spec(
         num_experts=experts, moe_grouped_gemm=grouped_gemm, qk_layernorm=args.qk_layernorm,
@@ -161,9 +167,6 @@ def layer_spec(args: argparse.Namespace, moe: bool | None = None, sdpa: bool = F
     """The local layer spec for these args: megatron-core's, with sandwich norms when the args ask for them, and
     parameters keyed as Transformer Engine's specs key them (key_map). `moe`: an expert layer (None: whenever the
     args have experts); `sdpa`: torch's fused causal attention (`sdpa_attention`), for MLA too (mla_core_attention)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
     experts = getattr(args, "num_experts", None) if moe is not False else None
     mla = bool(getattr(args, "multi_latent_attention", False))
     spec = get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=args.qk_layernorm,
@@ -197,19 +200,12 @@ def _duplicated_linear() -> type:
     ranks, which saw a part of the sequence each). The local spec's ColumnParallelLinear splits them, and megatron-core
     then never sums the gradient of the shared RoPE key over the ranks' heads (Megatron-LM issue 1699, open in
     0.16.1): at TP 2 the weights drift from one process's. megatron-core's MLA takes this Linear as it takes TELinear."""
-    from megatron.core.post_training.modelopt.layers import Linear
-
     return Linear
 
 
 def _with_torch_norms(attention: Any, norm: type) -> Any:
     """The attention spec with its q/k (MLA: latent) norms built by `norm` (megatron's refuse sequence
     parallelism); identities stay identities."""
-    from dataclasses import fields
-
-    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
     norms = {f.name: norm for f in fields(attention.submodules)
              if getattr(attention.submodules, f.name) in (WrappedTorchNorm, FusedLayerNorm)}
     return replace(attention, submodules=replace(attention.submodules, **norms))
@@ -221,12 +217,6 @@ def block_spec(args: argparse.Namespace, config: Any, sdpa: bool = False, vp_sta
     list, DeepSeek's first dense layers) and the final norm, under megatron's initialised parallel state.
     `config`: the model's TransformerConfig (its pipeline split; moe_grouped_gemm); `sdpa`: see layer_spec;
     `vp_stage`: the virtual pipeline chunk (None without interleaving); `te`: Transformer Engine's specs."""
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
-    )
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
     def spec(moe: bool | None):
         grouped = bool(getattr(config, "moe_grouped_gemm", False))
         return te_layer_spec(args, moe, grouped) if te else layer_spec(args, moe=moe, sdpa=sdpa)
@@ -240,8 +230,6 @@ def block_spec(args: argparse.Namespace, config: Any, sdpa: bool = False, vp_sta
     first = get_transformer_layer_offset(config, vp_stage)
     final_norm: Any = SequenceParallelNorm
     if te:
-        from megatron.core.extensions.transformer_engine import TENorm
-
         final_norm = TENorm
     return TransformerBlockSubmodules(layer_specs=specs[first: first + get_num_layers_to_build(config, vp_stage)],
                                       layer_norm=final_norm)
@@ -286,11 +274,6 @@ def gpt_model_from_args(args: argparse.Namespace, dtype: torch.dtype = torch.flo
     initialised parallel state; pre_process/post_process: this pipeline stage holds the embedding / the output
     layer; parallel_output False gathers the logits over the tensor-parallel ranks (full vocabulary); sdpa: torch's
     fused causal attention (layer_spec); vp_stage: the virtual pipeline stage this chunk is (its layers' offset)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
-
-    from slimeflow.train.backends.megatron.shims import megatron_on_cpu
-
     mla = _mla_config(args)
     fields = dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,

@@ -299,6 +299,7 @@ def build_tiny_tokenizer(family: str, *, model_max_length: int | None = None) ->
     special tokens gives exactly its UTF-8 bytes (after NFC normalization where the family normalizes), so
     `decode(encode(text)) == text` for any (NFC) text. Padding is on the left, for batched generation.
     """
+    # Here and in the functions below: the driver imports this module (checkpoint.hf_source) and stays free of torch.
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode

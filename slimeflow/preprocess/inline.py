@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pyarrow.parquet as pq
 
 from slimeflow.config.base import replace
 from slimeflow.config.preprocess import PreprocessConfig
@@ -51,8 +52,6 @@ def is_raw(uri: str, storage: Storage) -> bool:
 def _ours(uri: str, storage: Storage) -> bool:
     """Whether a parquet file has the prompt parquet's columns (an unreadable one counts as ours: the prompt-parquet
     check reports it with its reason)."""
-    import pyarrow.parquet as pq
-
     try:
         with storage.open_read(uri) as stream:
             names = pq.ParquetFile(stream).schema_arrow.names

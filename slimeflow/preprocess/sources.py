@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import orjson
+import pyarrow.parquet as pq
 
 from slimeflow.errors import StageInputError, StorageError
 from slimeflow.io.storage import Storage, is_local, local_path
@@ -295,8 +296,6 @@ def _bad_lines(bad: dict[int, str]) -> Iterator[Item]:
 
 
 def _read_parquet(uri: str, storage: Storage) -> Iterator[Item]:
-    import pyarrow.parquet as pq
-
     with storage.open_read(uri) as stream:
         number = 0
         for record_batch in pq.ParquetFile(stream).iter_batches(batch_size=4096):

@@ -30,7 +30,7 @@ class PromptTokenizer:
     """A fast HF tokenizer from a local directory: renders messages and counts tokens in batches."""
 
     def __init__(self, hf_checkpoint: str, need_template: bool):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # here: the driver imports this module and stays free of torch
 
         if not is_local(hf_checkpoint) or not local_path(hf_checkpoint).is_dir():
             raise StageInputError(f"--hf-checkpoint {hf_checkpoint}", ["is not a local directory"],

@@ -14,6 +14,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from slimeflow.io.prompts import PromptDataset
 from slimeflow.io.storage import Storage
 from slimeflow.rollout.types import Sample, Status
 
@@ -55,8 +56,6 @@ class DataSource:
         The rows stay in the parquet (memory-mapped locally), decoded a row group at a time as groups are handed
         out; `options` are __init__'s (n_samples_per_prompt, shuffle, seed).
         """
-        from slimeflow.io.prompts import PromptDataset
-
         return cls(PromptDataset(uri, storage), **options)
 
     def _epoch_order(self, epoch: int) -> list[int]:

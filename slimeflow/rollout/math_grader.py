@@ -16,6 +16,10 @@ import functools
 import re
 from typing import Any
 
+import sympy
+from pylatexenc import latex2text
+from sympy.parsing import sympy_parser
+
 # --- boxed answers ---------------------------------------------------------------------------------------------
 
 
@@ -161,8 +165,6 @@ def _float_is_int(text: str) -> bool:
 
 
 def _latex_to_text(expr: str) -> str:
-    from pylatexenc import latex2text
-
     expr = expr.replace("\\tfrac", "\\frac").replace("\\dfrac", "\\frac").replace("\\frac", " \\frac")
     expr = latex2text.LatexNodes2Text().latex_to_text(expr)
     for symbol, name in (("√", "sqrt"), ("π", "pi"), ("∞", "inf"), ("∪", "U"), ("·", "*"), ("×", "*")):
@@ -189,10 +191,6 @@ def prm800k_normalize(expr: str | None) -> str | None:
     if _float_is_int(expr):
         expr = str(int(round(float(expr))))
     if "\\" in expr:
-        # Imported here, on first use (~0.1 s non-math rewards never pay), and outside the try: a missing
-        # package must fail loudly, not read as malformed LaTeX.
-        import pylatexenc  # noqa: F401
-
         try:
             expr = _latex_to_text(expr)
         except Exception:  # pylatexenc gives up on malformed LaTeX: the grader goes on with the text as it is
@@ -230,8 +228,6 @@ def _sympy_may_evaluate(expr: str) -> bool:
 
 @functools.cache
 def _sympy_names() -> dict[str, Any]:
-    import sympy
-
     # sympy's public names and no builtins, so the text the model wrote cannot call into Python.
     return {"__builtins__": {}, **{k: v for k, v in vars(sympy).items() if not k.startswith("_")}}
 
@@ -240,9 +236,6 @@ def _sympy_equal(truth: str, given: str) -> bool:
     expr = f"({truth})-({given})"
     if not _sympy_may_evaluate(expr):
         return False
-    import sympy
-    from sympy.parsing import sympy_parser
-
     transformations = sympy_parser.standard_transformations + (sympy_parser.implicit_multiplication_application,)
     try:
         parsed = sympy_parser.parse_expr(expr.replace("^", "**"), local_dict={}, global_dict=_sympy_names(),

@@ -16,23 +16,13 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from slimeflow.config.train_validation import refuse_unbuilt
 from slimeflow.rollout.answers import MathJudge
 from slimeflow.rollout.math_grader import boxed_answer, minerva_normalize
 
 RewardValue = float | dict[str, Any]
 BuiltinReward = Callable[[str, Any, dict[str, Any], MathJudge], RewardValue]
 """(response, label, metadata, judge) -> a reward, or (dapo) a dict of which --reward-key names the reward."""
-
-IFBENCH_REFUSED = (
-    "rm_type 'ifbench' is not built in: slime's scorer runs allenai/IFBench's instruction checkers "
-    "(evaluation_lib), which it clones from GitHub at import; they are not a PyPI package (only their dependencies "
-    "are) and need spaCy and NLTK data downloads. Score IFBench with --custom-rm-path and IFBench installed")
-
-
-def refuse_unbuilt(rm_type: str | None, flag: str = "--rm-type") -> None:
-    """Raise, naming `flag` and the reason, for an rm_type slime has that is not built here (ifbench)."""
-    if rm_type and rm_type.strip().removeprefix("boxed_") == "ifbench":
-        raise ValueError(f"{flag} {rm_type}: {IFBENCH_REFUSED}")
 
 
 def _label_text(label: Any, rm_type: str) -> str:

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
 
+from slimeflow.config.slime_flags import NOT_YET_SUPPORTED
 from slimeflow.config.train import TrainConfig
 from slimeflow.rollout.filters import FilterOutcome, GroupFilter
 from slimeflow.rollout.plugins import load_plugin
@@ -44,8 +45,6 @@ class SlimeArgs(SimpleNamespace):
     """slime's `args` namespace; an attribute slimeflow does not have says why (a slime flag it refuses, or none)."""
 
     def __getattr__(self, name: str) -> Any:
-        from slimeflow.config.slime_flags import NOT_YET_SUPPORTED
-
         flag = "--" + name.replace("_", "-")
         why = (f"slimeflow does not take slime's {flag} ({NOT_YET_SUPPORTED[flag]})" if flag in NOT_YET_SUPPORTED
                else f"slimeflow has no {flag} flag (slime's args.{name}, if slime has it, is not provided)")

@@ -9,11 +9,13 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from slimeflow.config.train import TrainConfig
 from slimeflow.rollout.plugins import load_plugin
 from slimeflow.rollout.slime_data_source import PluginDataSource
 from slimeflow.rollout.slime_plugins import plugin_name, returned_sample, takes_keyword
-from slimeflow.rollout.types import Sample, Status, floats
+from slimeflow.rollout.types import Sample, Status, TrainBatch, floats
 
 
 async def apply_sample_hooks(hooks: Sequence[Callable[..., Any]], args: Any, samples: list[Sample], *,
@@ -166,10 +168,6 @@ def train_batch(config: TrainConfig, args: Any, samples: list[Sample]) -> Any:
     """The TrainBatch of a rollout's samples: --custom-convert-samples-to-train-data-path's dict when set (slime's
     `convert(args, samples) -> dict`, whose `rewards` the estimators take as they are), else TrainBatch.from_samples.
     A key that would change training in slime but that slimeflow's trainer does not read is an error."""
-    import torch
-
-    from slimeflow.rollout.types import TrainBatch
-
     path = config.algorithm.custom_convert_samples_to_train_data_path
     if path is None:
         return TrainBatch.from_samples(samples)

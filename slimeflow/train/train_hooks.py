@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from slimeflow.config.megatron import MegatronConfig
 from slimeflow.config.train import TrainConfig
 from slimeflow.rollout.plugins import load_plugin
+from slimeflow.rollout.slime_plugins import slime_args
 
 if TYPE_CHECKING:
     from slimeflow.train.backends.protocol import Backend
@@ -53,8 +55,6 @@ class TrainHooks:
 
     @classmethod
     def load(cls, config: TrainConfig) -> TrainHooks:
-        from slimeflow.rollout.slime_plugins import slime_args
-
         h = config.train_hooks
 
         def hook(path: str | None, flag: str) -> Hook | None:
@@ -73,8 +73,6 @@ class TrainHooks:
         """Merge in the Megatron args of the checkpoint the model is built from: its model shape (the backend builds
         that shape whatever the run's shape flags say) and what the run leaves unset; the run's parallel layout and
         training flags stay the run's."""
-        from slimeflow.config.megatron import MegatronConfig
-
         shape = set(MegatronConfig.model_fields) - RUN_LAYOUT
         given = vars(self.args)
         for name, value in vars(model_args).items():

@@ -9,13 +9,22 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from transformers import AutoTokenizer
+
+from slimeflow.checkpoint.hf_write import write_hf
 from slimeflow.config.evaluate import EvaluateConfig
-from slimeflow.config.train import DataConfig
+from slimeflow.config.train import DataConfig, TrainConfig
+from slimeflow.engine.client import EngineClient
+from slimeflow.engine.launch import start_engine
 from slimeflow.errors import CheckpointError, StageInputError
 from slimeflow.io import checkpoints
 from slimeflow.io.manifest import Manifest
+from slimeflow.io.prompts import open_prompt_sets
 from slimeflow.io.storage import join, local_path
+from slimeflow.rollout.evaluation import EvalSettings, evaluate_sets
 from slimeflow.rollout.raw_data import PreparedSet, manifest_entries, prepare_eval_sets, preprocess_config
+from slimeflow.rollout.rewards import RewardScorer
+from slimeflow.rollout.rollout import RolloutContext, sampling_params
 from slimeflow.stages.base import StageContext
 
 if TYPE_CHECKING:
@@ -24,9 +33,6 @@ if TYPE_CHECKING:
 
 def run(config: EvaluateConfig, ctx: StageContext) -> Manifest:
     """Evaluate; the manifest's metrics hold eval/<set>/avg_at_<n> and eval/<set>/pass_at_<k> for every set."""
-    from slimeflow.engine.client import EngineClient
-    from slimeflow.engine.launch import start_engine
-
     sets, prepared = _eval_sets(config, ctx)
     model_dir, source = _model_dir(config, ctx)
     with start_engine(str(model_dir)) as engine:
@@ -40,13 +46,6 @@ def run(config: EvaluateConfig, ctx: StageContext) -> Manifest:
 
 
 async def _evaluate(config: EvaluateConfig, model_dir: str, client: EngineClient, sets: dict) -> dict[str, float]:
-    from transformers import AutoTokenizer
-
-    from slimeflow.config.train import TrainConfig
-    from slimeflow.rollout.evaluation import EvalSettings, evaluate_sets
-    from slimeflow.rollout.rewards import RewardScorer
-    from slimeflow.rollout.rollout import RolloutContext, sampling_params
-
     train = TrainConfig.model_validate({
         "batch": {"rollout_batch_size": 1, "num_rollout": 1},
         "data": {"apply_chat_template": config.apply_chat_template, "rollout_seed": config.rollout_seed},
@@ -66,8 +65,6 @@ async def _evaluate(config: EvaluateConfig, model_dir: str, client: EngineClient
 
 def _eval_sets(config: EvaluateConfig, ctx: StageContext) -> tuple[dict[str, list], dict[str, PreparedSet]]:
     """The prompts of each eval set (a raw set preprocessed first, as in training), and the prepared raw sets."""
-    from slimeflow.io.prompts import open_prompt_sets
-
     if not config.eval_prompt_data:
         raise StageInputError("the evaluate stage has no eval set", ["--eval-prompt-data is empty"],
                               "Pass --eval-prompt-data NAME PATH [NAME PATH ...] (raw datasets or the preprocess "
@@ -85,8 +82,6 @@ def _eval_sets(config: EvaluateConfig, ctx: StageContext) -> tuple[dict[str, lis
 
 def _model_dir(config: EvaluateConfig, ctx: StageContext) -> tuple[Path, str]:
     """The HF directory the engine serves, and what it came from."""
-    from slimeflow.checkpoint.hf_write import write_hf
-
     if config.hf_checkpoint is None or not Path(config.hf_checkpoint, "config.json").is_file():
         raise StageInputError("--hf-checkpoint", [f"{config.hf_checkpoint!r} is not an HF directory with config.json"],
                               "Give the HF directory of the tokenizer and config (the model stage's checkpoint).")

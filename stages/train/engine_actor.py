@@ -8,11 +8,22 @@ GPUs in tests) it is the embedded engine. Either way the rollout talks HTTP to i
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from slimeflow.engine.launch import EngineProcess, free_port, launch_engine
+from slimeflow.engine.sglang_launch import (
+    SGLANG_API_KEY_ENV,
+    SGLANG_READY_PATH,
+    SGLANG_READY_TIMEOUT_S,
+    sglang_server_command,
+)
+from slimeflow.stages.train.remote import call, hosted
 
 # SGLang picks its GPUs by --base-gpu-id among all of the node's, so Ray must not narrow CUDA_VISIBLE_DEVICES to
 # the fraction of one GPU the actor holds (slime sets the same variable on its engine actors).
@@ -23,8 +34,6 @@ ENGINE_GPU_SHARE = 0.2
 
 def sglang_installed() -> bool:
     """Whether engines launched here are SGLang servers (else the embedded engine)."""
-    import importlib.util
-
     return importlib.util.find_spec("sglang") is not None
 
 
@@ -51,8 +60,6 @@ class EngineActor:
     """Starts the server of `spec` on this actor's node (a free port on its address) and owns its process."""
 
     def __init__(self, spec: EngineSpec):
-        from slimeflow.engine.launch import free_port, launch_engine
-
         self.spec = spec
         self.host = ray.util.get_node_ip_address()
         if spec.kind == "sglang":
@@ -64,8 +71,6 @@ class EngineActor:
     def wait_ready(self, path: str, timeout_s: float) -> str:
         """The server's URL once it answers `path` (an SGLang server: /health_generate, as slime waits for it, within
         SGLANG_READY_TIMEOUT_S); raises with its log tail when it dies or does not answer in time."""
-        from slimeflow.engine.sglang_launch import SGLANG_READY_PATH, SGLANG_READY_TIMEOUT_S
-
         if self.spec.kind == "sglang":
             path, timeout_s = SGLANG_READY_PATH, SGLANG_READY_TIMEOUT_S
         self.process.wait_ready(path, timeout_s)
@@ -96,9 +101,6 @@ class EngineActor:
 
 
 def _start_sglang(spec: EngineSpec, host: str) -> Any:
-    from slimeflow.engine.launch import EngineProcess, free_port
-    from slimeflow.engine.sglang_launch import SGLANG_API_KEY_ENV, sglang_server_command
-
     port = free_port(host)
     command = sglang_server_command(sys.executable, spec.model_path, host=host, port=port,
                                     nccl_port=free_port(host), num_gpus=spec.num_gpus, base_gpu_id=spec.base_gpu_id,
@@ -119,8 +121,6 @@ class PlacedEngine:
         self.url: str | None = None
 
     def wait_ready(self, path: str, timeout_s: float) -> None:
-        from slimeflow.stages.train.remote import call
-
         self.url = call(self.actor.wait_ready.remote(path, timeout_s), f"starting rollout engine {self.rank}")
 
     def kill(self) -> None:
@@ -134,8 +134,6 @@ class PlacedEngine:
 
     def restart(self) -> None:
         """Kill the server and start it again in its actor, on the same bundle and port; `wait_ready` follows."""
-        from slimeflow.stages.train.remote import call
-
         call(self.actor.restart.remote(), f"restarting rollout engine {self.rank}")
 
     def stop(self) -> None:
@@ -150,8 +148,6 @@ class PlacedEngine:
 def start_engine_actors(specs: list[EngineSpec], bundles: list[int], placement_group: Any) -> list[PlacedEngine]:
     """One EngineActor per spec on its bundle of `placement_group`; their servers start at once (wait_ready on
     each handle waits for them)."""
-    from slimeflow.stages.train.remote import hosted
-
     remote = ray.remote(hosted(EngineActor))
     return [PlacedEngine(remote.options(**engine_actor_options(placement_group, bundle)).remote(spec), spec.rank,
                          spec.kind) for spec, bundle in zip(specs, bundles, strict=True)]
@@ -159,8 +155,6 @@ def start_engine_actors(specs: list[EngineSpec], bundles: list[int], placement_g
 
 def engine_actor_options(placement_group: Any, bundle: int) -> dict[str, Any]:
     """Ray options that pin an engine actor to `bundle` (its server's child processes stay in the group)."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     strategy = PlacementGroupSchedulingStrategy(placement_group=placement_group, placement_group_bundle_index=bundle,
                                                 placement_group_capture_child_tasks=True)
     return {"num_cpus": 0, "num_gpus": ENGINE_GPU_SHARE, "scheduling_strategy": strategy,

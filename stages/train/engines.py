@@ -18,8 +18,17 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
 
 from slimeflow.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
+from slimeflow.engine.launch import (
+    ENGINE_READY_TIMEOUT_S,
+    launch_engine,
+    launch_engine_thread,
+    new_api_key,
+    start_router,
+)
+from slimeflow.engine.sglang_launch import router_options
 
 if TYPE_CHECKING:
     from slimeflow.stages.train.placement_group import EnginePlacement
@@ -78,8 +87,6 @@ class EngineSet:
         on placement-group bundles instead (placement_group.EnginePlacement), as many as it has bundles.
         `router_args`: the --router-* flags of the sglang-router started in front of two or more engines.
         `external_addrs`: --rollout-external-engine-addrs, servers started elsewhere (as --sglang-worker-urls)."""
-        from slimeflow.engine.sglang_launch import router_options
-
         router = router_options(router_args or {}, sglang_args.get("router_request_timeout_secs"))
         external = external_addrs or sglang_args.get("worker_urls")
         if external:
@@ -95,7 +102,6 @@ class EngineSet:
                                api_key=str(key) if key else None)
             # As slime: a router of ours in front of several servers, unless one is given.
             return EngineLaunch(hf_checkpoint, external=external_set, router=router if not given_router else None)
-        from slimeflow.engine.launch import launch_engine, launch_engine_thread, new_api_key
 
         key = sglang_args.get("api_key")
         launching = EngineLaunch(hf_checkpoint, api_key=str(key) if key else new_api_key(), router=router)
@@ -183,8 +189,6 @@ class EngineLaunch:
     def ready(self) -> EngineSet:
         """The EngineSet once every embedded engine answers /health (and the router, with two or more, lists
         them all), or once every external server answers; a failure stops what was started and raises."""
-        from slimeflow.engine.launch import ENGINE_READY_TIMEOUT_S, start_router
-
         if self.external is not None:
             asyncio.run(self.external.check_health())
             if self.router is not None and len(self.external.worker_urls) > 1:
@@ -372,8 +376,6 @@ def _fail(parts: list[_Part], err: BaseException) -> None:
 
 def _engine_url(address: str) -> str:
     """host:port or http://host:port -> http://host:port (as slime reads --rollout-external-engine-addrs)."""
-    from urllib.parse import urlparse
-
     url = (address if "://" in address else f"http://{address}").rstrip("/")
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.port is None:

@@ -36,6 +36,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from slimeflow.engine.client import EngineClient
+from slimeflow.engine.launch import ENGINE_READY_TIMEOUT_S
+from slimeflow.engine.sglang_launch import SGLANG_READY_TIMEOUT_S
+from slimeflow.stages.train.engines import EngineDiedError
 
 if TYPE_CHECKING:
     from slimeflow.config.train import FaultToleranceConfig
@@ -85,9 +88,6 @@ class HealthMonitor:
     def reissue_patience_s(self) -> float:
         """How long a request whose engine died is sent again before the rollout gives up: a full check cycle plus
         an engine's start-up (what a recovery takes at worst; an SGLang server loads a large model for minutes)."""
-        from slimeflow.engine.launch import ENGINE_READY_TIMEOUT_S
-        from slimeflow.engine.sglang_launch import SGLANG_READY_TIMEOUT_S
-
         s = self.settings
         sglang = any(getattr(p, "engine_kind", "") == "sglang" for p in self.engines.processes)
         return s.rollout_health_check_first_wait + s.rollout_health_check_interval + \
@@ -202,8 +202,6 @@ def recover(engines: EngineSet, rank: int, reason: str, version: str | None = No
             from_trainer: WeightSource | None = None) -> Recovery:
     """Take engine `rank` out of the router, restart it at its URL, give it weight `version` (restore_weights), and
     put it back. While it runs, a lone engine's rollout client holds its requests (`engines.recovering`)."""
-    from slimeflow.engine.launch import ENGINE_READY_TIMEOUT_S
-
     started = time.monotonic()
     phases: dict[str, float] = {}
 
@@ -235,8 +233,6 @@ def restore_weights(engines: EngineSet, rank: int, reason: str, version: str | N
     involved: the quickest mid-rollout), else the trainer's push. (served version, "peer" | "trainer" | "none");
     raises EngineDiedError when neither can. `version` None: nothing was pushed, so the checkpoint it loaded is what
     every engine serves, unless a peer says otherwise (its copy is taken then)."""
-    from slimeflow.stages.train.engines import EngineDiedError
-
     url = engines.worker_urls[rank]
     embedded = [getattr(p, "engine_kind", "embedded") == "embedded" for p in engines.processes[:len(engines.worker_urls)]]
     peers = [u for i, u in enumerate(engines.worker_urls) if u != url and embedded[i]] if embedded[rank] else []

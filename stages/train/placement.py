@@ -21,6 +21,7 @@ import ray
 from slimeflow.cluster import cpu_threads, has_gpus
 from slimeflow.config.train import TrainConfig
 from slimeflow.stages.train.engine_actor import sglang_installed
+from slimeflow.stages.train.loop import Timer, should_push
 from slimeflow.stages.train.placement_group import PlacedGroup, create_placement_group
 from slimeflow.stages.train.placement_plan import plan_placement, sglang_weight_problems
 from slimeflow.stages.train.remote import LoopError, call, hosted
@@ -48,8 +49,6 @@ class Colocation:
         self.offload_train, self.offload_rollout = offload_train, offload_rollout
         self.interval = update_weights_interval
         self.metrics: dict[str, float] = {}
-        from slimeflow.stages.train.loop import Timer
-
         self.timer = Timer()
 
     def for_rollout(self) -> None:
@@ -60,8 +59,6 @@ class Colocation:
                 call(self.manager.resume_memory.remote(), "resuming the engines' memory")
 
     def for_training(self, rollout_id: int) -> None:
-        from slimeflow.stages.train.loop import should_push
-
         if self.offload_rollout:
             tags = None if should_push(self.interval, rollout_id) else ["kv_cache"]
             with self.timer("handover_to_train"):
@@ -73,8 +70,6 @@ class Colocation:
 
     def take_metrics(self) -> dict[str, float]:
         """What the hand-overs since the last call freed, and their seconds (time/handover_*, inside time/generate)."""
-        from slimeflow.stages.train.loop import Timer
-
         metrics, self.metrics = {**self.metrics, **self.timer.seconds}, {}
         self.timer = Timer()
         return metrics

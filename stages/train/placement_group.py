@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from slimeflow.stages.train.engine_actor import EngineSpec, start_engine_actors
 from slimeflow.stages.train.placement_plan import BundleLocation, PlacementPlan, bind_slots, engine_problems
 
 PLACEMENT_GROUP_TIMEOUT_S = 300.0
@@ -41,8 +44,6 @@ class EnginePlacement:
 
     def start(self, model_path: str, api_key: str, num_threads: int | None) -> list[Any]:
         """An EngineActor per engine, starting (engine_actor.PlacedEngine handles)."""
-        from slimeflow.stages.train.engine_actor import EngineSpec, start_engine_actors
-
         specs = [EngineSpec(self.kind, model_path, rank, self.num_gpus_per_engine, base,
                             self.seed + rank * self.num_gpus_per_node, self.server_args, num_threads, api_key,
                             self.memory_saver)
@@ -60,8 +61,6 @@ class PlacedGroup:
 
     def trainer_options(self, rank: int) -> dict[str, Any]:
         """Ray actor options that pin trainer `rank` to its bundle."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         bundle = self.slots[self.plan.trainer_slots[rank]].bundle_index
         return {"num_cpus": 0, "num_gpus": TRAINER_GPU_SHARE,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=self.group,
@@ -75,8 +74,6 @@ class PlacedGroup:
                                per_engine, num_gpus_per_node, kind, seed, dict(server_args), memory_saver)
 
     def remove(self) -> None:
-        from ray.util.placement_group import remove_placement_group
-
         remove_placement_group(self.group)
 
 
@@ -84,9 +81,6 @@ def create_placement_group(plan: PlacementPlan, timeout_s: float = PLACEMENT_GRO
     """Reserve `plan.num_bundles` one-GPU bundles (PACK: as few nodes as possible), find the node and GPU of each
     and order them as slime does. Raises RuntimeError when Ray cannot place them in `timeout_s`, or when an engine's
     GPUs are not consecutive GPUs of one node; the group is removed then."""
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     # GPU only: slime's bundles hold a CPU each too, which a node with fewer cores than GPUs (or a CPU machine's
     # logical GPUs) cannot give; our actors ask for no CPU.
     group = placement_group([{"GPU": 1} for _ in range(plan.num_bundles)], strategy="PACK")

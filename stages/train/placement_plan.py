@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from slimeflow.config.train import PlacementConfig, TrainConfig
 from slimeflow.config.train_validation import external_engine_problems
+from slimeflow.engine.sglang_launch import router_flag_problems, server_arg_problems
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,6 @@ def flag_problems(config: TrainConfig, sglang_server_args: set[str] | None) -> l
     """What the placement, engine and router flags ask for that this run cannot do, one line each (checked when
     the train stage starts, before Ray). `sglang_server_args`: the installed SGLang server's argument names
     (sglang_launch.installed_server_args); None where SGLang is not installed and the engines are embedded."""
-    from slimeflow.engine.sglang_launch import router_flag_problems, server_arg_problems
-
     placement, sglang = config.placement, config.sglang
     external = placement.rollout_external_engine_addrs or sglang.args.get("worker_urls")
     launches_sglang = sglang_server_args is not None and not external and not config.debug.debug_train_only

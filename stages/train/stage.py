@@ -31,12 +31,14 @@ from slimeflow.errors import PluginError, StageInputError
 from slimeflow.io import checkpoints
 from slimeflow.io.guard import claim_root
 from slimeflow.io.manifest import Manifest, content_hash
+from slimeflow.io.prompts import PromptDataset, open_prompt_sets
 from slimeflow.io.sinks import close_sinks, fan_out, open_sinks
 from slimeflow.io.storage import join
 from slimeflow.rollout.plugins import load_plugin
 from slimeflow.rollout.raw_data import PreparedSet, manifest_entries, prepare_data
 from slimeflow.stages.base import StageContext
 from slimeflow.stages.train import async_loop, loop
+from slimeflow.stages.train.debug_data import rollout_path
 from slimeflow.stages.train.placement import create_placement
 from slimeflow.stages.train.placement_plan import flag_problems
 from slimeflow.stages.train.plots import plot_curves
@@ -121,8 +123,6 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
 def replay_problems(config: TrainConfig) -> list[str]:
     """--debug-train-only: the saved rollouts to train on are there (prompts are not read, but --num-epoch counts
     them)."""
-    from slimeflow.stages.train.debug_data import rollout_path
-
     template = config.debug.load_debug_rollout_data
     if config.batch.num_rollout is None:
         return [] if config.data.prompt_data is not None else [
@@ -141,8 +141,6 @@ def replay_problems(config: TrainConfig) -> list[str]:
 def data_problems(config: TrainConfig, ctx: StageContext) -> list[str]:
     """--prompt-data and every --eval-prompt-data set (raw ones already preprocessed): there, readable, prompt
     parquet, not empty (before Ray, where a bad one would only show as a dead actor)."""
-    from slimeflow.io.prompts import open_prompt_sets
-
     sets = {f"--eval-prompt-data {name}": uri for name, uri in config.eval.eval_prompt_data.items()}
     if config.data.prompt_data is not None and config.data.data_source_path is None:  # else the class reads it
         sets = {"--prompt-data": config.data.prompt_data, **sets}
@@ -177,7 +175,9 @@ PLUGIN_FLAGS = {
 
 def plugin_problems(flag: str, path: str | None, group_rm: bool) -> list[str]:
     """Why the plug-in at `path` cannot be loaded or called as --`flag` is (empty when it can, or path is None)."""
-    from slimeflow.rollout.slime_plugins import call_problem
+    from slimeflow.rollout.slime_plugins import (
+        call_problem,  # here: it imports torch; the driver stays free of it
+    )
 
     if path is None:
         return []
@@ -204,7 +204,6 @@ def resolve_num_rollout(config: TrainConfig, prompt_data: str, ctx: StageContext
     """--num-rollout, else --num-epoch epochs over the prompts (as slime: ceil(prompts / rollout_batch_size))."""
     if config.batch.num_rollout is not None:
         return config.batch.num_rollout
-    from slimeflow.io.prompts import PromptDataset
 
     prompts = len(PromptDataset(prompt_data, ctx.storage))
     assert config.batch.num_epoch is not None  # BatchConfig asks for --num-rollout or --num-epoch

@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import torch
+from safetensors.torch import save_file
+
 from slimeflow.engine.client import EngineClient
+from slimeflow.engine.launch import free_port
+from slimeflow.engine.shared_segment import LOAD_FORMAT, SegmentWriter
+from slimeflow.engine.tensor_ipc import SendBuffer, update_body
+from slimeflow.engine.weight_group import WeightGroup
 from slimeflow.stages.train.engines import WeightTargets
 
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
@@ -132,8 +139,6 @@ class WeightSync:
     async def _send_ipc(self, part: dict[str, Any], version: str) -> None:
         """SGLang's body: one flattened bucket, its entry repeated for each TP rank; the bucket's buffer is not
         written again until every engine has answered (slime keeps its `long_live_tensors` so)."""
-        from slimeflow.engine.tensor_ipc import SendBuffer, update_body
-
         self.send_buffer = self.send_buffer or SendBuffer()
         body, buffer = await asyncio.to_thread(update_body, part, tp_size=self.tp_size, version=version,
                                                buffers=self.send_buffer)
@@ -141,20 +146,15 @@ class WeightSync:
         on_gpu = buffer["flattened_tensor"].is_cuda
         del buffer
         if on_gpu:  # give back the IPC handles' memory the engines have closed (slime's ipc_collect per bucket)
-            import torch
 
             torch.cuda.ipc_collect()
 
     def _segment(self) -> Any:
-        from slimeflow.engine.shared_segment import SegmentWriter
-
         self.segment = self.segment or SegmentWriter()
         return self.segment
 
     async def _send_shared(self, part: dict[str, Any], version: str) -> None:
         """Write the bucket once into the shared segment's free slot; every engine serves from it after checking."""
-        from slimeflow.engine.shared_segment import LOAD_FORMAT
-
         body = {"serialized_named_tensors": [self.segment.write(part)], "load_format": LOAD_FORMAT,
                 "weight_version": version, "flush_cache": False}
         await self._all("/update_weights_from_tensor", body)
@@ -178,9 +178,6 @@ class WeightSync:
 
     async def _connect(self) -> Any:
         """Make the group: this trainer is rank 0 and hosts the rendezvous; engine i joins as rank i + 1."""
-        from slimeflow.engine.launch import free_port
-        from slimeflow.engine.weight_group import WeightGroup
-
         port, world = free_port(), len(self.clients) + 1
         name = f"slimeflow-weights-{uuid.uuid4().hex[:8]}"
         joining = [c.control("/init_weights_update_group", {
@@ -205,8 +202,6 @@ class WeightSync:
             self.group = None
 
     def _write_hf(self, named_tensors: Mapping[str, Any], version: str) -> str:
-        from safetensors.torch import save_file
-
         assert self.targets.weights_dir is not None
         target = Path(self.targets.weights_dir) / f"v{version}"
         target.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,8 @@ import asyncio
 import inspect
 from typing import Any
 
+from transformers import AutoTokenizer
+
 from slimeflow.slime_compat.utils.http_utils import post
 from slimeflow.slime_compat.utils.misc import SingletonMeta, load_function
 from slimeflow.slime_compat.utils.types import Sample
@@ -31,8 +33,6 @@ class GenerateState(metaclass=SingletonMeta):
         self.args = args
         self.tokenizer = getattr(args, "_slimeflow_tokenizer", None)
         if self.tokenizer is None:
-            from transformers import AutoTokenizer
-
             self.tokenizer = AutoTokenizer.from_pretrained(args.hf_checkpoint)
         self.processor = None
         engines = getattr(args, "rollout_num_engines", None) or 1

@@ -26,13 +26,28 @@ the padding mask of every micro-batch, so padding counts in no router statistic 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from slimeflow.checkpoint.hf_write import origin_family
+from slimeflow.checkpoint.mapping import ModelShape, megatron_to_hf
+from slimeflow.checkpoint.torch_dist import read_common, unstack_layers
 from slimeflow.config.train import AlgorithmConfig, BatchConfig, MegatronConfig, OptimizerConfig, TrainConfig
+from slimeflow.families.megatron import gpt_model_from_args
 from slimeflow.io.checkpoints import CheckpointRef, local_root
 from slimeflow.offload import module_tensors, optimizer_tensors
 from slimeflow.rollout.types import TrainBatch
@@ -49,16 +64,14 @@ from slimeflow.train.backends.common import (
     sum_over_ranks,
 )
 from slimeflow.train.backends.megatron import checkpoint as megatron_checkpoint
-from slimeflow.train.backends.megatron.determinism import DeterministicMode
-from slimeflow.train.backends.megatron.kernels import (
-    Kernels,
-    grad_reduce_in_fp32,
+from slimeflow.train.backends.megatron.core_settings import (
     in_precision,
-    kernel_problems,
     optimizer_config,
     transformer_fields,
     unwrapped,
 )
+from slimeflow.train.backends.megatron.determinism import DeterministicMode
+from slimeflow.train.backends.megatron.kernels import Kernels, grad_reduce_in_fp32, kernel_problems
 from slimeflow.train.backends.megatron.layout import (
     check_moe,
     moe_runtime,
@@ -68,6 +81,7 @@ from slimeflow.train.backends.megatron.shims import megatron_runtime
 from slimeflow.train.loss import LossOutput, LossPlugins
 from slimeflow.train.packing import pack_micro_batches
 from slimeflow.train.rng import seed_everything
+from slimeflow.train.schedule import schedule_steps
 from slimeflow.train.train_hooks import TrainHooks, check_provided
 
 if TYPE_CHECKING:
@@ -124,10 +138,6 @@ class MegatronBackend:
                ref_load: str | None, hooks: TrainHooks | None, plugin_args: Any) -> None:
         """The process group and parallel state, the model chunks, megatron's optimizer and schedule, the frozen
         models and the plug-ins (the constructor's arguments)."""
-        from megatron.core import parallel_state
-
-        from slimeflow.checkpoint.torch_dist import read_common
-
         parallel, optimizer, algorithm = self.parallel, self.optimizer_config, self.algorithm
         seed, rank = self.seed, self.rank
         # megatron's parallel state lives in process groups, so even one rank has one.
@@ -151,8 +161,6 @@ class MegatronBackend:
         self.dp_rank, self.dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
         seed_everything(seed)
         if self.device.type == "cuda":  # on a CPU, megatron_on_cpu seeds the tracker (megatron's reads CUDA states)
-            from megatron.core import tensor_parallel
-
             tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.vocab_size = _hf_vocab_size(self.hf_checkpoint)
         self.hooks = hooks
@@ -187,10 +195,6 @@ class MegatronBackend:
 
     def _build(self, trainable: bool = True) -> list[torch.nn.Module]:
         """This rank's model chunks: one per virtual pipeline stage (one without a virtual pipeline)."""
-        from megatron.core import parallel_state
-
-        from slimeflow.families.megatron import gpt_model_from_args
-
         parallel = {"tensor_model_parallel_size": self.parallel.tensor_model_parallel_size,
                     "pipeline_model_parallel_size": self.parallel.pipeline_model_parallel_size,
                     "virtual_pipeline_model_parallel_size": self.virtual_stages,
@@ -244,12 +248,6 @@ class MegatronBackend:
     def _wrapped(self, chunks: list[torch.nn.Module]) -> list[Any]:
         """Each chunk in megatron's DDP (contiguous fp32 gradient buffers, summed over DP ranks when the step
         finalises); the schedule reads its hooks from the first chunk's config, as Megatron-LM sets them."""
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-
         wrapped = [DistributedDataParallel(model.config, DistributedDataParallelConfig(
             grad_reduce_in_fp32=grad_reduce_in_fp32(self.parallel, self.optimizer_config.bf16), overlap_grad_reduce=False, use_distributed_optimizer=self.parallel.use_distributed_optimizer,
             average_in_collective=False), module=model, disable_bucketing=i > 0)  # gloo has no ReduceOp.AVG
@@ -263,17 +261,11 @@ class MegatronBackend:
         return wrapped
 
     def _megatron_optimizer(self):
-        from megatron.core.optimizer import get_megatron_optimizer
-
         return get_megatron_optimizer(optimizer_config(self.optimizer_config, self.parallel, self.kernels), self.model)
 
     def _param_scheduler(self, total_steps: int | None):
         """Megatron's schedule of the learning rate (backend.schedule.lr_at) and of weight decay (constant; set
         per parameter group, which is what leaves norms and biases undecayed)."""
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        from slimeflow.train.schedule import schedule_steps
-
         o = self.optimizer_config
         warmup, decay = schedule_steps(o, total_steps)  # the torch backend's schedule (schedule.lr_at), too
         return OptimizerParamScheduler(self.optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr,
@@ -283,8 +275,6 @@ class MegatronBackend:
 
     def close(self) -> None:
         """Tear down megatron's parallel state and the process group if this backend created it."""
-        from megatron.core import parallel_state
-
         parallel_state.destroy_model_parallel()
         if self._owns_group and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -398,8 +388,6 @@ class MegatronBackend:
                   with_entropy: bool, forward_only: bool) -> list[Any]:
         """Run `micro_batches` through get_forward_backward_func; on the last stage, `on_log_probs(indices,
         log_probs)` gives each micro-batch's (loss, tokens, data); returns the data (last stage only)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         items = [(rows, batch.select(rows), RowLayout.of(batch.select(rows))) for rows in micro_batches]
         # Sequence parallelism splits every sequence evenly over the TP ranks: lengths are padded to a multiple.
         unit = self.parallel.tensor_model_parallel_size if self.sequence_parallel else 1
@@ -445,8 +433,6 @@ class MegatronBackend:
                 forward_only=forward_only)
 
     def _tensor_parallel_rank_and_size(self) -> tuple[int, int]:
-        from megatron.core import parallel_state
-
         return (parallel_state.get_tensor_model_parallel_rank(),
                 parallel_state.get_tensor_model_parallel_world_size())
 
@@ -464,8 +450,6 @@ class MegatronBackend:
         return max(r for r, _, _ in shapes), max(n for _, n, _ in shapes)
 
     def _metrics(self, pieces: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        from megatron.core import parallel_state
-
         metrics = None
         if parallel_state.is_pipeline_last_stage():
             sums: dict[str, torch.Tensor] = {}
@@ -477,8 +461,6 @@ class MegatronBackend:
 
     def _from_last_stage(self, values: list[Any]) -> list[Any]:
         """`values` as the last pipeline stage has them, on every stage (objects broadcast over the PP group)."""
-        from megatron.core import parallel_state
-
         if self.parallel.pipeline_model_parallel_size == 1:
             return values
         box = [values]
@@ -531,10 +513,6 @@ class MegatronBackend:
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The policy's full HF-named weights (vocabulary padding cut) on global rank 0, {} on the others.
         Collective: every rank calls it; each sends its shards (one copy of each, megatron's main replicas)."""
-        from slimeflow.checkpoint.hf_write import origin_family
-        from slimeflow.checkpoint.mapping import ModelShape, megatron_to_hf
-        from slimeflow.checkpoint.torch_dist import unstack_layers
-
         with self.on_device():
             tensors = gather_global_tensors(self.modules)
         if tensors is None:
@@ -549,8 +527,6 @@ def gather_global_tensors(chunks: list[Any]) -> dict[str, torch.Tensor] | None:
     torch_dist checkpoint) on global rank 0, None on the others. Built from `model.sharded_state_dict()`, the
     declaration megatron saves from, so the TP split (fused QKV and gate/up included) and the PP layer offsets are
     undone exactly as dist_checkpointing would (over all of the rank's model chunks: virtual pipeline stages)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-
     declared = [chunk.sharded_state_dict() for chunk in chunks]
     apply_factories(declared)
     mine = [(t.key, tuple(t.global_shape), t.global_slice(), t.data.detach().cpu())
@@ -607,8 +583,6 @@ def _round_up(value: int, unit: int) -> int:
 
 
 def _hf_vocab_size(hf_checkpoint: Path) -> int:
-    import json
-
     return int(json.loads((hf_checkpoint / "config.json").read_text(encoding="utf-8"))["vocab_size"])
 
 

@@ -55,7 +55,7 @@ class DeterministicMode:
     def enter(cls, cuda: bool) -> DeterministicMode:
         """Turn the switches on (with the GPU environment when `cuda`); ValueError naming a variable whose value
         allows non-deterministic algorithms, before anything is changed."""
-        import torch
+        import torch  # here: the driver's flag checks (kernels.py) import this module and stay free of torch
 
         problems = environment_problems(os.environ) if cuda else []
         if problems:
@@ -70,7 +70,7 @@ class DeterministicMode:
         return state
 
     def exit(self) -> None:
-        import torch
+        import torch  # here: see enter
 
         torch.use_deterministic_algorithms(self.algorithms[0], warn_only=self.algorithms[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = self.cudnn

@@ -1,5 +1,6 @@
 """What the Megatron backend's model computes with: its layer spec, its precision and its fused kernels, as
-megatron-core settings read from Megatron-LM's flags.
+megatron-core settings read from Megatron-LM's flags. This module is what this machine can run and the checks of
+those flags (the driver runs them, so it imports no megatron-core); core_settings.py makes the settings.
 
 - Layer spec: Transformer Engine's (`get_gpt_layer_with_transformer_engine_spec`; experts as TEGroupedMLP with
   --moe-grouped-gemm) where CUDA and Transformer Engine are importable, megatron-core's local spec otherwise (CPU).
@@ -18,15 +19,11 @@ megatron-core settings read from Megatron-LM's flags.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from slimeflow.config.megatron import MegatronConfig
-
-if TYPE_CHECKING:
-    import torch
-
-    from slimeflow.config.train import OptimizerConfig
+from slimeflow.train.backends.megatron.determinism import environment_problems
 
 
 @dataclass(frozen=True)
@@ -38,7 +35,7 @@ class Kernels:
 
     @classmethod
     def detect(cls) -> Kernels:
-        import torch  # here: the flag checks at parse need no torch
+        import torch  # here: the driver runs these checks and stays free of torch
 
         cuda = torch.cuda.is_available()
         return cls(cuda=cuda, transformer_engine=cuda and importlib.util.find_spec("transformer_engine") is not None)
@@ -78,10 +75,6 @@ def optimizer_problems(parallel: MegatronConfig, kernels: Kernels) -> list[str]:
     its HybridDeviceOptimizer (its OptimizerConfig reads TE's version either way: TypeError without TE), and asserts
     the distributed optimizer. The hybrid optimizer keeps host copies of GPU parameters; with host parameters its step
     fails (KeyError, tests/test_megatron_optimizer_flags.py)."""
-    import os
-
-    from slimeflow.train.backends.megatron.determinism import environment_problems
-
     problems = []
     if parallel.use_precision_aware_optimizer and not parallel.use_distributed_optimizer:
         problems.append("--use-precision-aware-optimizer needs --use-distributed-optimizer (megatron-core's rule; "
@@ -101,68 +94,7 @@ def optimizer_problems(parallel: MegatronConfig, kernels: Kernels) -> list[str]:
     return problems
 
 
-def optimizer_config(optimizer: OptimizerConfig, parallel: MegatronConfig, kernels: Kernels) -> Any:
-    """megatron-core's OptimizerConfig from the flags: AdamW (--lr, --adam-*, --weight-decay, --clip-grad); under
-    --bf16 its mixed-precision optimizer (fp32 main parameters stepped from the bf16 model's); the distributed,
-    precision-aware and host-offloaded optimizers as asked (optimizer_problems refused what this machine cannot
-    run). Host buffers are pinned only where there is a device to copy from."""
-    import torch
-    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
-
-    o = optimizer
-    return MegatronOptimizerConfig(
-        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad, bf16=o.bf16,
-        params_dtype=torch.bfloat16 if o.bf16 else torch.float32,
-        use_distributed_optimizer=parallel.use_distributed_optimizer,
-        use_precision_aware_optimizer=parallel.use_precision_aware_optimizer,
-        optimizer_cpu_offload=parallel.optimizer_cpu_offload,
-        optimizer_offload_fraction=parallel.optimizer_offload_fraction,
-        overlap_cpu_optimizer_d2h_h2d=parallel.overlap_cpu_optimizer_d2h_h2d,
-        pin_cpu_grads=kernels.cuda, pin_cpu_params=kernels.cuda)
-
-
-def transformer_fields(parallel: MegatronConfig, bf16: bool, kernels: Kernels) -> dict[str, Any]:
-    """TransformerConfig's precision, fusion, attention-backend and deterministic-mode fields from the flags. The
-    attention backend picks Transformer Engine's attention (megatron sets TE's NVTE_*_ATTN variables in the process
-    from it, and refuses a second model with another): it is set with TE's spec only; the local spec runs torch's
-    fused attention for flash and auto alike (kernel_problems refuses the others)."""
-    import torch
-    from megatron.core.transformer.enums import AttnBackend
-
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    fused = kernels.te_spec  # what Megatron-LM turns on by default, where its kernels exist
-    return {"bf16": bf16, "params_dtype": dtype, "pipeline_dtype": dtype,
-            "attention_softmax_in_fp32": parallel.attention_softmax_in_fp32,
-            "apply_rope_fusion": fused and not parallel.no_rope_fusion,
-            "masked_softmax_fusion": fused and not parallel.no_masked_softmax_fusion,
-            "gradient_accumulation_fusion": fused and not parallel.no_gradient_accumulation_fusion,
-            "attention_backend": AttnBackend[parallel.attention_backend] if fused else AttnBackend.auto,
-            "deterministic_mode": parallel.deterministic_mode}
-
-
 def grad_reduce_in_fp32(parallel: MegatronConfig, bf16: bool) -> bool:
     """DDP's gradient buffers in fp32: always in an fp32 run (they are the parameters' dtype), under --bf16 with
     --accumulate-allreduce-grads-in-fp32 (Megatron-LM's default is bf16 buffers)."""
     return not bf16 or parallel.accumulate_allreduce_grads_in_fp32
-
-
-def in_precision(chunks: list[torch.nn.Module], bf16: bool) -> list[torch.nn.Module]:
-    """The model chunks as Megatron-LM runs them: under --bf16 each in a Float16Module (its weights cast to bf16,
-    float inputs cast on the first stage, outputs back to fp32 on the last), as they are otherwise."""
-    if not bf16:
-        return chunks
-    from megatron.core.transformer.module import Float16Module
-
-    return [Float16Module(chunk.config, chunk) for chunk in chunks]
-
-
-def unwrapped(chunk: torch.nn.Module) -> Any:
-    """The GPTModel inside a chunk's wrappers (megatron's DDP, Float16Module); megatron-core ships no type
-    information, so to a type checker it is Any."""
-    from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.transformer.module import Float16Module
-
-    while isinstance(chunk, (DistributedDataParallel, Float16Module)):
-        chunk = chunk.module
-    return chunk

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from slimeflow.config.model_args import MOE_RUNTIME
 from slimeflow.config.train import MegatronConfig
 
 
@@ -31,8 +32,6 @@ def check_moe(args: Any, parallel: MegatronConfig, checkpoint: str | Path) -> No
     change nothing), an MoE model tensor-parallel without sequence parallelism (megatron-core's MoE layer raises
     then, in its first training forward) or multi-latent attention so (the gradient of its RoPE key, shared by the
     heads, is then left partial on each rank: Megatron-LM issue 1699)."""
-    from slimeflow.config.model_args import MOE_RUNTIME
-
     if getattr(args, "num_experts", None) and parallel.tensor_model_parallel_size > 1 and not parallel.sequence_parallel:
         raise ValueError(f"{checkpoint} is an MoE model: at --tensor-model-parallel-size "
                          f"{parallel.tensor_model_parallel_size} it trains with --sequence-parallel only (megatron-core's "

@@ -26,6 +26,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 """The RNG tracker state that megatron-core's attention forks (megatron.core.tensor_parallel.random)."""
 
@@ -67,8 +71,6 @@ class CudaFactoriesOnCpu:
     FACTORIES = frozenset({"tensor", "zeros", "ones", "empty", "full"})
 
     def __getattr__(self, name: str) -> Any:
-        import torch
-
         value = getattr(torch, name)
         return _factory_on_cpu(value) if name in self.FACTORIES else value
 
@@ -101,8 +103,6 @@ _CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTe
 
 def _run_with_cuda_type_names(function: Callable[..., Any]) -> Callable[..., Any]:
     """`function` run while a CPU tensor's `type()` names the CUDA type of its dtype."""
-    import torch
-
     @functools.wraps(function)
     def run(*args: Any, **kwargs: Any) -> Any:
         own_type = torch.Tensor.type
@@ -131,8 +131,6 @@ def _type_names_as_cuda(method: Any) -> Any:
 def _with_adam_state(method: Callable[..., Any]) -> Callable[..., Any]:
     """DistributedOptimizer.state_dict, first giving a fresh optimizer the per-parameter Adam state a step would
     (zeros, step 0; what a load then overwrites)."""
-    import torch
-
     def state_dict(self: Any) -> Any:
         if not self.optimizer.state:
             self.init_state_fn(self.optimizer, self.config)
@@ -188,8 +186,6 @@ class _CudaStreamsOnHost:
         return contextlib.nullcontext()
 
     def __getattr__(self, name: str) -> Any:
-        import torch
-
         return getattr(torch.cuda, name)
 
 
@@ -199,23 +195,17 @@ class TorchWithHostStreams:
     cuda = _CudaStreamsOnHost()
 
     def __getattr__(self, name: str) -> Any:
-        import torch
-
         return getattr(torch, name)
 
 
 def _split_sizes_on_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
     """moe_utils.maybe_move_tensor_to_cpu for tensors already on the host: as numpy when asked (split sizes)."""
-    import torch
-
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
 def _uneven_gather_padded(original: Callable[..., Any]) -> Callable[..., Any]:
     """mappings._gather_along_first_dim with uneven `output_split_sizes` on gloo: every rank's rows padded to the
     largest share, gathered evenly, the padding cut (even gathers are megatron's own)."""
-    import torch
-
     def gather(input_: Any, group: Any, output_split_sizes: Any = None, use_global_buffer: bool = False) -> Any:
         if output_split_sizes is None or group.size() == 1:
             return original(input_, group, output_split_sizes, use_global_buffer)
@@ -231,8 +221,6 @@ def _uneven_gather_padded(original: Callable[..., Any]) -> Callable[..., Any]:
 def _uneven_reduce_scatter_by_all_reduce(original: Callable[..., Any]) -> Callable[..., Any]:
     """mappings._reduce_scatter_along_first_dim with uneven `input_split_sizes` on gloo: the whole tensor summed
     over the group, each rank keeping its own rows (even reduce-scatters are megatron's own)."""
-    import torch
-
     def reduce_scatter(input_: Any, group: Any, input_split_sizes: Any = None, use_global_buffer: bool = False) -> Any:
         if input_split_sizes is None or group.size() == 1:
             return original(input_, group, input_split_sizes, use_global_buffer)
@@ -253,14 +241,10 @@ def _cpu_device() -> str:
 
 
 def _get_cpu_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> Any:
-    import torch
-
     return torch.get_rng_state()
 
 
 def _set_cpu_rng_state(new_state: Any, device: int = -1, graph_safe: bool = False) -> None:
-    import torch
-
     torch.set_rng_state(new_state)
 
 
@@ -343,8 +327,6 @@ SHIMS: tuple[Shim, ...] = (
 def _expert_bias_over_real_tokens(self: Any, routing_map: Any, padding_mask: Any = None) -> None:
     """TopKRouter._apply_expert_bias with the padding mask ([tokens], True at padding) broadcast over the experts:
     the expert-bias update counts each expert's real tokens only (megatron's own, as it means to)."""
-    import torch
-
     if self.enable_expert_bias and torch.is_grad_enabled():
         with torch.no_grad():
             if padding_mask is not None:
@@ -401,8 +383,6 @@ def megatron_runtime(seed: int = 1234) -> Iterator[None]:
 
 
 def cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()
 
 
@@ -416,9 +396,6 @@ def megatron_on_cpu(seed: int = 1234) -> Iterator[None]:
     if cuda_available():
         yield
         return
-    import torch
-    from megatron.core import tensor_parallel
-
     tracker = tensor_parallel.get_cuda_rng_tracker()
     saved_states = tracker.get_states()
     restore = _apply(SHIMS)
@@ -443,8 +420,6 @@ def in_process_write_results() -> Iterator[None]:
     an async strategy, the only kind slimeflow makes) puts and gets them in the saving process, so a plain
     queue carries them. Restored on exit.
     """
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
     saved = filesystem_async._results_queue
     filesystem_async._results_queue = queue.Queue()
     try:

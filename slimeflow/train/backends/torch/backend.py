@@ -18,6 +18,7 @@ import torch
 
 from slimeflow.config.train import AlgorithmConfig, BatchConfig, OptimizerConfig, TrainConfig
 from slimeflow.families.experts import fuse_experts, split_experts
+from slimeflow.families.hf import load_causal_lm
 from slimeflow.io.checkpoints import CheckpointRef
 from slimeflow.offload import module_tensors, optimizer_tensors
 from slimeflow.rollout.types import TrainBatch
@@ -44,8 +45,6 @@ if TYPE_CHECKING:
 
 def load_model(hf_checkpoint: str | Path, device: torch.device, trainable: bool = True) -> torch.nn.Module:
     """The HF directory's causal LM in fp32 (the master weights; bf16 runs compute under autocast), eval mode."""
-    from slimeflow.families.hf import load_causal_lm
-
     model = load_causal_lm(str(hf_checkpoint), dtype=torch.float32, local_files_only=True)
     model.to(device).eval()
     model.requires_grad_(trainable)
