@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -30,7 +31,8 @@ from slimeflow.config.slime_flags import deferring_refusals
 from slimeflow.config.train import TrainConfig
 from slimeflow.config.train_validation import slime_megatron_differences
 from slimeflow.config.yaml_file import read_yaml
-from slimeflow.errors import ConfigError
+from slimeflow.errors import ConfigError, StageInputError
+from slimeflow.supervise import adopt_orphans, kill_descendants
 
 EXIT_CONFIG = 2
 CONVERT_DIRECTIONS = ("hf-to-torch-dist", "torch-dist-to-hf")
@@ -77,6 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for note in slime_megatron_differences(_train_section(config)):
             print(f"slimeflow {command}: note: {note}", file=sys.stderr)
         return 0
+    problems = [f"{stage}: {problem}" for stage in config.stages if stage in stages.available()
+                for problem in stages.preflight(stage, getattr(config, stage))]
+    if problems:  # before Prefect, Ray or an engine starts: in seconds, not after them
+        error = StageInputError("the run cannot start", problems, "Nothing was started.")
+        print(f"slimeflow: the run failed: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
     return _execute(config)
 
 
@@ -106,14 +114,46 @@ def _load(command: str, rest: list[str], only_stage: str | None):
     return replace(config, show_progress=sys.stderr.isatty()), None
 
 
+
+class Stopped(KeyboardInterrupt):
+    """The driver got SIGTERM or SIGHUP: raised where it runs, so that, as for SIGINT, every `finally` of the run
+    stops what it started (Ray, engines, Prefect's ephemeral server) before the driver exits."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signal = signum
+
+
+def _stop_run(signum: int, frame) -> None:
+    signal.signal(signum, signal.SIG_DFL)  # a second one ends the driver at once (its children die with it)
+    raise Stopped(signum)
+
+
 def _execute(config) -> int:
+    from prefect.exceptions import TerminationSignal
+
     from slimeflow.flows.runner import run_pipeline
 
+    previous = {signum: signal.signal(signum, _stop_run) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    adopt_orphans()  # a stopped run's leftovers stay ours to kill, even those whose parent died first
     try:
         manifests = run_pipeline(config)
     except Exception as err:  # the flow already logged the traceback; the user gets one clear line
         print(f"slimeflow: the run failed: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
+    except (KeyboardInterrupt, TerminationSignal) as err:
+        # SIGINT, ours (Stopped), or Prefect's TerminationSignal: its SIGTERM handler is in place while a flow runs.
+        # The run's own `finally`s stopped what they knew of; a process Ray was still starting, say, is left.
+        kill_descendants()
+        signum = getattr(err, "signal", signal.SIGINT)
+        print(f"slimeflow: the run was stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
+    except SystemExit:  # Ray's SIGTERM handler, in place while ray.init runs, exits
+        kill_descendants()
+        raise
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     for stage, manifest in manifests.items():
         outputs = ", ".join(f"{k}={v}" for k, v in manifest["outputs"].items())
         print(f"{stage}: {outputs}")

@@ -18,7 +18,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import psutil
+
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 PARENT_POLL_S = 1.0
 """How often die_with_parent's watcher thread looks for its parent (a graceful stop comes this much late at most)."""
 
@@ -63,6 +66,31 @@ def die_with_parent(parent_pid: int, stop: Callable[[], object] | None = None) -
         return
     threading.Thread(target=_watch_parent, args=(parent_pid, stop or _kill_self), name="parent-watch",
                      daemon=True).start()
+
+
+def dies_with_this_process() -> Callable[[], None]:
+    """A `subprocess.Popen(preexec_fn=...)` that makes the child die_with_parent of this process (the thread that
+    starts it). prctl is looked up here, in the parent: the child between fork and exec only calls it."""
+    _prctl()
+    return functools.partial(die_with_parent, os.getpid())
+
+
+def adopt_orphans() -> None:
+    """Have this process inherit the orphans of its descendants (Linux's PR_SET_CHILD_SUBREAPER) instead of init, so
+    that kill_descendants still finds a grandchild whose own parent died first (Ray's agents, once their raylet is
+    killed). Off Linux it does nothing."""
+    prctl = _prctl()
+    if prctl is not None and prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def kill_descendants() -> None:
+    """SIGKILL every process this one started, and theirs: what a run stopped by a signal leaves."""
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            continue
 
 
 def _alive(pid: int) -> bool:

@@ -33,3 +33,11 @@ def runner(name: str) -> Callable[..., Any]:
         raise KeyError(f"stage {name!r} is not available in this version (available: {', '.join(available())})")
     module, function = RUNNERS[name].split(":")
     return getattr(importlib.import_module(module), function)
+
+
+def preflight(name: str, config: Any) -> list[str]:
+    """What is wrong with stage `name`'s config that can be seen from the config alone (the stage module's
+    `preflight(config)`, where it has one): the CLI asks before Prefect, Ray or an engine starts."""
+    module = importlib.import_module(RUNNERS[name].split(":")[0]) if name in RUNNERS else None
+    check = getattr(module, "preflight", None)
+    return check(config) if check is not None else []

@@ -120,3 +120,27 @@ def test_a_broken_checkpoint_fails_with_its_problems_named(prefect_harness, tmp_
 def test_the_console_script_is_installed():
     out = subprocess.run([Path(sys.executable).with_name("slimeflow"), "--version"], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip()
+
+
+@pytest.mark.slow
+def test_a_stage_alone_writes_only_under_its_output(prefect_harness, tmp_path, monkeypatch, capsys):
+    """`slimeflow preprocess --output DIR`: the manifests and the MLflow store go under DIR, nothing into the
+    current directory."""
+    cwd, elsewhere = tmp_path / "cwd", tmp_path / "elsewhere"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    rc = main(["preprocess", "--input", str(ROOT / "examples" / "data" / "increment-train.jsonl"),
+               "--input-key", "prompt", "--label-key", "label", "--output", str(elsewhere)])
+    assert rc == 0, capsys.readouterr().err
+    assert list(cwd.iterdir()) == []
+    assert (elsewhere / "manifests" / "preprocess.json").is_file() and (elsewhere / "mlflow.db").is_file()
+
+
+def test_a_custom_config_that_overrides_flags_says_so_once_each(tmp_path, caplog):
+    custom = tmp_path / "custom.yaml"
+    custom.write_text("lr: 5.0\nrollout_batch_size: 999\nn_samples_per_prompt: 2\nmy_plugin_setting: 3\n")
+    assert main(["train", "--lr", "1e-3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2",
+                 "--num-rollout", "1", "--custom-config-path", str(custom), "--print-config"]) == 0
+    said = [r.getMessage() for r in caplog.records if "overrides the flag" in r.getMessage()]
+    assert said == [f"train: --custom-config-path {custom}: lr overrides the flag: 0.001 -> 5.0",
+                    f"train: --custom-config-path {custom}: rollout_batch_size overrides the flag: 4 -> 999"]

@@ -9,6 +9,7 @@ other key is a plug-in's own setting, an attribute of the `args` the plug-ins ge
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,3 +52,53 @@ def read_custom_config(path: str, config_class: type[BaseModel]) -> tuple[dict[s
     if problems:
         raise ValueError(f"{where}: " + "; ".join(problems))
     return flags, custom
+
+
+def overridden(given: Mapping[str, Any], flags: Mapping[str, Any], config_class: type[BaseModel],
+               ) -> dict[str, tuple[Any, Any]]:
+    """What the file's flag keys (read_custom_config's `flags` tree) change, by key: (the value the flag had in
+    `given`, the command line's and YAML's tree, else its default; the file's value). slime prints each such
+    override; a key that sets a flag to the value it already had is left out."""
+    from slimeflow.config.flags import FlagIndex
+
+    by_path = FlagIndex(config_class).by_path
+    changes = {}
+    for path, new in _leaves(flags):
+        old = _get(given, path)
+        if old is _ABSENT:
+            old = by_path[path].default if path in by_path else None
+        elif path in by_path:  # a command line's value is still a string
+            old = _as(by_path[path].annotation, old)
+        new = _as(by_path[path].annotation, new) if path in by_path else new
+        if old != new:
+            changes[path[-1] if path in by_path else "_".join(path[1:])] = (old, new)
+    return changes
+
+
+_ABSENT = object()
+
+
+def _as(annotation: Any, value: Any) -> Any:
+    """`value` as its flag's type (unchanged where it does not validate: the config's validation reports it)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    try:
+        return TypeAdapter(annotation).validate_python(value)
+    except ValidationError:
+        return value
+
+
+def _leaves(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    found = []
+    for key, value in tree.items():
+        path = (*prefix, key)
+        found += _leaves(value, path) if isinstance(value, Mapping) else [(path, value)]
+    return found
+
+
+def _get(tree: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        tree = tree.get(key, _ABSENT) if isinstance(tree, Mapping) else getattr(tree, key, _ABSENT)
+        if tree is _ABSENT:
+            return _ABSENT
+    return tree

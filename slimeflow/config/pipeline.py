@@ -7,6 +7,7 @@ flag that several stages define must say which: `--train.save DIR`.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -48,6 +49,12 @@ SHARED = frozenset({
 
 PIPELINE_OWNED = {"--hf-checkpoint": "model"}
 """In a pipeline, the base checkpoint is the model stage's input; later stages get its resolved local copy."""
+
+STAGE_OUTPUT = {"preprocess": "output"}
+"""A stage's own flag for where it writes. Run alone (`slimeflow preprocess --output DIR`) with no --workdir or
+--output of the run, the stage's run files (manifests, MLflow store, lock) go there too, not to ./runs/<name>."""
+
+log = logging.getLogger("slimeflow.config")
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -148,11 +155,13 @@ def load_pipeline_config(
     if only_stage is not None:
         tree["stages"] = [only_stage]
         tree.setdefault(only_stage, {})
+        tree = _run_files_under_stage_output(tree, only_stage)
     problems: list[str] = []
     for name in STAGE_CONFIGS:  # sections first, so that errors name the stage's own flags
         if tree.get(name) is not None:
             try:
-                validate(STAGE_CONFIGS[name], tree[name], STAGE_INDEX[name], f"{where}: {name}")
+                section = validate(STAGE_CONFIGS[name], tree[name], STAGE_INDEX[name], f"{where}: {name}")
+                _log_overrides(name, section)
             except ConfigError as err:
                 problems += [f"{name}: {problem}" for problem in err.problems]
     if problems:  # every broken section at once, not one per attempt
@@ -161,6 +170,24 @@ def load_pipeline_config(
     if environ is not None:
         config = replace(config, infra=config.infra.with_environment(environ))
     return config
+
+
+def _log_overrides(stage: str, section: ConfigModel) -> None:
+    """Each flag a --custom-config-path file overrides, once, with its old and new value, as slime prints them
+    (here, where the section is first validated from the flags: a copy validated from its values sees no change)."""
+    for key, (old, new) in getattr(section, "custom_overrides", {}).items():
+        log.warning("%s: --custom-config-path %s: %s overrides the flag: %r -> %r", stage,
+                    section.custom_config_path, key, old, new)
+
+
+def _run_files_under_stage_output(tree: dict[str, Any], stage: str) -> dict[str, Any]:
+    """The run's work directory (a local stage output) or output root (a remote one) defaults to the stage's own
+    output flag (STAGE_OUTPUT), where the run sets neither."""
+    own = (tree.get(stage) or {}).get(STAGE_OUTPUT.get(stage, ""))
+    if own is None or tree.get("workdir") is not None or tree.get("output") is not None:
+        return tree
+    remote = "://" in str(own) and not str(own).startswith("file://")
+    return {**tree, ("output" if remote else "workdir"): str(own).removeprefix("file://")}
 
 
 def load_stage_config(stage: str, data: Mapping[str, Any] | None = None, argv: Sequence[str] = ()) -> ConfigModel:

@@ -433,6 +433,13 @@ class TrainConfig(ConfigModel):
     debug: DebugConfig = Field(default_factory=DebugConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     _custom_args: dict[str, Any] = PrivateAttr(default_factory=dict)
+    _custom_overrides: dict[str, tuple[Any, Any]] = PrivateAttr(default_factory=dict)
+
+    @property
+    def custom_overrides(self) -> dict[str, tuple[Any, Any]]:
+        """The flags --custom-config-path's file changed, by key: (old, new), as this config was first validated
+        from its flags (a copy validated again from this one's values sees no change)."""
+        return dict(self._custom_overrides)
 
     @property
     def custom_args(self) -> dict[str, Any]:
@@ -446,8 +453,14 @@ class TrainConfig(ConfigModel):
         flags of other groups (train_validation.train_defaults)."""
         if not isinstance(data, dict):
             return handler(data)
-        data = _custom_config_flags(cls, _megatron_roles(cls, data))
-        return validate_derived(handler, data, {}, checks.train_defaults(cls, data))
+        given = _megatron_roles(cls, data)
+        data, flags = _custom_config_flags(cls, given)
+        config = validate_derived(handler, data, {}, checks.train_defaults(cls, data))
+        if flags:
+            from slimeflow.config.custom_config import overridden
+
+            config._custom_overrides = overridden(given, flags, cls)
+        return config
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -467,14 +480,15 @@ def _megatron_roles(cls: type[TrainConfig], data: dict[str, Any]) -> dict[str, A
         raise ValueError("\n  ".join(err.problems)) from None
 
 
-def _custom_config_flags(cls: type[TrainConfig], data: dict[str, Any]) -> dict[str, Any]:
-    """The flags that --custom-config-path's file sets, over those given (slime sets its keys after parsing)."""
+def _custom_config_flags(cls: type[TrainConfig], data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(`data` with the flags that --custom-config-path's file sets over those given (slime sets its keys after
+    parsing); those flags, as a tree)."""
     if not data.get("custom_config_path"):
-        return data
+        return data, {}
     flags, _ = read_custom_config(data["custom_config_path"], cls)
     plain = {key: value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
              for key, value in data.items()}
-    return merge(plain, flags)
+    return merge(plain, flags), flags
 
 
 def staleness_bound(config: TrainConfig) -> int | None:

@@ -13,9 +13,12 @@ import dataclasses
 import itertools
 import os
 import pickle
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from slimeflow.checkpoint.safe_pickle import RestrictedUnpickler
 
 if TYPE_CHECKING:  # the driver reads only rollout_path: torch stays out of its start-up (see test_loop)
     from slimeflow.rollout.types import Sample
@@ -55,6 +58,36 @@ def load_rollout(template: str, rollout_id: int, n_samples_per_prompt: int) -> l
         raise ValueError(f"{where} holds more than plain data (lists, numbers, strings), so it is not loaded: "
                          f"{first}; only files written by --save-debug-rollout-data are replayed") from None
     return _samples(data, where, n_samples_per_prompt)
+
+
+def content_problem(template: str, rollout_id: int) -> str | None:
+    """Why rollout `rollout_id`'s file would be refused by load_rollout, found without torch (a start-up check, in
+    a fraction of a second): its pickle read by the restricted unpickler (safe_pickle), which runs nothing; any
+    global in it is more than plain data. None when it holds only plain data (tensors' storages are not read)."""
+    path = rollout_path(template, rollout_id)
+    where = f"--load-debug-rollout-data {template}: rollout {rollout_id}'s file {path}"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            name = next((n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"), None)
+            if name is None:
+                return f"{where} is not a torch.save file (no data.pkl in it); write it with --save-debug-rollout-data"
+            unpickler = _PlainData(archive.open(name))
+            unpickler.load()
+    except (OSError, zipfile.BadZipFile, pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as err:
+        # TypeError/AttributeError: an allowed tensor rebuilt without its storage, which is not read here
+        return f"{where} cannot be read ({type(err).__name__}: {err}); write it with --save-debug-rollout-data"
+    if unpickler.unloaded:
+        return (f"{where} holds more than plain data (lists, numbers, strings): it names "
+                f"{', '.join(sorted(unpickler.unloaded))}, so it is not loaded; only files written by "
+                "--save-debug-rollout-data are replayed")
+    return None
+
+
+class _PlainData(RestrictedUnpickler):
+    """The restricted unpickler with torch's storage references left unread (only the globals matter here)."""
+
+    def persistent_load(self, pid: Any) -> None:
+        return None
 
 
 def _samples(data: Any, where: str, n_samples_per_prompt: int) -> list[Sample]:

@@ -38,7 +38,7 @@ from slimeflow.rollout.plugins import load_plugin
 from slimeflow.rollout.raw_data import PreparedSet, manifest_entries, prepare_data
 from slimeflow.stages.base import StageContext
 from slimeflow.stages.train import async_loop, loop
-from slimeflow.stages.train.debug_data import rollout_path
+from slimeflow.stages.train.debug_data import content_problem, rollout_path
 from slimeflow.stages.train.placement import create_placement
 from slimeflow.stages.train.placement_plan import flag_problems
 from slimeflow.stages.train.plots import plot_curves
@@ -62,10 +62,10 @@ def run(config: TrainConfig, ctx: StageContext) -> Manifest:
     try:
         history = RolloutLog(ctx.workdir / "train" / "rollouts.jsonl", fan_out(ctx.log_metrics, sinks))
         run_token = claim_root(config.checkpoint.save)  # from now on, an earlier run on this root commits nothing
-        init_ray(ctx.ray_address)
         placement = None
         try:
             with stopping_local_ray_on_termination():  # a cancel: Ray's processes killed first, then the rest
+                init_ray(ctx.ray_address)  # inside: a signal while Ray starts must not leave it to ray.shutdown
                 placement = create_placement(config, setup, total_steps, scratch_dir(ctx.workdir), run_token)
                 result = (async_loop if config.placement.async_ else loop).train(placement, num_rollout, history)
         finally:
@@ -121,8 +121,8 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
 
 
 def replay_problems(config: TrainConfig) -> list[str]:
-    """--debug-train-only: the saved rollouts to train on are there (prompts are not read, but --num-epoch counts
-    them)."""
+    """--debug-train-only: the saved rollouts to train on are there, and hold only plain data (prompts are not read,
+    but --num-epoch counts them)."""
     template = config.debug.load_debug_rollout_data
     if config.batch.num_rollout is None:
         return [] if config.data.prompt_data is not None else [
@@ -132,10 +132,32 @@ def replay_problems(config: TrainConfig) -> list[str]:
     missing = [str(rollout_path(template, k)) for k in range(first, config.batch.num_rollout)
                if not rollout_path(template, k).is_file()]
     if not missing:
-        return []
+        return [p for k in range(first, config.batch.num_rollout) if (p := content_problem(template, k))]
     return [f"--load-debug-rollout-data {template}: {len(missing)} of the files of rollouts {first}.."
             f"{config.batch.num_rollout - 1} are missing ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
             "write them with a run given --save-debug-rollout-data, or lower --num-rollout"]
+
+
+def preflight(config: TrainConfig) -> list[str]:
+    """What is wrong with the run, found from the config alone, before Prefect, Ray or an engine starts (the CLI
+    asks): the plug-ins (import and signature), the saved rollouts a --debug-train-only run replays (their
+    contents), and the paths the config names itself. Inputs an earlier stage of a pipeline makes are not set yet;
+    rollout_setup checks them when the stage starts."""
+    problems = plugin_problems_of(config)
+    if config.debug.debug_train_only and config.debug.load_debug_rollout_data:
+        problems += replay_problems(config)
+    hf = config.checkpoint.hf_checkpoint
+    if hf is not None and "://" not in hf and not Path(hf, "config.json").is_file():
+        problems.append(f"--hf-checkpoint {hf} has no config.json")
+    ref = config.checkpoint.ref_load
+    if ref is not None and "://" not in ref and not Path(ref).exists():
+        problems.append(f"--ref-load {ref} does not exist")
+    prompts = config.data.prompt_data if config.data.data_source_path is None else None  # else the class reads it
+    sets = {"--prompt-data": prompts,
+            **{f"--eval-prompt-data {name}": uri for name, uri in config.eval.eval_prompt_data.items()}}
+    problems += [f"{flag} {uri} does not exist" for flag, uri in sets.items()
+                 if uri is not None and "://" not in uri and not Path(uri).exists()]
+    return problems
 
 
 def data_problems(config: TrainConfig, ctx: StageContext) -> list[str]:
@@ -188,14 +210,20 @@ def plugin_problems(flag: str, path: str | None, group_rm: bool) -> list[str]:
     return [problem if problem.startswith("--") else f"--{flag} {path!r}: {problem}"] if problem else []
 
 
-def check_plugins(config: TrainConfig) -> None:
-    """Every plug-in path loads and can be called the way the run will call it, before Ray or an engine starts;
-    all the wrong ones are named at once."""
+def plugin_problems_of(config: TrainConfig) -> list[str]:
+    """Why each plug-in path of the config cannot be loaded or called the way the run will call it."""
     problems = []
     for (group, field), flag in PLUGIN_FLAGS.items():
         problems.extend(plugin_problems(flag, getattr(getattr(config, group), field), config.reward.group_rm))
     for path in config.rollout.rollout_sample_hook_path or []:
         problems.extend(plugin_problems("rollout-sample-hook-path", path, False))
+    return problems
+
+
+def check_plugins(config: TrainConfig) -> None:
+    """Every plug-in path loads and can be called the way the run will call it, before Ray or an engine starts;
+    all the wrong ones are named at once."""
+    problems = plugin_problems_of(config)
     if problems:
         raise StageInputError("the train stage's plug-ins", problems, "Fix the paths (package.module:function).")
 
