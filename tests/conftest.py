@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from paths import DATA, ROOT, TIERS
+from paths import DATA, ROOT, TESTS, TIERS
 
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="slimeflow-tests-"))
 os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect-home")
@@ -118,9 +118,9 @@ def megatron_world(tmp_path_factory):
     torch.distributed.destroy_process_group()
 
 
-RAY_WORKER_PATHS = (*TIERS, DATA / "slime_plugins", ROOT / "examples" / "search-r1")
-"""What the session's Ray workers import from: test modules (a test's reward function), slime-style plug-ins, the
-search-r1 example's plug-ins (as its run.sh's PYTHONPATH)."""
+RAY_WORKER_PATHS = (*TIERS, TESTS, DATA / "slime_plugins", ROOT / "examples" / "search-r1")
+"""What the session's Ray workers import from: test modules (a test's reward function) and the helpers they import,
+slime-style plug-ins, the search-r1 example's plug-ins (as its run.sh's PYTHONPATH)."""
 
 
 class _SessionRay:
