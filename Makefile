@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= examples/demo.yaml
 
-.PHONY: demo test install install-dev lint typecheck clean
+.PHONY: demo test test-unit install install-dev lint typecheck clean
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python 3.11) on PATH, or: make PYTHON=/path/to/python3.11"; exit 1; }
@@ -25,11 +25,19 @@ install-dev: $(VENV)/.installed-dev
 demo: $(VENV)/.installed
 	$(BIN)/slimeflow run $(CONFIG)
 
-# pytest exits 5 when it collects no tests: that is a broken suite here, and it is said so.
+# `make test` runs every tier (tests/unit, tests/integration, tests/e2e), as CI does; `make test-unit` the fast one
+# (no Ray, no Prefect server, no subprocess-heavy work). pytest exits 5 when it collects no tests: that is a broken
+# suite here, and it is said so.
+PYTEST = $(BIN)/python -m pytest $(1) $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is missing or mis-selected"; exit 1; fi; exit $$rc
+
 test: $(VENV)/.installed-dev typecheck
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is missing or mis-selected"; exit 1; fi; exit $$rc
+	$(call PYTEST,)
+
+test-unit: $(VENV)/.installed-dev
+	$(BIN)/ruff check .
+	$(call PYTEST,tests/unit)
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .

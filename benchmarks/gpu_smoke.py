@@ -7,7 +7,7 @@ Engine's where it is installed) and train the same GRPO batch for --steps steps,
 and backend: median and spread of seconds per step (CUDA-synchronised wall time), peak GPU memory allocated during
 a step, and the largest weight difference between the backends after the steps (fp32, same batch: it should be
 of the order of lr x 1e-2 or less). TP 2 is not run here: NCCL refuses two ranks on one device, and
-tests/test_megatron_backend.py checks TP 2 over gloo on CPU. `--device cpu` runs the same code without CUDA
+tests/integration/test_megatron_backend.py checks TP 2 over gloo on CPU. `--device cpu` runs the same code without CUDA
 (no memory figures): a check of the script itself. `--qwen3-4b` adds what examples/grpo-qwen3.yaml's trainer
 needs: a randomly initialised model of Qwen3-4B's shape (built here, nothing downloaded), the torch backend as
 that example runs it (fp32 weights and AdamW, the KL loss's reference model, --bf16 autocast), peak GPU memory of
@@ -172,7 +172,7 @@ def main() -> int:
             print(f"{name}: FAILED (traceback above)")
             failed.append(name)
     if args.device == "cuda" and torch.cuda.device_count() < 2:
-        print("TP 2: skipped, one GPU (NCCL refuses two ranks on one device); tests/test_megatron_backend.py runs "
+        print("TP 2: skipped, one GPU (NCCL refuses two ranks on one device); tests/integration/test_megatron_backend.py runs "
               "TP 2 over gloo on CPU")
     return 1 if failed else 0
 

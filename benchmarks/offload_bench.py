@@ -4,7 +4,7 @@ file costs at all), in one run; plus the resident memory each offload gave back.
 
     .venv/bin/python benchmarks/offload_bench.py --mib 256 --rounds 5 [--dir /path/on/the/scratch/disk]
 
-On a GPU the state goes to pinned host memory instead (the gpu-marked test in tests/test_offload.py checks it).
+On a GPU the state goes to pinned host memory instead (the gpu-marked test in tests/unit/test_offload.py checks it).
 """
 
 from __future__ import annotations

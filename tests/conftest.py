@@ -1,4 +1,5 @@
-"""Session-wide fixtures: one Prefect harness, a moto S3 server on loopback, MLflow in a temporary sqlite file.
+"""Session-wide fixtures: one Prefect harness, a moto S3 server on loopback, MLflow in a temporary sqlite file, one
+local Ray, and the tiny models converted to torch_dist once.
 
 PREFECT_HOME must point at a temporary directory before prefect is imported anywhere, so it is set here, at
 collection time, not inside a fixture.
@@ -13,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from paths import DATA, ROOT, TESTS, TIERS
 
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="slimeflow-tests-"))
 os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect-home")
@@ -91,6 +93,17 @@ def session_tmp() -> Path:
     return _SESSION_TMP
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread: on a shared, loaded CPU two threads made each tiny step 10-20x slower (barrier waits)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def megatron_world(tmp_path_factory):
     """A one-rank gloo process group with megatron-core's model-parallel state (TP=PP=1), for one module."""
@@ -103,3 +116,87 @@ def megatron_world(tmp_path_factory):
     yield
     parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
+
+
+RAY_WORKER_PATHS = (*TIERS, TESTS, DATA / "slime_plugins", ROOT / "examples" / "search-r1")
+"""What the session's Ray workers import from: test modules (a test's reward function) and the helpers they import,
+slime-style plug-ins, the search-r1 example's plug-ins (as its run.sh's PYTHONPATH)."""
+
+
+class _SessionRay:
+    """The GCS address of the Ray this session started (None: none running)."""
+
+    address: str | None = None
+
+
+@pytest.fixture(scope="session")
+def _session_ray():
+    import ray
+
+    yield _SessionRay
+    if _SessionRay.address is not None and ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def local_ray(_session_ray):
+    """One local Ray for the session's tests that run on Ray, started as the train stage starts it (init_ray: this
+    machine's cores, the local system config) with workers that import RAY_WORKER_PATHS; the train stage and the
+    conversion join it. Started by the first test that asks and shut down at the session's end. A module that needs
+    a cluster of its own shape (two raylets, logical GPUs) shuts it down and starts its own; the next test that asks
+    for this one starts it again (and replaces a Ray that is not it)."""
+    import ray
+
+    from slimeflow.cluster import init_ray
+
+    if ray.is_initialized() and ray.get_runtime_context().gcs_address == _session_ray.address:
+        yield
+        return
+    ray.shutdown()
+    with pytest.MonkeyPatch.context() as patch:  # read by the raylet, whose workers inherit it
+        patch.setenv("PYTHONPATH", os.pathsep.join([*map(str, RAY_WORKER_PATHS), os.environ.get("PYTHONPATH", "")]))
+        init_ray(None)
+    _session_ray.address = ray.get_runtime_context().gcs_address
+    yield
+
+
+@pytest.fixture
+def slime_plugins_importable(monkeypatch, local_ray):
+    """The slime-style plug-ins of tests/data/slime_plugins importable here and in local_ray's workers."""
+    monkeypatch.syspath_prepend(str(DATA / "slime_plugins"))
+
+
+@pytest.fixture(scope="session")
+def tiny_torch_dist(tmp_path_factory):
+    """`get(spec)`: the tiny HF model of `spec` and its torch_dist conversion ({"hf", "release"}), built and
+    converted once per spec for the whole session. Read-only: a test that changes them copies them first."""
+    from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, read_hf_source
+    from slimeflow.families.tiny import build_tiny_model
+
+    built: dict[object, dict[str, Path]] = {}
+
+    def get(spec) -> dict[str, Path]:
+        if spec not in built:
+            tmp = tmp_path_factory.mktemp("tiny-torch-dist")
+            hf = build_tiny_model(tmp / "hf", spec)
+            staged, _ = convert_hf_to_torch_dist(read_hf_source(hf), tmp / "ckpt")
+            staged.rename(tmp / "ckpt" / "release")
+            built[spec] = {"hf": hf, "release": tmp / "ckpt" / "release"}
+        return built[spec]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def megatron_one_process(tiny_torch_dist, tmp_path_factory) -> dict:
+    """The Megatron backend at TP1 PP1 in this process, two steps on the test rollout from the tiny Llama's
+    checkpoint: the reference run that the parallel layouts are compared with, trained once for the session."""
+    from megatron_steps import make_job, rollout_batch, train_job, two_step_config
+
+    from slimeflow.families.tiny import TinyModelSpec
+
+    model = tiny_torch_dist(TinyModelSpec(seed=7))
+    batch = rollout_batch(model["hf"])
+    job = make_job(tmp_path_factory.mktemp("megatron-one"), "one", model["hf"], model["release"], batch,
+                   two_step_config())
+    return {"batch": batch, **train_job(0, 1, job)}

@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+LR = 1e-3
+"""The tests' learning rate: Adam's first step moves a weight by about this much."""
+
 LENGTHS = [(7, 3), (9, 4), (5, 2), (12, 5), (6, 3), (10, 1), (8, 4), (11, 6)]
 """(prompt + response tokens, response tokens) of the test rollout: 4 groups of 2."""
 
@@ -36,6 +39,24 @@ def make_config(**groups):
 
     batch = {"rollout_batch_size": 4, "n_samples_per_prompt": 2, "num_rollout": 1, **groups.pop("batch", {})}
     return TrainConfig(batch=batch, **groups)
+
+
+def rollout_batch(hf: Path):
+    """The test rollout, its rollout log-probs those of the HF model (what an engine serving it samples from)."""
+    from slimeflow.train.backends.torch.backend import TorchBackend
+
+    config = make_config()
+    batch = make_batch()
+    torch_backend = TorchBackend(hf, config.optimizer, config.algorithm, config.batch, seed=3, device="cpu")
+    batch.rollout_log_probs = torch_backend.compute_log_probs(batch).log_probs
+    return batch
+
+
+def two_step_config(**megatron):
+    """Two optimizer steps per rollout (so the old log-probs come from a forward of their own), the KL loss
+    against the reference model, micro-batches of 2."""
+    return make_config(batch={"micro_batch_size": 2, "global_batch_size": 4}, optimizer={"lr": LR},
+                       algorithm={"use_kl_loss": True, "kl_loss_coef": 0.1}, megatron=megatron)
 
 
 def train_steps(backend, batch, config, rank: int, world_size: int) -> list[dict[str, float]]:

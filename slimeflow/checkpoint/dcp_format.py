@@ -8,7 +8,7 @@ writes, and what torch's reader and megatron-core's dist_checkpointing load.
 
 Importing torch's package took 0.6-0.7 s of a conversion rank's start-up, for a format this small; so the
 records below mirror torch's classes field for field and pickle under torch's own names (`_TorchNamesPickler`),
-and unpickle as torch's classes. tests/test_dcp_format.py compares them with torch's, field by field, and loads
+and unpickle as torch's classes. tests/unit/test_dcp_format.py compares them with torch's, field by field, and loads
 what this writes with torch's reader; the convert tests load it into megatron-core's GPTModel.
 """
 
@@ -258,7 +258,7 @@ def write_synced(path: Path, write: Callable[[BinaryIO], object]) -> None:
         os.fsync(file.fileno())
 
 
-# torch's records, field for field (tests/test_dcp_format.py holds them to torch's), pickled under torch's names.
+# torch's records, field for field (tests/unit/test_dcp_format.py holds them to torch's), pickled under torch's names.
 
 
 @dataclass

@@ -7,7 +7,7 @@ megatron-core's GPTModel.sharded_state_dict() declares it. Linear layers also ge
 objects, as GPTModel has them, so that Megatron-LM loads the checkpoint with its default strictness. The files
 are written directly (dcp_format), without importing megatron-core or torch.distributed.checkpoint: their
 imports were most of a conversion rank's start-up, and the format needs neither; megatron-core loads the result
-(tests/test_convert.py loads it into its GPTModel).
+(tests/integration/test_convert.py loads it into its GPTModel).
 
 Reading needs no process group: the checkpoint is a PyTorch Distributed Checkpoint, loaded key by key.
 """

@@ -128,7 +128,7 @@ def explain_unknown(flag: str, known: list[str]) -> str:
     return f"{flag}: unknown flag{hint}"
 
 # The rest of what slime defines (slime/utils/arguments.py) and its scripts pass (THUDM/slime 624b824a8), each with
-# why it is not taken; tests/data/slime_flags/ holds the lists, and tests/test_slime_flag_surface.py checks that
+# why it is not taken; tests/data/slime_flags/ holds the lists, and tests/unit/test_slime_flag_surface.py checks that
 # none of them is unknown.
 _NEW_ATTENTION = ("gated / linear attention (Qwen3-Next, Qwen3.5) is not supported yet: Llama, Qwen2, Qwen3, GLM4 "
                   "and Qwen3-MoE only")

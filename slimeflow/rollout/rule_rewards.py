@@ -1,6 +1,6 @@
 """The built-in rule-based rewards (--rm-type), each scoring as slime's rm_hub does (THUDM/slime 624b824a8).
 
-tests/data/rm_hub/*.jsonl holds, per rm_type, cases with the reward slime gives; tests/test_rm_hub_table.py asserts
+tests/data/rm_hub/*.jsonl holds, per rm_type, cases with the reward slime gives; tests/unit/test_rm_hub_table.py asserts
 every row. Where slime fails on an input (a non-integer dapo label, a missing label) we raise a ValueError that
 says why, and the scorer marks that sample failed with it. Two deliberate differences: f1 reads a numeric label as
 its text (slime fails on it), and math refuses a structured (dict, list) label by name where slime compares its

@@ -1,6 +1,6 @@
 """Hooks into slime's Megatron actor and its disk weight sync, written to slime's signatures (slime's
 backends/megatron_utils: initialize.py, model_provider.py, model.py, actor.py, update_weight/update_weight_from_disk.py).
-Each records its call in CALLS, for tests/test_megatron_backend.py and tests/test_train_hooks.py."""
+Each records its call in CALLS, for tests/integration/test_megatron_backend.py and tests/unit/test_train_hooks.py."""
 
 import os
 

@@ -74,7 +74,7 @@ def optimizer_problems(parallel: MegatronConfig, kernels: Kernels) -> list[str]:
     megatron-core 0.16.1's precision-aware optimizer is Transformer Engine's FusedAdam, or with --optimizer-cpu-offload
     its HybridDeviceOptimizer (its OptimizerConfig reads TE's version either way: TypeError without TE), and asserts
     the distributed optimizer. The hybrid optimizer keeps host copies of GPU parameters; with host parameters its step
-    fails (KeyError, tests/test_megatron_optimizer_flags.py)."""
+    fails (KeyError, tests/integration/test_megatron_optimizer_flags.py)."""
     problems = []
     if parallel.use_precision_aware_optimizer and not parallel.use_distributed_optimizer:
         problems.append("--use-precision-aware-optimizer needs --use-distributed-optimizer (megatron-core's rule; "

@@ -3,15 +3,15 @@
 megatron-core 0.16 assumes a GPU in a handful of spots that matter to us (saving a torch_dist checkpoint,
 running a GPTModel forward). Nothing is patched at import time: `megatron_on_cpu()` applies every shim for the
 duration of a `with` block and restores the originals afterwards, and only when CUDA is unavailable (on a GPU
-machine it changes nothing). Each shim says why it exists; tests/test_compat.py shows, for each, that the
+machine it changes nothing). Each shim says why it exists; tests/unit/test_compat.py shows, for each, that the
 unshimmed call still fails here, so a shim whose reason has gone away is noticed and deleted.
 
 `megatron_fixes()` applies, on any machine, the shims of megatron-core bugs that are not about the CPU (EVERYWHERE;
-tests/test_moe_padding.py shows, as test_compat.py for SHIMS, that the unshimmed call still fails);
+tests/unit/test_moe_padding.py shows, as test_compat.py for SHIMS, that the unshimmed call still fails);
 `megatron_runtime()` applies both.
 
 One more shim makes a synchronous checkpoint write cheaper on any machine (`in_process_write_results`; its test
-is in tests/test_compat.py too).
+is in tests/unit/test_compat.py too).
 
 The Megatron training backend and the model-family helpers use this module; nothing else may shim megatron-core.
 """

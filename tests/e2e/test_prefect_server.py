@@ -1,0 +1,510 @@
+"""A real `prefect server start` and a process worker on loopback, driven through the API as the UI drives them.
+
+The server and the worker run in process groups of their own, in a temporary PREFECT_HOME, and are stopped by
+pid (the group is killed) at the end of the module; the teardown asserts that no process they started is left.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from paths import ROOT
+from process_sessions import session_processes, wait_until_gone
+
+PREFECT = [sys.executable, "-m", "prefect"]
+SLIMEFLOW = [sys.executable, "-m", "slimeflow.cli"]
+SERVER_START_S = 120
+RUN_S = 240
+POLL_S = 0.2
+"""How often a wait asks the server again (a final state or a log line is seen this much late at most)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
+@dataclass
+class Services:
+    """The processes this module started (each the leader of its own process group) and every pid seen under them."""
+
+    env: dict[str, str]
+    logs: Path
+    started: list[subprocess.Popen] = field(default_factory=list)
+    seen: set[int] = field(default_factory=set)
+
+    def start(self, name: str, argv: list[str], cwd: Path) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 - the child writes it until it is stopped
+        process = subprocess.Popen(argv, cwd=cwd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        log.close()
+        self.started.append(process)
+        return process
+
+    def remember_descendants(self) -> None:
+        import psutil
+
+        for process in self.started:
+            try:
+                self.seen |= {p.pid for p in psutil.Process(process.pid).children(recursive=True)}
+            except psutil.NoSuchProcess:
+                pass
+
+    def stop(self, process: subprocess.Popen, grace_s: float = 10) -> None:
+        """SIGTERM to the process's group, SIGKILL after `grace_s`; then any descendant that left the group."""
+        import psutil
+
+        self.remember_descendants()
+        self.seen.add(process.pid)
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(process.pid, sig)  # start_new_session: the group id is the leader's pid
+            except ProcessLookupError:
+                pass
+            try:
+                process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+        for pid in self.seen:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
+
+    def leftovers(self) -> list[str]:
+        import psutil
+
+        alive = []
+        for pid in sorted(self.seen):
+            try:
+                process = psutil.Process(pid)
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{pid} {' '.join(process.cmdline())[:120]}")
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory) -> Iterator[Services]:
+    """The processes of this module; at teardown every one is stopped by pid and none may be left."""
+    home = tmp_path_factory.mktemp("prefect-server")
+    env = {**os.environ, "PREFECT_HOME": str(home / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_ENABLED": "false",
+           "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1"}
+    env.pop("PREFECT_API_URL", None)
+    found = Services(env, home)
+    yield found
+    for process in reversed(found.started):  # the worker before the server it talks to
+        found.stop(process)
+    assert not found.leftovers(), f"processes left after the harness stopped: {found.leftovers()}"
+
+
+@pytest.fixture(scope="module")
+def prefect_server(services: Services) -> Iterator[str]:
+    """`prefect server start` on a free loopback port; yields its API URL once /api/health answers."""
+    import httpx
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    server = services.start("server", [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            services.logs)
+    deadline = time.monotonic() + SERVER_START_S
+    while True:
+        if server.poll() is not None:
+            pytest.fail(f"prefect server exited with {server.returncode}:\n{_tail(services.logs / 'server.log')}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"prefect server not healthy after {SERVER_START_S} s:\n"
+                        f"{_tail(services.logs / 'server.log')}")
+        time.sleep(0.5)
+    services.env["PREFECT_API_URL"] = url
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        yield url
+
+
+def _deploy(services: Services, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*SLIMEFLOW, "deploy"], cwd=cwd, env=services.env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def deploy_cwd(tmp_path_factory) -> Path:
+    """Where `slimeflow deploy` runs: not the checkout (and so the worker's working directory)."""
+    return tmp_path_factory.mktemp("deploy-cwd")
+
+
+@pytest.fixture(scope="module")
+def first_deploy(prefect_server: str, services: Services, deploy_cwd: Path) -> subprocess.CompletedProcess:
+    return _deploy(services, deploy_cwd)
+
+
+def _start_worker(services: Services, cwd: Path, name: str = "worker") -> subprocess.Popen:
+    return services.start(name, [*PREFECT, "worker", "start", "--pool", "slimeflow", "--type", "process"], cwd)
+
+
+@pytest.fixture(scope="module")
+def prefect_worker(first_deploy, services: Services, deploy_cwd: Path) -> subprocess.Popen:
+    """A process worker polling the `slimeflow` pool (which the first deploy created) every second."""
+    return _start_worker(services, deploy_cwd)
+
+
+@pytest.fixture(scope="module")
+def deployed(first_deploy, prefect_worker, services: Services, deploy_cwd: Path) -> list[subprocess.CompletedProcess]:
+    """`slimeflow deploy` twice; the second while the worker starts (it runs no flow until asked)."""
+    return [first_deploy, _deploy(services, deploy_cwd)]
+
+
+@pytest.mark.slow
+def test_slimeflow_deploy_twice_against_a_real_server(deployed, services):
+    from prefect import get_client
+
+    from slimeflow import stages
+
+    for attempt, result in enumerate(deployed, 1):
+        assert result.returncode == 0, f"deploy #{attempt}:\n{result.stdout}\n{result.stderr}"
+    assert "created work pool 'slimeflow'" in deployed[0].stdout
+    assert "created work pool" not in deployed[1].stdout
+    with get_client(sync_client=True) as client:
+        # The filter endpoints that `prefect work-pool ls` / `prefect deployment ls` call, with limit: null
+        # (refused with 422 by prefect 3.8.8's server under fastapi >= 0.151).
+        assert [(p.name, p.type) for p in client.read_work_pools()] == [("slimeflow", "process")]
+        deployments = {d.name: d for d in client.read_deployments()}
+    assert set(deployments) == {"pipeline", *stages.available()}
+    pipeline = deployments["pipeline"]
+    assert pipeline.entrypoint == "slimeflow.flows.pipeline.pipeline_flow"
+    assert [(s.schedule.cron, s.active) for s in pipeline.schedules] == [("0 3 * * *", False)]  # not doubled
+
+
+def _run_pipeline(config: dict, services: Services):
+    """Create a flow run of the pipeline deployment (the UI's "Run") and wait for a final state."""
+    from prefect.deployments import run_deployment
+
+    started = time.monotonic()
+    run = run_deployment("slimeflow-pipeline/pipeline", parameters={"config": config}, timeout=RUN_S,
+                         poll_interval=POLL_S)
+    services.remember_descendants()
+    assert run.state is not None and run.state.is_completed(), (
+        f"flow run {run.name}: {run.state} after {time.monotonic() - started:.0f} s\n"
+        f"worker log:\n{_tail(services.logs / 'worker.log', 60)}")
+    return run
+
+
+def _stage_logs(parent_id, expected: list[str], wait_s: float = 30) -> str:
+    """The logs of a flow run and its subflows, once they hold every `expected` line (logs arrive in batches)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+
+    deadline = time.monotonic() + wait_s
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+            ids = [parent_id, *(r.id for r in runs)]
+            logs = "\n".join(log.message for log in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=ids))))
+            if all(line in logs for line in expected) or time.monotonic() > deadline:
+                return logs
+            time.sleep(POLL_S)
+
+
+def test_deploy_without_a_server_says_how_to_start_one(capsys):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from slimeflow.deployments.deploy import main
+
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert main([]) == 1
+    err = capsys.readouterr().err
+    assert "PREFECT_API_URL is not set" in err and "prefect server start" in err
+
+
+def test_deploy_to_an_unreachable_server_names_it(capsys):
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    from slimeflow.deployments.deploy import main
+
+    url = f"http://127.0.0.1:{_free_port()}/api"
+    with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_CLIENT_MAX_RETRIES: 0}):
+        assert main([]) == 1
+    assert f"cannot reach the Prefect server at {url}" in capsys.readouterr().err
+
+
+def test_deploy_refuses_an_unknown_deployment_and_lists_the_known_ones(capsys):
+    from slimeflow.deployments.deploy import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["pipelin"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown deployment 'pipelin'" in err and "pipeline, model, convert" in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_S + 120)
+def test_an_interval_schedule_creates_runs_and_the_worker_runs_them(deployed, services):
+    """An hourly schedule on the model stage's deployment (its default parameters), as the UI's "Add schedule"
+    makes it; the scheduler creates the coming runs and the worker runs the first when it is due."""
+    from datetime import UTC, datetime, timedelta
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
+    from prefect.client.schemas.schedules import IntervalSchedule
+
+    hour = timedelta(hours=1)
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("slimeflow-model/model")
+        # Far enough ahead that the scheduler (a loop every second here) creates the first run before it is due;
+        # the worker starts the run's process when it is due within its prefetch window (10 s), so the process
+        # starts while the anchor comes.
+        anchor = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=8)
+        [schedule] = client.create_deployment_schedules(
+            deployment.id, [(IntervalSchedule(interval=hour, anchor_date=anchor), True)])
+
+        def scheduled():
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])))
+            return sorted(runs, key=lambda r: r.expected_start_time) if len(runs) >= 3 else None
+
+        runs = _wait_for("runs created by the schedule", scheduled, 60, services, poll_s=1)
+        starts = [r.expected_start_time for r in runs]
+        assert starts[:3] == [anchor, anchor + hour, anchor + 2 * hour]
+        assert all(r.auto_scheduled for r in runs)
+        state = _final_state(runs[0].id, services, timeout_s=RUN_S)
+        assert state.is_completed(), state
+        client.update_deployment_schedule(deployment.id, schedule.id, active=False)  # its coming runs go with it
+        remaining = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])))
+        assert [r.id for r in remaining] == [runs[0].id]
+
+
+# --- a training pipeline on the worker: cancelled, a second run on its workdir, killed and retried, artifacts ---
+
+TRAIN_S = 300
+
+
+def _train_pipeline(workdir: Path, num_rollout: int) -> dict:
+    """model -> preprocess -> train -> evaluate on the default tiny Llama and the demo's n+1 task, a checkpoint every
+    second rollout, in the parameters' canonical form."""
+    from slimeflow.config.pipeline import load_pipeline_config
+    from slimeflow.deployments.definitions import canonical
+
+    data = ROOT / "examples" / "data"
+    return canonical(load_pipeline_config({
+        "name": "orchestrated", "workdir": str(workdir), "hf_checkpoint": "tiny:llama?seed=0",
+        "stages": ["model", "preprocess", "train", "evaluate"],
+        "preprocess": {"input": [str(data / "increment-train.jsonl")],
+                       "eval_input": {"increment": str(data / "increment-eval.jsonl")},
+                       "input_key": "prompt", "label_key": "label"},
+        "train": {"rollout-batch-size": 4, "n-samples-per-prompt": 2, "num-rollout": num_rollout,
+                  "rollout-max-response-len": 1, "rm-type": "prefix_match", "lr": 1.0e-3, "save-interval": 2,
+                  "eval-interval": 2, "eval-temperature": 0.0, "eval-max-response-len": 1},
+        "evaluate": {"eval-temperature": 0.0, "eval-max-response-len": 1, "rm-type": "prefix_match"},
+    }))
+
+
+def _submit(config: dict):
+    """Create a flow run of the pipeline deployment and return at once (the UI's "Run", not waiting)."""
+    from prefect.deployments import run_deployment
+
+    return run_deployment("slimeflow-pipeline/pipeline", parameters={"config": config}, timeout=0)
+
+
+def _wait_for(what: str, check, timeout_s: float, services: Services, poll_s: float = 0.05):
+    """Poll `check()` until it returns something truthy; fail naming `what` (with the worker's log) after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = check()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"{log.name}:\n{_tail(log, 30)}" for log in sorted(services.logs.glob("worker*.log")))
+            pytest.fail(f"{what}: not after {timeout_s} s\n{logs}")
+        time.sleep(poll_s)
+
+
+def _state(flow_run_id):
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id).state
+
+
+def _final_state(flow_run_id, services: Services, timeout_s: float = TRAIN_S):
+    return _wait_for(f"flow run {flow_run_id} in a final state",
+                     lambda: (state := _state(flow_run_id)) is not None and state.is_final() and state,
+                     timeout_s, services, poll_s=0.5)
+
+
+def _flow_run_process(flow_run_id, services: Services) -> int | None:
+    """The pid of the process a worker started for `flow_run_id` (Prefect puts it in a session of its own)."""
+    import psutil
+
+    for worker in services.started:
+        try:
+            children = psutil.Process(worker.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+        for child in children:
+            try:
+                if child.environ().get("PREFECT__FLOW_RUN_ID") == str(flow_run_id) and os.getsid(child.pid) == child.pid:
+                    return child.pid
+            except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+                continue
+    return None
+
+
+def _tracker(workdir: Path) -> int | None:
+    path = workdir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * TRAIN_S)
+def test_a_second_run_on_a_busy_workdir_is_refused_and_a_cancelled_run_leaves_no_process(
+        deployed, services, tmp_path):
+    workdir = tmp_path / "run"
+    config = _train_pipeline(workdir, num_rollout=200)  # far more than the test lets it train
+    first = _submit(config)
+    _wait_for("the first run's first checkpoint", lambda: _tracker(workdir), TRAIN_S, services)
+    sid = _flow_run_process(first.id, services)
+    assert sid is not None, "the worker's process for the first run"
+
+    # The same config on the same workdir, while the first trains: refused at once, naming the workdir and who holds it.
+    second = _final_state(_submit(config).id, services)
+    assert second.is_failed(), second
+    message = second.message or ""
+    assert f"work directory {workdir} is in use by another slimeflow run (pipeline run 'orchestrated'" in message
+    assert "--workdir of its own" in message
+    # ... and the first is untouched: still running, still checkpointing.
+    reached = _tracker(workdir)
+    assert _state(first.id).is_running()
+    _wait_for("a checkpoint of the first run after the refusal", lambda: (_tracker(workdir) or 0) > reached,
+              TRAIN_S, services)
+
+    # Cancel as the UI's "Cancel" does; the worker stops the flow run's process group, and with it Ray's processes.
+    from prefect import get_client
+    from prefect.states import Cancelling
+
+    services.remember_descendants()
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(first.id, Cancelling(), force=True)
+    assert _final_state(first.id, services, timeout_s=120).is_cancelled()
+    wait_until_gone(sid, timeout=60, poll=0.5)  # Ray's actors exit a second or more after their raylet
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * TRAIN_S + RUN_S)
+def test_a_run_whose_worker_died_mid_train_resumes_from_its_checkpoint_when_retried(
+        deployed, prefect_worker, services, deploy_cwd, tmp_path):
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
+    from prefect.states import AwaitingRetry, Crashed
+
+    workdir = tmp_path / "run"
+    # Four rollouts, checkpoints 1 and 3: killed after 1, the retried run trains 2 and 3 (more rollouts and saves
+    # add seconds each, and check nothing new).
+    num_rollout = 4
+    config = _train_pipeline(workdir, num_rollout=num_rollout)
+    run = _submit(config)
+    _wait_for("the first checkpoint", lambda: _tracker(workdir), TRAIN_S, services)
+    sid = _flow_run_process(run.id, services)
+    # The worker's machine is lost: the worker's process group and the flow run's session (Prefect starts each flow
+    # run in a session of its own: killing the worker alone would leave it training), every process at once.
+    services.remember_descendants()
+    os.killpg(prefect_worker.pid, signal.SIGKILL)
+    for pid in session_processes(sid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    prefect_worker.wait(timeout=30)
+    wait_until_gone(sid, timeout=60, poll=0.5)
+    killed_at = _tracker(workdir)  # the checkpoint the kill left (one may have committed since it was seen)
+    assert killed_at < num_rollout - 1, "killed after the last checkpoint: the test no longer tests a resume"
+
+    # The server still sees the run Running. Marked Crashed (the UI's "Change state", or a zombie-run automation),
+    # then retried as the UI's "Retry" does; a new worker picks it up.
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(run.id, Crashed(message="worker lost"), force=True)
+        client.set_flow_run_state(run.id, AwaitingRetry(message="Retry from the UI"), force=True)
+    _start_worker(services, deploy_cwd, "worker-2")
+    state = _final_state(run.id, services)
+    assert state.is_completed(), f"{state}\n{_tail(services.logs / 'worker-2.log', 60)}"
+
+    # Finished stages reused, training resumed after the checkpoint the kill left, each rollout on record once.
+    reused = [f"{stage}: inputs, config and code unchanged; reusing" for stage in ("model", "preprocess")]
+    logs = _stage_logs(run.id, reused)
+    assert all(line in logs for line in reused), logs
+    trained = json.loads((workdir / "manifests" / "train.json").read_text())
+    assert trained["counts"]["start_rollout_id"] == killed_at + 1
+    assert trained["counts"]["rollouts_run"] == num_rollout - (killed_at + 1)
+    assert trained["outputs"]["checkpoint"].endswith(f"iter_{num_rollout - 1:07d}")
+    lines = [json.loads(line) for line in (workdir / "train" / "rollouts.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in lines if "rollout/reward_mean" in r]
+    # Each once, the resumed ones all there. The checkpointed rollout itself may lack its line: the loop reports a
+    # rollout after its save, weight update and eval, and the kill can land between the save and the report.
+    assert steps == sorted(set(steps)) and set(range(killed_at + 1, num_rollout)) <= set(steps) <= set(range(num_rollout)), \
+        steps
+
+    # What the stages published: links to their manifests, the reward curve, the eval scores.
+    with get_client(sync_client=True) as client:
+        subflows = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id])))
+        ids = [r.id for r in subflows if r.state is not None and r.state.is_completed()]
+        artifacts = {a.key: a for a in client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=ids)))}
+    manifest = workdir / "manifests" / "train.json"
+    assert artifacts["slimeflow-train-manifest"].data == f"[{manifest}]({manifest.resolve().as_uri()})"  # markdown
+    curve = artifacts["slimeflow-train-reward-curve"]
+    assert curve.type == "image" and curve.data.startswith("data:image/png;base64,")
+    assert base64.b64decode(curve.data.split(",", 1)[1]) == (workdir / "train" / "reward_curve.png").read_bytes()
+    table = artifacts["slimeflow-evaluate-eval"]
+    rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+    evaluated = json.loads((workdir / "manifests" / "evaluate.json").read_text())["metrics"]
+    assert {(r["set"], r["metric"]): r["score"] for r in rows} == {
+        tuple(key.split("/")[1:]): value for key, value in evaluated.items() if key.startswith("eval/")}
+    assert ("increment", "avg_at_1") in {(r["set"], r["metric"]) for r in rows}
+
+    # A rerun of the finished pipeline on the worker (the UI's "Run" again) reuses every stage and rewrites no
+    # manifest (the worker's pipeline-and-rerun test, merged here: its stages were model, convert and preprocess).
+    stages = ("model", "preprocess", "train", "evaluate")
+    first = {stage: (workdir / "manifests" / f"{stage}.json").stat().st_mtime_ns for stage in stages}
+    rerun = _run_pipeline(config, services)
+    assert {stage: (workdir / "manifests" / f"{stage}.json").stat().st_mtime_ns for stage in stages} == first, (
+        "a rerun with unchanged inputs rewrote a manifest")
+    reused = [f"{stage}: inputs, config and code unchanged; reusing" for stage in stages]
+    logs = _stage_logs(rerun.id, reused)
+    assert all(line in logs for line in reused), logs
