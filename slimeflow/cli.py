@@ -32,7 +32,7 @@ from slimeflow.config.train import TrainConfig
 from slimeflow.config.train_validation import slime_megatron_differences
 from slimeflow.config.yaml_file import read_yaml
 from slimeflow.errors import ConfigError, StageInputError
-from slimeflow.supervise import adopt_orphans, kill_descendants
+from slimeflow.supervise import kill_descendants
 
 EXIT_CONFIG = 2
 CONVERT_DIRECTIONS = ("hf-to-torch-dist", "torch-dist-to-hf")
@@ -135,7 +135,6 @@ def _execute(config) -> int:
     from slimeflow.flows.runner import run_pipeline
 
     previous = {signum: signal.signal(signum, _stop_run) for signum in (signal.SIGTERM, signal.SIGHUP)}
-    adopt_orphans()  # a stopped run's leftovers stay ours to kill, even those whose parent died first
     try:
         manifests = run_pipeline(config)
     except Exception as err:  # the flow already logged the traceback; the user gets one clear line

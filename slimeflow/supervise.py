@@ -21,7 +21,6 @@ from contextlib import contextmanager
 import psutil
 
 _PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
 PARENT_POLL_S = 1.0
 """How often die_with_parent's watcher thread looks for its parent (a graceful stop comes this much late at most)."""
 
@@ -73,15 +72,6 @@ def dies_with_this_process() -> Callable[[], None]:
     starts it). prctl is looked up here, in the parent: the child between fork and exec only calls it."""
     _prctl()
     return functools.partial(die_with_parent, os.getpid())
-
-
-def adopt_orphans() -> None:
-    """Have this process inherit the orphans of its descendants (Linux's PR_SET_CHILD_SUBREAPER) instead of init, so
-    that kill_descendants still finds a grandchild whose own parent died first (Ray's agents, once their raylet is
-    killed). Off Linux it does nothing."""
-    prctl = _prctl()
-    if prctl is not None and prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
 def kill_descendants() -> None:

@@ -247,8 +247,8 @@ def test_with_fault_tolerance_the_loop_survives_an_sglang_server_killed_mid_roll
         placement.actor_group.update_weights(version=1)
         _, metrics_1, rows_1 = placement.rollout_manager.generate(1)
         after = call(manager.engine_locations.remote(), "engine locations")["engines"][0]
-        recoveries = call(manager.__ray_call__.remote(lambda self: self.monitor.recoveries), "recoveries")
-        log = call(manager.__ray_call__.remote(lambda self: ray.get(self.engines.processes[0].actor.log_tail.remote())),
+        recoveries = call(manager.__ray_call__.remote(lambda self: self.rollouts.monitor.recoveries), "recoveries")
+        log = call(manager.__ray_call__.remote(lambda self: ray.get(self.rollouts.engines.processes[0].actor.log_tail.remote())),
                    "the engine's log")
     finally:
         placement.shutdown()
@@ -283,7 +283,7 @@ def test_colocated_sglang_servers_take_sglangs_tensor_body_from_the_trainer(clus
     def perturb(self: Any) -> None:
         noise = torch.Generator().manual_seed(0)
         with torch.no_grad():
-            for p in self.backend.model.parameters():
+            for p in self.trainer.backend.model.parameters():
                 p.add_(0.05 * torch.randn(p.shape, generator=noise))
 
     config, ctx = train_config(tmp_path, **{
@@ -294,8 +294,8 @@ def test_colocated_sglang_servers_take_sglangs_tensor_body_from_the_trainer(clus
     placement = create_placement(config, rollout_setup(config, ctx), total_steps=2, scratch=tmp_path)
     trainer = placement.actor_group.actors[0]
     try:
-        transport = call(trainer.__ray_call__.remote(lambda self: (self.weight_sync.transport,
-                                                                   self.weight_sync.targets.sglang)), "transport")
+        transport = call(trainer.__ray_call__.remote(lambda self: (self.trainer.weight_sync.transport,
+                                                                   self.trainer.weight_sync.targets.sglang)), "transport")
         engine = call(placement.rollout_manager.actor.engine_locations.remote(), "engine locations")["engines"][0]
         placement.actor_group.update_weights(version=0)
         batch, _, _ = placement.rollout_manager.generate(0)
@@ -304,7 +304,7 @@ def test_colocated_sglang_servers_take_sglangs_tensor_body_from_the_trainer(clus
         placement.actor_group.update_weights(version=1)
         batch_1, metrics_1, _ = placement.rollout_manager.generate(1)
         trained_1 = placement.actor_group.train(1, batch_1)
-        buckets = call(trainer.__ray_call__.remote(lambda self: self.weight_sync.buckets_sent), "buckets sent")
+        buckets = call(trainer.__ray_call__.remote(lambda self: self.trainer.weight_sync.buckets_sent), "buckets sent")
     finally:
         placement.shutdown()
     assert transport == ("ipc", True) and buckets > 2

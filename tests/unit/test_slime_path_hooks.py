@@ -23,7 +23,7 @@ from slimeflow.rollout.slime_data_source import PluginDataSource
 from slimeflow.rollout.slime_plugins import slime_args
 from slimeflow.slime_compat.utils.types import Sample as SlimeSample
 from slimeflow.stages.train import loop
-from slimeflow.stages.train.rollout_manager import RolloutManager
+from slimeflow.stages.train.rollouts import Rollouts
 from slimeflow.stages.train.stage import plugin_problems
 from slimeflow.train.loss import LossNormalizer, compute_loss, load_custom_pg_loss_reducer
 
@@ -75,14 +75,14 @@ def test_a_slime_data_source_feeds_the_rollout_and_takes_back_its_aborted_groups
 
 def test_a_resumed_run_continues_the_slime_data_source(tmp_path):
     cfg = _with_custom(tmp_path)
-    manager = RolloutManager.__new__(RolloutManager)  # its data state only: no engine
+    manager = Rollouts.__new__(Rollouts)  # its data state only: no engine
     manager.data, manager.in_flight = plugin_source(cfg), {}
     manager.data.get_groups(2)
     manager.data.add_groups([manager.data.get_groups(1)[0]], rollout_id=3)  # c3 aborted in rollout 3
     state = manager.state_dict(trained=3)  # the checkpoint of rollout 3: the class's save(3)
     assert state == {"data_source_rollout_id": 3} and (tmp_path / "rollout" / "list_source_3.json").is_file()
 
-    restored = RolloutManager.__new__(RolloutManager)
+    restored = Rollouts.__new__(Rollouts)
     restored.data, restored.in_flight = plugin_source(cfg), {}
     restored.load_state_dict(state)  # the class's load(3), as slime's load(start_rollout_id - 1)
     expected = [[(s.group_index, s.prompt) for s in g] for g in manager.data.get_groups(3)]
@@ -203,7 +203,8 @@ def test_slimes_default_class_means_slimeflows_data_source_and_its_base_classes_
 def test_the_rollout_manager_builds_the_class_and_leaves_prompt_data_to_it(tmp_path):
     from slimeflow.io.storage import Storage
     from slimeflow.rollout.raw_data import prepare_data
-    from slimeflow.stages.train.rollout_manager import RolloutSetup, _data_source
+    from slimeflow.stages.train.rollout_manager import RolloutSetup
+    from slimeflow.stages.train.rollouts import _data_source
 
     raw = tmp_path / "prompts.jsonl"
     raw.write_text('{"input": "x"}\n')  # raw data: slimeflow would preprocess it for its own data source
