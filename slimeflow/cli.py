@@ -12,6 +12,8 @@ import argparse
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 
@@ -35,6 +37,9 @@ from slimeflow.errors import ConfigError, StageInputError
 from slimeflow.supervise import kill_descendants
 
 EXIT_CONFIG = 2
+STOP_DEADLINE_S = 8.0
+"""How long a run stopped by SIGTERM or SIGHUP may take to unwind before the driver kills what it started and
+exits anyway."""
 CONVERT_DIRECTIONS = ("hf-to-torch-dist", "torch-dist-to-hf")
 
 
@@ -126,7 +131,22 @@ class Stopped(KeyboardInterrupt):
 
 def _stop_run(signum: int, frame) -> None:
     signal.signal(signum, signal.SIG_DFL)  # a second one ends the driver at once (its children die with it)
+    _exit_by_deadline(128 + signum)
     raise Stopped(signum)
+
+
+def _exit_by_deadline(code: int) -> None:
+    """End the driver STOP_DEADLINE_S from now if the unwinding has not: an exception raised from a signal handler
+    can land inside a library's own locking (it was seen inside MLflow's first migrations) and hang there."""
+
+    def deadline() -> None:
+        time.sleep(STOP_DEADLINE_S)
+        print(f"slimeflow: the run did not stop within {STOP_DEADLINE_S:g} s; killing what it started",
+              file=sys.stderr)
+        kill_descendants()
+        os._exit(code)
+
+    threading.Thread(target=deadline, name="stop-deadline", daemon=True).start()
 
 
 def _execute(config) -> int:
