@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import httpx
+from prefect.logging.handlers import APILogWorker
 from prefect.settings import (
     PREFECT_API_URL,
     PREFECT_SERVER_ANALYTICS_ENABLED,
@@ -69,6 +70,8 @@ def ephemeral_server(timeout_s: float) -> Iterator[str]:
         _wait_healthy(server, url, timeout_s)
         with temporary_settings(updates={PREFECT_API_URL: url}):
             yield url
+            # The run's last log lines reach the server before it stops ("Error logging to API" otherwise).
+            APILogWorker.drain_all(timeout=_STOP_GRACE_S, at_exit=False)
     finally:
         server.terminate()
         try:
