@@ -33,7 +33,7 @@ from slimeflow.io.guard import claim_root
 from slimeflow.io.manifest import Manifest, content_hash
 from slimeflow.io.prompts import PromptDataset, open_prompt_sets
 from slimeflow.io.sinks import close_sinks, fan_out, open_sinks
-from slimeflow.io.storage import join
+from slimeflow.io.storage import is_local, join, local_path
 from slimeflow.rollout.plugins import load_plugin
 from slimeflow.rollout.raw_data import PreparedSet, manifest_entries, prepare_data
 from slimeflow.stages.base import StageContext
@@ -147,16 +147,16 @@ def preflight(config: TrainConfig) -> list[str]:
     if config.debug.debug_train_only and config.debug.load_debug_rollout_data:
         problems += replay_problems(config)
     hf = config.checkpoint.hf_checkpoint
-    if hf is not None and "://" not in hf and not Path(hf, "config.json").is_file():
+    if hf is not None and is_local(hf) and not (local_path(hf) / "config.json").is_file():
         problems.append(f"--hf-checkpoint {hf} has no config.json")
     ref = config.checkpoint.ref_load
-    if ref is not None and "://" not in ref and not Path(ref).exists():
+    if ref is not None and is_local(ref) and not local_path(ref).exists():
         problems.append(f"--ref-load {ref} does not exist")
     prompts = config.data.prompt_data if config.data.data_source_path is None else None  # else the class reads it
     sets = {"--prompt-data": prompts,
             **{f"--eval-prompt-data {name}": uri for name, uri in config.eval.eval_prompt_data.items()}}
     problems += [f"{flag} {uri} does not exist" for flag, uri in sets.items()
-                 if uri is not None and "://" not in uri and not Path(uri).exists()]
+                 if uri is not None and is_local(uri) and not local_path(uri).exists()]
     return problems
 
 
