@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -26,3 +30,14 @@ def wait_until_gone(session: int, timeout: float, poll: float = 0.1) -> None:
         if time.monotonic() >= deadline:
             raise AssertionError(f"processes {alive} of session {session} still run after {timeout} s")
         time.sleep(poll)
+
+
+def kill_session(leader: subprocess.Popen) -> None:
+    """SIGKILL every live process of the session `leader` (started with start_new_session=True) leads, and reap it:
+    a test's cleanup, whatever the test left."""
+    for pid in session_processes(leader.pid):
+        with contextlib.suppress(ProcessLookupError):  # exited since it was listed
+            os.kill(pid, signal.SIGKILL)
+    if leader.poll() is None:
+        leader.kill()
+        leader.wait()

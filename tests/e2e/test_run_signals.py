@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from process_sessions import session_processes, wait_until_gone
+from process_sessions import kill_session, session_processes, wait_until_gone
 
 ROOT = Path(__file__).resolve().parents[2]
 READY_S = 300
@@ -85,8 +85,4 @@ def test_a_signal_to_the_driver_alone_leaves_no_process_and_no_shared_memory(sig
         left = sorted(s for s in segments if os.path.exists(s))
         assert not left, f"/dev/shm segments of the run left after {GONE_S} s: {left}"
     finally:
-        for pid in session_processes(driver.pid):
-            os.kill(pid, signal.SIGKILL)
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
+        kill_session(driver)

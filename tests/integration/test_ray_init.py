@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from process_sessions import session_processes
+from process_sessions import kill_session, session_processes
 
 PROBE = """
 import signal, sys
@@ -71,8 +71,4 @@ def test_a_hosts_sigterm_handler_survives_ray_init_and_a_group_sigterm_leaves_no
         assert not session_processes(probe.pid), err.read_text()[-3000:]
         assert "stopped" in out.read_text().splitlines(), err.read_text()[-3000:]
     finally:
-        for pid in session_processes(probe.pid):
-            os.kill(pid, signal.SIGKILL)
-        if probe.poll() is None:
-            probe.kill()
-            probe.wait()
+        kill_session(probe)
