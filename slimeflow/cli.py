@@ -34,7 +34,7 @@ from slimeflow.config.train import TrainConfig
 from slimeflow.config.train_validation import slime_megatron_differences
 from slimeflow.config.yaml_file import read_yaml
 from slimeflow.errors import ConfigError, StageInputError
-from slimeflow.supervise import kill_descendants
+from slimeflow.supervise import kill_descendants, reaped_with_this_process
 
 EXIT_CONFIG = 2
 STOP_DEADLINE_S = 8.0
@@ -121,8 +121,10 @@ def _load(command: str, rest: list[str], only_stage: str | None):
 
 
 class Stopped(KeyboardInterrupt):
-    """The driver got SIGTERM or SIGHUP: raised where it runs, so that, as for SIGINT, every `finally` of the run
-    stops what it started (Ray, engines, Prefect's ephemeral server) before the driver exits."""
+    """The driver got SIGTERM, SIGHUP or SIGINT: raised where it runs (a KeyboardInterrupt, as Python's own SIGINT
+    is), so that every `finally` of the run stops what it started (Ray, engines, Prefect's ephemeral server) before
+    the driver exits, within STOP_DEADLINE_S (SIGINT too: a fresh-clone run under load 7 was still unwinding 15 s
+    after Python's own KeyboardInterrupt)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
@@ -154,9 +156,11 @@ def _execute(config) -> int:
 
     from slimeflow.flows.runner import run_pipeline
 
-    previous = {signum: signal.signal(signum, _stop_run) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    stops = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+    previous = {signum: signal.signal(signum, _stop_run) for signum in stops}
     try:
-        manifests = run_pipeline(config)
+        with reaped_with_this_process():  # a SIGKILLed driver: what its children started is killed too
+            manifests = run_pipeline(config)
     except Exception as err:  # the flow already logged the traceback; the user gets one clear line
         print(f"slimeflow: the run failed: {type(err).__name__}: {err}", file=sys.stderr)
         return 1

@@ -2,8 +2,10 @@
 engine), and words for how a child ended.
 
 A parent killed leaves its children running; die_with_parent closes that gap, by the kernel where it can
-(Linux's PR_SET_PDEATHSIG), else by a thread that watches for the parent's end. And `periodically`, a small
-ticking thread for work beside a body (torch_dist's write-behind).
+(Linux's PR_SET_PDEATHSIG), else by a thread that watches for the parent's end. What a child starts in turn (Ray's
+agents under its raylet) is out of that reach: `reaped_with_this_process` keeps a watcher beside the run that kills
+every descendant it has seen once the run is gone. And `periodically`, a small ticking thread for work beside a body
+(torch_dist's write-behind).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import secrets
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -83,6 +87,71 @@ def kill_descendants() -> None:
             continue
 
 
+REAP_POLL_S = 0.5
+"""How often the reaper lists the watched process's descendants."""
+REAP_TOKEN = "SLIMEFLOW_REAP_TOKEN"
+"""The environment variable that marks every process a reaped run starts, and what they start in turn."""
+
+
+@contextmanager
+def reaped_with_this_process() -> Iterator[subprocess.Popen]:
+    """While the body runs, a watcher process (`python -m slimeflow.supervise PID TOKEN`) outlives this one if it is
+    killed, and then SIGKILLs what it started. For what die_with_parent cannot reach: grandchildren such as Ray's
+    dashboard and runtime-env agents, which outlived a SIGKILLed driver by up to 60 s (their own check of the raylet
+    waits on the dead GCS). A process is the run's if it was seen among this one's descendants (listed every
+    REAP_POLL_S) or carries the run's token in its environment (set here, so everything started in the body inherits
+    it: that covers one started and orphaned between two listings). Stopped when the body ends."""
+    token = f"{os.getpid()}-{secrets.token_hex(8)}"
+    previous = os.environ.get(REAP_TOKEN)
+    os.environ[REAP_TOKEN] = token
+    watcher = subprocess.Popen([sys.executable, "-m", "slimeflow.supervise", str(os.getpid()), token],
+                               stdin=subprocess.DEVNULL, close_fds=True)
+    try:
+        yield watcher
+    finally:
+        watcher.terminate()
+        watcher.wait()
+        if previous is None:
+            os.environ.pop(REAP_TOKEN, None)
+        else:
+            os.environ[REAP_TOKEN] = previous
+
+
+def reap_when_gone(pid: int, token: str | None = None, poll_s: float = REAP_POLL_S) -> list[int]:
+    """Watch `pid` until it ends (a zombie counts as ended), then SIGKILL the descendants it had and every process
+    whose environment holds REAP_TOKEN=`token`; the pids killed."""
+    seen: dict[int, float] = {}  # pid -> start time: a pid reused by another process after its own exit is spared
+    me = os.getpid()
+    try:
+        watched = psutil.Process(pid)
+        while watched.status() != psutil.STATUS_ZOMBIE:
+            for child in watched.children(recursive=True):
+                with _gone_is_fine():
+                    seen.setdefault(child.pid, child.create_time())
+            time.sleep(poll_s)
+    except psutil.NoSuchProcess:
+        pass
+    killed = []
+    for process in psutil.process_iter():
+        with _gone_is_fine():
+            if process.pid == me:
+                continue
+            ours = seen.get(process.pid) == process.create_time() or (
+                token is not None and process.environ().get(REAP_TOKEN) == token)
+            if ours:
+                process.kill()
+                killed.append(process.pid)
+    return killed
+
+
+@contextmanager
+def _gone_is_fine() -> Iterator[None]:
+    try:
+        yield
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        pass
+
+
 def _alive(pid: int) -> bool:
     """Whether a process `pid` exists (any user's)."""
     try:
@@ -131,3 +200,8 @@ def periodically(interval: float, tick: Callable[[], object], name: str) -> Iter
     finally:
         stop.set()
         thread.join()
+
+
+if __name__ == "__main__":  # the reaper of reaped_with_this_process
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the run ended normally: nothing to reap
+    reap_when_gone(int(sys.argv[1]), sys.argv[2])

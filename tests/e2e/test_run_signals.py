@@ -81,7 +81,10 @@ def test_a_signal_to_the_driver_alone_leaves_no_process_and_no_shared_memory(sig
         alive = _wait_ready(driver, log)
         segments = _shm_segments(alive)
         os.kill(driver.pid, signum)  # the pid alone, not its group
-        wait_until_gone(driver.pid, timeout=GONE_S)  # the driver too: once exited, it is a zombie until reaped
+        try:
+            wait_until_gone(driver.pid, timeout=GONE_S)  # the driver too: once exited, it is a zombie until reaped
+        except AssertionError as err:
+            raise AssertionError(f"{err}; the run's output ends:\n{log.read_text()[-3000:]}") from None
         left = sorted(s for s in segments if os.path.exists(s))
         assert not left, f"/dev/shm segments of the run left after {GONE_S} s: {left}"
     finally:

@@ -54,3 +54,43 @@ def test_a_child_is_stopped_gracefully_soon_after_its_parent_is_killed(tmp_path)
 def test_a_live_process_other_than_the_parent_is_refused():
     with pytest.raises(ValueError, match=rf"--parent-pid {os.getpid()} is not this process's parent"):
         die_with_parent(os.getpid(), stop=lambda: None)
+
+
+# A run that starts a child which starts a grandchild of its own (Ray's raylet and its agents), under the reaper.
+RUN = """
+import subprocess, sys, time
+from pathlib import Path
+from slimeflow.supervise import reaped_with_this_process
+with reaped_with_this_process():
+    child = subprocess.Popen(["sh", "-c", "sleep 300 & echo $! > " + sys.argv[1] + "; wait"])
+    time.sleep(300)
+"""
+
+
+def test_a_killed_run_takes_its_grandchildren_along(tmp_path):
+    grandchild_file = tmp_path / "grandchild"
+    run = subprocess.Popen([sys.executable, "-c", RUN, str(grandchild_file)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (grandchild_file.exists() and grandchild_file.read_text().strip()):
+            assert time.monotonic() < deadline, "the grandchild did not start"
+            time.sleep(0.05)
+        grandchild = int(grandchild_file.read_text())
+        run.kill()  # maybe before the reaper listed it: the run's token in its environment marks it
+        run.wait()
+        deadline = time.monotonic() + 10
+        while _running(grandchild) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(grandchild), "the grandchild outlived the killed run"
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
