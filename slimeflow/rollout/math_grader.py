@@ -23,9 +23,12 @@ from sympy.parsing import sympy_parser
 # --- boxed answers ---------------------------------------------------------------------------------------------
 
 
-def boxed_answer(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` in `text`, or None (no `\\boxed`, unbalanced, or not `\\boxed{`)."""
-    start = text.rfind("\\boxed")
+def last_boxed(text: str, markers: tuple[str, ...] = ("\\boxed", "\\fbox")) -> str | None:
+    """The last `\\boxed...{...}` span of `text` through the brace that balances its first `{`, or None (unbalanced).
+
+    `markers` are tried in turn; the first found decides (slime's math grader falls back to `\\fbox` only when there
+    is no `\\boxed`; its DAPO scorer looks for `\\boxed{` alone)."""
+    start = next((at for at in (text.rfind(marker) for marker in markers) if at >= 0), -1)
     if start < 0:
         return None
     depth = 0
@@ -35,9 +38,20 @@ def boxed_answer(text: str) -> str | None:
         elif text[i] == "}":
             depth -= 1
             if depth == 0:
-                span = text[start:i + 1]
-                return span[len("\\boxed{"):-1] if span.startswith("\\boxed{") else None
+                return text[start:i + 1]
     return None
+
+
+def unboxed(span: str | None) -> str | None:
+    """The content of a `\\boxed{...}` span, or None when `span` is not one (None, `\\fbox{...}`, `\\boxed 5`)."""
+    if not isinstance(span, str) or not span.startswith("\\boxed{") or not span.endswith("}"):
+        return None
+    return span[len("\\boxed{"):-1]
+
+
+def boxed_answer(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` in `text`, or None (no `\\boxed`, unbalanced, or not `\\boxed{`)."""
+    return unboxed(last_boxed(text))
 
 
 # --- Hendrycks' MATH normalisation (string equality after it) ----------------------------------------------------
@@ -88,7 +102,8 @@ def _slash_to_frac(text: str) -> str:
     return f"\\frac{{{num}}}{{{den}}}" if text == f"{num}/{den}" else text
 
 
-def _hendrycks_strip(text: str) -> str:
+def hendrycks_strip(text: str) -> str:
+    """Hendrycks' MATH string rewrites (slime's `_strip_string`); raises _Unchanged on what it cannot rewrite."""
     for old, new in (("\n", ""), ("\\!", ""), ("\\\\", "\\"), ("tfrac", "frac"), ("dfrac", "frac"),
                      ("\\left", ""), ("\\right", ""), ("^{\\circ}", ""), ("^\\circ", ""), ("\\$", "")):
         text = text.replace(old, new)
@@ -125,9 +140,14 @@ def hendrycks_normalize(answer: str | None) -> str | None:
     if wrapped:
         answer = wrapped.group("text").strip()
     try:
-        return _hendrycks_strip(answer)
+        return hendrycks_strip(answer)
     except _Unchanged:
         return answer
+
+
+def hendrycks_equal(given: str | None, truth: str | None) -> bool:
+    """Whether `given` and `truth` are the same text after Hendrycks' normalisation."""
+    return hendrycks_normalize(truth) == hendrycks_normalize(given)
 
 
 # --- the PRM800K grader ------------------------------------------------------------------------------------------
@@ -273,7 +293,7 @@ def prm800k_equal(given: str, truth: str | None) -> bool:
 
 def grade(given: str, truth: str | None) -> bool:
     """Whether `given` (a bare answer) is `truth`: Hendrycks-normalised text equal, or the PRM800K grader says so."""
-    return hendrycks_normalize(truth) == hendrycks_normalize(given) or prm800k_equal(given, truth)
+    return hendrycks_equal(given, truth) or prm800k_equal(given, truth)
 
 
 # --- DAPO / Minerva ----------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import copy
 import inspect
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -41,6 +41,11 @@ class RemoteReward:
         self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
 
     async def __call__(self, sample: Sample, reward_key: str | None = None) -> float:
+        return await self.ask(sample, lambda body: _reward_value(body, reward_key))
+
+    async def ask(self, sample: Sample, read: Callable[[Any], Any] = lambda body: body) -> Any:
+        """The server's JSON answer for `sample`, passed through `read`; a ValueError from `read` (a body that is not
+        a reward) counts as a failed attempt, like an HTTP error."""
         payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label,
                    "metadata": sample.metadata, "index": sample.index, "group_index": sample.group_index}
         last = ""
@@ -49,7 +54,7 @@ class RemoteReward:
                 async with httpx.AsyncClient(timeout=self.timeout_s) as client:
                     reply = await client.post(self.url, json=payload)
                 reply.raise_for_status()
-                return _reward_value(reply.json(), reward_key)
+                return read(reply.json())
             except (httpx.HTTPError, ValueError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
                 if attempt + 1 < self.retries:
@@ -198,9 +203,7 @@ class RewardScorer:
         return builtin_reward(rm_type, sample.response, sample.label, sample.metadata, self.judge, self._rng(sample))
 
     def _rng(self, sample: Sample) -> random.Random:
-        """rm_type random's generator for `sample`: seeded by (seed, sample), so a rerun draws the same rewards
-        whatever order the samples are scored in (slime draws from its rollout process's global generator)."""
-        return random.Random(f"{self.seed}:{sample.metadata.get(EVAL_SET, '')}:{sample.group_index}:{sample.index}")
+        return sample_rng(self.seed, sample)
 
     def reward_key(self, sample: Sample) -> str | None:
         """--reward-key, or for an eval sample --eval-reward-key (default --reward-key), as slime."""
@@ -219,6 +222,12 @@ class RewardScorer:
         if rm_type == "remote_rm" and self.remote is None:
             raise ValueError("rm_type remote_rm needs --rm-url (the reward server's URL)")
         return rm_type
+
+
+def sample_rng(seed: int, sample: Sample) -> random.Random:
+    """rm_type random's generator for `sample`: seeded by (seed, sample), so a rerun draws the same rewards
+    whatever order the samples are scored in (slime draws from its rollout process's global generator)."""
+    return random.Random(f"{seed}:{sample.metadata.get(EVAL_SET, '')}:{sample.group_index}:{sample.index}")
 
 
 async def _maybe_await(value: Any) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 
 from slimeflow.config.train_validation import refuse_unbuilt
 from slimeflow.rollout.answers import MathJudge
-from slimeflow.rollout.math_grader import boxed_answer, minerva_normalize
+from slimeflow.rollout.math_grader import boxed_answer, last_boxed, minerva_normalize, unboxed
 
 RewardValue = float | dict[str, Any]
 BuiltinReward = Callable[[str, Any, dict[str, Any], MathJudge], RewardValue]
@@ -67,23 +67,56 @@ def deepscaler_reward(response: str, label: Any, metadata: dict[str, Any], judge
     return float(truth is not None and judge.equal(given, truth))
 
 
-_DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+DAPO_ANSWER = r"(?i)Answer\s*:\s*([^\n]+)"
+"""Where DAPO reads a response's answer: the text after the last `Answer:` on its line."""
+
+
+def dapo_label(label: Any) -> str:
+    """A DAPO label as the integer text the prediction must equal (every DAPO answer is an integer)."""
+    truth = minerva_normalize(label)
+    try:
+        return str(int(float(truth)))
+    except (ValueError, OverflowError):
+        raise ValueError(f"rm_type 'dapo' compares integer answers, and the label {label!r} is not an integer "
+                         "(slime fails on it too); use rm_type math for other answers") from None
+
+
+def minerva_check(solution: str, label: Any, answer_pattern: str = DAPO_ANSWER) -> tuple[bool, str]:
+    """(correct, prediction): the last `answer_pattern` match of `solution`, Minerva-normalised ("[INVALID]" when
+    none), against the integer `label`."""
+    found = re.findall(answer_pattern, solution)
+    pred = minerva_normalize(found[-1] if found else "[INVALID]")
+    return pred == dapo_label(label), pred
+
+
+def strict_box_check(solution: str, label: Any, pause_tokens_index: list[int] | None = None
+                     ) -> tuple[bool, str | None]:
+    """(correct, prediction): the last `\\boxed{...}` of the final 100 characters of `solution` (of the 100 before
+    the last of 4 pause-token positions, when given), un-normalised, equal to `label` as it is."""
+    if pause_tokens_index is not None:
+        if len(pause_tokens_index) != 4:
+            raise ValueError(f"pause_tokens_index must hold 4 positions, got {pause_tokens_index!r}")
+        tail = solution[pause_tokens_index[-1] - 100:]
+    else:
+        tail = solution[-100:]
+    pred = unboxed(last_boxed(tail, ("\\boxed{",)))
+    return pred == label, pred
+
+
+def dapo_score(response: str, label: Any, strict_box: bool = False,
+               pause_tokens_index: list[int] | None = None) -> dict[str, Any]:
+    """DAPO on the final 300 characters of `response`: the Minerva check (or, with `strict_box`, the strict boxed
+    check). {"score": 1.0 or -1.0, "acc": bool, "pred": the prediction}, as slime's compute_score."""
+    tail = response[-300:]
+    correct, pred = strict_box_check(tail, label, pause_tokens_index) if strict_box else minerva_check(tail, label)
+    return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
 
 
 def dapo_reward(response: str, label: Any, metadata: dict[str, Any], judge: MathJudge) -> dict[str, Any]:
     """DAPO: the last `Answer: ...` line of the final 300 characters, Minerva-normalised, equal to the (integer)
     label. Returns {"score": 1.0 or -1.0, "acc": bool, "pred": the normalised answer}, as slime; the reward is
     `score` (--reward-key score, which slime's DAPO scripts pass, and our default for a dict without 'reward')."""
-    found = _DAPO_ANSWER.findall(response[-300:])
-    pred = minerva_normalize(found[-1] if found else "[INVALID]")
-    truth = minerva_normalize(label)
-    try:
-        truth = str(int(float(truth)))
-    except (ValueError, OverflowError):
-        raise ValueError(f"rm_type 'dapo' compares integer answers, and the label {label!r} is not an integer "
-                         "(slime fails on it too); use rm_type math for other answers") from None
-    correct = pred == truth
-    return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
+    return dapo_score(response, label)
 
 
 _PUNCTUATION = frozenset(string.punctuation)
@@ -91,23 +124,30 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _CLOSED_ANSWERS = ("yes", "no", "noanswer")
 
 
-def _squad_normalize(text: str) -> str:
+def squad_normalize(text: str) -> str:
+    """SQuAD's answer normalisation: lower case, no punctuation, no articles, single spaces."""
     text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
     return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def squad_f1(prediction: str, truth: str) -> tuple[float, float, float]:
+    """(F1, precision, recall) of the normalised tokens; (0, 0, 0) without a common token, or when a yes/no/noanswer
+    on either side is not matched exactly."""
+    pred, gold = squad_normalize(prediction), squad_normalize(truth)
+    if pred != gold and (pred in _CLOSED_ANSWERS or gold in _CLOSED_ANSWERS):
+        return 0.0, 0.0, 0.0
+    pred_tokens, gold_tokens = pred.split(), gold.split()
+    common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+    if common == 0:
+        return 0.0, 0.0, 0.0
+    precision, recall = common / len(pred_tokens), common / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall), precision, recall
 
 
 def f1_reward(response: str, label: Any, metadata: dict[str, Any], judge: MathJudge) -> float:
     """SQuAD token F1 between the whole response and the label (lower case, no punctuation or articles); a yes/no/
     noanswer on either side must match exactly."""
-    pred, truth = _squad_normalize(response), _squad_normalize(_label_text(label, "f1"))
-    if pred != truth and (pred in _CLOSED_ANSWERS or truth in _CLOSED_ANSWERS):
-        return 0.0
-    pred_tokens, truth_tokens = pred.split(), truth.split()
-    common = sum((Counter(pred_tokens) & Counter(truth_tokens)).values())
-    if common == 0:
-        return 0.0
-    precision, recall = common / len(pred_tokens), common / len(truth_tokens)
-    return 2 * precision * recall / (precision + recall)
+    return squad_f1(response, _label_text(label, "f1"))[0]
 
 
 _GPQA_PATTERNS = tuple(re.compile(p, re.IGNORECASE) for p in (
@@ -116,6 +156,8 @@ _GPQA_PATTERNS = tuple(re.compile(p, re.IGNORECASE) for p in (
     r"final\s*(?:answer|option)\s*(?:is|:)?\s*([A-Z])",
 ))
 _LONE_CAPITAL = re.compile(r"\b([A-Z])\b")
+GPQA_LETTERS = tuple(string.ascii_uppercase[:10])
+"""The option letters of a GPQA question whose metadata names neither its letters nor its choices (A-J)."""
 
 
 def _after_reasoning(text: str) -> str:
@@ -152,7 +194,7 @@ def gpqa_reward(response: str, label: Any, metadata: dict[str, Any], judge: Math
     if metadata.get("valid_letters"):
         letters = [str(letter).upper() for letter in metadata["valid_letters"]]
     else:
-        letters = list(string.ascii_uppercase[:len(choices)] if choices else string.ascii_uppercase[:10])
+        letters = list(string.ascii_uppercase[:len(choices)]) if choices else list(GPQA_LETTERS)
     correct = metadata.get("correct_letter")
     correct = correct.strip().upper() if isinstance(correct, str) else None
     label_text = None

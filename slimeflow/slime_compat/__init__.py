@@ -30,6 +30,12 @@ PROVIDED = (
     "slime.rollout.filter_hub",
     "slime.rollout.filter_hub.base_types",
     "slime.rollout.filter_hub.dynamic_sampling_filters",
+    "slime.rollout.rm_hub",
+    "slime.rollout.rm_hub.math_utils",
+    "slime.rollout.rm_hub.math_dapo_utils",
+    "slime.rollout.rm_hub.deepscaler",
+    "slime.rollout.rm_hub.f1",
+    "slime.rollout.rm_hub.gpqa",
 )
 """The slime modules slimeflow provides (what slime's plug-ins import)."""
 
