@@ -54,6 +54,23 @@ def read_custom_config(path: str, config_class: type[BaseModel]) -> tuple[dict[s
     return flags, custom
 
 
+def custom_config_record(path: str, config_class: type[BaseModel]) -> dict[str, Any]:
+    """What the file at `path` set, for the manifest and the MLflow params: its path, the flags it set by dotted
+    config path (`algorithm.lr`), and the plug-in settings."""
+    flags, custom = read_custom_config(path, config_class)
+    return {"path": path, "flags": _dotted(flags), "settings": custom}
+
+
+def _dotted(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def overridden(given: Mapping[str, Any], flags: Mapping[str, Any], config_class: type[BaseModel],
                ) -> dict[str, tuple[Any, Any]]:
     """What the file's flag keys (read_custom_config's `flags` tree) change, by key: (the value the flag had in

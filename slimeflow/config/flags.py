@@ -9,6 +9,7 @@ passed through to SGLang, `--router-X` flags to sglang-router. A flag that the t
 from __future__ import annotations
 
 import argparse
+import logging
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,8 @@ from pydantic import BaseModel, ValidationError
 
 from slimeflow.config.slime_flags import deferred, explain_unknown
 from slimeflow.errors import ConfigError
+
+log = logging.getLogger("slimeflow.config")
 
 Kind = Literal["bool", "list", "pairs", "scalar"]
 SGLANG_PREFIX = "--sglang-"
@@ -180,17 +183,17 @@ def parse_flags(argv: Sequence[str], index: FlagIndex, *, prog: str = "slimeflow
                 continue
         set_path(overrides, leaf.path, value)
     problems += _extras(extras, index, overrides)
-    problems += _given_twice(argv, index)
+    _note_given_twice(argv, index, prog)
     if problems:
         raise ConfigError(problems, "command line")
     return overrides
 
 
-def _given_twice(argv: Sequence[str], index: FlagIndex) -> list[str]:
-    """A one-value flag given twice with different values (argparse would keep the last one silently).
-    List flags (--input a --input b) add up and may repeat; the same value twice is harmless."""
+def _note_given_twice(argv: Sequence[str], index: FlagIndex, prog: str) -> None:
+    """A one-value flag given several times with different values: the last one stands, as argparse (and so slime)
+    keeps it, and slime's scripts rely on that (a model script's --moe-token-dispatcher-type, overridden by the run
+    script's); logged once, with every value, so that it is not silent. List flags (--input a --input b) add up."""
     seen: dict[str, list[str]] = {}
-    problems: list[str] = []
     flag: str | None = None
     for token in argv:
         if token.startswith("--"):
@@ -205,8 +208,8 @@ def _given_twice(argv: Sequence[str], index: FlagIndex) -> list[str]:
     for name, values in seen.items():
         if len(set(values)) > 1:
             shown = ", ".join(v or "(no value)" for v in values)
-            problems.append(f"{name} is given {len(values)} times with different values ({shown}); give it once")
-    return problems
+            log.warning("%s: %s is given %d times (%s); the last, %s, stands", prog, name, len(values), shown,
+                        values[-1] or "(no value)")
 
 
 def _pairs(flag: str, values: list[str]) -> tuple[dict[str, str], str | None]:

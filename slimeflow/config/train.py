@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field, ModelWrapValidatorHandler, PrivateAttr, m
 
 from slimeflow.config import train_validation as checks
 from slimeflow.config.base import ConfigModel, OptionalPositiveInt, PluginPath, PositiveInt, validate_derived
-from slimeflow.config.custom_config import read_custom_config
+from slimeflow.config.custom_config import custom_config_record, read_custom_config
 from slimeflow.config.flags import FlagIndex, merge
 from slimeflow.config.megatron import MegatronConfig
 from slimeflow.config.megatron_roles import actor_overrides
@@ -445,6 +445,12 @@ class TrainConfig(ConfigModel):
     def custom_args(self) -> dict[str, Any]:
         """The plug-in settings of --custom-config-path (its keys that are not flags): attributes of slime's args."""
         return dict(self._custom_args)
+
+    @property
+    def custom_config(self) -> dict[str, Any]:
+        """What --custom-config-path's file set (custom_config.custom_config_record), {} without one: recorded in the
+        train manifest and the MLflow params."""
+        return custom_config_record(self.custom_config_path, type(self)) if self.custom_config_path else {}
 
     @model_validator(mode="wrap")
     @classmethod

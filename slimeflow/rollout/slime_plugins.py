@@ -41,8 +41,23 @@ SLIME_DEFAULTS: dict[str, Any] = {
 }
 
 
+_names_read: set[str] = set()
+"""Every attribute plug-ins of this process read from their `args`: a --custom-config-path setting none of them
+read is reported as unused (settings_read)."""
+
+
+def settings_read() -> list[str]:
+    """The `args` attributes read in this process so far (sorted)."""
+    return sorted(_names_read)
+
+
 class SlimeArgs(SimpleNamespace):
-    """slime's `args` namespace; an attribute slimeflow does not have says why (a slime flag it refuses, or none)."""
+    """slime's `args` namespace; an attribute slimeflow does not have says why (a slime flag it refuses, or none).
+    The names read are remembered (settings_read)."""
+
+    def __getattribute__(self, name: str) -> Any:
+        _names_read.add(name)
+        return super().__getattribute__(name)
 
     def __getattr__(self, name: str) -> Any:
         flag = "--" + name.replace("_", "-")

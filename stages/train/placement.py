@@ -113,6 +113,9 @@ class RolloutManagerHandle:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         call(self.actor.load_state_dict.remote(state), "restoring the data-source state")
 
+    def plugin_settings_read(self) -> list[str]:
+        return call(self.actor.plugin_settings_read.remote(), "asking which plug-in settings were read")
+
     def shutdown(self) -> None:
         call(self.actor.shutdown.remote(), "stopping the rollout engines")
 
@@ -160,6 +163,10 @@ class ActorGroup:
     def save(self, rollout_id: int, extra_state: dict[str, Any]) -> str:
         return self._all("save", rollout_id, extra_state, what=f"saving checkpoint {rollout_id}")[0]
 
+    def plugin_settings_read(self) -> list[str]:
+        return sorted({name for names in self._all("plugin_settings_read", what="asking which plug-in settings "
+                                                   "were read") for name in names})
+
     def update_weights(self, version: int) -> None:
         """Rank 0 pushes the policy (gathered from the ranks' shards, if sharded) to every engine as `version`."""
         if self.pushes_weights:
@@ -190,6 +197,9 @@ class NoTrainer:
     def update_weights(self, version: int) -> None:
         pass
 
+    def plugin_settings_read(self) -> list[str]:
+        return []
+
 
 @dataclass
 class Placement:
@@ -200,6 +210,14 @@ class Placement:
     actor_group: ActorGroup | NoTrainer
     group: PlacedGroup | None = None
     """The placement group on a GPU cluster (None on a CPU)."""
+
+    def unused_settings(self) -> list[str]:
+        """The --custom-config-path settings (keys that are not flags) no plug-in of the run has read so far."""
+        custom = self.config.custom_args
+        if not custom:
+            return []
+        read = {*self.rollout_manager.plugin_settings_read(), *self.actor_group.plugin_settings_read()}
+        return sorted(set(custom) - read)
 
     def shutdown(self) -> None:
         try:

@@ -94,6 +94,9 @@ class RolloutManager:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.rollouts.load_state_dict(state)
 
+    def plugin_settings_read(self) -> list[str]:
+        return self.rollouts.plugin_settings_read()
+
     def shutdown(self) -> None:
         self.rollouts.shutdown()
 
@@ -122,6 +125,9 @@ class ReplayRolloutManager:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.rollouts.load_state_dict(state)
+
+    def plugin_settings_read(self) -> list[str]:
+        return self.rollouts.plugin_settings_read()
 
     def shutdown(self) -> None:
         self.rollouts.shutdown()

@@ -28,7 +28,7 @@ from slimeflow.rollout.rewards import RewardScorer
 from slimeflow.rollout.rollout import OLDEST_WEIGHT_VERSION, RolloutContext, generate_rollout, sampling_params
 from slimeflow.rollout.slime_data_source import PluginDataSource
 from slimeflow.rollout.slime_plugins import buffer_filter as slime_buffer_filter
-from slimeflow.rollout.slime_plugins import slime_args
+from slimeflow.rollout.slime_plugins import settings_read, slime_args
 from slimeflow.rollout.slime_rollout_functions import run_eval_function, run_rollout_function
 from slimeflow.rollout.slime_rollout_hooks import train_batch
 from slimeflow.rollout.types import PackedBatch, Sample
@@ -258,6 +258,10 @@ class Rollouts:
         saved = [saved] if isinstance(saved, Mapping) else saved  # one rollout: before --async-buffer-size
         self.in_flight = {int(data["rollout_id"]): InFlight.from_dict(data) for data in saved}
 
+    def plugin_settings_read(self) -> list[str]:
+        """The `args` attributes this process's plug-ins read (slime_plugins.settings_read)."""
+        return settings_read()
+
     def shutdown(self) -> None:
         self.scorer.close()
         self.loop.run_until_complete(self.engines.aclose())
@@ -339,6 +343,10 @@ class ReplayRollouts:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         pass
+
+    def plugin_settings_read(self) -> list[str]:
+        """The `args` attributes this process's plug-ins read (slime_plugins.settings_read)."""
+        return settings_read()
 
     def shutdown(self) -> None:
         pass

@@ -68,13 +68,17 @@ def run(config: TrainConfig, ctx: StageContext) -> Manifest:
                 init_ray(ctx.ray_address)  # inside: a signal while Ray starts must not leave it to ray.shutdown
                 placement = create_placement(config, setup, total_steps, scratch_dir(ctx.workdir), run_token)
                 result = (async_loop if config.placement.async_ else loop).train(placement, num_rollout, history)
+                unused = placement.unused_settings()
+                if unused:
+                    log.warning("--custom-config-path %s: no plug-in read %s; check the spelling against what "
+                                "your plug-ins read from args", config.custom_config_path, ", ".join(unused))
         finally:
             if placement is not None and not local_ray_stopped():  # killed: nothing left to stop or ask
                 with stopping_local_ray_on_termination():
                     placement.shutdown()
     finally:
         close_sinks(sinks)
-    return manifest(config, ctx, result, history, prepared)
+    return manifest(config, ctx, result, history, prepared, unused)
 
 
 def with_defaults(config: TrainConfig, ctx: StageContext) -> TrainConfig:
@@ -323,10 +327,11 @@ def _rewrite(path: Path, records: list[dict[str, Any]]) -> None:
 
 
 def manifest(config: TrainConfig, ctx: StageContext, result: loop.LoopResult, history: RolloutLog,
-             prepared: dict[str, PreparedSet] | None = None) -> Manifest:
+             prepared: dict[str, PreparedSet] | None = None, unused_settings: list[str] | None = None) -> Manifest:
     """The latest checkpoint with the run's figures (with --debug-rollout-only, no trainer: the figures alone); raw
     data sets add their counts (data.SET.rows_in, .quarantined, ...) and where their prompt parquet, quarantine and
-    preprocess manifest are (outputs data.SET.*)."""
+    preprocess manifest are (outputs data.SET.*). What --custom-config-path set is fact `custom_config`, with the
+    settings no plug-in read (`unused`)."""
     root = config.checkpoint.save
     outputs = {"hf_checkpoint": config.checkpoint.hf_checkpoint, "rollouts": str(history.path),
                "row_ids": str(history.path.with_name("row_ids.jsonl"))}
@@ -352,6 +357,8 @@ def manifest(config: TrainConfig, ctx: StageContext, result: loop.LoopResult, hi
                 **data_counts},
         hashes={"content": content_hash(records)},
         facts={"eval_first": evals[0][1] if evals else {}, "eval_last": evals[-1][1] if evals else {},
-               "last_metrics": result.last_metrics},
+               "last_metrics": result.last_metrics,
+               **({"custom_config": {**config.custom_config, "unused": unused_settings or []}}
+                  if config.custom_config_path else {})},
         config=config.model_dump(mode="json"),
     )

@@ -53,3 +53,6 @@ class TrainActor:
 
     def save(self, rollout_id: int, extra_state: dict[str, Any]) -> str:
         return self.trainer.save(rollout_id, extra_state)
+
+    def plugin_settings_read(self) -> list[str]:
+        return self.trainer.plugin_settings_read()

@@ -19,6 +19,7 @@ import torch
 from slimeflow.config.train import TrainConfig
 from slimeflow.io.guard import check_owner
 from slimeflow.offload import StateOffload
+from slimeflow.rollout.slime_plugins import settings_read
 from slimeflow.stages.train.engines import WeightTargets
 from slimeflow.stages.train.heap import freeze_startup_heap
 from slimeflow.stages.train.weight_sync import WeightSync
@@ -134,6 +135,10 @@ class Trainer:
                 await sync.aclose()
 
         return self.loop.run_until_complete(push())
+
+    def plugin_settings_read(self) -> list[str]:
+        """The `args` attributes this rank's plug-ins read (slime_plugins.settings_read)."""
+        return settings_read()
 
     def save(self, rollout_id: int, extra_state: dict[str, Any]) -> str:
         save = self.config.checkpoint.save

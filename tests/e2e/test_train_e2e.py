@@ -38,8 +38,12 @@ def test_pipeline_trains_evaluates_exports_and_a_rerun_skips_every_stage(prefect
 
     # Two data-parallel TrainActors (gloo), so the pipeline also runs the DP path: gradients all-reduced, every
     # rank in the collective save (the one after the last rollout: each save is a conversion process of its own).
+    # A custom config that sets a flag (to the value it has) and a setting no plug-in reads: both recorded.
+    custom = tmp_path / "custom.yaml"
+    custom.write_text("eval_interval: 2\nunread_setting: 1\n")
     train = demo_train(**{"num-rollout": 4, "rollout-batch-size": 4, "n-samples-per-prompt": 4,
-                          "eval-interval": 2, "save-interval": None, "actor-num-gpus-per-node": 2})
+                          "eval-interval": 2, "save-interval": None, "actor-num-gpus-per-node": 2,
+                          "custom-config-path": str(custom)})
     config = load_pipeline_config(pipeline_data(tmp_path, mlflow_uri, train))
     manifests = run_pipeline(config)
     assert list(manifests) == ["model", "convert", "preprocess", "train", "evaluate", "export"]
@@ -75,6 +79,10 @@ def test_pipeline_trains_evaluates_exports_and_a_rerun_skips_every_stage(prefect
     assert sorted(m.step for m in history) == [0, 1, 2, 3]
     assert client.get_metric_history(train_run.info.run_id, "pg_loss")
     assert train_run.data.tags["manifest_uri"].endswith("manifests/train.json")
+    assert trained["facts"]["custom_config"]["unused"] == ["unread_setting"]
+    assert {k: v for k, v in train_run.data.params.items() if k.startswith("custom_config.")} == {
+        "custom_config.path": str(custom), "custom_config.flags.eval.eval_interval": "2",
+        "custom_config.settings.unread_setting": "1"}
     # A stage's MLflow run is a child of the pipeline's, with its config as params and its figures as metrics.
     parent = next(r for r in runs if r.info.run_name == "e2e")
     stage = next(r for r in runs if r.info.run_name == "model")

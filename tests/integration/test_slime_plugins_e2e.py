@@ -19,7 +19,8 @@ def test_slime_plugins_train_unchanged(tmp_path, monkeypatch, slime_plugins_impo
     import slime_style_multi_turn as turns
 
     custom = tmp_path / "custom.yaml"
-    custom.write_text("data_source_prompts: [one plus one, two plus two, three plus three, four plus four]\n")
+    custom.write_text("data_source_prompts: [one plus one, two plus two, three plus three, four plus four]\n"
+                      "lr: 2.0e-6\nsettting_nobody_reads: 3\n")
     config, _ = train_config(tmp_path / "prep", **{
         "num-rollout": 2, "rollout-batch-size": 2, "n-samples-per-prompt": 2, "eval-interval": None,
         "rm-type": None, "custom-rm-path": "slime_style_hooks.parity_reward",
@@ -31,6 +32,12 @@ def test_slime_plugins_train_unchanged(tmp_path, monkeypatch, slime_plugins_impo
     records, _, manifest = run_stage(with_debug(config, save_debug_rollout_data=template), tmp_path / "run",
                                      monkeypatch)
     assert [r["step"] for r in records] == [0, 1] and all(r["grad_norm"] > 0 for r in records)
+    # What the file set is recorded, with the setting no plug-in read (the data source read its own).
+    assert manifest.facts["custom_config"] == {
+        "path": str(custom), "flags": {"optimizer.lr": 2.0e-6}, "unused": ["settting_nobody_reads"],
+        "settings": {"data_source_prompts": ["one plus one", "two plus two", "three plus three", "four plus four"],
+                     "settting_nobody_reads": 3}}
+    assert manifest.config["optimizer"]["lr"] == 2.0e-6
     # Rollout 0 dropped group 0 (its filter returned keep=False) and asked for more.
     assert records[0]["rollout/sampler_dropped/group_zero"] == 1.0
 

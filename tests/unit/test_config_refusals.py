@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -34,11 +35,16 @@ def test_a_micro_batch_larger_than_a_data_parallel_share_is_refused():
                                              "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"])
 
 
-def test_a_one_value_flag_given_twice_with_different_values_is_refused():
-    message = refused("convert", ["--processes", "3", "--processes", "2"])
-    assert "--processes is given 2 times with different values (3, 2)" in message
-    assert "--overwrite is given 2 times" in refused("convert", ["--overwrite", "--overwrite=false"])
-    assert load_stage_config("convert", None, ["--processes", "3", "--processes=3"]).processes == 3
+def test_a_one_value_flag_given_twice_keeps_the_last_value_and_says_so(caplog):
+    # As argparse (and so slime) does: slime's scripts give --moe-token-dispatcher-type in the model script and again
+    # in the run script.
+    with caplog.at_level(logging.WARNING, logger="slimeflow.config"):
+        assert load_stage_config("convert", None, ["--processes", "3", "--processes", "2"]).processes == 2
+        assert load_stage_config("convert", None, ["--overwrite", "--overwrite=false"]).overwrite is False
+        assert load_stage_config("convert", None, ["--processes", "3", "--processes=3"]).processes == 3
+    notes = [r.getMessage() for r in caplog.records]
+    assert notes == ["slimeflow convert: --processes is given 2 times (3, 2); the last, 2, stands",
+                     "slimeflow convert: --overwrite is given 2 times ((no value), false); the last, false, stands"]
 
 
 def test_list_flags_still_add_up_when_repeated():
@@ -46,9 +52,10 @@ def test_list_flags_still_add_up_when_repeated():
     assert config.input == ["a.jsonl", "b.jsonl"]
 
 
-def test_a_flag_given_twice_in_a_pipeline_is_refused():
-    with pytest.raises(ConfigError, match="--lr is given 2 times"):
-        load_pipeline_config({"train": {"rollout-batch-size": 4, "num-rollout": 2}}, ["--lr", "1e-3", "--train.lr", "1e-4"])
+def test_a_flag_given_twice_in_a_pipeline_keeps_the_last_value():
+    config = load_pipeline_config({"train": {"rollout-batch-size": 4, "num-rollout": 2}},
+                                  ["--lr", "1e-3", "--train.lr", "1e-4"])
+    assert config.train.optimizer.lr == 1e-4
 
 
 def test_num_rollout_and_num_epoch_together_are_refused():
