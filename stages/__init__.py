@@ -35,9 +35,16 @@ def runner(name: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), function)
 
 
+PREFLIGHTS: dict[str, str] = {
+    "train": "slimeflow.stages.train.preflight:preflight",
+}
+"""Each stage's check of its config alone, in a module of its own that starts nothing heavy (no Ray)."""
+
+
 def preflight(name: str, config: Any) -> list[str]:
-    """What is wrong with stage `name`'s config that can be seen from the config alone (the stage module's
-    `preflight(config)`, where it has one): the CLI asks before Prefect, Ray or an engine starts."""
-    module = importlib.import_module(RUNNERS[name].split(":")[0]) if name in RUNNERS else None
-    check = getattr(module, "preflight", None)
-    return check(config) if check is not None else []
+    """What is wrong with stage `name`'s config that can be seen from the config alone (PREFLIGHTS; none for a
+    stage without one): the CLI asks before Prefect, Ray or an engine starts."""
+    if name not in PREFLIGHTS:
+        return []
+    module, function = PREFLIGHTS[name].split(":")
+    return getattr(importlib.import_module(module), function)(config)

@@ -66,15 +66,27 @@ def verify_checkpoint(directory: str | Path) -> bool:
     return False
 
 
-def _checksum_problems(directory: Path) -> list[str]:
-    """How the files differ from CHECKSUMS (sizes first: a truncated file costs no hashing); [] without it."""
+def quick_problems(directory: Path) -> list[str]:
+    """What verify_checkpoint would find without reading the files' bytes: markers missing, files missing or of
+    another size than CHECKSUMS records (without it, than .metadata needs). For a check in a second, before a run
+    starts; the contents are hashed when the checkpoint is loaded."""
+    problems = [f"{directory / m}: missing" for m in COMPLETE_MARKERS if not (directory / m).is_file()]
+    if problems:
+        return problems
+    if (directory / CHECKSUMS).is_file():
+        return _size_problems(directory)[1]
+    return _structure_problems(directory)
+
+
+def _size_problems(directory: Path) -> tuple[list[ArtifactRecord], list[str]]:
+    """(CHECKSUMS' records, how the files' presence and sizes differ from them); ([], []) without CHECKSUMS."""
     path = directory / CHECKSUMS
     if not path.is_file():
-        return []
+        return [], []
     try:
         expected = [ArtifactRecord.model_validate(r) for r in json.loads(path.read_text(encoding="utf-8"))["files"]]
     except (ValueError, KeyError, TypeError) as err:
-        return [f"{path}: unreadable ({type(err).__name__}: {err})"]
+        return [], [f"{path}: unreadable ({type(err).__name__}: {err})"]
     problems = []
     for record in expected:
         file = directory / record.path
@@ -82,7 +94,13 @@ def _checksum_problems(directory: Path) -> list[str]:
             problems.append(f"{file}: missing (listed in {CHECKSUMS})")
         elif file.stat().st_size != record.size:
             problems.append(f"{file}: {file.stat().st_size} bytes, {record.size} when saved (truncated or rewritten)")
-    if problems:
+    return expected, problems
+
+
+def _checksum_problems(directory: Path) -> list[str]:
+    """How the files differ from CHECKSUMS (sizes first: a truncated file costs no hashing); [] without it."""
+    expected, problems = _size_problems(directory)
+    if problems or not expected:
         return problems
     actual = _hash(directory, [r.path for r in expected])
     return [f"{directory / want.path}: sha256 {got.sha256}, {want.sha256} when saved (its bytes changed)"

@@ -27,21 +27,20 @@ from slimeflow.config.train_validation import (
     unbuilt_problems,
 )
 from slimeflow.engine.sglang_launch import installed_server_args
-from slimeflow.errors import PluginError, StageInputError
+from slimeflow.errors import StageInputError
 from slimeflow.io import checkpoints
 from slimeflow.io.guard import claim_root
 from slimeflow.io.manifest import Manifest, content_hash
 from slimeflow.io.prompts import PromptDataset, open_prompt_sets
 from slimeflow.io.sinks import close_sinks, fan_out, open_sinks
-from slimeflow.io.storage import is_local, join, local_path
-from slimeflow.rollout.plugins import load_plugin
+from slimeflow.io.storage import join
 from slimeflow.rollout.raw_data import PreparedSet, manifest_entries, prepare_data
 from slimeflow.stages.base import StageContext
 from slimeflow.stages.train import async_loop, loop
-from slimeflow.stages.train.debug_data import content_problem, rollout_path
 from slimeflow.stages.train.placement import create_placement
 from slimeflow.stages.train.placement_plan import flag_problems
 from slimeflow.stages.train.plots import plot_curves
+from slimeflow.stages.train.preflight import check_plugins, checkpoint_problems, replay_problems
 from slimeflow.stages.train.rollout_manager import RolloutSetup
 from slimeflow.train.backends import backend_spec
 
@@ -108,9 +107,10 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
     # SGLang's server arguments are read only when some are given: importing SGLang takes seconds (and torch)
     problems += flag_problems(config, installed_server_args() if config.sglang.server_args() else None)
     problems += unbuilt_problems(config)
-    preflight = backend_spec(config.placement.train_backend).preflight
-    if preflight is not None:
-        problems += preflight(config)
+    problems += checkpoint_problems(config)
+    backend_check = backend_spec(config.placement.train_backend).preflight
+    if backend_check is not None:
+        problems += backend_check(config)
     if problems:
         raise StageInputError("the train stage cannot start", problems,
                               "In a pipeline these come from the model and preprocess stages; alone, pass them "
@@ -124,46 +124,6 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
                         concurrency=int(config.sglang.args.get("server_concurrency", 512)) * num_engines)
 
 
-def replay_problems(config: TrainConfig) -> list[str]:
-    """--debug-train-only: the saved rollouts to train on are there, and hold only plain data (prompts are not read,
-    but --num-epoch counts them)."""
-    template = config.debug.load_debug_rollout_data
-    if config.batch.num_rollout is None:
-        return [] if config.data.prompt_data is not None else [
-            "--num-epoch with --debug-train-only needs --prompt-data to count the rollouts of an epoch; give "
-            "--num-rollout N (the number of saved rollouts to train on) instead"]
-    first = config.checkpoint.start_rollout_id or 0
-    missing = [str(rollout_path(template, k)) for k in range(first, config.batch.num_rollout)
-               if not rollout_path(template, k).is_file()]
-    if not missing:
-        return [p for k in range(first, config.batch.num_rollout) if (p := content_problem(template, k))]
-    return [f"--load-debug-rollout-data {template}: {len(missing)} of the files of rollouts {first}.."
-            f"{config.batch.num_rollout - 1} are missing ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
-            "write them with a run given --save-debug-rollout-data, or lower --num-rollout"]
-
-
-def preflight(config: TrainConfig) -> list[str]:
-    """What is wrong with the run, found from the config alone, before Prefect, Ray or an engine starts (the CLI
-    asks): the plug-ins (import and signature), the saved rollouts a --debug-train-only run replays (their
-    contents), and the paths the config names itself. Inputs an earlier stage of a pipeline makes are not set yet;
-    rollout_setup checks them when the stage starts."""
-    problems = plugin_problems_of(config)
-    if config.debug.debug_train_only and config.debug.load_debug_rollout_data:
-        problems += replay_problems(config)
-    hf = config.checkpoint.hf_checkpoint
-    if hf is not None and is_local(hf) and not (local_path(hf) / "config.json").is_file():
-        problems.append(f"--hf-checkpoint {hf} has no config.json")
-    ref = config.checkpoint.ref_load
-    if ref is not None and is_local(ref) and not local_path(ref).exists():
-        problems.append(f"--ref-load {ref} does not exist")
-    prompts = config.data.prompt_data if config.data.data_source_path is None else None  # else the class reads it
-    sets = {"--prompt-data": prompts,
-            **{f"--eval-prompt-data {name}": uri for name, uri in config.eval.eval_prompt_data.items()}}
-    problems += [f"{flag} {uri} does not exist" for flag, uri in sets.items()
-                 if uri is not None and is_local(uri) and not local_path(uri).exists()]
-    return problems
-
-
 def data_problems(config: TrainConfig, ctx: StageContext) -> list[str]:
     """--prompt-data and every --eval-prompt-data set (raw ones already preprocessed): there, readable, prompt
     parquet, not empty (before Ray, where a bad one would only show as a dead actor)."""
@@ -171,65 +131,6 @@ def data_problems(config: TrainConfig, ctx: StageContext) -> list[str]:
     if config.data.prompt_data is not None and config.data.data_source_path is None:  # else the class reads it
         sets = {"--prompt-data": config.data.prompt_data, **sets}
     return open_prompt_sets(sets, ctx.storage)[1]
-
-
-PLUGIN_FLAGS = {
-    ("rollout", "custom_generate_function_path"): "custom-generate-function-path",
-    ("rollout", "rollout_function_path"): "rollout-function-path",
-    ("rollout", "dynamic_sampling_filter_path"): "dynamic-sampling-filter-path",
-    ("rollout", "buffer_filter_path"): "buffer-filter-path",
-    ("reward", "custom_rm_path"): "custom-rm-path",
-    ("algorithm", "custom_loss_function_path"): "custom-loss-function-path",
-    ("algorithm", "custom_advantage_function_path"): "custom-advantage-function-path",
-    ("rollout", "rollout_sample_filter_path"): "rollout-sample-filter-path",
-    ("rollout", "custom_rollout_log_function_path"): "custom-rollout-log-function-path",
-    ("algorithm", "custom_reward_post_process_path"): "custom-reward-post-process-path",
-    ("rollout", "rollout_all_samples_process_path"): "rollout-all-samples-process-path",
-    ("eval", "custom_eval_rollout_log_function_path"): "custom-eval-rollout-log-function-path",
-    ("eval", "eval_function_path"): "eval-function-path",
-    ("algorithm", "custom_convert_samples_to_train_data_path"): "custom-convert-samples-to-train-data-path",
-    ("train_hooks", "custom_megatron_init_path"): "custom-megatron-init-path",
-    ("train_hooks", "custom_model_provider_path"): "custom-model-provider-path",
-    ("train_hooks", "custom_megatron_before_log_prob_hook_path"): "custom-megatron-before-log-prob-hook-path",
-    ("train_hooks", "custom_megatron_before_train_step_hook_path"): "custom-megatron-before-train-step-hook-path",
-    ("train_hooks", "rollout_data_postprocess_path"): "rollout-data-postprocess-path",
-    ("weight_sync", "custom_update_weight_post_write_path"): "custom-update-weight-post-write-path",
-    ("algorithm", "custom_pg_loss_reducer_function_path"): "custom-pg-loss-reducer-function-path",
-    ("data", "data_source_path"): "data-source-path",
-}
-
-
-def plugin_problems(flag: str, path: str | None, group_rm: bool) -> list[str]:
-    """Why the plug-in at `path` cannot be loaded or called as --`flag` is (empty when it can, or path is None)."""
-    from slimeflow.rollout.slime_plugins import (
-        call_problem,  # here: it imports torch; the driver stays free of it
-    )
-
-    if path is None:
-        return []
-    try:
-        problem = call_problem(flag, load_plugin(path, flag), group_rm=group_rm)
-    except PluginError as err:
-        problem = str(err)
-    return [problem if problem.startswith("--") else f"--{flag} {path!r}: {problem}"] if problem else []
-
-
-def plugin_problems_of(config: TrainConfig) -> list[str]:
-    """Why each plug-in path of the config cannot be loaded or called the way the run will call it."""
-    problems = []
-    for (group, field), flag in PLUGIN_FLAGS.items():
-        problems.extend(plugin_problems(flag, getattr(getattr(config, group), field), config.reward.group_rm))
-    for path in config.rollout.rollout_sample_hook_path or []:
-        problems.extend(plugin_problems("rollout-sample-hook-path", path, False))
-    return problems
-
-
-def check_plugins(config: TrainConfig) -> None:
-    """Every plug-in path loads and can be called the way the run will call it, before Ray or an engine starts;
-    all the wrong ones are named at once."""
-    problems = plugin_problems_of(config)
-    if problems:
-        raise StageInputError("the train stage's plug-ins", problems, "Fix the paths (package.module:function).")
 
 
 def resolve_num_rollout(config: TrainConfig, prompt_data: str, ctx: StageContext) -> int:

@@ -125,7 +125,7 @@ def test_a_replay_with_another_group_size_or_a_missing_file_is_refused(tmp_path)
 
 def test_a_replay_whose_files_are_missing_is_refused_before_ray(tmp_path):
     from slimeflow.stages.train.debug_data import save_rollout
-    from slimeflow.stages.train.stage import replay_problems
+    from slimeflow.stages.train.preflight import replay_problems
 
     template = str(tmp_path / "rollout_{rollout_id}.pt")
     save_rollout(template, 0, samples(), n_samples_per_prompt=2)

@@ -4,6 +4,7 @@ code, or a data path that is not there."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -66,4 +67,37 @@ def test_a_debug_rollout_file_that_holds_code_is_refused_before_anything_starts(
     err = capsys.readouterr().err
     assert f"rollout 1's file {tmp_path / 'rollout_1.pt'} holds more than plain data" in err, err
     assert "posix.system" in err and "rollout 0's" not in err
+    assert runs == []
+
+
+def _saved_checkpoint(root: Path, saved_size: int, size_now: int) -> Path:
+    """A checkpoint root whose tracker names iter_0000003, complete, with a data file of `size_now` bytes that our
+    checksums say was `saved_size` when saved."""
+    directory = root / "iter_0000003"
+    (directory / "slimeflow").mkdir(parents=True)
+    for marker in (".metadata", "common.pt", "metadata.json"):
+        (directory / marker).write_bytes(b"x")
+    (directory / "__0_0.distcp").write_bytes(b"\0" * size_now)
+    files = [{"path": p, "sha256": "0" * 64, "size": 1} for p in (".metadata", "common.pt", "metadata.json")]
+    files.append({"path": "__0_0.distcp", "sha256": "0" * 64, "size": saved_size})
+    (directory / "slimeflow" / "checksums.json").write_text(json.dumps({"algorithm": "sha256", "files": files}))
+    (root / "latest_checkpointed_iteration.txt").write_text("3")
+    return directory
+
+
+def test_a_truncated_checkpoint_to_resume_from_is_refused_before_anything_starts(tmp_path, runs, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    directory = _saved_checkpoint(tmp_path / "ckpt", saved_size=4096, size_now=1000)
+    assert main(_train(tmp_path, "--load", str(tmp_path / "ckpt"))) == 1
+    err = capsys.readouterr().err
+    assert f"--load {tmp_path / 'ckpt'}: {directory / '__0_0.distcp'}: 1000 bytes, 4096 when saved" in err, err
+    assert runs == []
+
+
+def test_a_ref_load_that_holds_no_checkpoint_is_refused_before_anything_starts(tmp_path, runs, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    assert main(_train(tmp_path, "--ref-load", str(tmp_path / "empty"))) == 1
+    err = capsys.readouterr().err
+    assert f"--ref-load {tmp_path / 'empty'}: " in err, err
     assert runs == []

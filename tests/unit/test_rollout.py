@@ -231,7 +231,7 @@ def test_evaluate_sets_uses_the_eval_sampling_params(make_ctx):
 
 def test_wrong_plugin_paths_are_named_before_anything_starts(tmp_path):
     from slimeflow.errors import StageInputError
-    from slimeflow.stages.train.stage import check_plugins
+    from slimeflow.stages.train.preflight import check_plugins
 
     cfg = config(rollout={"custom_generate_function_path": "no_such_module:generate"},
                  reward={"custom_rm_path": "slimeflow.rollout.rewards:no_such_reward"})

@@ -257,7 +257,7 @@ def test_a_generate_function_gets_evaluation_in_eval(make_ctx):
 
 def test_the_startup_check_calls_nothing_it_cannot_call():
     from slimeflow.errors import StageInputError
-    from slimeflow.stages.train.stage import check_plugins
+    from slimeflow.stages.train.preflight import check_plugins
 
     fine = config(rollout={"dynamic_sampling_filter_path":
                            "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std",
@@ -346,7 +346,7 @@ def test_every_slime_path_flag_is_taken_or_refused_by_name():
 
 def test_slimes_megatron_advantage_form_is_refused_at_start_up():
     from slimeflow.errors import StageInputError
-    from slimeflow.stages.train.stage import check_plugins
+    from slimeflow.stages.train.preflight import check_plugins
 
     with pytest.raises(StageInputError, match="slime's Megatron form advantage"):
         check_plugins(config(algorithm={"custom_advantage_function_path": "slime_style_hooks:slime_megatron_advantage"}))
@@ -356,7 +356,7 @@ def test_a_rollout_function_in_slimes_form_runs_with_slimes_data_source(make_ctx
     from slimeflow.rollout.plugins import load_plugin
     from slimeflow.rollout.slime_rollout_functions import run_rollout_function
     from slimeflow.slime_compat.rollout.sglang_rollout import GenerateState
-    from slimeflow.stages.train.stage import check_plugins
+    from slimeflow.stages.train.preflight import check_plugins
 
     cfg = config(rollout={"rollout_function_path": "slime_style_rollout.generate_rollout",
                           "custom_generate_function_path": "slime_style_hooks:record_evaluation"})
@@ -454,7 +454,7 @@ def test_an_eval_function_in_slimes_form_gives_slimes_eval_metrics(make_ctx):
 
     from slimeflow.rollout.plugins import load_plugin
     from slimeflow.rollout.slime_rollout_functions import run_eval_function
-    from slimeflow.stages.train.stage import check_plugins
+    from slimeflow.stages.train.preflight import check_plugins
 
     slime_style_hooks.EVAL_LOGGED.clear()
     cfg = config(eval={"eval_function_path": "slime_style_rollout.eval_rollout",

@@ -23,8 +23,8 @@ from slimeflow.rollout.slime_data_source import PluginDataSource
 from slimeflow.rollout.slime_plugins import slime_args
 from slimeflow.slime_compat.utils.types import Sample as SlimeSample
 from slimeflow.stages.train import loop
+from slimeflow.stages.train.preflight import plugin_problems
 from slimeflow.stages.train.rollouts import Rollouts
-from slimeflow.stages.train.stage import plugin_problems
 from slimeflow.train.loss import LossNormalizer, compute_loss, load_custom_pg_loss_reducer
 
 PLUGINS = DATA / "slime_plugins"

@@ -62,7 +62,7 @@ def test_the_post_write_hook_runs_after_the_files_are_written_and_before_the_eng
 
 def test_hooks_that_cannot_take_slimes_call_are_named_at_start_up(plugin):
     from slimeflow.errors import StageInputError
-    from slimeflow.stages.train.stage import check_plugins
+    from slimeflow.stages.train.preflight import check_plugins
 
     config = TrainConfig(batch={"rollout_batch_size": 1, "num_rollout": 1}, placement={"train_backend": "megatron"},
                          train_hooks={"custom_megatron_before_train_step_hook_path": "slime_megatron_hooks:no_step_id",
