@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 import torch
+from transformers import PreTrainedModel
 
 from slimeflow.config.train import AlgorithmConfig, BatchConfig, OptimizerConfig, TrainConfig
 from slimeflow.families.checkpoint_names import CheckpointLayout, IncompleteTensorError, to_checkpoint
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from slimeflow.train.train_hooks import TrainHooks
 
 
-def load_model(hf_checkpoint: str | Path, device: torch.device, trainable: bool = True) -> torch.nn.Module:
+def load_model(hf_checkpoint: str | Path, device: torch.device, trainable: bool = True) -> PreTrainedModel:
     """The HF directory's causal LM in fp32 (the master weights; bf16 runs compute under autocast), eval mode."""
     model = load_causal_lm(str(hf_checkpoint), dtype=torch.float32, local_files_only=True)
     model.to(device).eval()
@@ -51,7 +52,7 @@ def load_model(hf_checkpoint: str | Path, device: torch.device, trainable: bool 
     return model
 
 
-def assign_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
+def assign_weights(model: PreTrainedModel, weights: dict[str, torch.Tensor], source: str) -> None:
     """Copy HF-named `weights` into `model`; ValueError (naming `source`) when a parameter is missing or a name
     is unknown. A tied output layer needs no entry of its own."""
     try:  # checkpoints name each expert; transformers holds them fused
