@@ -37,6 +37,7 @@ from slimeflow.engine.native import select_forward
 from slimeflow.engine.sampling import BadRequestError, SamplingParams, sample_rows
 from slimeflow.engine.weights import (
     LoadedModel,
+    UpdateNames,
     apply_update,
     check_finite,
     check_update,
@@ -152,6 +153,7 @@ class Batcher:
         self.admission_rounds = 0  # prefill rounds so far (each merges its requests into the running batch)
         self._loaded = loaded
         self._forward = select_forward(loaded.model)
+        self._names = UpdateNames(loaded.model)  # checkpoint names in updates and snapshots
         self._max_batch_size = max_batch_size
         self._weight_version = weight_version
         self._seeds = random.Random(seed)  # seeds requests that give no sampling_seed
@@ -259,11 +261,20 @@ class Batcher:
         return self._call(lambda: setattr(self, "_paused", True))
 
     def resume(self) -> Future:
-        return self._call(lambda: setattr(self, "_paused", False))
+        """Decode again; fails with BadRequestError (and stays paused) when the push that paused the engine left a
+        fused tensor incomplete (some of a MoE layer's experts): the push is over and cannot complete it."""
+
+        def run() -> None:
+            if self._names.held:
+                raise BadRequestError(self._names.incomplete("the weight push ended"))
+            self._paused = False
+
+        return self._call(run)
 
     def update_weights(self, update: dict[str, torch.Tensor], weight_version: str | None,
                        adopt: bool = False) -> Future:
-        """Check HF-named tensors and put them into the model between steps, aborting running sequences first.
+        """Check checkpoint-named tensors and put them into the model between steps, aborting running sequences
+        first. The pieces of a fused tensor (a MoE layer's experts) wait until the update that completes it.
 
         Resolves to the number of aborted sequences, or fails with BadRequestError (nothing changed) when a
         name or shape does not match the model or a value is NaN or Inf. `weight_version` None keeps the current version string. `adopt`:
@@ -273,10 +284,15 @@ class Batcher:
         def run() -> int:
             if "weights" in self._released:
                 raise BadRequestError("the engine's weights are released: POST /resume_memory_occupation first")
-            check_update(self._loaded.model.state_dict(), update)
+            if not update:
+                raise BadRequestError("the weight update holds no tensors; send at least one HF-named tensor")
+            ready, held = self._names.convert(update, weight_version)
+            if ready:
+                check_update(self._loaded.model.state_dict(), ready)
             check_finite(update, self._weight_version)  # here, not on another thread: one wake-up per update
-            aborted = self._abort(lambda seq: seq in self._running)
-            self._borrowed = apply_update(self._loaded.model, update, self._borrowed, adopt)
+            self._names.hold(held, weight_version)
+            aborted = self._abort(lambda seq: seq in self._running) if ready else 0
+            self._borrowed = apply_update(self._loaded.model, ready, self._borrowed, adopt)
             self._forward.refresh()
             if weight_version is not None:
                 self._weight_version = weight_version
@@ -285,14 +301,16 @@ class Batcher:
         return self._call(run)
 
     def snapshot_weights(self) -> Future:
-        """A copy of the served HF-named tensors and their version, taken between steps (so no update is half
-        applied): resolves to (tensors, weight_version)."""
+        """A copy of the served tensors under checkpoint names and their version, taken between steps (so no update
+        is half applied): resolves to (tensors, weight_version)."""
 
         def run() -> tuple[dict[str, torch.Tensor], str]:
             if "weights" in self._released:
                 raise BadRequestError("the engine's weights are released: POST /resume_memory_occupation first")
             with torch.no_grad():
-                return {name: t.detach().clone() for name, t in self._loaded.model.state_dict().items()}, \
+                served = self._loaded.model.state_dict()
+                named = self._names.to_checkpoint(served)  # pieces of fused tensors are copies already
+                return {name: t.detach().clone() if served.get(name) is t else t for name, t in named.items()}, \
                     self._weight_version
 
         return self._call(run)
@@ -324,7 +342,7 @@ class Batcher:
             if "weights" in tags and "weights" in self._released:
                 if weights is None:
                     raise BadRequestError("resuming the weights needs their tensors")
-                restore_weights(self._loaded.model, self._freed_shapes, weights)
+                restore_weights(self._loaded.model, self._freed_shapes, self._names.complete(weights, "the checkpoint"))
                 self._forward.refresh()
                 self._freed_shapes = {}
                 if weight_version is not None:

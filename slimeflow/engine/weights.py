@@ -1,4 +1,10 @@
-"""Loading the served model and checking/applying weight updates (HF tensor names, as in the safetensors files)."""
+"""Loading the served model and checking/applying weight updates.
+
+Updates name tensors as the model's HF checkpoint files do (as SGLang's /update_weights_* take them), whatever the
+family: `UpdateNames` turns them into the served model's in-memory names with transformers' own load-time conversion
+(a MoE layer's experts, one tensor each in a checkpoint, are one fused tensor in memory), holding the pieces of a
+fused tensor that a push sends across buckets until it is complete. The model's own names are accepted too.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,12 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from slimeflow.engine.sampling import BadRequestError
+from slimeflow.families.checkpoint_names import (
+    CheckpointLayout,
+    IncompleteTensorError,
+    UnknownPieceError,
+    to_checkpoint,
+)
 from slimeflow.families.hf import load_causal_lm
 from slimeflow.offload import trim_heap
 
@@ -61,13 +73,59 @@ def check_update(model_tensors: dict[str, torch.Tensor], update: dict[str, torch
     if unknown:
         raise BadRequestError(
             f"weight update names {len(unknown)} tensors the model does not have, e.g. {unknown[:5]}; "
-            f"use the HF names of the served model, e.g. {sorted(model_tensors)[:3]}"
+            "use the names of the served model's HF checkpoint files (or its in-memory names), e.g. "
+            f"{sorted(model_tensors)[:3]}"
         )
     wrong = [(name, tuple(t.shape), tuple(model_tensors[name].shape))
              for name, t in update.items() if t.shape != model_tensors[name].shape]
     if wrong:
         described = ", ".join(f"{n}: got {got}, model has {want}" for n, got, want in wrong[:5])
         raise BadRequestError(f"weight update has {len(wrong)} tensors of the wrong shape ({described})")
+
+
+class UpdateNames:
+    """Checkpoint-named updates -> the served model's names; the pieces of fused tensors a push has not completed yet
+    are held (with the push's weight version) until their last piece comes."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.layout = CheckpointLayout(model)
+        self.held: dict[str, dict[str, torch.Tensor]] = {}
+        self.version: str | None = None
+
+    def convert(self, update: dict[str, torch.Tensor], version: str | None
+                ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+        """(the model-named tensors `update` completes, the pieces held after it); nothing is kept until `hold`.
+        BadRequestError when pieces of another version are held (that push ended incomplete: they are dropped) or a
+        piece names no expert of the model."""
+        if self.held and version != self.version:
+            message = self.incomplete(f"the push of weight version {self.version!r} ended")
+            raise BadRequestError(f"{message}; weight version {version!r} was not applied either: push it again")
+        held = {target: dict(pieces) for target, pieces in self.held.items()}
+        try:
+            return self.layout.to_model(update, held), held
+        except UnknownPieceError as err:
+            raise BadRequestError(f"weight update refused: {err}") from None
+
+    def hold(self, held: dict[str, dict[str, torch.Tensor]], version: str | None) -> None:
+        self.held, self.version = held, version
+
+    def incomplete(self, when: str) -> str:
+        """The error for held pieces at `when` (a push's end); drops them."""
+        message = (f"{when} with {self.layout.describe_incomplete(self.held)}; a push must send every checkpoint "
+                   "tensor of a fused tensor (all of a MoE layer's experts), in one update or across the buckets "
+                   "of one weight version; the pieces are dropped and the engine keeps its weights for those tensors")
+        self.held, self.version = {}, None
+        return message
+
+    def complete(self, weights: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+        """A full set of checkpoint-named `weights` (from `source`) under the model's names."""
+        try:
+            return self.layout.to_model(weights)
+        except (IncompleteTensorError, UnknownPieceError) as err:
+            raise BadRequestError(f"the weights of {source} do not fit the model: {err}") from None
+
+    def to_checkpoint(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return to_checkpoint(self.layout.model, tensors)
 
 
 def read_checkpoint(model_path: str | Path, weights_dir: str | Path | None) -> dict[str, torch.Tensor]:

@@ -195,12 +195,12 @@ def test_the_torch_backend_checkpoints_the_family_exactly(new_family_dirs, tmp_p
     """Saved as torch_dist through the family's name map and read back bit for bit: GLM4's fused gate_up_proj;
     DeepSeek-V3's experts, which transformers holds fused in memory (mlp.experts.gate_up_proj [E, 2F, H]) and
     checkpoints name one by one, and its expert-score correction bias, a buffer."""
-    from slimeflow.families.experts import fuse_experts
+    from slimeflow.families.checkpoint_names import CheckpointLayout
     from slimeflow.train.backends.torch.checkpoint import read_weights, save_checkpoint
 
     backend, _ = _trained_backend(new_family_dirs[family])
     ref = save_checkpoint(backend, tmp_path / "save", 1, {"rollout_id": 1})
-    saved = fuse_experts(read_weights(ref.uri, new_family_dirs[family]))
+    saved = CheckpointLayout(backend.model).to_model(read_weights(ref.uri, new_family_dirs[family]))
     state = backend.model.state_dict()
     assert sorted(saved) == sorted(state)
     assert all(torch.equal(saved[name], tensor) for name, tensor in state.items())

@@ -71,3 +71,20 @@ def log_step_to_save_dir(args, rollout_id, step_id, model, optimizer, opt_param_
 
     with open(os.path.join(args.save, "hook_calls.txt"), "a", encoding="utf-8") as out:
         out.write(f"{torch.distributed.get_rank()} {rollout_id} {step_id}\n")
+
+
+def snapshot_engine_weights(args, rollout_id, data_source, evaluation=False):
+    """An eval function (slime's form) that scores nothing: it saves the weights the engine serves when it runs
+    (evaluating weight version `rollout_id`, pushed just before), under checkpoint names, to <--save>/engine_weights_<id>.safetensors."""
+    from pathlib import Path
+
+    import httpx
+    from slime.rollout.base_types import RolloutFnEvalOutput
+
+    key = getattr(args, "sglang_api_key", None)
+    answer = httpx.get(f"http://{args.sglang_router_ip}:{args.sglang_router_port}/get_weights_snapshot",
+                       headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=60)
+    answer.raise_for_status()
+    Path(args.save, f"engine_weights_{rollout_id}.safetensors").write_bytes(answer.content)
+    data = {name: {"rewards": [0.0], "truncated": [0]} for name in args.eval_prompt_data[::2]}
+    return RolloutFnEvalOutput(data=data, metrics={})

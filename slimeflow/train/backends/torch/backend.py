@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 import torch
+from transformers import PreTrainedModel
 
 from slimeflow.config.train import AlgorithmConfig, BatchConfig, OptimizerConfig, TrainConfig
-from slimeflow.families.experts import fuse_experts, split_experts
+from slimeflow.families.checkpoint_names import CheckpointLayout, IncompleteTensorError, to_checkpoint
 from slimeflow.families.hf import load_causal_lm
 from slimeflow.io.checkpoints import CheckpointRef
 from slimeflow.offload import module_tensors, optimizer_tensors
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from slimeflow.train.train_hooks import TrainHooks
 
 
-def load_model(hf_checkpoint: str | Path, device: torch.device, trainable: bool = True) -> torch.nn.Module:
+def load_model(hf_checkpoint: str | Path, device: torch.device, trainable: bool = True) -> PreTrainedModel:
     """The HF directory's causal LM in fp32 (the master weights; bf16 runs compute under autocast), eval mode."""
     model = load_causal_lm(str(hf_checkpoint), dtype=torch.float32, local_files_only=True)
     model.to(device).eval()
@@ -51,10 +52,13 @@ def load_model(hf_checkpoint: str | Path, device: torch.device, trainable: bool 
     return model
 
 
-def assign_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
+def assign_weights(model: PreTrainedModel, weights: dict[str, torch.Tensor], source: str) -> None:
     """Copy HF-named `weights` into `model`; ValueError (naming `source`) when a parameter is missing or a name
     is unknown. A tied output layer needs no entry of its own."""
-    weights = fuse_experts(weights)  # checkpoints name each expert; transformers holds them fused
+    try:  # checkpoints name each expert; transformers holds them fused
+        weights = CheckpointLayout(model).to_model(weights)
+    except IncompleteTensorError as err:
+        raise ValueError(f"weights from {source} do not fit the model: {err}") from None
     required = {name for name, _ in model.named_parameters()}  # tied parameters appear once
     known = set(model.state_dict())
     missing, unknown = sorted(required - set(weights)), sorted(set(weights) - known)
@@ -218,17 +222,21 @@ class TorchBackend:
     # -- weights and state --------------------------------------------------------------------------------------
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """HF-named weights (tied ones once), detached, on the CPU. On a CPU backend these share memory with the
-        parameters (no copy): consume them before the next optimizer step."""
-        return {name: p.detach().cpu() for name, p in self.model.named_parameters()}
+        """The weights (tied ones once) as an HF checkpoint names them (each MoE expert on its own, as the Megatron
+        backend's), detached, on the CPU. On a CPU backend those that keep their in-memory name share memory with
+        the parameters (no copy; experts split off a fused parameter are copies): consume them before the next
+        optimizer step."""
+        return to_checkpoint(self.model, self._parameters())
 
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
-        """The weights as an HF checkpoint names them: named_weights with each expert on its own, plus the saved
-        buffers (DeepSeek's and GLM4-MoE's expert-score correction bias)."""
-        parameters = self.named_weights()
+        """named_weights plus the saved buffers (DeepSeek's and GLM4-MoE's expert-score correction bias)."""
+        parameters = self._parameters()
         buffers = {name: b.detach().cpu() for name, b in self.model.state_dict().items()
                    if name not in parameters and not name.endswith("lm_head.weight")}
-        return split_experts({**parameters, **buffers})
+        return to_checkpoint(self.model, {**parameters, **buffers})
+
+    def _parameters(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().cpu() for name, p in self.model.named_parameters()}
 
     def load_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
         """Replace the policy's weights by HF-named `weights` (from `source`, named in errors)."""
