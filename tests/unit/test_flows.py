@@ -50,3 +50,18 @@ def test_a_deployment_per_available_stage_and_the_pipeline_on_one_pool(deploymen
     for deployment in deployments:
         entrypoint = deployment["entrypoint"]
         assert ":" not in entrypoint and entrypoint.startswith("slimeflow.flows."), "a module path: any install runs it"
+
+
+def test_deploy_options_become_what_prefect_deploy_reads(deployments, tmp_path):
+    """--pool and --working-dir as `prefect deploy --pool` and a set_working_directory pull step give them; a
+    prefect.yaml that declares its own pull steps keeps them, and --working-dir is refused there."""
+    from slimeflow.deployments.deploy import SET_WORKING_DIRECTORY, DeployError, prepare
+
+    actions = {"build": [], "push": [], "pull": None}
+    assert prepare(deployments, actions, None, None) == deployments  # as declared: Prefect's defaults apply
+    [train] = prepare([d for d in deployments if d["name"] == "train"], actions, "gpu-pool", tmp_path / ".")
+    assert train["work_pool"]["name"] == "gpu-pool"
+    assert train["pull"] == [{SET_WORKING_DIRECTORY: {"directory": str(tmp_path)}}]
+    assert {d["work_pool"]["name"] for d in deployments} == {"slimeflow"}, "the loaded declaration is left as it was"
+    with pytest.raises(DeployError, match="declares pull steps for 'pipeline'"):
+        prepare(deployments[:1], {**actions, "pull": [{SET_WORKING_DIRECTORY: {"directory": "/srv"}}]}, None, tmp_path)
