@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from conftest import S3_KEY, S3_SECRET
 from paths import ROOT
 from process_sessions import session_processes, wait_until_gone
 
@@ -108,7 +109,9 @@ def services(tmp_path_factory) -> Iterator[Services]:
     home = tmp_path_factory.mktemp("prefect-server")
     env = {**os.environ, "PREFECT_HOME": str(home / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_ENABLED": "false",
-           "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1"}
+           "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1",
+           # The worker's S3 keys (moto's): a run reads them where it runs, never from its parameters.
+           "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
     env.pop("PREFECT_API_URL", None)
     found = Services(env, home)
     yield found
@@ -269,6 +272,26 @@ def _stage_logs(parent_id, expected: list[str], wait_s: float = 30) -> str:
             if all(line in logs for line in expected) or time.monotonic() > deadline:
                 return logs
             time.sleep(POLL_S)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_S + 60)
+def test_a_run_reaches_s3_with_the_workers_keys_and_none_is_stored_as_a_parameter(
+        deployed, services, s3_bucket, s3_config, tmp_path):
+    from prefect import get_client
+
+    from slimeflow.io.storage import Storage
+
+    output = f"{s3_bucket}/runs/worker-s3"
+    run = _run_pipeline({"name": "worker-s3", "workdir": str(tmp_path / "run"), "output": output,
+                         "model": {"hf_checkpoint": "tiny:llama?seed=0"},
+                         "infra": {"s3_endpoint_url": s3_config.endpoint_url, "s3_region": "us-east-1"}}, services)
+    assert Storage(s3_config).exists(f"{output}/manifests/model.json")
+    with get_client(sync_client=True) as client:
+        stored = [json.dumps(r.parameters) for r in client.read_flow_runs(limit=200)]
+    assert sum(output in p for p in stored) == 2, "the pipeline's run and its model stage's"
+    assert not [p for p in stored if S3_KEY in p or S3_SECRET in p], "a credential in a flow run's parameters"
+    assert run.parameters["config"]["infra"] == {"s3_endpoint_url": s3_config.endpoint_url, "s3_region": "us-east-1"}
 
 
 def test_deploy_without_a_server_says_how_to_start_one(capsys):

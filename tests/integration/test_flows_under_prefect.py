@@ -14,15 +14,13 @@ from slimeflow.errors import ConfigError
 from slimeflow.io.storage import S3Config, Storage
 
 
-def _credentials_from(monkeypatch, tmp_path, environ: dict[str, str]) -> None:
-    """Only `environ` holds AWS keys: no shared files, no instance metadata (botocore's other sources)."""
+def _no_keys_in_this_process(monkeypatch, tmp_path) -> None:
+    """No AWS keys from botocore's sources: the environment, shared files, instance metadata."""
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    for name, value in environ.items():
-        monkeypatch.setenv(name, value)
 
 
 def _stored_parameters() -> list[str]:
@@ -34,22 +32,20 @@ def _stored_parameters() -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["environment", "secret block"])
-def test_pipeline_reaches_s3_with_keys_from_the_environment_or_a_secret_block_never_its_parameters(
-        source, prefect_harness, monkeypatch, tmp_path, mlflow_uri, s3_bucket, s3_config):
+def test_pipeline_reaches_s3_with_keys_from_a_secret_block_never_its_parameters(
+        prefect_harness, monkeypatch, tmp_path, mlflow_uri, s3_bucket, s3_config):
+    """The keys from the Secret block the config names; from the worker's environment: tests/e2e/test_prefect_server.py."""
     from botocore.exceptions import NoCredentialsError
     from prefect.blocks.system import Secret
 
     from slimeflow.flows.runner import run_pipeline
 
-    keys = {"AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
-    _credentials_from(monkeypatch, tmp_path, keys if source == "environment" else {})
-    infra = {"mlflow_tracking_uri": mlflow_uri, "s3_endpoint_url": s3_config.endpoint_url, "s3_region": "us-east-1"}
-    if source == "secret block":
-        with pytest.raises(NoCredentialsError):  # the premise: without the block's keys, nothing reaches the store
-            Storage(S3Config(endpoint_url=s3_config.endpoint_url)).write_text(f"{s3_bucket}/probe", "x")
-        Secret(value={"access_key_id": S3_KEY, "secret_access_key": S3_SECRET}).save("s3-test", overwrite=True)
-        infra["s3_credentials_block"] = "s3-test"
+    _no_keys_in_this_process(monkeypatch, tmp_path)
+    with pytest.raises(NoCredentialsError):  # the premise: without the block's keys, nothing reaches the store
+        Storage(S3Config(endpoint_url=s3_config.endpoint_url)).write_text(f"{s3_bucket}/probe", "x")
+    Secret(value={"access_key_id": S3_KEY, "secret_access_key": S3_SECRET}).save("s3-test", overwrite=True)
+    infra = {"mlflow_tracking_uri": mlflow_uri, "s3_endpoint_url": s3_config.endpoint_url, "s3_region": "us-east-1",
+             "s3_credentials_block": "s3-test"}
     output = f"{s3_bucket}/runs/s3run"
     config = load_pipeline_config({"name": "s3run", "hf_checkpoint": "tiny:llama", "workdir": str(tmp_path / "w"),
                                    "output": output, "infra": infra}, [], os.environ)
