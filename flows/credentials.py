@@ -32,7 +32,9 @@ def s3_config(infra: InfraConfig, environ: Mapping[str, str]) -> S3Config:
 def _block_keys(name: str) -> tuple[str, str]:
     where = f"infra.s3_credentials_block {name!r}"
     try:
-        value = Secret.load(name).get()
+        # The sync loader whatever the caller's context (a stage flow is sync; `load` alone picks by context).
+        secret: Secret = Secret.load(name, _sync=True)  # type: ignore[call-arg,assignment]  # async_dispatch
+        value = secret.get()
     except ValueError as err:  # Prefect's "Unable to find block document named ..."
         raise ConfigError([f"{where}: no Secret block of that name on the Prefect server ({err}); create it: "
                            f"Secret(value={{'access_key_id': ..., 'secret_access_key': ...}}).save({name!r}) "
