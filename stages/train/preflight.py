@@ -85,6 +85,7 @@ def plugin_problems(flag: str, path: str | None, group_rm: bool) -> list[str]:
     """Why the plug-in at `path` cannot be loaded or called as --`flag` is (empty when it can, or path is None)."""
     if path is None:
         return []
+    problem: str | None
     try:
         plugin = load_plugin(path, flag)
     except PluginError as err:
