@@ -23,6 +23,7 @@ PROVIDED = (
     "slime.utils.http_utils",
     "slime.utils.misc",
     "slime.utils.async_utils",
+    "slime.utils.ppo_utils",
     "slime.rollout",
     "slime.rollout.base_types",
     "slime.rollout.sglang_rollout",
