@@ -26,6 +26,7 @@ PROVIDED = (
     "slime.utils.ppo_utils",
     "slime.utils.data",
     "slime.utils.eval_config",
+    "slime.utils.mask_utils",
     "slime.rollout",
     "slime.rollout.base_types",
     "slime.rollout.sglang_rollout",
