@@ -8,8 +8,10 @@ The styles, by the chat template they suit (slime's --loss-mask-type):
   user query); each assistant span starts after its "<|im_start|>assistant\\n" header (and a leading "<think>\\n").
 - "qwen3": render turn by turn (consecutive tool results together, as Qwen's templates wrap them in one user turn),
   each beside a sentinel user turn so the template renders it as mid-conversation; an assistant turn's first
-  `generation_prompt` tokens (the header the template adds for generation) are not trained.
-- "qwen": the same turn by turn, each turn rendered alone.
+  `generation_prompt` tokens (the header the template adds for generation) are not trained. For templates that add
+  no default system turn (Qwen3's): the sentinel's own rendering would carry one.
+- "qwen": the same turn by turn, each turn rendered alone, the default system turn a template adds (Qwen2.5's)
+  kept only before the first; consecutive tool turns are not grouped.
 - "distill_qwen": the first message as the prompt (with the generation prompt) and the last one's text as the
   response.
 """
