@@ -31,6 +31,7 @@ PROVIDED = (
     "slime.rollout.base_types",
     "slime.rollout.sglang_rollout",
     "slime.rollout.sample_hooks",
+    "slime.rollout.fully_async_rollout",
     "slime.rollout.data_source",
     "slime.rollout.filter_hub",
     "slime.rollout.filter_hub.base_types",

@@ -161,3 +161,44 @@ def test_a_rejected_group_is_kept_only_when_kept_when_insufficient_and_the_batch
                                               ({}, 0)])
 def test_rollout_num_engines(values, expected):
     assert get_rollout_num_engines(SimpleNamespace(**values)) == expected
+
+
+class ListSource:
+    """slime's data-source API over a list of groups (what a fully-async rollout draws from)."""
+
+    def __init__(self, groups):
+        self.groups, self.returned = list(groups), []
+
+    def get_samples(self, n):
+        taken, self.groups = self.groups[:n], self.groups[n:]
+        return taken
+
+    def add_samples(self, groups):
+        self.returned += groups
+
+
+def test_fully_async_rollouts_take_the_oldest_groups_and_requeue_aborted_ones(monkeypatch):
+    from slime.rollout import fully_async_rollout as fa
+
+    async def generate(args, group, sampling_params, evaluation):
+        group[0].status = Sample.Status.ABORTED if group[0].index == 1 else Sample.Status.COMPLETED
+        return group
+
+    monkeypatch.setattr(fa, "GenerateState", lambda args: SimpleNamespace(sampling_params={}))
+    monkeypatch.setattr(fa, "generate_and_rm_group", generate)
+    args = SimpleNamespace(rollout_global_dataset=True, rollout_batch_size=2, sglang_server_concurrency=2,
+                           rollout_num_engines=1)
+    source = ListSource([[Sample(index=i)] for i in range(6)])
+    worker = fa.AsyncRolloutWorker(args, source, concurrency=4)
+    worker.poll_interval = 0.01
+    monkeypatch.setattr(fa, "_get_global_worker", lambda args, data_buffer: worker)
+    worker.start()
+    try:
+        first = asyncio.run(fa._generate_rollout_async(args, 0, source))
+        second = asyncio.run(fa._generate_rollout_async(args, 1, source))
+    finally:
+        worker.stop()
+    assert [g[0].index for g in first] == [0, 2] and [g[0].index for g in second] == [3, 4]
+    assert [g[0].index for g in source.returned] == [1]  # aborted: back to the data source, not trained
+    with pytest.raises(ValueError, match="does not evaluate"):
+        fa.generate_rollout_fully_async(args, 0, source, evaluation=True)
