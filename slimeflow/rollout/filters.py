@@ -37,6 +37,12 @@ def check_reward_nonzero_std(group: Sequence[Sample]) -> FilterOutcome:
     return FilterOutcome(False, "zero_std")
 
 
+def drops_group(keep: bool, keep_when_insufficient: bool, remaining: int, target: int) -> bool:
+    """Whether a group the filter judged is dropped: one it rejected is, unless it is kept when insufficient and
+    `remaining` (the groups kept and in flight, this one included) would no longer reach `target` without it."""
+    return not keep and not (keep_when_insufficient and remaining <= target)
+
+
 class DynamicSampler:
     """Collects `target_groups` groups that pass `group_filter`, requesting `over_sampling_batch_size` at a time.
 
@@ -94,8 +100,8 @@ class DynamicSampler:
             outcome = self.group_filter(group)
             if not isinstance(outcome, FilterOutcome):
                 outcome = FilterOutcome(bool(outcome), None if outcome else getattr(self.group_filter, "__name__", "filter"))
-            short = len(self.kept) + self.in_flight < self.target_groups  # without this group
-            if not outcome.keep and not (outcome.keep_when_insufficient and short):
+            remaining = len(self.kept) + self.in_flight + 1  # this group included
+            if drops_group(outcome.keep, outcome.keep_when_insufficient, remaining, self.target_groups):
                 self.dropped[outcome.reason or "filtered"] += 1
                 return False
         self.kept.append(list(group))

@@ -23,21 +23,25 @@ async def apply_sample_hooks(hooks: Sequence[Callable[..., Any]], args: Any, sam
     """--rollout-sample-hook-path, in order, on each generated sample before its reward, as slime:
     `hook(args, sample, *, rollout_id=None, evaluation=False) -> Sample | None` (sync or async; None keeps the
     sample it was given, changed in place)."""
-    out = []
-    for sample in samples:
-        view = sample
-        for hook in hooks:
-            kwargs = {k: v for k, v in {"rollout_id": rollout_id, "evaluation": evaluation}.items() if takes_keyword(hook, k)}
-            result = hook(args, view, **kwargs)
-            if inspect.isawaitable(result):
-                result = await result
-            if result is not None:
-                if not isinstance(result, Sample):
-                    raise TypeError(f"--rollout-sample-hook-path {plugin_name(hook)} returned {type(result).__name__}; "
-                                    "return the Sample or None")
-                view = result
-        out.append(returned_sample(view, "--rollout-sample-hook-path", sample))
-    return out
+    return [await apply_hooks_to_sample(hooks, args, sample, rollout_id=rollout_id, evaluation=evaluation)
+            for sample in samples]
+
+
+async def apply_hooks_to_sample(hooks: Sequence[Callable[..., Any]], args: Any, sample: Sample,
+                                **kwargs: Any) -> Sample:
+    """`hook(args, sample, **kwargs)` for each hook in order, each given only the keywords it takes (all of them
+    with **kwargs); a hook's returned Sample replaces the one the next hook sees."""
+    view = sample
+    for hook in hooks:
+        result = hook(args, view, **{k: v for k, v in kwargs.items() if takes_keyword(hook, k)})
+        if inspect.isawaitable(result):
+            result = await result
+        if result is not None:
+            if not isinstance(result, Sample):
+                raise TypeError(f"--rollout-sample-hook-path {plugin_name(hook)} returned {type(result).__name__}, "
+                                "expected Sample or None (return the Sample, or None after changing it in place)")
+            view = result
+    return returned_sample(view, "--rollout-sample-hook-path", sample)
 
 
 def apply_sample_filter(function: Callable[..., Any], args: Any, groups: list[list[Sample]]) -> int:

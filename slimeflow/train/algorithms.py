@@ -11,26 +11,33 @@ from collections.abc import Sequence
 
 import torch
 
+from slimeflow.train.logprob_entropy import log_probs_and_entropy
+
 GROUP_STD_EPS = 1e-6
 WHITEN_EPS = 1e-8
 LOW_VAR_KL_CLAMP = 10.0
 
 
-def compute_approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor, kl_loss_type: str) -> torch.Tensor:
+def compute_approx_kl(log_probs: torch.Tensor, log_probs_base: torch.Tensor, kl_loss_type: str,
+                      importance_ratio: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token KL estimate of pi against pi_base from log_ratio = log_probs - log_probs_base (at least fp32).
 
-    k1 = log_ratio; k2 = log_ratio^2 / 2; k3 = low_var_kl = exp(-log_ratio) - 1 + log_ratio, and low_var_kl is
-    clamped to [-10, 10] (slime's Schulman estimators).
+    k1 = log_ratio; k2 = log_ratio^2 / 2; k3 = low_var_kl = exp(-log_ratio) - 1 + log_ratio (slime's Schulman
+    estimators). `importance_ratio` (pi / pi_old per token) weights the estimate, for an unbiased one when the
+    tokens were sampled from pi_old; low_var_kl is clamped to [-10, 10] after the weighting.
     """
     log_ratio = _upcast(log_probs) - _upcast(log_probs_base)
     if kl_loss_type == "k1":
-        return log_ratio
-    if kl_loss_type == "k2":
-        return log_ratio.pow(2) / 2.0
-    if kl_loss_type in ("k3", "low_var_kl"):
+        kl = log_ratio
+    elif kl_loss_type == "k2":
+        kl = log_ratio.pow(2) / 2.0
+    elif kl_loss_type in ("k3", "low_var_kl"):
         kl = torch.exp(-log_ratio) - 1 + log_ratio
-        return kl.clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP) if kl_loss_type == "low_var_kl" else kl
-    raise ValueError(f"kl_loss_type {kl_loss_type!r} is not one of k1, k2, k3, low_var_kl")
+    else:
+        raise ValueError(f"kl_loss_type {kl_loss_type!r} is not one of k1, k2, k3, low_var_kl")
+    if importance_ratio is not None:
+        kl = importance_ratio * kl
+    return kl.clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP) if kl_loss_type == "low_var_kl" else kl
 
 
 def compute_policy_loss(ppo_kl: torch.Tensor, advantages: torch.Tensor, eps_clip: float, eps_clip_high: float,
@@ -85,14 +92,16 @@ def gspo_kl_flat(log_probs: torch.Tensor, old_log_probs: torch.Tensor, loss_mask
 
 
 def compute_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log p(tokens[t]) under logits[t] ([T, V] and [T]); at least fp32."""
-    return torch.log_softmax(_upcast(logits), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    """log p(tokens[t]) under logits[t] ([T, V] and [T]); at least fp32 (log_probs_and_entropy for both at once)."""
+    return log_probs_and_entropy(logits, tokens)[0]
 
 
 def compute_entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the softmax of each row of `logits` ([T, V] -> [T]); at least fp32."""
-    logp = torch.log_softmax(_upcast(logits), dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+    tokens = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    entropy = log_probs_and_entropy(logits, tokens, with_entropy=True)[1]
+    assert entropy is not None
+    return entropy
 
 
 def normalize_group_rewards(rewards: torch.Tensor, n_samples_per_prompt: int,
@@ -142,7 +151,8 @@ def broadcast_returns(rewards: torch.Tensor, response_lengths: Sequence[int]) ->
 
 def reinforce_plus_plus_returns(rewards: torch.Tensor, kl: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor],
                                 kl_coef: float, gamma: float) -> list[torch.Tensor]:
-    """REINFORCE++ discounted returns: token rewards -kl_coef * kl, plus the reward at the last loss-masked token.
+    """REINFORCE++ discounted returns: token rewards -kl_coef * kl on loss-masked tokens (a masked-out token, a
+    tool's output say, carries no KL penalty), plus the reward at the last loss-masked token.
 
     G_t = r_t + gamma * G_{t+1}. A fully masked sample has no last token and raises (slime asserts).
     """
@@ -150,7 +160,7 @@ def reinforce_plus_plus_returns(rewards: torch.Tensor, kl: Sequence[torch.Tensor
     for i, (reward, kl_i, mask) in enumerate(zip(rewards.tolist(), kl, loss_masks, strict=True)):
         if mask.sum().item() == 0:
             raise ValueError(f"REINFORCE++: sample {i} is fully masked (no token to put its reward on)")
-        per_token = -kl_coef * kl_i.float()
+        per_token = -kl_coef * (kl_i.float() * mask)
         per_token[int(mask.nonzero()[-1])] += reward
         token_rewards.append(per_token)
     return unpad_rows(discounted_cumsum(pad_rows(token_rewards), gamma), [r.numel() for r in token_rewards])

@@ -94,8 +94,9 @@ def test_masked_whiten_unbiased_and_empty_mask_raises():
 
 def test_reinforce_plus_plus_returns():
     (returns,) = alg.reinforce_plus_plus_returns(t(1.0), [t(0.1, 0.2, 0.3, 0.4)], [t(1, 1, 1, 0)], 0.5, 0.9)
-    # token rewards -0.05, -0.1, -0.15 + 1 (last masked token), -0.2; discounted backwards with 0.9
-    close(returns, [0.4027, 0.503, 0.67, -0.2])
+    # token rewards -0.05, -0.1, -0.15 + 1 (last masked-in token), 0 (masked out: no KL penalty, as slime);
+    # discounted backwards with 0.9
+    close(returns, [0.5485, 0.665, 0.85, 0.0])
     with pytest.raises(ValueError, match="fully masked"):
         alg.reinforce_plus_plus_returns(t(1.0), [t(0.1)], [t(0)], 0.5, 0.9)
 
@@ -193,7 +194,7 @@ def test_batched_returns_and_gae_equal_the_per_sample_loop():
     masks[4][-1] = 0.0  # the reward lands on the last masked-in token
     got = alg.reinforce_plus_plus_returns(rewards, kl, masks, kl_coef=0.1, gamma=0.97)
     for i, (g, k, m) in enumerate(zip(got, kl, masks, strict=True)):
-        token_rewards = -0.1 * k
+        token_rewards = -0.1 * (k * m)
         token_rewards[int(m.nonzero()[-1])] += rewards[i].item()
         assert torch.equal(g, loop_discounted_cumsum(token_rewards, 0.97))
     values = [torch.randn(n, generator=gen) for n in lengths]
@@ -228,9 +229,9 @@ def test_grpo_gspo_cispo_advantages_broadcast_normalised_rewards():
 def test_reinforce_plus_plus_is_whitened_over_masked_tokens():
     inputs = _inputs(log_probs=[t(0, 0), t(0, 0, 0)], ref_log_probs=[t(-0.1, -0.1), t(-0.1, -0.1, -0.1)])
     out = compute_advantages(AlgorithmConfig(advantage_estimator="reinforce_plus_plus", kl_coef=0.5), inputs, 2)
-    # k1 = 0.1 per token, token rewards -0.05 (+ reward at the last masked token), summed backwards (gamma 1):
-    # s0 [0.9, 0.95], s1 [-0.15, -0.1, -0.05]; whitened over the 4 masked tokens
-    raw = [0.9, 0.95, -0.15, -0.1, -0.05]
+    # k1 = 0.1 per token, token rewards -0.05 on masked-in tokens (+ reward at the last one), 0 on the masked-out
+    # one, summed backwards (gamma 1): s0 [0.9, 0.95], s1 [-0.1, -0.05, 0]; whitened over the 4 masked tokens
+    raw = [0.9, 0.95, -0.1, -0.05, 0.0]
     masked = torch.tensor(raw[:4], dtype=torch.float64)
     expected = [(v - masked.mean()) / math.sqrt(masked.var().item() + 1e-8) for v in raw]
     close(torch.cat(out.advantages), expected)

@@ -23,6 +23,15 @@ _auth: dict[str, dict[str, str]] = {}
 """'http://host:port' -> the headers every request to it carries."""
 
 
+def get_rollout_num_engines(args: Any) -> int:
+    """The number of engines behind the router: args.rollout_num_engines (slimeflow sets it for plug-ins), else
+    rollout_num_gpus // rollout_num_gpus_per_engine (at least 1; 0 without rollout GPUs), as slime."""
+    if getattr(args, "rollout_num_engines", None) is not None:
+        return int(args.rollout_num_engines)
+    gpus = getattr(args, "rollout_num_gpus", None) or 0
+    return 0 if gpus <= 0 else max(1, gpus // (getattr(args, "rollout_num_gpus_per_engine", None) or 1))
+
+
 def init_http_client(args: Any) -> None:
     """Authorise requests to args' router with its API key (`args.sglang_api_key`), when it has one."""
     key = getattr(args, "sglang_api_key", None)

@@ -15,7 +15,7 @@ import torch
 
 from slimeflow.config.train import BatchConfig
 from slimeflow.rollout.types import TrainBatch
-from slimeflow.train import algorithms as alg
+from slimeflow.train.logprob_entropy import log_probs_and_entropy
 from slimeflow.train.packing import pack_micro_batches
 
 if TYPE_CHECKING:
@@ -88,8 +88,7 @@ def response_log_probs(selected: torch.Tensor, rows: TrainBatch, layout: RowLayo
     if layout.row_of is not None:  # each sample's positions within its row's block of kept positions
         logits = logits[ranges((torch.cumsum(kept, 0) - kept)[layout.row_of], lengths).to(device)]
     targets = torch.cat(list(rows.tokens))[ranges(torch.cumsum(totals, 0) - lengths, lengths)]
-    log_probs = alg.compute_log_probs(logits, targets.to(device))
-    entropy = alg.compute_entropy_from_logits(logits) if with_entropy else None
+    log_probs, entropy = log_probs_and_entropy(logits, targets.to(device), with_entropy=with_entropy)
     split = rows.response_lengths
     return LogProbs(list(torch.split(log_probs, split)), None if entropy is None else list(torch.split(entropy, split)))
 

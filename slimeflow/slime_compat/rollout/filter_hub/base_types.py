@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from slimeflow.rollout.filters import drops_group
+
 
 @dataclass
 class DynamicFilterOutput:
@@ -23,3 +25,10 @@ def call_dynamic_filter(fn: Any, *args: Any, **kwargs: Any) -> DynamicFilterOutp
         return DynamicFilterOutput(keep=True)
     output = fn(*args, **kwargs)
     return output if isinstance(output, DynamicFilterOutput) else DynamicFilterOutput(keep=output)
+
+
+def should_drop_dynamic_filter_output(output: DynamicFilterOutput, *, remaining_batch_size: int,
+                                      target_data_size: int) -> bool:
+    """Whether the group judged `output` is dropped, `remaining_batch_size` groups (kept and in flight, this one
+    included) standing against `target_data_size` (slimeflow's dynamic sampler's rule)."""
+    return drops_group(bool(output.keep), output.keep_when_insufficient, remaining_batch_size, target_data_size)
