@@ -1,5 +1,5 @@
-"""An HF checkpoint as a source: resolve it to a local directory (a tiny spec built, a remote URI downloaded,
-an export checked against its marker), check it is whole, and fingerprint every file.
+"""An HF checkpoint as a source: resolve it to a local directory (a tiny spec built, a GGUF file dequantized, a remote
+URI downloaded, an export checked against its marker), check it is whole, and fingerprint every file.
 
 The model stage's manifest is this; convert, train, evaluate and export read HF directories through it.
 """
@@ -12,6 +12,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from slimeflow.checkpoint.gguf_source import is_gguf_source, materialise_gguf
 from slimeflow.checkpoint.publish import MARKER, STAGING, ExportMarker, read_marker
 from slimeflow.config.base import replace
 from slimeflow.config.model import ModelConfig
@@ -24,9 +25,15 @@ INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
+def is_source_spec(spec: str) -> bool:
+    """True when `spec` names a checkpoint `materialise` makes or fetches (a tiny spec, a GGUF file, a remote URI)
+    rather than a local HF directory used in place."""
+    return is_tiny_uri(spec) or is_gguf_source(spec) or not is_local(spec)
+
+
 def materialise(config: ModelConfig, storage: Storage, workdir: Path, show_progress: bool = False) -> Path:
-    """A local directory holding the checkpoint: built (tiny spec), downloaded (remote URI) or used in place.
-    Built and downloaded ones go under --cache-dir, else `workdir`/model."""
+    """A local directory holding the checkpoint: built (tiny spec), dequantized (GGUF file), downloaded (remote URI)
+    or used in place. Built, dequantized and downloaded ones go under --cache-dir, else `workdir`/model."""
     spec = config.hf_checkpoint
     target_root = Path(config.cache_dir) if config.cache_dir else workdir / "model"
     if is_tiny_uri(spec):
@@ -34,6 +41,8 @@ def materialise(config: ModelConfig, storage: Storage, workdir: Path, show_progr
         target = target_root / ("tiny-" + hashlib.sha256(tiny.to_uri().encode()).hexdigest()[:12])
         # The factory is deterministic and writes atomically: an existing directory is that same model.
         return target if target.is_dir() else build_tiny_model(target, tiny)
+    if is_gguf_source(spec):
+        return materialise_gguf(spec, storage, target_root)
     if is_local(spec):
         path = local_path(spec)
         if not path.is_dir():

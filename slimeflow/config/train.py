@@ -211,7 +211,8 @@ class CheckpointConfig(ConfigModel):
     """Where the model comes from and where checkpoints go (slime's CKPT_ARGS)."""
 
     hf_checkpoint: str | None = None
-    """HF model directory: tokenizer and config source (and the weights for the torch backend)."""
+    """HF model directory: tokenizer and config source (and the weights for the torch backend). Alone, the train
+    stage also takes what the model stage does (a tiny spec, a GGUF file, an s3:// URI) and resolves it the same way."""
     ref_load: str | None = None
     """torch_dist checkpoint of the reference model."""
     load: str | None = None

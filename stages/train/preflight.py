@@ -8,6 +8,7 @@ This module stays light (no Ray, no torch until a plug-in is checked): the CLI i
 
 from __future__ import annotations
 
+from slimeflow.checkpoint.hf_source import is_source_spec
 from slimeflow.checkpoint.integrity import quick_problems
 from slimeflow.config.train import TrainConfig
 from slimeflow.errors import CheckpointError, PluginError, StageInputError
@@ -44,7 +45,7 @@ def preflight(config: TrainConfig) -> list[str]:
     if config.debug.debug_train_only and config.debug.load_debug_rollout_data:
         problems += replay_problems(config)
     hf = config.checkpoint.hf_checkpoint
-    if hf is not None and is_local(hf) and not (local_path(hf) / "config.json").is_file():
+    if hf is not None and not is_source_spec(hf) and not (local_path(hf) / "config.json").is_file():
         problems.append(f"--hf-checkpoint {hf} has no config.json")
     problems += checkpoint_problems(config)
     prompts = config.data.prompt_data if config.data.data_source_path is None else None  # else the class reads it

@@ -16,9 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slimeflow.checkpoint.hf_source import fingerprint
+from slimeflow.checkpoint.hf_source import fingerprint, is_source_spec, materialise
 from slimeflow.cluster import init_ray, local_ray_stopped, scratch_dir, stopping_local_ray_on_termination
 from slimeflow.config.base import replace
+from slimeflow.config.model import ModelConfig
 from slimeflow.config.model_args import check_model_args
 from slimeflow.config.train import TrainConfig
 from slimeflow.config.train_validation import (
@@ -49,7 +50,7 @@ log = logging.getLogger("slimeflow.train")
 
 def run(config: TrainConfig, ctx: StageContext) -> Manifest:
     """Train; returns the manifest of the latest checkpoint with the run's figures."""
-    config = with_defaults(config, ctx)
+    config = with_local_model(with_defaults(config, ctx), ctx)
     for note in slime_megatron_differences(config):
         log.warning(note)
     config, prepared = prepare_data(config, ctx.storage, ctx.workdir)  # raw data sets -> prompt parquet
@@ -86,6 +87,17 @@ def with_defaults(config: TrainConfig, ctx: StageContext) -> TrainConfig:
     save = ckpt.save or str((ctx.workdir / "checkpoints").resolve())
     update = {"save": save, "load": ckpt.load or save}
     return replace(config, checkpoint=replace(ckpt, **update))
+
+
+def with_local_model(config: TrainConfig, ctx: StageContext) -> TrainConfig:
+    """--hf-checkpoint as the model stage takes it (a tiny spec, a GGUF file, an s3:// URI), resolved the same way to
+    a local HF directory under <workdir>/model, so that `slimeflow train` alone starts from what a pipeline would
+    (in a pipeline it is the model stage's output, a directory already)."""
+    hf = config.checkpoint.hf_checkpoint
+    if hf is None or not is_source_spec(hf):
+        return config
+    local = materialise(ModelConfig(hf_checkpoint=hf), ctx.storage, ctx.workdir, ctx.show_progress)
+    return replace(config, checkpoint=replace(config.checkpoint, hf_checkpoint=str(local)))
 
 
 def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
