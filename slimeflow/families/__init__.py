@@ -236,6 +236,8 @@ _SHARED_EXPERTS_AND_BIAS: tuple[Rule, ...] = (
          ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"), "gate_up", only="moe"),
     Rule("mlp.shared_experts.linear_fc2.weight", ("mlp.shared_experts.down_proj.weight",), only="moe"),
 )
+_ZERO_SHARED_EXPERTS = ("transformers still builds the shared experts then, zero rows wide, which Megatron has no "
+                        "form of (it builds none)")
 _MLA_RULES: tuple[Rule, ...] = (
     # Transformer Engine's MLA spec keeps the input norm as a layer of its own and fuses the two latent norms into
     # the up projections that follow them (slime's deepseekv3 converter reads these names).
@@ -269,7 +271,8 @@ DEEPSEEK_V3 = FamilySpec(
     # Interleaved RoPE weights (DeepSeek's layout), which megatron-core's MLA de-interleaves the same way.
     config_overrides={"attention_bias": False, "norm_topk_prob": True, "rope_interleave": True},
     refused_config={"rope_interleave": (False, "megatron-core's MLA always reads the RoPE part of each head as "
-                                               "interleaved pairs, as DeepSeek's weights are laid out")},
+                                               "interleaved pairs, as DeepSeek's weights are laid out"),
+                    "n_shared_experts": (0, _ZERO_SHARED_EXPERTS)},
     # Tiny models borrow Llama 3's byte tokenizer and chat template (DeepSeek's own are not built yet).
     tiny_defaults={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2,
                    "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1, "q_lora_rank": 24,
@@ -286,6 +289,7 @@ GLM4_MOE = FamilySpec(
     router_score_function="sigmoid", rope_overrides={"partial_rotary_factor": 0.5},
     # Tiny models as GLM-4.5's config: QKV biases, no q/k norms (the class defaults to no bias).
     config_overrides={"attention_bias": True, "use_qk_norm": False, "norm_topk_prob": True},
+    refused_config={"n_shared_experts": (0, _ZERO_SHARED_EXPERTS)},
     tiny_defaults={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2,
                    "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5},
     config_names={"num_experts": "n_routed_experts"},

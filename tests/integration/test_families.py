@@ -390,6 +390,8 @@ def test_deepseek_v3_checkpoint_uses_the_names_and_args_slime_reads(converted):
     ("deepseek_v3", {"n_group": 4, "topk_group": 2, "num_experts_per_tok": 2},
      "num_experts_per_tok (2) // topk_group (2) is not 2"),
     ("deepseek_v3", {"rope_interleave": False}, "rope_interleave is False: megatron-core's MLA always reads"),
+    ("deepseek_v3", {"n_shared_experts": 0}, "n_shared_experts is 0: transformers still builds the shared experts"),
+    ("glm4_moe", {"n_shared_experts": 0}, "n_shared_experts is 0: transformers still builds the shared experts"),
     ("deepseek_v3", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_type 'llama3': multi-latent"),
     ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "truncate": False}},
      "rope truncate False: megatron-core's YaRN has no such setting"),

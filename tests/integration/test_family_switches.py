@@ -9,6 +9,7 @@ any write, naming the switch and the value. The conversions run the converter's 
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -19,6 +20,7 @@ from safetensors.torch import load_file
 
 from slimeflow.checkpoint.convert import assign_shares, read_hf_source
 from slimeflow.checkpoint.hf_write import write_hf
+from slimeflow.checkpoint.mapping import ModelShape
 from slimeflow.checkpoint.torch_dist import read_common, tensor_metadata
 from slimeflow.checkpoint.worker import Job, convert_share
 from slimeflow.errors import StageInputError
@@ -164,6 +166,17 @@ def test_the_export_refuses_an_origin_config_whose_switches_do_not_describe_the_
                                               r"\(use_qk_norm False\) means False"):
         write_hf(item["release"], tmp_path / "back", origin)
     assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.parametrize(("family", "change", "named"), [
+    ("qwen3", {"add_bias_linear": True}, "add_qkv_bias True, add_bias_linear True"),  # Megatron-LM's default
+    ("qwen2", {"add_qkv_bias": False}, "add_qkv_bias False"),
+])
+def test_checkpoint_args_with_flags_the_family_has_no_tensors_for_are_refused(round_trip, family, change, named):
+    item = round_trip(tiny_spec(family, "tie_word_embeddings", False))
+    args = argparse.Namespace(**{**vars(read_common(item["release"])["args"]), **change})
+    with pytest.raises(ValueError, match=f"common.pt: the checkpoint's Megatron args say {named}, which no {family} "):
+        ModelShape.from_megatron_args(args, FAMILIES[family], 263)
 
 
 def test_tiny_specs_take_only_the_switches_their_familys_config_has():
