@@ -18,7 +18,7 @@ from slimeflow.checkpoint.integrity import verify_checkpoint
 from slimeflow.checkpoint.mapping import ModelShape, global_rules, megatron_to_hf
 from slimeflow.checkpoint.torch_dist import load_torch_dist, read_common, tensor_metadata, unstack_layers
 from slimeflow.errors import StageInputError
-from slimeflow.families import FamilySpec, family_for, supported_architectures
+from slimeflow.families import FLAGS, FamilySpec, family_for, supported_architectures, switch_value
 from slimeflow.io.guard import claimed_dir, remove_abandoned, staging_prefix
 
 MAX_SHARD_BYTES = 4 * 1024**3
@@ -40,6 +40,19 @@ def origin_family(origin: Path) -> tuple[dict, FamilySpec]:
     return hf_config, family
 
 
+def switch_mismatches(shape: ModelShape, family: FamilySpec, hf_config: dict) -> list[str]:
+    """Where the origin config's switches (attention_bias, use_qk_norm, ...) do not describe the checkpoint's layers
+    (its Megatron flags), or ask for what the family cannot convert: the config written beside the weights would
+    then be wrong."""
+    wanted = family.flags(hf_config)
+    fields = {flag: " / ".join(f"{s.field} {switch_value(hf_config, s)}" for s in family.switches if flag in s.flags)
+              for flag in FLAGS}
+    return family.switch_problems(hf_config) + [
+        f"the checkpoint's {flag} is {shape.flags[flag]}, but the origin config.json "
+        f"({fields[flag] or family.name + ' fixes it'}) means {wanted[flag]}"
+        for flag in FLAGS if shape.flags[flag] != wanted[flag]]
+
+
 def write_hf(checkpoint_dir: Path, output: Path, origin: Path, vocab_size: int | None = None,
              max_shard_bytes: int = MAX_SHARD_BYTES) -> int:
     """Write the HF directory of a torch_dist checkpoint directory to `output` (atomically: staged, renamed).
@@ -52,6 +65,10 @@ def write_hf(checkpoint_dir: Path, output: Path, origin: Path, vocab_size: int |
     args = read_common(checkpoint_dir)["args"]
     shape = ModelShape.from_megatron_args(args, family, vocab_size or hf_config["vocab_size"],
                                           source=str(Path(checkpoint_dir) / "common.pt"))
+    problems = switch_mismatches(shape, family, hf_config)
+    if problems:
+        raise StageInputError(f"torch_dist checkpoint {checkpoint_dir} with --origin-hf-dir {origin}", problems,
+                              "Give the HF directory this checkpoint was converted from, or fix its config.json.")
     plan = _plan(shape, tensor_metadata(checkpoint_dir), checkpoint_dir)
     prefix = staging_prefix(output.name)  # claimed while written: what a killed export left is removed here next time
     remove_abandoned(output.parent, prefix)

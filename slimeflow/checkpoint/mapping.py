@@ -19,10 +19,12 @@ import torch
 from slimeflow.checkpoint.torch_dist import ExpertRows, RowBlocks
 from slimeflow.families import (
     FAMILIES,
+    FLAGS,
     GLOBAL_RULES,
     VOCAB_PADDED,
     YARN_DEFAULTS,
     FamilySpec,
+    Flag,
     Rule,
     head_dim,
     mla_fields,
@@ -81,6 +83,10 @@ class ModelShape:
     yarn: Mapping[str, float] | None = None
     """YaRN RoPE scaling in Megatron's names (rotary_scaling_factor, original_max_position_embeddings, beta_fast,
     beta_slow, mscale, mscale_all_dim); None: plain RoPE."""
+    add_qkv_bias: bool = False
+    """Megatron's flags of which tensors the layers have (families.FLAGS), from the HF config's switches."""
+    qk_layernorm: bool = False
+    add_bias_linear: bool = False
     unsupported: tuple[str, ...] = ()
     """What the HF config asks for that no Megatron model computes the same way (reported by `problems`)."""
 
@@ -99,10 +105,15 @@ class ModelShape:
         else each layer's are keyed `decoder.layers.<i>.<name>`, as megatron-core does with moe_layer_freq a list."""
         return not (self.num_experts and self.dense_layers)
 
+    @property
+    def flags(self) -> dict[Flag, bool]:
+        return {flag: getattr(self, flag) for flag in FLAGS}
+
     def applies(self, rule: Rule, layer: int) -> bool:
-        """Whether `rule` names a tensor of `layer` in this shape (its `only`)."""
+        """Whether `rule` names a tensor of `layer` in this shape (its `only` and its `when`)."""
         return {None: True, "dense": layer in self.dense_layers, "moe": layer not in self.dense_layers,
-                "q_lora": self.q_lora_rank is not None, "no_q_lora": self.q_lora_rank is None}[rule.only]
+                "q_lora": self.q_lora_rank is not None, "no_q_lora": self.q_lora_rank is None}[rule.only] and (
+            rule.when is None or getattr(self, rule.when))
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], family: FamilySpec, make_vocab_size_divisible_by: int = 128,
@@ -112,7 +123,7 @@ class ModelShape:
         mla = mla_fields(config) if family.multi_latent_attention else {}
         unsupported = moe.pop("unsupported", ()) + mla.pop("unsupported", ()) + tuple(
             f"{name} is {value}: {reason}" for name, (value, reason) in family.refused_config.items()
-            if config.get(name) == value)
+            if config.get(name) == value) + tuple(family.switch_problems(config))
         return cls(
             family=family.name,
             num_layers=config["num_hidden_layers"],
@@ -129,7 +140,7 @@ class ModelShape:
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             rotary_percent=rope_setting(config, "partial_rotary_factor", 1.0),
-            **moe, **mla, unsupported=unsupported,
+            **moe, **mla, **family.flags(config), unsupported=unsupported,
         )
 
     @classmethod
@@ -161,12 +172,25 @@ class ModelShape:
             moe_router_group_topk=read("moe_router_group_topk", default=None),
             moe_router_topk_scaling_factor=read("moe_router_topk_scaling_factor", default=None),
             moe_shared_expert_intermediate_size=read("moe_shared_expert_intermediate_size", default=None),
-            **(_mla_args(read) if family.multi_latent_attention else {}),
+            **(_mla_args(read) if family.multi_latent_attention else {}), **_flag_args(read),
         )
         if read.missing:
             raise ValueError(f"{source}: the checkpoint's Megatron args lack {', '.join(read.missing)}; it was not "
                              "written by a Megatron-LM, slime or slimeflow converter that this version reads")
+        unbuilt = shape.unmapped_flags()
+        if unbuilt:
+            raise ValueError(f"{source}: the checkpoint's Megatron args say {', '.join(unbuilt)}, which no {family.name} "
+                             "HF model has; it is not a checkpoint of this family (or was trained with layers that "
+                             "family lacks)")
         return shape
+
+    def unmapped_flags(self) -> list[str]:
+        """The flags this shape has that its family's name map cannot express (`<flag> <value>` each): one on that
+        no rule needs (its tensors would be dropped), or one off that the family always has."""
+        info = self.info
+        needed = {rule.when for rule in info.layer_rules if rule.when} | set(info.fixed_flags)
+        return [f"{flag} {on}" for flag, on in self.flags.items()
+                if (on and flag not in needed) or (not on and flag in info.fixed_flags)]
 
     def problems(self) -> list[str]:
         """What makes this shape unconvertible (empty when it is fine)."""
@@ -208,6 +232,13 @@ def _mla_args(read: _ArgsReader) -> dict[str, Any]:
     return {"q_lora_rank": read("q_lora_rank", default=None), "kv_lora_rank": read("kv_lora_rank"),
             "qk_head_dim": read("qk_head_dim"), "qk_pos_emb_head_dim": read("qk_pos_emb_head_dim"),
             "v_head_dim": read("v_head_dim"), "yarn": yarn}
+
+
+def _flag_args(read: _ArgsReader) -> dict[str, bool]:
+    """The FLAGS from Megatron args (absent: off). megatron-core gives linear_qkv a bias with add_bias_linear too."""
+    linear = bool(read("add_bias_linear", default=False))
+    return {"add_qkv_bias": bool(read("add_qkv_bias", default=False)) or linear,
+            "qk_layernorm": bool(read("qk_layernorm", default=False)), "add_bias_linear": linear}
 
 
 def _dense_layers(moe_layer_freq: Any, num_layers: int | None) -> tuple[int, ...]:
@@ -259,10 +290,7 @@ def megatron_args(shape: ModelShape, dtype: torch.dtype, make_vocab_size_divisib
         tensor_model_parallel_size=tensor_model_parallel_size, pipeline_model_parallel_size=1,
         # norm_epsilon under both spellings: Megatron-LM's newer (layernorm_epsilon) and older, which slime reads.
         normalization="RMSNorm", norm_epsilon=shape.norm_epsilon, layernorm_epsilon=shape.norm_epsilon,
-        swiglu=True, add_bias_linear=False,
-        # MLA's latent norms are Megatron's qk_layernorm (slime's DeepSeek scripts pass --qk-layernorm).
-        add_qkv_bias=info.attention_bias, qk_layernorm=info.qk_norm or info.multi_latent_attention,
-        position_embedding_type="rope",
+        swiglu=True, **shape.flags, position_embedding_type="rope",
         rotary_base=shape.rotary_base, rotary_percent=shape.rotary_percent,
         rotary_interleaved=info.rotary_interleaved, max_position_embeddings=shape.max_position_embeddings,
         # GLM4's sandwich norms, under the flag names of slime's patched Megatron-LM.
@@ -317,11 +345,15 @@ _HF_SHAPES: dict[str, Callable[[ModelShape], tuple[int, ...]]] = {
     "self_attn.k_proj.bias": lambda s: (s.num_query_groups * s.kv_channels,),
     "self_attn.v_proj.bias": lambda s: (s.num_query_groups * s.kv_channels,),
     "self_attn.o_proj.weight": lambda s: (s.hidden_size, s.num_attention_heads * s.kv_channels),
+    "self_attn.o_proj.bias": lambda s: (s.hidden_size,),
     "self_attn.q_norm.weight": lambda s: (s.kv_channels,),
     "self_attn.k_norm.weight": lambda s: (s.kv_channels,),
     "mlp.gate_proj.weight": lambda s: (s.ffn_hidden_size, s.hidden_size),
     "mlp.up_proj.weight": lambda s: (s.ffn_hidden_size, s.hidden_size),
     "mlp.down_proj.weight": lambda s: (s.hidden_size, s.ffn_hidden_size),
+    "mlp.gate_proj.bias": lambda s: (s.ffn_hidden_size,),
+    "mlp.up_proj.bias": lambda s: (s.ffn_hidden_size,),
+    "mlp.down_proj.bias": lambda s: (s.hidden_size,),
     "mlp.gate_up_proj.weight": lambda s: (2 * s.ffn_hidden_size, s.hidden_size),
     "post_self_attn_layernorm.weight": lambda s: (s.hidden_size,),
     "post_mlp_layernorm.weight": lambda s: (s.hidden_size,),

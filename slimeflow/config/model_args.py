@@ -64,6 +64,15 @@ def _moe_layers(hf: Mapping[str, Any]) -> list[int] | None:
     return [int(i not in experts["dense_layers"]) for i in range(hf["num_hidden_layers"])] if experts else None
 
 
+def _layer_flag(name: str) -> Callable[[Mapping[str, Any]], Any]:
+    """A Megatron layer flag (families.FLAGS) as the HF config's switches set it (IRRELEVANT: no family known)."""
+    def read(hf: Mapping[str, Any]) -> Any:
+        family = family_for(hf.get("architectures"))
+        return family.flags(hf)[name] if family else IRRELEVANT
+
+    return read
+
+
 def _router(hf: Mapping[str, Any]) -> Any:
     family = family_for(hf.get("architectures"))
     return family.router_score_function if family and family.has_experts else None
@@ -125,9 +134,15 @@ SHAPE: dict[str, tuple[str, Callable[[Mapping[str, Any]], Any]]] = {
     "rotary_scaling_factor": ("rope_scaling.factor", _yarn("rotary_scaling_factor")),
     "mscale": ("rope_scaling.mscale", _yarn("mscale")),
     "mscale_all_dim": ("rope_scaling.mscale_all_dim", _yarn("mscale_all_dim")),
+    "add_qkv_bias": ("attention_bias", _layer_flag("add_qkv_bias")),
+    "qk_layernorm": ("use_qk_norm", _layer_flag("qk_layernorm")),
+    "disable_bias_linear": ("mlp_bias", lambda hf: _not(_layer_flag("add_bias_linear")(hf))),
 }
-"""--qk-layernorm and --add-qkv-bias are properties of the family the HF config names, which the converter checks
-tensor by tensor; --make-vocab-size-divisible-by sets the padding. The rest is checked in `_consistency`."""
+"""--make-vocab-size-divisible-by sets the padding. The rest is checked in `_consistency`."""
+
+
+def _not(value: Any) -> Any:
+    return value if value is IRRELEVANT else not value
 
 
 def _flag(field: str) -> str:
@@ -218,9 +233,6 @@ def _consistency(megatron: MegatronConfig, hf_config: Mapping[str, Any]) -> list
     if megatron.seq_length is not None and limit is not None and megatron.seq_length > limit:
         problems.append(f"--seq-length {megatron.seq_length} is longer than the HF config's max_position_embeddings "
                         f"({limit}); lower it or drop it")
-    mlp_bias = bool(hf_config.get("mlp_bias", False))
-    if megatron.disable_bias_linear and mlp_bias:
-        problems.append("--disable-bias-linear: the HF config has mlp_bias true (its MLP has biases); drop the flag")
     return problems
 
 

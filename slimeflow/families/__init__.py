@@ -20,6 +20,9 @@ is [experts, 2 x moe_ffn, hidden] per layer, whether written by SequentialMLP or
 A rule `only` applies to some layers or shapes: `dense` to the dense-MLP layers of a mixture of experts (DeepSeek's
 first_k_dense_replace, Qwen3-MoE's mlp_only_layers), `moe` to its expert layers, `q_lora` / `no_q_lora` to
 multi-latent attention with or without a query LoRA rank (DeepSeek-V3 has one; Moonlight and V2-Lite do not).
+A rule `when` a Megatron flag applies only where that flag is on (FLAGS: biases, q/k norms), which the HF config's
+switches decide (`Switch`: `attention_bias`, `mlp_bias`, `use_qk_norm`) or the family fixes (`fixed_flags`: Qwen2's
+QKV bias, which its config class has no field for). A switch value a family cannot convert is refused, by name.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ from slimeflow.families.chat import GLM4_TOKENIZER, LLAMA3_TOKENIZER, QWEN_TOKEN
 
 Fusion = Literal["copy", "qkv", "gate_up"]
 Only = Literal["dense", "moe", "q_lora", "no_q_lora"]
+Flag = Literal["add_qkv_bias", "qk_layernorm", "add_bias_linear"]
+FLAGS: tuple[Flag, ...] = ("add_qkv_bias", "qk_layernorm", "add_bias_linear")
+"""Megatron's flags that decide which tensors a layer has: q/k/v biases; per-head q/k norms (multi-latent attention:
+its latent norms); biases on the attention output projection and on the MLP (megatron-core has one flag for both,
+and it gives q/k/v biases too)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,20 @@ class Rule:
     per_expert: bool = False
     only: Only | None = None
     """None: every layer of every shape of the family."""
+    when: Flag | None = None
+    """The Megatron flag that must be on for this tensor to exist (None: always)."""
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A boolean HF config field that decides which tensors the layers have: true turns Megatron's `flags` on."""
+
+    field: str
+    default: bool
+    """Its value when config.json leaves it out: the default of the family's transformers config class."""
+    flags: tuple[Flag, ...]
+    refused: Mapping[bool, str] = field(default_factory=dict)
+    """Values that no Megatron model of this family computes as HF does, with the reason."""
 
 
 @dataclass(frozen=True)
@@ -57,10 +79,11 @@ class FamilySpec:
     """HF `architectures` entries the converter recognises as this family."""
     layer_rules: tuple[Rule, ...]
     tokenizer: TokenizerInfo
-    attention_bias: bool = False
-    """q/k/v projections carry a bias (Megatron: add_qkv_bias)."""
-    qk_norm: bool = False
-    """Per-head RMSNorm on queries and keys (Megatron: qk_layernorm)."""
+    switches: tuple[Switch, ...] = ()
+    """The config fields that decide which tensors exist (attention_bias, mlp_bias, use_qk_norm)."""
+    fixed_flags: frozenset[Flag] = frozenset()
+    """Megatron flags always on, whatever the config says (its class has no field for them: Qwen2's QKV bias, Qwen3's
+    q/k norms, multi-latent attention's latent norms)."""
     sandwich_norms: bool = False
     """RMSNorm on the attention and MLP outputs before each residual add (GLM4; Megatron, as slime patches it:
     post_self_attn_layernorm, post_mlp_layernorm)."""
@@ -69,7 +92,7 @@ class FamilySpec:
     configurable_head_dim: bool = True
     """The config has a `head_dim` field, so head_dim may differ from hidden_size / num_attention_heads."""
     config_overrides: Mapping[str, Any] = field(default_factory=dict)
-    """Config fields the tiny factory pins so that the switches above hold where the config class has them."""
+    """Config fields the tiny factory sets (for a switch: its tiny models' value unless a tiny spec gives one)."""
     rope_overrides: Mapping[str, Any] = field(default_factory=dict)
     """The same inside the config's `rope_parameters` (GLM4 rotates half of each head: partial_rotary_factor)."""
     native_forward: bool = False
@@ -92,6 +115,32 @@ class FamilySpec:
     def has_experts(self) -> bool:
         return any(rule.per_expert for rule in self.layer_rules)
 
+    def flags(self, config: Mapping[str, Any]) -> dict[Flag, bool]:
+        """Megatron's FLAGS for an HF config.json of this family (a field it leaves out at its class's default)."""
+        on = {flag: flag in self.fixed_flags for flag in FLAGS}
+        for switch in self.switches:
+            if switch_value(config, switch):
+                on.update(dict.fromkeys(switch.flags, True))
+        return on
+
+    def switch_problems(self, config: Mapping[str, Any]) -> list[str]:
+        """The switch values of an HF config.json that this family cannot convert, each naming field and value."""
+        problems = [f"{s.field} is {switch_value(config, s)}: {s.refused[switch_value(config, s)]}"
+                    for s in self.switches if switch_value(config, s) in s.refused]
+        for flag in FLAGS:  # switches sharing one Megatron flag: megatron-core builds all their tensors or none
+            sharing = [s for s in self.switches if flag in s.flags and switch_value(config, s) not in s.refused]
+            if len({switch_value(config, s) for s in sharing}) > 1:
+                values = " with ".join(f"{s.field} {switch_value(config, s)}" for s in sharing)
+                problems.append(f"{values}: Megatron's {flag} builds the tensors of all of them or of none; "
+                                f"{self.name} converts only configs where they agree")
+        return problems
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head q/k norms with the config class's defaults (the engine's native families: Qwen3 always, Llama
+        and Qwen2 never; no config field changes it for them)."""
+        return self.flags({})["qk_layernorm"] and not self.multi_latent_attention
+
     @property
     def router_expert_bias(self) -> bool:
         return self.router_score_function == "sigmoid"
@@ -111,12 +160,20 @@ _INPUT_NORM = Rule("self_attention.linear_qkv.layer_norm_weight", ("input_layern
 _QKV = Rule("self_attention.linear_qkv.weight",
             ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv")
 _QKV_BIAS = Rule("self_attention.linear_qkv.bias",
-                 ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv")
+                 ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv",
+                 when="add_qkv_bias")
 _QK_NORM = (
-    Rule("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",)),
-    Rule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",)),
+    Rule("self_attention.q_layernorm.weight", ("self_attn.q_norm.weight",), when="qk_layernorm"),
+    Rule("self_attention.k_layernorm.weight", ("self_attn.k_norm.weight",), when="qk_layernorm"),
 )
 _PROJ = Rule("self_attention.linear_proj.weight", ("self_attn.o_proj.weight",))
+_LINEAR_BIASES = (
+    Rule("self_attention.linear_proj.bias", ("self_attn.o_proj.bias",), when="add_bias_linear"),
+    Rule("mlp.linear_fc1.bias", ("mlp.gate_proj.bias", "mlp.up_proj.bias"), "gate_up", when="add_bias_linear"),
+    Rule("mlp.linear_fc2.bias", ("mlp.down_proj.bias",), when="add_bias_linear"),
+)
+"""Llama's o_proj and MLP biases: Megatron's add_bias_linear, one flag for all of them."""
+
 _MLP_NORM = Rule("mlp.linear_fc1.layer_norm_weight", ("post_attention_layernorm.weight",))
 _FC2 = Rule("mlp.linear_fc2.weight", ("mlp.down_proj.weight",))
 _DENSE_RULES: tuple[Rule, ...] = (
@@ -135,22 +192,31 @@ _GLM4_RULES: tuple[Rule, ...] = (
 
 _MOE_RULES: tuple[Rule, ...] = (_INPUT_NORM, _QKV, _PROJ, *_QK_NORM)
 
+_NO_O_PROJ_BIAS = ("it puts a bias on o_proj as well as on q/k/v, which Megatron builds only with add_bias_linear, "
+                   "and that adds biases to every linear layer of the MLP, which this family does not have")
+
 LLAMA = FamilySpec(
-    "llama", "llama", ("LlamaForCausalLM",), _DENSE_RULES, LLAMA3_TOKENIZER,
+    "llama", "llama", ("LlamaForCausalLM",), (*_DENSE_RULES, _QKV_BIAS, *_LINEAR_BIASES), LLAMA3_TOKENIZER,
+    # attention_bias: q/k/v and o_proj; mlp_bias: gate/up/down. Megatron's add_bias_linear covers o_proj and the MLP
+    # at once, so the two must agree (switch_problems).
+    switches=(Switch("attention_bias", False, ("add_qkv_bias", "add_bias_linear")),
+              Switch("mlp_bias", False, ("add_bias_linear",))),
     config_overrides={"attention_bias": False, "mlp_bias": False}, native_forward=True,
 )
 QWEN2 = FamilySpec(
     "qwen2", "qwen2", ("Qwen2ForCausalLM",), (*_DENSE_RULES, _QKV_BIAS), QWEN_TOKENIZER,
-    attention_bias=True,  # hard-wired in transformers' Qwen2 attention; its config has no such field
+    fixed_flags=frozenset({"add_qkv_bias"}),  # hard-wired in transformers' Qwen2 attention; its config has no field
     configurable_head_dim=False, native_forward=True,
 )
 QWEN3 = FamilySpec(
     "qwen3", "qwen3", ("Qwen3ForCausalLM",), (*_DENSE_RULES, *_QK_NORM), QWEN_TOKENIZER,
-    qk_norm=True, config_overrides={"attention_bias": False}, native_forward=True,
+    switches=(Switch("attention_bias", False, ("add_qkv_bias", "add_bias_linear"), {True: _NO_O_PROJ_BIAS}),),
+    fixed_flags=frozenset({"qk_layernorm"}), config_overrides={"attention_bias": False}, native_forward=True,
 )
 GLM4 = FamilySpec(
     "glm4", "glm4", ("Glm4ForCausalLM",), _GLM4_RULES, GLM4_TOKENIZER,
-    attention_bias=True, sandwich_norms=True, rotary_interleaved=True, config_overrides={"attention_bias": True},
+    switches=(Switch("attention_bias", True, ("add_qkv_bias",)),),  # q/k/v only: GLM4's o_proj has no bias
+    sandwich_norms=True, rotary_interleaved=True, config_overrides={"attention_bias": True},
     rope_overrides={"partial_rotary_factor": 0.5},
 )
 
@@ -170,6 +236,8 @@ _SHARED_EXPERTS_AND_BIAS: tuple[Rule, ...] = (
          ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"), "gate_up", only="moe"),
     Rule("mlp.shared_experts.linear_fc2.weight", ("mlp.shared_experts.down_proj.weight",), only="moe"),
 )
+_ZERO_SHARED_EXPERTS = ("transformers still builds the shared experts then, zero rows wide, which Megatron has no "
+                        "form of (it builds none)")
 _MLA_RULES: tuple[Rule, ...] = (
     # Transformer Engine's MLA spec keeps the input norm as a layer of its own and fuses the two latent norms into
     # the up projections that follow them (slime's deepseekv3 converter reads these names).
@@ -186,8 +254,9 @@ _MLA_RULES: tuple[Rule, ...] = (
 
 QWEN3_MOE = FamilySpec(
     "qwen3_moe", "qwen3_moe", ("Qwen3MoeForCausalLM",), (*_MOE_RULES, *_EXPERTS, *_DENSE_MLP_OF_MOE), QWEN_TOKENIZER,
-    qk_norm=True, config_overrides={"attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
-                                    "norm_topk_prob": True},
+    switches=(Switch("attention_bias", False, ("add_qkv_bias", "add_bias_linear"), {True: _NO_O_PROJ_BIAS}),),
+    fixed_flags=frozenset({"qk_layernorm"}),
+    config_overrides={"attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
     tiny_defaults={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
 )
 
@@ -195,10 +264,15 @@ DEEPSEEK_V3 = FamilySpec(
     "deepseek_v3", "deepseek_v3", ("DeepseekV3ForCausalLM",),
     (*_MLA_RULES, *_DENSE_MLP_OF_MOE, *_EXPERTS, *_SHARED_EXPERTS_AND_BIAS), LLAMA3_TOKENIZER,
     configurable_head_dim=False, multi_latent_attention=True, router_score_function="sigmoid",
+    # attention_bias: biases on q_a_proj and kv_a_proj_with_mqa, MLA's down projections.
+    switches=(Switch("attention_bias", False, (), {True: "megatron-core's multi-latent attention builds its down "
+                                                        "projections without biases"}),),
+    fixed_flags=frozenset({"qk_layernorm"}),  # MLA's latent norms are Megatron's qk_layernorm (slime passes it)
     # Interleaved RoPE weights (DeepSeek's layout), which megatron-core's MLA de-interleaves the same way.
     config_overrides={"attention_bias": False, "norm_topk_prob": True, "rope_interleave": True},
     refused_config={"rope_interleave": (False, "megatron-core's MLA always reads the RoPE part of each head as "
-                                               "interleaved pairs, as DeepSeek's weights are laid out")},
+                                               "interleaved pairs, as DeepSeek's weights are laid out"),
+                    "n_shared_experts": (0, _ZERO_SHARED_EXPERTS)},
     # Tiny models borrow Llama 3's byte tokenizer and chat template (DeepSeek's own are not built yet).
     tiny_defaults={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2,
                    "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1, "q_lora_rank": 24,
@@ -209,10 +283,13 @@ DEEPSEEK_V3 = FamilySpec(
 
 GLM4_MOE = FamilySpec(
     "glm4_moe", "glm4_moe", ("Glm4MoeForCausalLM",),
-    (_INPUT_NORM, _QKV, _QKV_BIAS, _PROJ, *_DENSE_MLP_OF_MOE, *_EXPERTS, *_SHARED_EXPERTS_AND_BIAS), GLM4_TOKENIZER,
-    attention_bias=True, router_score_function="sigmoid", rope_overrides={"partial_rotary_factor": 0.5},
+    (_INPUT_NORM, _QKV, _QKV_BIAS, _PROJ, *_QK_NORM, *_DENSE_MLP_OF_MOE, *_EXPERTS, *_SHARED_EXPERTS_AND_BIAS),
+    GLM4_TOKENIZER,
+    switches=(Switch("attention_bias", False, ("add_qkv_bias",)), Switch("use_qk_norm", False, ("qk_layernorm",))),
+    router_score_function="sigmoid", rope_overrides={"partial_rotary_factor": 0.5},
+    # Tiny models as GLM-4.5's config: QKV biases, no q/k norms (the class defaults to no bias).
     config_overrides={"attention_bias": True, "use_qk_norm": False, "norm_topk_prob": True},
-    refused_config={"use_qk_norm": (True, "per-head query/key norms of GLM4-MoE are not in its spec yet")},
+    refused_config={"n_shared_experts": (0, _ZERO_SHARED_EXPERTS)},
     tiny_defaults={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 2,
                    "topk_group": 1, "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5},
     config_names={"num_experts": "n_routed_experts"},
@@ -234,6 +311,12 @@ def family_for(architectures: list[str] | None) -> FamilySpec | None:
 
 def supported_architectures() -> list[str]:
     return sorted(BY_ARCHITECTURE)
+
+
+def switch_value(config: Mapping[str, Any], switch: Switch) -> bool:
+    """A switch's value in an HF config.json: its field, else the config class's default (null reads as false, as
+    transformers' nn.Linear(bias=None) does)."""
+    return bool(config.get(switch.field, switch.default))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -82,6 +82,9 @@ SPEC_PARAMS: dict[str, SpecParam] = {
     "first_k_dense_replace": SpecParam(int, "a non-negative integer"),
     "q_lora_rank": SpecParam(int, "a non-negative integer (0: no query LoRA)"),
     "yarn_factor": _FLOAT,
+    "attention_bias": _BOOL,
+    "mlp_bias": _BOOL,
+    "use_qk_norm": _BOOL,
 }
 """The query keys of a `tiny:<family>?key=value&...` URI: every spec field but `family`."""
 
@@ -118,6 +121,11 @@ class TinyModelSpec:
     """Multi-latent attention only (as the next): the query's LoRA rank; 0: none, a full q_proj (Moonlight)."""
     yarn_factor: float | None = None
     """YaRN RoPE scaling by this factor (None: plain RoPE); the original context is max_position_embeddings / it."""
+    attention_bias: bool | None = None
+    """The family's switches (FamilySpec.switches), as its config class names them (this one and the next two);
+    None: the family's tiny default. Only families whose config has the field take one."""
+    mlp_bias: bool | None = None
+    use_qk_norm: bool | None = None
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -131,6 +139,11 @@ class TinyModelSpec:
         """The family-specific config fields (experts): the spec's values where given, else the family's defaults."""
         return {name: default if getattr(self, name, None) is None else getattr(self, name)
                 for name, default in self.info.tiny_defaults.items()}
+
+    @property
+    def switches(self) -> dict[str, bool]:
+        """The switch fields this spec sets (the rest keep the family's tiny defaults)."""
+        return {name: getattr(self, name) for name in _SWITCH_FIELDS if getattr(self, name) is not None}
 
     @property
     def resolved_head_dim(self) -> int:
@@ -207,6 +220,7 @@ def _validate(spec: TinyModelSpec) -> None:
         _require_positive_int("head_dim", spec.head_dim)
     _validate_attention(spec)
     _validate_experts(spec)
+    _validate_switches(spec)
     for name in ("rope_theta", "rms_norm_eps"):
         _require_positive_number(name, getattr(spec, name))
     if not isinstance(spec.tie_word_embeddings, bool):
@@ -237,6 +251,21 @@ def _validate_experts(spec: TinyModelSpec) -> None:
         if fields_["num_experts_per_tok"] > fields_["num_experts"]:
             raise ValueError(f"num_experts_per_tok ({fields_['num_experts_per_tok']}) must not exceed num_experts "
                              f"({fields_['num_experts']})")
+
+
+_SWITCH_FIELDS = ("attention_bias", "mlp_bias", "use_qk_norm")
+
+
+def _validate_switches(spec: TinyModelSpec) -> None:
+    for name in _SWITCH_FIELDS:
+        value = getattr(spec, name)
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
+        if name not in {switch.field for switch in spec.info.switches}:
+            raise ValueError(f"{spec.family} has no {name} setting; families with one: " + ", ".join(
+                family for family, info in FAMILIES.items() if name in {s.field for s in info.switches}))
 
 
 _EXPERT_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
@@ -415,7 +444,7 @@ def _model_config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast):
         pad_token_id=tokenizer.pad_token_id,
         **head_dim,
         **{info.config_names.get(name, name): value for name, value in family.items()},
-        **info.config_overrides,
+        **{**info.config_overrides, **spec.switches},
     )
 
 

@@ -71,8 +71,9 @@ def test_each_familys_tiny_model_has_exactly_the_tensors_its_spec_maps(tmp_path,
     shape = ModelShape.from_hf_config(config, spec)
     tensors = hf_tensors(hf)
     assert {name: tuple(t.shape) for name, t in tensors.items()} == expected_hf_tensors(shape)
-    assert any(name.endswith("q_proj.bias") for name in tensors) == spec.attention_bias
-    assert any(name.endswith("q_norm.weight") for name in tensors) == spec.qk_norm
+    assert any(name.endswith("q_proj.bias") for name in tensors) == shape.add_qkv_bias
+    assert any(name.endswith("q_norm.weight") for name in tensors) == (shape.qk_layernorm
+                                                                       and not spec.multi_latent_attention)
     assert any(name.endswith("post_mlp_layernorm.weight") for name in tensors) == spec.sandwich_norms
 
 
@@ -389,10 +390,11 @@ def test_deepseek_v3_checkpoint_uses_the_names_and_args_slime_reads(converted):
     ("deepseek_v3", {"n_group": 4, "topk_group": 2, "num_experts_per_tok": 2},
      "num_experts_per_tok (2) // topk_group (2) is not 2"),
     ("deepseek_v3", {"rope_interleave": False}, "rope_interleave is False: megatron-core's MLA always reads"),
+    ("deepseek_v3", {"n_shared_experts": 0}, "n_shared_experts is 0: transformers still builds the shared experts"),
+    ("glm4_moe", {"n_shared_experts": 0}, "n_shared_experts is 0: transformers still builds the shared experts"),
     ("deepseek_v3", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}, "rope_type 'llama3': multi-latent"),
     ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "truncate": False}},
      "rope truncate False: megatron-core's YaRN has no such setting"),
-    ("glm4_moe", {"use_qk_norm": True}, "use_qk_norm is True: per-head query/key norms of GLM4-MoE"),
 ])
 def test_configs_megatron_would_compute_differently_are_refused_by_name(family, change, message):
     from slimeflow.families.tiny import _model_config, build_tiny_tokenizer

@@ -58,6 +58,21 @@ def test_untied_output_flag_is_checked_against_tie_word_embeddings():
     assert len(problems) == 1 and "tie_word_embeddings: True" in problems[0]
 
 
+def test_layer_flags_are_checked_against_the_configs_switches():
+    qwen3 = {**QWEN3_4B, "architectures": ["Qwen3ForCausalLM"]}
+    assert check_model_args(train_config("--qk-layernorm", "--disable-bias-linear").megatron, qwen3, "torch") == []
+    assert check_model_args(train_config("--add-qkv-bias").megatron, qwen3, "torch") == [
+        "--add-qkv-bias True does not match the HF config (attention_bias: absent means False); correct the flag or "
+        "drop it"]
+    glm = {**QWEN3_4B, "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "use_qk_norm": False}
+    problems = check_model_args(train_config("--qk-layernorm", "--add-qkv-bias").megatron, glm, "torch")
+    assert problems == ["--qk-layernorm True does not match the HF config (use_qk_norm: False means False); correct "
+                        "the flag or drop it"]
+    llama = {**QWEN3_4B, "architectures": ["LlamaForCausalLM"], "attention_bias": True, "mlp_bias": True}
+    problems = check_model_args(train_config("--disable-bias-linear").megatron, llama, "torch")
+    assert len(problems) == 1 and problems[0].startswith("--disable-bias-linear True does not match the HF config")
+
+
 def test_no_model_args_check_nothing():
     assert check_model_args(train_config().megatron, {}, "torch") == []
 

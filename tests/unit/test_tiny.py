@@ -122,8 +122,8 @@ def test_family_structure_in_state_dict_and_config(built, family):
     qk_norms = [name for name in tensors if "q_norm" in name or "k_norm" in name]
     assert len(biases) == (3 * 2 if expected["bias"] else 0)
     assert len(qk_norms) == (2 * 2 if expected["qk_norm"] else 0)
-    assert FAMILIES[family].attention_bias == expected["bias"]
-    assert FAMILIES[family].qk_norm == expected["qk_norm"]
+    flags = FAMILIES[family].flags(config.to_dict())
+    assert (flags["add_qkv_bias"], flags["qk_layernorm"]) == (expected["bias"], expected["qk_norm"])
     # GQA: 4 query heads, 2 key/value heads of 16 dims each.
     assert tensors["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
     assert tensors["model.layers.0.self_attn.k_proj.weight"].shape == (32, 64)
