@@ -183,8 +183,6 @@ NOT_YET_SUPPORTED.update({
                               "--max-tokens-per-gpu",
     "--log-probs-max-tokens-per-gpu": "a separate token budget for log-probs is not supported yet: "
                                       "--max-tokens-per-gpu applies to both",
-    "--disable-compute-advantages-and-returns": "SFT and losses without advantages are not supported yet: "
-                                                "advantages are always computed",
     "--disable-rewards-normalization": "turning off the estimator's reward normalization is not supported yet",
     "--use-unbiased-kl": "the unbiased (importance-weighted) KL estimate is not supported yet",
     "--ref-update-interval": "updating the reference model from the actor is not supported yet",

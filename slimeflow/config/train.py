@@ -111,6 +111,9 @@ class AlgorithmConfig(ConfigModel):
     only reweighted with --use-tis (slime refuses this flag without --custom-tis-function-path)."""
     disable_grpo_std_normalization: bool = False
     """Subtract the group mean only."""
+    disable_compute_advantages_and_returns: bool = False
+    """Compute no advantages, nor the old, reference or teacher log-probs they read (slime's SFT scripts): for
+    --loss-type sft_loss or a custom loss that needs none of them."""
     normalize_advantages: bool = False
     """Whiten advantages over the batch."""
     gamma: float = Field(1.0, ge=0, le=1)
@@ -351,7 +354,9 @@ class DebugConfig(ConfigModel):
     """Generate and score rollouts but create no trainer: no training, checkpoints or weight updates (the engines
     keep --hf-checkpoint's weights); for testing rollout and reward plug-ins."""
     debug_train_only: bool = False
-    """Train on the rollouts of --load-debug-rollout-data; no engine starts and evaluation is skipped."""
+    """Train without an engine on the rollouts of --load-debug-rollout-data, or on those --rollout-function-path
+    makes from the data without one (slime's SFT: slime.rollout.sft_rollout.generate_rollout); evaluation is
+    skipped."""
     save_debug_rollout_data: str | None = None
     """Write each rollout's samples to this path, `{rollout_id}` replaced by the rollout id (e.g.
     /tmp/debug/rollout_{rollout_id}.pt): torch.save of plain lists and numbers, read back with weights_only."""

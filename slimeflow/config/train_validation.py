@@ -212,6 +212,14 @@ def check_algorithm(algorithm: AlgorithmConfig) -> None:
                          "those")
     if a.loss_type == "custom_loss" and a.custom_loss_function_path is None:
         raise ValueError("--loss-type custom_loss needs --custom-loss-function-path module:function")
+    if a.disable_compute_advantages_and_returns:
+        needs = [flag for flag, given in (("--loss-type policy_loss", a.loss_type == "policy_loss"),
+                                          ("--use-kl-loss", a.use_kl_loss), ("--kl-coef", a.kl_coef > 0),
+                                          ("--use-opd", a.use_opd)) if given]
+        if needs:
+            raise ValueError(f"--disable-compute-advantages-and-returns with {', '.join(needs)}: these read the "
+                             "advantages or the reference/teacher log-probs it skips; use --loss-type sft_loss (or a "
+                             "custom loss that needs none of them), or drop the flag")
 
 
 def check_optimizer(optimizer: OptimizerConfig) -> None:
@@ -242,12 +250,6 @@ def check_debug(debug: DebugConfig) -> None:
         given = "--debug-train-only" if debug.debug_train_only else "--load-debug-rollout-data (which implies it)"
         problems.append(f"--debug-rollout-only and {given} are both set: the one runs no trainer, the other no "
                         "engine; choose one (as slime refuses the pair)")
-    elif debug.debug_train_only and debug.load_debug_rollout_data is None:
-        problems.append("--debug-train-only needs --load-debug-rollout-data PATH (the rollouts to train on, "
-                        "written by a run with --save-debug-rollout-data PATH); give it, or drop "
-                        "--debug-train-only (slime's SFT scripts use it without saved rollouts, to train on "
-                        "--prompt-data's conversations through slime's sft_rollout, which slimeflow does not "
-                        "support yet)")
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -289,6 +291,20 @@ def check_train(config: TrainConfig) -> None:
     check_async(config)
     check_fault_tolerance(config)
     check_train_hooks(config)
+    check_train_only(config)
+
+
+def check_train_only(config: TrainConfig) -> None:
+    """--debug-train-only trains on rollouts that need no engine: saved ones, or a rollout function's that makes
+    them from the data alone (slime's SFT scripts)."""
+    debug = config.debug
+    if (debug.debug_train_only and debug.load_debug_rollout_data is None
+            and config.rollout.rollout_function_path is None):
+        raise ValueError("--debug-train-only needs the rollouts to train on without an engine: "
+                         "--load-debug-rollout-data PATH (written by a run with --save-debug-rollout-data PATH), or "
+                         "--rollout-function-path F, a function that makes them from --prompt-data without an engine "
+                         "(slime's SFT: slime.rollout.sft_rollout.generate_rollout); give one, or drop "
+                         "--debug-train-only")
 
 
 def check_train_hooks(config: TrainConfig) -> None:
@@ -352,7 +368,7 @@ def check_async(config: TrainConfig) -> None:
                            "training'): colocated engines and trainer share the devices, so generation cannot overlap "
                            "training"),
             "--debug-rollout-only": (config.debug.debug_rollout_only, "there is no trainer to overlap generation with"),
-            "--debug-train-only": (config.debug.debug_train_only, "there is no engine: saved rollouts are replayed"),
+            "--debug-train-only": (config.debug.debug_train_only, "there is no engine to overlap training with"),
             "--offload-train/--offload-rollout": ((placement.offload_train or placement.offload_rollout)
                                                   and not placement.colocate,  # else refused as --colocate
                                                   "the trainer and the engines compute at once, so neither can give its "

@@ -27,6 +27,7 @@ SLIME_DEFAULTS: dict[str, Any] = {
     "rollout_skip_special_tokens": False,
     "rollout_max_context_len": None,
     "rollout_global_dataset": True,
+    "loss_mask_type": "qwen",
     "sglang_dp_size": None,
     "sglang_enable_deterministic_inference": False,
     "sglang_speculative_algorithm": None,
@@ -88,6 +89,7 @@ def slime_args(config: TrainConfig, *, router_url: str | None = None, num_engine
         values.update(sglang_router_ip=parts.hostname, sglang_router_port=parts.port)
     values.update(rollout_num_engines=num_engines, sglang_server_concurrency=max(1, concurrency // num_engines),
                   grpo_std_normalization=not config.algorithm.disable_grpo_std_normalization,
+                  compute_advantages_and_returns=not config.algorithm.disable_compute_advantages_and_returns,
                   config=config, **native)
     return SlimeArgs(**values)
 

@@ -5,14 +5,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+from slimeflow.config.train import TrainConfig
 from slimeflow.rollout.plugins import load_plugin
 from slimeflow.rollout.rewards import reward_value
 from slimeflow.rollout.rollout import RolloutResult, rollout_metrics
-from slimeflow.rollout.slime_plugins import plugin_name, returned_sample
+from slimeflow.rollout.slime_plugins import plugin_name, returned_sample, slime_args
 from slimeflow.rollout.slime_rollout_hooks import post_process_rewards, slime_view
 from slimeflow.slime_compat.rollout.base_types import call_rollout_fn
+
+
+@dataclass
+class EngineFreeContext:
+    """What run_rollout_function reads of a rollout's context when no engine runs (--debug-train-only with a rollout
+    function, slime's SFT): the config and slime's `args` (no engine client, router or reward scorer in them)."""
+
+    config: TrainConfig
+    args: Any = field(default=None)
+    rollout_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.args is None:
+            self.args = slime_args(self.config)
 
 
 def _leaves(value: Any) -> list[Any]:

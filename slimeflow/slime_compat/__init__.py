@@ -30,6 +30,7 @@ PROVIDED = (
     "slime.rollout",
     "slime.rollout.base_types",
     "slime.rollout.sglang_rollout",
+    "slime.rollout.sft_rollout",
     "slime.rollout.sample_hooks",
     "slime.rollout.fully_async_rollout",
     "slime.rollout.data_source",

@@ -101,9 +101,12 @@ def prepare(backend: Backend, batch: TrainBatch, config: TrainConfig, shares: li
     so every sample's old log-probs come out of the same float sums as its first training forward: the first
     step's ppo_kl is exactly 0 with --use-dynamic-batch-size too (packing the whole share at once groups samples
     otherwise, and rounding differs)."""
+    algo = config.algorithm
+    if algo.disable_compute_advantages_and_returns:  # slime's SFT: the loss reads the training forward alone
+        return Prepared(old_log_probs=None, advantages=[torch.zeros(len(m)) for m in batch.loss_masks],
+                        ref_log_probs=None)
     own = sorted(i for share in shares for i in share)
     mine = batch.select(own)
-    algo = config.algorithm
 
     @functools.cache  # planned once, on the first pass (none when no pass runs)
     def steps() -> list[list[list[int]]]:

@@ -42,7 +42,7 @@ def preflight(config: TrainConfig) -> list[str]:
     contents), the paths the config names itself and the checkpoint it would start from. Inputs an earlier stage of a pipeline makes are not set yet;
     rollout_setup checks them when the stage starts."""
     problems = plugin_problems_of(config)
-    if config.debug.debug_train_only and config.debug.load_debug_rollout_data:
+    if config.debug.load_debug_rollout_data is not None:  # (it implies --debug-train-only)
         problems += replay_problems(config)
     hf = config.checkpoint.hf_checkpoint
     if hf is not None and not is_source_spec(hf) and not (local_path(hf) / "config.json").is_file():

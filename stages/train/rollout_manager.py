@@ -30,7 +30,7 @@ class RolloutSetup:
 
     hf_checkpoint: str
     prompt_data: str | None
-    """None with --debug-train-only, which reads saved rollouts instead."""
+    """None when a --debug-train-only run replays saved rollouts instead."""
     eval_prompt_data: dict[str, str]
     num_engines: int = 1
     engine_threads: int | None = None
@@ -102,8 +102,8 @@ class RolloutManager:
 
 
 class ReplayRolloutManager:
-    """--debug-train-only: the RolloutManager's interface over rollouts saved by --save-debug-rollout-data (no
-    engine); each method is rollouts.ReplayRollouts'."""
+    """--debug-train-only: the RolloutManager's interface with no engine, over rollouts saved by
+    --save-debug-rollout-data or made by a rollout function that needs none; each method is rollouts.ReplayRollouts'."""
 
     def __init__(self, config: TrainConfig, setup: RolloutSetup):
         # Imported here, in the actor: the driver imports this module and stays free of torch.
@@ -134,5 +134,6 @@ class ReplayRolloutManager:
 
 
 def rollout_manager_class(config: TrainConfig) -> type:
-    """What serves the loop's rollouts: saved ones with --debug-train-only, else engines."""
+    """What serves the loop's rollouts: with --debug-train-only no engine (saved rollouts, or a rollout function's
+    that needs none), else engines."""
     return ReplayRolloutManager if config.debug.debug_train_only else RolloutManager

@@ -29,7 +29,11 @@ from slimeflow.rollout.rollout import OLDEST_WEIGHT_VERSION, RolloutContext, gen
 from slimeflow.rollout.slime_data_source import PluginDataSource
 from slimeflow.rollout.slime_plugins import buffer_filter as slime_buffer_filter
 from slimeflow.rollout.slime_plugins import settings_read, slime_args
-from slimeflow.rollout.slime_rollout_functions import run_eval_function, run_rollout_function
+from slimeflow.rollout.slime_rollout_functions import (
+    EngineFreeContext,
+    run_eval_function,
+    run_rollout_function,
+)
 from slimeflow.rollout.slime_rollout_hooks import train_batch
 from slimeflow.rollout.types import PackedBatch, Sample
 from slimeflow.stages.train.debug_data import load_rollout, row_ids, save_rollout
@@ -243,12 +247,7 @@ class Rollouts:
         the rollouts in flight after rollout `trained`: their prompts are past the data position, so a resume that
         lost them would skip them. A --data-source-path class saves its own state here, as after rollout `trained`
         (slime's save(rollout_id) at each checkpoint)."""
-        if isinstance(self.data, PluginDataSource):
-            if trained is None:
-                raise ValueError("a --data-source-path class saves its state as after a rollout: pass its id")
-            state = self.data.save(trained)
-        else:
-            state = self.data.state_dict()
+        state = data_state(self.data, trained)
         kept = [self.in_flight[k].to_dict() for k in sorted(self.in_flight) if trained is None or k > trained]
         return {**state, "in_flight": kept} if kept else state
 
@@ -286,6 +285,16 @@ class InFlight:
         return cls(int(data["rollout_id"]), [Sample.from_dict(s) for s in data["samples"]], dict(data["metrics"]))
 
 
+def data_state(data: Any, trained: int | None) -> dict[str, Any]:
+    """The data source's position and buffer, as saved with a checkpoint; a --data-source-path class saves its own,
+    as after rollout `trained` (slime's save(rollout_id))."""
+    if isinstance(data, PluginDataSource):
+        if trained is None:
+            raise ValueError("a --data-source-path class saves its state as after a rollout: pass its id")
+        return data.save(trained)
+    return data.state_dict()
+
+
 def _data_source(config: TrainConfig, setup: RolloutSetup) -> Any:
     """The rollout's data source: the class of --data-source-path (slime's API; args as slime's plug-ins get
     them), else slimeflow's over --prompt-data with a buffer in front (--buffer-filter-path, default pop_first)."""
@@ -315,22 +324,39 @@ def weight_versions(samples: list[Sample]) -> dict[str, float]:
 
 
 class ReplayRollouts:
-    """--debug-train-only: the RolloutManager's interface over rollouts saved by --save-debug-rollout-data. No engine
-    starts, nothing is generated or scored, and evaluation is skipped (as in slime): each rollout's samples come
-    from its file and reach the trainer as the original run's did."""
+    """--debug-train-only: the RolloutManager's interface with no engine. Each rollout's samples come from the file
+    --save-debug-rollout-data wrote (--load-debug-rollout-data), else from --rollout-function-path called on the data
+    source (slime's SFT scripts: sft_rollout tokenizes --prompt-data's conversations). Nothing is generated or
+    scored, and evaluation is skipped (as in slime)."""
 
     def __init__(self, config: TrainConfig, setup: RolloutSetup):
         self.config = config
         self.template = config.debug.load_debug_rollout_data
+        self.data = None if self.template is not None else _data_source(config, setup)
+        """None when replaying saved files: the files are the data."""
+        self.context = EngineFreeContext(config)
+        self.first_rollout_id: int | None = None
         freeze_startup_heap()
 
     def generate(self, rollout_id: int) -> tuple[PackedBatch, dict[str, float], list[list[str]]]:
-        """The saved rollout `rollout_id`: (train batch, no rollout metrics (nothing was generated), row ids)."""
-        samples = load_rollout(self.template, rollout_id, self.config.batch.n_samples_per_prompt)
+        """Rollout `rollout_id`: (train batch, the rollout function's metrics (none for a saved rollout), row ids)."""
+        samples, metrics = self._samples(rollout_id)
         if self.config.debug.save_debug_rollout_data is not None:
             save_rollout(self.config.debug.save_debug_rollout_data, rollout_id, samples,
                          self.config.batch.n_samples_per_prompt)
-        return PackedBatch.pack(train_batch(self.config, slime_args(self.config), samples)), {}, row_ids(samples)
+        return PackedBatch.pack(train_batch(self.config, self.context.args, samples)), metrics, row_ids(samples)
+
+    def _samples(self, rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+        if self.data is None:
+            return load_rollout(self.template, rollout_id, self.config.batch.n_samples_per_prompt), {}
+        if self.first_rollout_id is None:
+            self.first_rollout_id = rollout_id
+            if hasattr(self.data, "start"):  # a --data-source-path class: slime's load(start_rollout_id - 1)
+                self.data.start(rollout_id)
+        path = self.config.rollout.rollout_function_path
+        assert path is not None  # config.check_train_only: --debug-train-only without saved rollouts needs one
+        result = run_rollout_function(load_plugin(path, "rollout-function-path"), self.context, self.data, rollout_id)
+        return result.samples, result.metrics
 
     def evaluate(self, version: str | None) -> dict[str, float]:
         return {}  # no engine to evaluate with
@@ -339,10 +365,13 @@ class ReplayRollouts:
         return None  # no engine: the trainer pushes its weights nowhere
 
     def state_dict(self, trained: int | None = None) -> dict[str, Any]:
-        return {}  # the files are the data: a resumed replay reads rollout k from rollout k's file
+        """The data source's state (so a resumed run continues its epoch); none when replaying files: a resumed
+        replay reads rollout k from rollout k's file."""
+        return {} if self.data is None else data_state(self.data, trained)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        pass
+        if self.data is not None:
+            self.data.load_state_dict(state)
 
     def plugin_settings_read(self) -> list[str]:
         """The `args` attributes this process's plug-ins read (slime_plugins.settings_read)."""

@@ -109,7 +109,7 @@ def rollout_setup(config: TrainConfig, ctx: StageContext) -> RolloutSetup:
         problems.append(f"--hf-checkpoint {config.checkpoint.hf_checkpoint} has no config.json")
     else:
         problems += check_model_args(config.megatron, json.loads(hf_config.read_text()), config.placement.train_backend)
-    if config.debug.debug_train_only:
+    if config.debug.load_debug_rollout_data is not None:  # else a --debug-train-only rollout function reads the data
         problems += replay_problems(config)
     elif config.data.data_source_path is not None:
         problems += data_source_problems(config)

@@ -32,7 +32,12 @@ def test_the_debug_flags_parse_under_slimes_names():
 
 def test_debug_flag_combinations_that_cannot_run_are_refused():
     alone = refused("--debug-train-only")
-    assert "--debug-train-only needs --load-debug-rollout-data PATH" in alone and "--save-debug-rollout-data" in alone
+    assert "--load-debug-rollout-data PATH (written by a run with --save-debug-rollout-data PATH)" in alone
+    assert "--rollout-function-path F" in alone and "sft_rollout" in alone
+    # A rollout function that needs no engine is the other source (slime's SFT scripts).
+    sft = load_stage_config("train", None, [*TRAIN, "--debug-train-only", "--rollout-function-path",
+                                            "slime.rollout.sft_rollout.generate_rollout"])
+    assert sft.debug.debug_train_only and sft.debug.load_debug_rollout_data is None
     assert "--debug-rollout-only and --debug-train-only are both set" in refused(
         "--debug-rollout-only", "--debug-train-only", "--load-debug-rollout-data", "/d/{rollout_id}.pt")
     assert "--debug-rollout-only and --load-debug-rollout-data (which implies it)" in refused(
