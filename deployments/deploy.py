@@ -1,49 +1,49 @@
-"""`slimeflow deploy`: create the process work pool (if missing) and apply slimeflow's deployments.
+"""`slimeflow deploy`: create the process work pool (if missing) and apply prefect.yaml's deployments.
 
-Runs from any install of slimeflow (the deployments are declared in slimeflow.deployments.definitions, with
-module-path entrypoints) and is idempotent: a second run updates the deployments and leaves the pool as it is.
-A worker runs them: `prefect worker start --pool slimeflow`.
+It reads the prefect.yaml that ships with slimeflow and applies each deployment through `prefect deploy`'s own
+code, so it makes exactly what `prefect deploy --all` makes from a checkout; it only adds the work pool, which
+`prefect deploy` expects to exist. It is idempotent: a second run updates the deployments in place (same ids, same
+schedules) and leaves the pool as it is. A worker runs them: `prefect worker start --pool slimeflow`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import httpx
 from prefect import get_client
+from prefect.cli.deploy._core import _run_single_deploy
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound, PrefectHTTPStatusError
-from prefect.schedules import Cron
+from prefect.flows import load_flow_from_entrypoint
 from prefect.settings import PREFECT_API_URL
-from prefect.types.entrypoint import EntrypointType
 from prefect.workers.process import ProcessWorker
+from rich.console import Console
 
-from slimeflow.deployments.definitions import POOL, specs
-
-if TYPE_CHECKING:
-    from slimeflow.deployments.definitions import DeploymentSpec
+from slimeflow.deployments.definitions import PREFECT_YAML, DefinitionError, load, names
 
 EXIT_ERROR = 1
+SET_WORKING_DIRECTORY = "prefect.deployments.steps.set_working_directory"
 
 
 class DeployError(Exception):
     """What stopped the deploy, and how to fix it."""
 
 
-def ensure_pool(client, name: str) -> bool:
+async def ensure_pool(client, name: str) -> bool:
     """Create the process work pool `name` unless it exists; True when this call created it."""
     try:
-        pool = client.read_work_pool(name)
+        pool = await client.read_work_pool(name)
     except ObjectNotFound:
-        # The process worker's own job template, as `prefect work-pool create --type process` gives it:
-        # without it the pool would ignore the deployments' job variables (working_dir).
+        # The process worker's own job template, as `prefect work-pool create --type process` gives it.
         template = ProcessWorker.get_default_base_job_template()
         try:
-            client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template))
+            await client.create_work_pool(WorkPoolCreate(name=name, type="process", base_job_template=template))
         except ObjectAlreadyExists:  # created by someone else since we looked
             return False
         return True
@@ -53,24 +53,41 @@ def ensure_pool(client, name: str) -> bool:
     return False
 
 
-def apply(chosen: Sequence[DeploymentSpec], pool: str, working_dir: Path) -> list[tuple[str, str]]:
-    """Ensure the pool, then create or update each deployment; returns [(full name, id)]."""
-    with get_client(sync_client=True) as client:
-        if ensure_pool(client, pool):
-            print(f"created work pool {pool!r} (process)")
+def prepare(configs: list[dict[str, Any]], actions: dict[str, Any], pool: str | None,
+            working_dir: Path | None) -> list[dict[str, Any]]:
+    """The chosen configs with --pool and --working-dir applied (as `prefect deploy --pool` and a
+    set_working_directory pull step would); without them, exactly as prefect.yaml has them."""
+    prepared = []
+    for config in configs:
+        config = {**config, "work_pool": dict(config.get("work_pool") or {})}
+        if pool is not None:
+            config["work_pool"]["name"] = pool
+        if working_dir is not None:
+            if config.get("pull") or actions.get("pull"):
+                raise DeployError(f"{PREFECT_YAML} declares pull steps for {config['name']!r}: they say where the "
+                                  "worker runs it, so --working-dir cannot; drop --working-dir or the pull steps")
+            config["pull"] = [{SET_WORKING_DIRECTORY: {"directory": str(working_dir.resolve())}}]
+        if not config["work_pool"].get("name"):
+            raise DeployError(f"{PREFECT_YAML}: deployment {config['name']!r} names no work pool; pass --pool")
+        prepared.append(config)
+    return prepared
+
+
+async def apply(configs: list[dict[str, Any]], actions: dict[str, Any], console: Console) -> list[tuple[str, str]]:
+    """Ensure each named pool, then create or update each deployment as `prefect deploy` does; [(full name, id)]."""
     applied = []
-    for spec in chosen:
-        deployment = spec.flow.to_deployment(
-            name=spec.name, description=spec.description, parameters=spec.parameters, tags=list(spec.tags),
-            schedules=[Cron(spec.cron, timezone="UTC", active=False)] if spec.cron else None,
-            work_pool_name=pool, job_variables={"working_dir": str(working_dir)},
-            entrypoint_type=EntrypointType.MODULE_PATH,
-        )
-        full_name = f"{spec.flow.name}/{spec.name}"
-        try:
-            applied.append((full_name, str(deployment.apply())))
-        except PrefectHTTPStatusError as err:
-            raise DeployError(f"the server refused deployment {full_name}: {err}") from None
+    async with get_client() as client:
+        for pool in dict.fromkeys(config["work_pool"]["name"] for config in configs):
+            if await ensure_pool(client, pool):
+                print(f"created work pool {pool!r} (process)")
+        for config in configs:
+            full_name = f"{load_flow_from_entrypoint(config['entrypoint']).name}/{config['name']}"
+            try:
+                await _run_single_deploy(config, actions, client=client, prefect_file=PREFECT_YAML, console=console,
+                                         is_interactive=lambda: False)
+            except (ValueError, PrefectHTTPStatusError) as err:
+                raise DeployError(f"deployment {full_name}: {err}\n{console.export_text().strip()}") from None
+            applied.append((full_name, str((await client.read_deployment_by_name(full_name)).id)))
     return applied
 
 
@@ -83,27 +100,39 @@ def _api_url() -> str:
     return url
 
 
-def main(argv: Sequence[str] = ()) -> int:
-    every = specs()
-    known = [s.name for s in every]
+def _parse(argv: Sequence[str], known: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="slimeflow deploy", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("names", nargs="*", metavar="NAME",
                         help=f"deployments to apply (default: all of {', '.join(known)})")
-    parser.add_argument("--pool", default=POOL, help=f"process work pool name (default: {POOL})")
-    parser.add_argument("--working-dir", type=Path, default=Path.cwd(),
+    parser.add_argument("--pool", help="process work pool to run them on (default: prefect.yaml's, slimeflow)")
+    parser.add_argument("--working-dir", type=Path,
                         help="directory the worker runs flows in; relative paths such as runs/<name> resolve "
-                             "there; it must exist on the worker's machine (default: this directory)")
+                             "there; it must exist on the worker's machine (default: this directory, as "
+                             "`prefect deploy` makes it)")
     args = parser.parse_args(list(argv))
     unknown = [n for n in args.names if n not in known]
     if unknown:
         parser.error(f"unknown deployment {', '.join(map(repr, unknown))}; "
                      f"the deployments are {', '.join(known)}")
+    return args
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    try:
+        configs, actions = load()
+    except DefinitionError as err:
+        print(f"slimeflow deploy: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    args = _parse(argv, names(configs))
+    # Prefect's messages are kept, and shown when a deployment fails.
+    console = Console(record=True, quiet=True, width=120)
     try:
         url = _api_url()
-        print(f"deploying to {url}")
-        chosen = [s for s in every if not args.names or s.name in args.names]
-        for name, deployment_id in apply(chosen, args.pool, args.working_dir.resolve()):
+        print(f"deploying {PREFECT_YAML} to {url}")
+        chosen = prepare([c for c in configs if not args.names or c["name"] in args.names], actions,
+                         args.pool, args.working_dir)
+        for name, deployment_id in asyncio.run(apply(chosen, actions, console)):
             print(f"applied {name} ({deployment_id})")
     except httpx.TransportError as err:
         print(f"slimeflow deploy: cannot reach the Prefect server at {url}: {err}; is `prefect server start` "
@@ -112,7 +141,8 @@ def main(argv: Sequence[str] = ()) -> int:
     except DeployError as err:
         print(f"slimeflow deploy: {err}", file=sys.stderr)
         return EXIT_ERROR
-    print(f"run them with a worker: prefect worker start --pool {args.pool}")
+    for pool in dict.fromkeys(config["work_pool"]["name"] for config in chosen):
+        print(f"run them with a worker: prefect worker start --pool {pool}")
     return 0
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -25,6 +26,7 @@ from slimeflow.config.preprocess import PreprocessConfig
 from slimeflow.config.train import TrainConfig
 from slimeflow.errors import StorageError
 from slimeflow.flows.artifacts import publish
+from slimeflow.flows.credentials import s3_config
 from slimeflow.io.guard import exclusive
 from slimeflow.io.manifest import MANIFEST_DIR, Manifest, config_hash
 from slimeflow.io.storage import Storage, is_local, join
@@ -85,7 +87,7 @@ def execute_stage(stage: str, config, settings: RunSettings, parent_run_id: str 
 
 def _execute(stage: str, config, settings: RunSettings, parent_run_id: str | None,
              upstream: list[dict] | None) -> dict:
-    storage = Storage(settings.infra.s3())
+    storage = Storage(s3_config(settings.infra, os.environ))  # the keys of the process that runs the stage
     workdir = Path(settings.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     key = cache_key(stage, config, upstream)

@@ -1,10 +1,16 @@
-"""Infrastructure endpoints: from the config, else from the environment, else the embedded defaults."""
+"""Infrastructure endpoints: from the config, else from the environment, else the embedded defaults.
+
+Credentials are not config: a config is a flow run's parameters, which Prefect stores and shows in its UI. S3 keys
+come from the environment of the process that runs the stage (a worker's, or the CLI's) or from a Prefect Secret
+block whose name the config holds (flows/credentials.py reads them there, when a stage opens its storage).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
-from pydantic import SecretStr
+from pydantic import model_validator
 
 from slimeflow.config.base import ConfigModel, replace
 from slimeflow.io.storage import S3Config
@@ -15,6 +21,13 @@ ENV = {
     "mlflow_tracking_uri": "MLFLOW_TRACKING_URI",
     "prefect_api_url": "PREFECT_API_URL",
 }
+
+CREDENTIAL_KEYS = ("s3_access_key_id", "s3_secret_access_key")
+"""Keys (and, kebab-cased, flags) that earlier configs took, refused with where credentials go instead."""
+CREDENTIALS_ELSEWHERE = (
+    "credentials are not config (a flow run's parameters are stored and shown by Prefect); set AWS_ACCESS_KEY_ID "
+    "and AWS_SECRET_ACCESS_KEY in the environment that runs the stage (the worker's), or save them in a Prefect "
+    "Secret block and name it with --s3-credentials-block")
 
 
 class InfraConfig(ConfigModel):
@@ -28,29 +41,27 @@ class InfraConfig(ConfigModel):
     """Prefect server API (http://host:4200/api); unset: an ephemeral local server. Env: PREFECT_API_URL."""
     s3_endpoint_url: str | None = None
     """S3-compatible endpoint (MinIO, Ceph, moto); unset: AWS. Env: AWS_ENDPOINT_URL."""
-    s3_access_key_id: str | None = None
-    """S3 access key. Env: AWS_ACCESS_KEY_ID."""
-    s3_secret_access_key: SecretStr | None = None
-    """S3 secret key. Env: AWS_SECRET_ACCESS_KEY."""
     s3_region: str | None = None
     """S3 region. Env: AWS_DEFAULT_REGION."""
+    s3_credentials_block: str | None = None
+    """Name of a Prefect Secret block holding {"access_key_id": ..., "secret_access_key": ...}; unset: the keys in
+    the environment of the process that runs the stage (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_credentials(cls, data: Any) -> Any:
+        keys = [key for key in CREDENTIAL_KEYS if isinstance(data, dict) and key in data]
+        if keys:
+            raise ValueError(f"{', '.join(keys)}: {CREDENTIALS_ELSEWHERE}")
+        return data
 
     def s3(self) -> S3Config:
-        return S3Config(
-            endpoint_url=self.s3_endpoint_url,
-            access_key_id=self.s3_access_key_id,
-            secret_access_key=self.s3_secret_access_key,
-            region=self.s3_region,
-        )
+        """Where S3 is; as whom is not here (see the module's docstring)."""
+        return S3Config(endpoint_url=self.s3_endpoint_url, region=self.s3_region)
 
     def with_environment(self, environ: Mapping[str, str]) -> InfraConfig:
         """Fill every unset endpoint from `environ` (the config wins over the environment)."""
         filled = {name: environ[var] for name, var in ENV.items() if getattr(self, name) is None and environ.get(var)}
         s3 = self.s3().merged_over(S3Config.from_env(environ))
-        filled.update(
-            s3_endpoint_url=s3.endpoint_url,
-            s3_access_key_id=s3.access_key_id,
-            s3_secret_access_key=s3.secret_access_key,
-            s3_region=s3.region,
-        )
+        filled.update(s3_endpoint_url=s3.endpoint_url, s3_region=s3.region)
         return replace(self, **filled)

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
+from slimeflow.config.infra import CREDENTIAL_KEYS, CREDENTIALS_ELSEWHERE
+
 _MOE = ("a Megatron mixture-of-experts flag the Megatron backend does not read yet; it takes the experts' shape "
         "flags (--num-experts, --moe-router-topk, ...) and --moe-token-dispatcher-type, "
         "--moe-router-load-balancing-type, --moe-aux-loss-coeff, --moe-z-loss-coeff, --moe-router-dtype, "
@@ -120,6 +122,8 @@ def explain_unknown(flag: str, known: list[str]) -> str:
     """One line saying why `flag` is not taken and what to do instead."""
     if flag in RENAMED:
         return f"{flag}: use {RENAMED[flag]} (the current slime spelling)"
+    if flag.rsplit(".", 1)[-1].lstrip("-").replace("-", "_") in CREDENTIAL_KEYS:
+        return f"{flag}: {CREDENTIALS_ELSEWHERE}"
     reason = refusal_reason(flag)
     if reason is not None:
         return f"{flag}: not supported yet ({reason}); remove it"

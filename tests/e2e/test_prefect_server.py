@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from conftest import S3_KEY, S3_SECRET
 from paths import ROOT
 from process_sessions import session_processes, wait_until_gone
 
@@ -108,7 +109,9 @@ def services(tmp_path_factory) -> Iterator[Services]:
     home = tmp_path_factory.mktemp("prefect-server")
     env = {**os.environ, "PREFECT_HOME": str(home / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_ENABLED": "false",
-           "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1"}
+           "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1",
+           # The worker's S3 keys (moto's): a run reads them where it runs, never from its parameters.
+           "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
     env.pop("PREFECT_API_URL", None)
     found = Services(env, home)
     yield found
@@ -150,6 +153,22 @@ def _deploy(services: Services, cwd: Path) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+def _deployments() -> dict[str, dict]:
+    """Every deployment on the server, by name, as what a deploy sets: ids, schedules, pull steps, parameters."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        found = client.read_deployments()
+    return {d.name: {
+        "id": d.id, "entrypoint": d.entrypoint, "description": d.description, "tags": sorted(d.tags),
+        "parameters": d.parameters, "work_pool": d.work_pool_name, "job_variables": d.job_variables,
+        "pull_steps": d.pull_steps, "schema": d.parameter_openapi_schema,
+        "schedules": sorted((s.slug, s.schedule.cron, s.schedule.timezone, s.active) for s in d.schedules),
+        "concurrency": d.global_concurrency_limit and d.global_concurrency_limit.limit,
+        "collision": d.concurrency_options and d.concurrency_options.collision_strategy,
+    } for d in found}
+
+
 @pytest.fixture(scope="module")
 def deploy_cwd(tmp_path_factory) -> Path:
     """Where `slimeflow deploy` runs: not the checkout (and so the worker's working directory)."""
@@ -171,31 +190,52 @@ def prefect_worker(first_deploy, services: Services, deploy_cwd: Path) -> subpro
     return _start_worker(services, deploy_cwd)
 
 
+@dataclass
+class Deploys:
+    """`slimeflow deploy`, then `prefect deploy --all` from the checkout, then `slimeflow deploy` again (the last
+    one while the worker starts: it runs no flow until asked), and the server's deployments after each."""
+
+    results: list[subprocess.CompletedProcess]
+    after: list[dict[str, dict]]
+
+
 @pytest.fixture(scope="module")
-def deployed(first_deploy, prefect_worker, services: Services, deploy_cwd: Path) -> list[subprocess.CompletedProcess]:
-    """`slimeflow deploy` twice; the second while the worker starts (it runs no flow until asked)."""
-    return [first_deploy, _deploy(services, deploy_cwd)]
+def deployed(first_deploy, prefect_worker, services: Services, deploy_cwd: Path) -> Deploys:
+    after = [_deployments()]
+    results = [first_deploy]
+    for argv, cwd in (([*PREFECT, "deploy", "--all"], ROOT), ([*SLIMEFLOW, "deploy"], deploy_cwd)):
+        results.append(subprocess.run(argv, cwd=cwd, env=services.env, capture_output=True, text=True, timeout=300))
+        after.append(_deployments())
+    return Deploys(results, after)
 
 
 @pytest.mark.slow
-def test_slimeflow_deploy_twice_against_a_real_server(deployed, services):
+def test_slimeflow_deploy_and_prefect_deploy_all_make_the_same_deployments(deployed, services, deploy_cwd):
     from prefect import get_client
 
     from slimeflow import stages
 
-    for attempt, result in enumerate(deployed, 1):
+    for attempt, result in enumerate(deployed.results, 1):
         assert result.returncode == 0, f"deploy #{attempt}:\n{result.stdout}\n{result.stderr}"
-    assert "created work pool 'slimeflow'" in deployed[0].stdout
-    assert "created work pool" not in deployed[1].stdout
+    assert "created work pool 'slimeflow'" in deployed.results[0].stdout
+    assert "created work pool" not in deployed.results[2].stdout
     with get_client(sync_client=True) as client:
         # The filter endpoints that `prefect work-pool ls` / `prefect deployment ls` call, with limit: null
         # (refused with 422 by prefect 3.8.8's server under fastapi >= 0.151).
         assert [(p.name, p.type) for p in client.read_work_pools()] == [("slimeflow", "process")]
-        deployments = {d.name: d for d in client.read_deployments()}
-    assert set(deployments) == {"pipeline", *stages.available()}
-    pipeline = deployments["pipeline"]
-    assert pipeline.entrypoint == "slimeflow.flows.pipeline.pipeline_flow"
-    assert [(s.schedule.cron, s.active) for s in pipeline.schedules] == [("0 3 * * *", False)]  # not doubled
+    first, from_checkout, again = deployed.after
+    assert set(first) == {"pipeline", *stages.available()}
+    pipeline = first["pipeline"]
+    assert pipeline["entrypoint"] == "slimeflow.flows.pipeline.pipeline_flow"
+    assert pipeline["schedules"] == [("daily", "0 3 * * *", "UTC", False)]
+    assert first["train"]["concurrency"] == 1 and first["train"]["collision"] == "ENQUEUE"
+    workdir = "prefect.deployments.steps.set_working_directory"
+    assert {d["pull_steps"][0][workdir]["directory"] for d in first.values()} == {str(deploy_cwd.resolve())}
+    # `prefect deploy --all` in the checkout: the same deployments (ids included), run in the checkout instead.
+    assert {d["pull_steps"][0][workdir]["directory"] for d in from_checkout.values()} == {str(ROOT.resolve())}
+    same = lambda found: {n: {k: v for k, v in d.items() if k != "pull_steps"} for n, d in found.items()}  # noqa: E731
+    assert same(from_checkout) == same(first)
+    assert again == first  # nothing changed, nothing doubled
 
 
 def _run_pipeline(config: dict, services: Services):
@@ -232,6 +272,26 @@ def _stage_logs(parent_id, expected: list[str], wait_s: float = 30) -> str:
             if all(line in logs for line in expected) or time.monotonic() > deadline:
                 return logs
             time.sleep(POLL_S)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUN_S + 60)
+def test_a_run_reaches_s3_with_the_workers_keys_and_none_is_stored_as_a_parameter(
+        deployed, services, s3_bucket, s3_config, tmp_path):
+    from prefect import get_client
+
+    from slimeflow.io.storage import Storage
+
+    output = f"{s3_bucket}/runs/worker-s3"
+    run = _run_pipeline({"name": "worker-s3", "workdir": str(tmp_path / "run"), "output": output,
+                         "model": {"hf_checkpoint": "tiny:llama?seed=0"},
+                         "infra": {"s3_endpoint_url": s3_config.endpoint_url, "s3_region": "us-east-1"}}, services)
+    assert Storage(s3_config).exists(f"{output}/manifests/model.json")
+    with get_client(sync_client=True) as client:
+        stored = [json.dumps(r.parameters) for r in client.read_flow_runs(limit=200)]
+    assert sum(output in p for p in stored) == 2, "the pipeline's run and its model stage's"
+    assert not [p for p in stored if S3_KEY in p or S3_SECRET in p], "a credential in a flow run's parameters"
+    assert run.parameters["config"]["infra"] == {"s3_endpoint_url": s3_config.endpoint_url, "s3_region": "us-east-1"}
 
 
 def test_deploy_without_a_server_says_how_to_start_one(capsys):

@@ -20,6 +20,11 @@ print(json.dumps({"io": getattr(io, "__file__", "<frozen>"), "bytesio": hasattr(
                   "slimeflow.io": slimeflow.io.__file__, "slimeflow": slimeflow.__file__}))
 """
 
+DEPLOYMENTS = """
+from slimeflow.deployments.definitions import PREFECT_YAML, load, names
+print(PREFECT_YAML, *names(load()[0]))
+"""
+
 
 def _check(cwd: Path, python: str = sys.executable, env: dict | None = None) -> dict:
     import json
@@ -54,7 +59,8 @@ def test_the_wheel_installs_the_same_layout(tmp_path):
     wheel = next(dist.glob("slimeflow-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "slimeflow/io/storage.py" in names and "slimeflow/flows/pipeline.py" in names
-    assert "slimeflow/deployments/definitions.py" in names, "the deployments ship with the package"
+    assert zipfile.ZipFile(wheel).read("slimeflow/deployments/prefect.yaml") == (ROOT / "prefect.yaml").read_bytes(), \
+        "the wheel ships the root prefect.yaml, which `slimeflow deploy` reads"
     assert {"slimeflow/config/pipeline.py", "slimeflow/families/__init__.py",
             "slimeflow/slime_compat/rollout/filter_hub/base_types.py"} <= set(names), "a subpackage is missing"
     assert not any(n.startswith(("io/", "flows/", "tests/")) for n in names), "a top-level folder leaked into the wheel"
@@ -67,3 +73,9 @@ def test_the_wheel_installs_the_same_layout(tmp_path):
     found = _check(tmp_path, env=env)
     assert Path(found["slimeflow.io"]) == target / "slimeflow" / "io" / "__init__.py"
     assert not found["io"].startswith(str(target))
+    # What `slimeflow deploy` reads, found in the installed package.
+    read = subprocess.run([sys.executable, "-c", DEPLOYMENTS], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert read.returncode == 0, read.stderr
+    assert read.stdout.split() == [str(target / "slimeflow" / "deployments" / "prefect.yaml"),
+                                   "pipeline", "model", "convert", "preprocess", "train", "evaluate", "export"]

@@ -8,7 +8,7 @@ import pytest
 from paths import DATA, ROOT
 
 from slimeflow.config.flags import FlagIndex, leaves
-from slimeflow.config.pipeline import STAGE_CONFIGS, load_pipeline_config, load_stage_config
+from slimeflow.config.pipeline import STAGE_CONFIGS, PipelineConfig, load_pipeline_config, load_stage_config
 from slimeflow.config.train import TrainConfig
 from slimeflow.errors import ConfigError
 
@@ -225,11 +225,23 @@ def test_infrastructure_from_config_else_environment():
     assert config.infra.ray_address == "ray://mine:1"  # config wins
     assert config.tracking_uri() == "http://mlflow:5000"
     s3 = config.infra.s3()
-    assert s3.endpoint_url == "http://minio:9000" and s3.access_key_id == "env-key"
-    assert s3.secret_access_key.get_secret_value() == "s"
+    assert s3.endpoint_url == "http://minio:9000"
+    # The keys stay where they are: the config is a flow run's parameters (flows/credentials.py reads them at run time).
+    assert s3.access_key_id is None and s3.secret_access_key is None
+    assert "env-key" not in config.model_dump_json() and '"s"' not in config.model_dump_json()
     embedded = load_pipeline_config({"hf_checkpoint": "tiny:llama", "name": "x"}, [], {})
     assert embedded.infra.ray_address is None
     assert embedded.tracking_uri().startswith("sqlite:///") and embedded.tracking_uri().endswith("runs/x/mlflow.db")
+
+
+@pytest.mark.parametrize("data, argv", [({"infra": {"s3_secret_access_key": "x"}}, []),
+                                        ({}, ["--s3-access-key-id", "k"])])
+def test_credentials_are_refused_as_config_with_where_they_go(data, argv):
+    with pytest.raises(ConfigError, match="credentials are not config") as err:
+        load_pipeline_config({"hf_checkpoint": "tiny:llama", **data}, argv)
+    assert "AWS_SECRET_ACCESS_KEY" in str(err.value) and "--s3-credentials-block" in str(err.value)
+    with pytest.raises(ValueError, match="s3_access_key_id: credentials are not config"):  # a Prefect parameter
+        PipelineConfig.model_validate({"model": {"hf_checkpoint": "t"}, "infra": {"s3_access_key_id": "k"}})
 
 
 def test_the_example_grpo_yaml_is_a_valid_train_config():
