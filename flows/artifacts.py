@@ -2,13 +2,16 @@
 links to the manifest and to the stage's MLflow run, the reward curve as an image, eval scores as a table.
 
 Artifacts carry no data of their own: the image is the manifest's reward_curve file inlined as a data: URL (a UI
-on another machine can show neither a local path nor, without credentials, an s3:// object).
+on another machine can show neither a local path nor, without credentials, an s3:// object). Links are what a
+browser opens: an s3:// object as its HTTP URL at the store's endpoint (path-style for MinIO, Ceph and moto;
+AWS's virtual-hosted URL otherwise), the MLflow UI's run page when the tracking URI is a server.
 """
 
 from __future__ import annotations
 
 import base64
 from typing import Any
+from urllib.parse import quote
 
 from prefect.artifacts import (
     create_image_artifact,
@@ -18,22 +21,25 @@ from prefect.artifacts import (
 )
 
 from slimeflow.io.manifest import Manifest
-from slimeflow.io.storage import Storage, is_local, local_path
+from slimeflow.io.storage import S3Config, Storage, is_local, local_path
 from slimeflow.io.tracking import Tracker
 
 MAX_INLINE_IMAGE = 512 * 1024
 """A larger curve is linked, not inlined (Prefect's docs keep artifacts small)."""
 
 
-def publish(stage: str, manifest: Manifest, uri: str, storage: Storage, tracker: Tracker, run_id: str) -> None:
-    """Every artifact of one stage's manifest at `uri`, whose MLflow run is `run_id` in `tracker`'s store."""
+def publish(stage: str, manifest: Manifest, uri: str, storage: Storage, tracker: Tracker, run_id: str,
+            s3: S3Config | None = None) -> None:
+    """Every artifact of one stage's manifest at `uri`, whose MLflow run is `run_id` in `tracker`'s store; `s3`
+    says where s3:// objects are served (their links' host)."""
+    s3 = s3 or S3Config()
     values = {**manifest.outputs, **manifest.counts, **manifest.metrics, **manifest.hashes}
     rows = [f"| {k} | `{v}` |" for k, v in values.items()]
     mlflow_run = mlflow_run_url(tracker.tracking_uri, tracker.experiment_id, run_id)
     markdown = "\n".join([f"### {stage}", f"manifest: `{uri}`",
                           f"MLflow run: `{run_id}` in `{tracker.tracking_uri}`", "", "| | |", "|---|---|", *rows])
     create_markdown_artifact(key=f"slimeflow-{stage}", markdown=markdown, description=f"{stage} manifest")
-    create_link_artifact(key=f"slimeflow-{stage}-manifest", link=link(uri), link_text=uri,
+    create_link_artifact(key=f"slimeflow-{stage}-manifest", link=browser_url(uri, s3), link_text=uri,
                          description=f"the {stage} stage's manifest")
     if mlflow_run is not None:
         create_link_artifact(key=f"slimeflow-{stage}-mlflow", link=mlflow_run, link_text=mlflow_run,
@@ -42,7 +48,7 @@ def publish(stage: str, manifest: Manifest, uri: str, storage: Storage, tracker:
     if curve:
         image = storage.read_bytes(curve)
         source = (f"data:image/png;base64,{base64.b64encode(image).decode()}" if len(image) <= MAX_INLINE_IMAGE
-                  else link(curve))
+                  else browser_url(curve, s3))
         create_image_artifact(image_url=source, key=f"slimeflow-{stage}-reward-curve",
                               description=f"rollout reward mean and eval avg@n per rollout ({curve})")
     scores = eval_rows(manifest)
@@ -66,9 +72,18 @@ def eval_rows(manifest: Manifest) -> list[dict[str, Any]]:
     return rows
 
 
-def link(uri: str) -> str:
-    """A URI a browser can follow: local paths as file:// URLs, anything with a scheme as it is."""
-    return local_path(uri).resolve().as_uri() if is_local(uri) else uri
+def browser_url(uri: str, s3: S3Config) -> str:
+    """A URL a browser can follow: local paths as file:// URLs, s3:// objects at the store's HTTP endpoint, anything
+    else as it is. (An object opens in a browser when the store serves it: public, or to a signed-in console.)"""
+    if is_local(uri):
+        return local_path(uri).resolve().as_uri()
+    if not uri.startswith("s3://"):
+        return uri
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    if s3.endpoint_url:
+        return f"{s3.endpoint_url.rstrip('/')}/{bucket}/{quote(key)}"
+    host = f"s3.{s3.region}.amazonaws.com" if s3.region else "s3.amazonaws.com"
+    return f"https://{bucket}.{host}/{quote(key)}"
 
 
 def mlflow_run_url(tracking_uri: str, experiment_id: str, run_id: str) -> str | None:

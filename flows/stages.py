@@ -87,7 +87,8 @@ def execute_stage(stage: str, config, settings: RunSettings, parent_run_id: str 
 
 def _execute(stage: str, config, settings: RunSettings, parent_run_id: str | None,
              upstream: list[dict] | None) -> dict:
-    storage = Storage(s3_config(settings.infra, os.environ))  # the keys of the process that runs the stage
+    s3 = s3_config(settings.infra, os.environ)  # the keys of the process that runs the stage
+    storage = Storage(s3)
     workdir = Path(settings.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     key = cache_key(stage, config, upstream)
@@ -110,7 +111,7 @@ def _execute(stage: str, config, settings: RunSettings, parent_run_id: str | Non
         tracker.log_metrics(run_id, {**{f"{stage}.{k}": v for k, v in manifest.counts.items()}, **manifest.metrics})
         tracker.set_tags(run_id, {"manifest_uri": uri, "manifest_sha256": record.sha256,
                                   **{f"output.{k}": v for k, v in manifest.outputs.items()}})
-    publish(stage, manifest, uri, storage, tracker, run_id)
+    publish(stage, manifest, uri, storage, tracker, run_id, s3)
     get_run_logger().info("%s: manifest %s", stage, uri)
     return manifest.model_dump(mode="json")
 

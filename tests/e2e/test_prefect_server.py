@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from conftest import S3_KEY, S3_SECRET
-from paths import ROOT
+from paths import DATA, ROOT
 from process_sessions import session_processes, wait_until_gone
 
 PREFECT = [sys.executable, "-m", "prefect"]
@@ -108,8 +110,10 @@ def services(tmp_path_factory) -> Iterator[Services]:
     """The processes of this module; at teardown every one is stopped by pid and none may be left."""
     home = tmp_path_factory.mktemp("prefect-server")
     env = {**os.environ, "PREFECT_HOME": str(home / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_ENABLED": "false",
+           "PREFECT_LOGGING_LEVEL": "INFO", "PREFECT_WORKER_QUERY_SECONDS": "1",
            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1",
+           # A flow run's process and its Ray workers import the test plug-ins (outage_reward) from here.
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(DATA / "slime_plugins"), os.environ.get("PYTHONPATH")])),
            # The worker's S3 keys (moto's): a run reads them where it runs, never from its parameters.
            "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
     env.pop("PREFECT_API_URL", None)
@@ -128,6 +132,8 @@ def prefect_server(services: Services) -> Iterator[str]:
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
+    # With its UI (the browser test's), told where the API is: it would otherwise send the browser to port 4200.
+    services.env["PREFECT_UI_API_URL"] = url
     server = services.start("server", [*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                             services.logs)
     deadline = time.monotonic() + SERVER_START_S
@@ -328,9 +334,10 @@ def test_deploy_refuses_an_unknown_deployment_and_lists_the_known_ones(capsys):
 
 @pytest.mark.slow
 @pytest.mark.timeout(RUN_S + 120)
-def test_an_interval_schedule_creates_runs_and_the_worker_runs_them(deployed, services):
-    """An hourly schedule on the model stage's deployment (its default parameters), as the UI's "Add schedule"
-    makes it; the scheduler creates the coming runs and the worker runs the first when it is due."""
+def test_the_pipelines_schedules_once_activated_create_runs_and_the_worker_runs_them(deployed, services):
+    """The pipeline's declared daily schedule, switched on as the UI's toggle does, creates its coming runs at 03:00
+    UTC (and switched off, takes them back); an hourly schedule added as the UI's "Add schedule" makes it creates
+    runs of the pipeline's default parameters (the model stage), and the worker runs the first when it is due."""
     from datetime import UTC, datetime, timedelta
 
     from prefect import get_client
@@ -339,29 +346,41 @@ def test_an_interval_schedule_creates_runs_and_the_worker_runs_them(deployed, se
 
     hour = timedelta(hours=1)
     with get_client(sync_client=True) as client:
-        deployment = client.read_deployment_by_name("slimeflow-model/model")
+        deployment = client.read_deployment_by_name("slimeflow-pipeline/pipeline")
+
+        def scheduled(count: int = 3):
+            runs = [r for r in client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id]))) if r.auto_scheduled]
+            return sorted(runs, key=lambda r: r.expected_start_time) if len(runs) >= count else None
+
+        [daily] = deployment.schedules
+        client.update_deployment_schedule(deployment.id, daily.id, active=True)
+        nightly = _wait_for("runs created by the daily schedule", scheduled, 60, services, poll_s=1)
+        assert {(r.expected_start_time.hour, r.expected_start_time.minute) for r in nightly} == {(3, 0)}
+        days = [b.expected_start_time - a.expected_start_time for a, b in itertools.pairwise(nightly)]
+        assert days == [timedelta(days=1)] * (len(nightly) - 1)
+        client.update_deployment_schedule(deployment.id, daily.id, active=False)  # its coming runs go with it
+        _wait_for("the daily schedule's runs removed", lambda: scheduled(count=0) == [], 30, services, poll_s=0.5)
+
         # Far enough ahead that the scheduler (a loop every second here) creates the first run before it is due;
         # the worker starts the run's process when it is due within its prefetch window (10 s), so the process
         # starts while the anchor comes.
         anchor = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=8)
         [schedule] = client.create_deployment_schedules(
             deployment.id, [(IntervalSchedule(interval=hour, anchor_date=anchor), True)])
-
-        def scheduled():
-            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])))
-            return sorted(runs, key=lambda r: r.expected_start_time) if len(runs) >= 3 else None
-
-        runs = _wait_for("runs created by the schedule", scheduled, 60, services, poll_s=1)
+        runs = _wait_for("runs created by the interval schedule", scheduled, 60, services, poll_s=1)
         starts = [r.expected_start_time for r in runs]
         assert starts[:3] == [anchor, anchor + hour, anchor + 2 * hour]
-        assert all(r.auto_scheduled for r in runs)
+        assert runs[0].parameters == deployment.parameters  # prefect.yaml's defaults
         state = _final_state(runs[0].id, services, timeout_s=RUN_S)
         assert state.is_completed(), state
-        client.update_deployment_schedule(deployment.id, schedule.id, active=False)  # its coming runs go with it
-        remaining = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])))
+        client.update_deployment_schedule(deployment.id, schedule.id, active=False)
+        remaining = scheduled(count=0)
         assert [r.id for r in remaining] == [runs[0].id]
+    name = deployment.parameters["config"]["name"]  # the worker ran it in its working directory, runs/<name>
+    manifest = json.loads((Path(deployment.pull_steps[0]["prefect.deployments.steps.set_working_directory"][
+        "directory"]) / "runs" / name / "manifests" / "model.json").read_text())
+    assert manifest["stage"] == "model"
 
 
 # --- a training pipeline on the worker: cancelled, a second run on its workdir, killed and retried, artifacts ---
@@ -568,3 +587,304 @@ def test_a_run_whose_worker_died_mid_train_resumes_from_its_checkpoint_when_retr
     reused = [f"{stage}: inputs, config and code unchanged; reusing" for stage in stages]
     logs = _stage_logs(rerun.id, reused)
     assert all(line in logs for line in reused), logs
+
+
+# --- the UI's reruns: "Retry" on a failed run, "Run" with changed parameters ---
+
+RETRY_FROM_THE_UI = "Retry from the UI"
+"""The message of the state the UI's Retry button sets: POST /flow_runs/<id>/set_state {type: SCHEDULED, name:
+AwaitingRetry, message: "Retry from the UI"}, force false in the UI a browser opens by default (prefect/server/ui,
+retryFlowRun), true in the V2 UI; unforced, the server's own rules must accept it."""
+
+
+def _manifests(workdir: Path) -> dict[str, tuple[str, str]]:
+    """(created_at, cache_key) of each stage's manifest: a reused stage keeps both, a rerun one gets new ones."""
+    return {path.stem: (data["created_at"], data["cache_key"])
+            for path in sorted((workdir / "manifests").glob("*.json")) if (data := json.loads(path.read_text()))}
+
+
+def _subflow_states(parent_id) -> dict[str, list]:
+    """Each stage's subflow runs under `parent_id`, oldest first (a retried pipeline keeps its first attempt's)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+        flows = {f.id: f.name for f in client.read_flows()}
+    found: dict[str, list] = {}
+    for run in sorted(runs, key=lambda r: r.created):
+        found.setdefault(flows[run.flow_id].removeprefix("slimeflow-"), []).append(run.state)
+    return found
+
+
+@dataclass
+class Retried:
+    """A training pipeline that failed after its first checkpoint (its reward service down) and, the cause fixed,
+    was retried as the UI's Retry does."""
+
+    run_id: object
+    workdir: Path
+    config: dict
+    failed: object
+    failed_train: object
+    checkpoint_at_failure: int | None
+    before_retry: dict[str, tuple[str, str]]
+    finished: object
+
+
+def _wait_healthy(name: str, process: subprocess.Popen, url: str, services: Services) -> None:
+    import httpx
+
+    deadline = time.monotonic() + SERVER_START_S
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"{name} exited with {process.returncode}:\n{_tail(services.logs / f'{name}.log')}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"{name} not healthy after {SERVER_START_S} s:\n{_tail(services.logs / f'{name}.log')}")
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(services: Services) -> str:
+    """`mlflow server` on a free loopback port (its UI is what the stages' MLflow links open); stopped with the
+    module's other processes."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = services.start("mlflow", [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1",
+                                        "--port", str(port), "--workers", "1",
+                                        "--backend-store-uri", f"sqlite:///{services.logs / 'mlflow.db'}"],
+                             services.logs)
+    _wait_healthy("mlflow", process, f"{url}/health", services)
+    return url
+
+
+@pytest.fixture(scope="module")
+def retried(deployed, services, mlflow_server, tmp_path_factory) -> Retried:
+    from prefect import get_client
+    from prefect.client.schemas.responses import SetStateStatus
+    from prefect.states import AwaitingRetry
+
+    base = tmp_path_factory.mktemp("retried")
+    workdir, outage = base / "run", base / "reward-service-down"
+    outage.touch()
+    custom = base / "reward.yaml"
+    custom.write_text(f"reward_outage_marker: {outage}\n")
+    config = _train_pipeline(workdir, num_rollout=4)
+    config["train"]["reward"] = {**config["train"]["reward"], "rm_type": None,
+                                 "custom_rm_path": "outage_reward.reward"}
+    config["train"]["custom_config_path"] = str(custom)
+    config["infra"] = {**(config.get("infra") or {}), "mlflow_tracking_uri": mlflow_server}
+    run = _submit(config)
+    failed = _final_state(run.id, services)
+    failed_train = _subflow_states(run.id)["train"][-1]
+    checkpoint = _tracker(workdir)
+    before = _manifests(workdir)
+
+    outage.unlink()  # the cause fixed: the reward service is back
+    with get_client(sync_client=True) as client:
+        retry = client.set_flow_run_state(run.id, AwaitingRetry(message=RETRY_FROM_THE_UI), force=False)
+    assert retry.status == SetStateStatus.ACCEPT, retry.details
+    finished = _final_state(run.id, services)
+    services.remember_descendants()
+    return Retried(run.id, workdir, config, failed, failed_train, checkpoint, before, finished)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * TRAIN_S)
+def test_retry_of_a_failed_run_reuses_every_finished_stage_and_resumes_training(retried, services):
+    assert retried.failed.is_failed(), retried.failed
+    assert retried.failed_train is not None and retried.failed_train.is_failed(), retried.failed_train
+    assert "reward service down" in (retried.failed_train.message or ""), retried.failed_train.message
+    # It failed after its first checkpoint (rollout 1 of 0..3), before train or evaluate wrote a manifest.
+    assert retried.checkpoint_at_failure == 1
+    assert set(retried.before_retry) == {"model", "preprocess"}
+
+    assert retried.finished.is_completed(), f"{retried.finished}\n{_tail(services.logs / 'worker.log', 60)}"
+    after = _manifests(retried.workdir)
+    assert {stage: after[stage] for stage in retried.before_retry} == retried.before_retry  # not rewritten
+    reused = [f"{stage}: inputs, config and code unchanged; reusing" for stage in ("model", "preprocess")]
+    logs = _stage_logs(retried.run_id, reused)
+    assert all(line in logs for line in reused), logs
+    trained = json.loads((retried.workdir / "manifests" / "train.json").read_text())
+    assert trained["counts"]["start_rollout_id"] == 2 and trained["counts"]["rollouts_run"] == 2
+    assert trained["outputs"]["checkpoint"].endswith("iter_0000003")
+    # The run page lists the first attempt's subflows beside the retry's: train failed once, then completed.
+    subflows = {stage: [s.type.value for s in states] for stage, states in _subflow_states(retried.run_id).items()}
+    assert set(subflows) == {"model", "preprocess", "train", "evaluate"}, subflows
+    assert all(states[-1] == "COMPLETED" for states in subflows.values()) and subflows["train"][0] == "FAILED", subflows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * TRAIN_S)
+def test_a_run_with_changed_parameters_reruns_only_the_stages_whose_inputs_changed(retried, services):
+    """The UI's "Run" with one evaluate parameter changed (create_flow_run_from_deployment with new parameters):
+    model, preprocess and train are reused; evaluate, whose config changed, reruns."""
+    import copy
+
+    from prefect import get_client
+
+    assert retried.finished.is_completed(), retried.finished
+    before = _manifests(retried.workdir)
+    changed = copy.deepcopy(retried.config)
+    changed["evaluate"]["eval_max_response_len"] = 2
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("slimeflow-pipeline/pipeline")
+        run = client.create_flow_run_from_deployment(deployment.id, parameters={"config": changed})
+    state = _final_state(run.id, services)
+    assert state.is_completed(), f"{state}\n{_tail(services.logs / 'worker.log', 60)}"
+    after = _manifests(retried.workdir)
+    assert {s for s in after if after[s] == before[s]} == {"model", "preprocess", "train"}  # not rewritten
+    assert after["evaluate"][1] != before["evaluate"][1] and after["evaluate"][0] >= before["evaluate"][0]
+    reused = [f"{stage}: inputs, config and code unchanged; reusing" for stage in ("model", "preprocess", "train")]
+    logs = _stage_logs(run.id, reused)
+    assert all(line in logs for line in reused) and "evaluate: inputs, config and code unchanged" not in logs, logs
+    evaluated = json.loads((retried.workdir / "manifests" / "evaluate.json").read_text())
+    assert evaluated["config"]["eval_max_response_len"] == 2
+
+
+# --- the UI in a real browser: headless Chromium from the system's packages, driven by Playwright ---
+
+CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+UI_WAIT_MS = 30_000
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium from the system (apt-get install chromium); Playwright never downloads one here."""
+    if CHROMIUM is None:
+        pytest.skip("no Chromium on PATH (chromium, chromium-browser, google-chrome): apt-get install -y chromium")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+    with sync_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
+        yield chromium
+        chromium.close()
+
+
+@dataclass
+class Pages:
+    """One browser page on the server's UI; each `show` keeps a screenshot under `shots`."""
+
+    page: object
+    ui: str
+    shots: Path
+
+    def show(self, path: str, shot: str, text: str, tab: str | None = None):
+        """Open `path` (and click its `tab`), wait until `text` shows; a screenshot either way."""
+        self.page.goto(f"{self.ui}{path}")
+        try:
+            if tab is not None:
+                self.page.get_by_text(tab, exact=True).first.click(timeout=UI_WAIT_MS)
+            self.page.get_by_text(text).first.wait_for(timeout=UI_WAIT_MS)
+        finally:
+            self.page.screenshot(path=str(self.shots / f"{shot}.png"), full_page=True)
+        return self.page
+
+
+@pytest.fixture
+def pages(browser, prefect_server: str, tmp_path) -> Iterator[Pages]:
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    shots = tmp_path / "screenshots"  # pytest's tmp dir: kept as the run's artifacts, never in the repository
+    shots.mkdir()
+    yield Pages(context.new_page(), prefect_server.removesuffix("/api"), shots)
+    context.close()
+
+
+def _artifacts_of(flow_run_id) -> dict[str, object]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        return {a.key: a for a in client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TRAIN_S)
+def test_the_ui_shows_the_deployments_runs_a_changed_form_and_the_train_stages_artifacts(
+        retried, pages, services, mlflow_server):
+    import httpx
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterDeploymentId,
+        FlowRunFilterParentFlowRunId,
+    )
+
+    from slimeflow import stages
+
+    # The deployments list: all seven, the pipeline's daily schedule.
+    page = pages.show("/deployments", "deployments", "slimeflow-pipeline")
+    body = page.inner_text("body")
+    assert all(name in body for name in ("pipeline", *stages.available())), body
+    assert "At 03:00 AM every day" in body
+
+    # The pipeline's parameter form renders the nested config; a changed name starts a run by the form's own Submit.
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("slimeflow-pipeline/pipeline")
+    page = pages.show(f"/deployments/deployment/{deployment.id}/run", "run-form", "Hf Checkpoint")
+    body = page.inner_text("body")
+    assert all(field in body for field in ("Workdir", "Infra", "Mlflow Tracking Uri", "Train", "Evaluate")), body
+    name = page.locator("textarea").first  # config.name, the form's first text area
+    assert name.input_value() == "scheduled-tiny"  # prefect.yaml's default
+    name.fill("from-the-form")
+    page.get_by_role("button", name="Submit").click()
+    page.wait_for_url(f"**/deployments/deployment/{deployment.id}**", timeout=UI_WAIT_MS)
+
+    def started():
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])))
+        return [r for r in runs if r.parameters["config"].get("name") == "from-the-form"]
+
+    [run] = _wait_for("the run the form submitted", started, 30, services, poll_s=0.5)
+    assert run.parameters["config"]["model"] == {"hf_checkpoint": "tiny:qwen3?seed=0", "cache_dir": None}
+
+    # The retried pipeline's page: its stage subflows with their states (train's failed first attempt beside).
+    page = pages.show(f"/runs/flow-run/{retried.run_id}", "pipeline-run-subflows", "slimeflow-evaluate",
+                      tab="Subflow Runs")
+    body = page.inner_text("body")
+    assert all(f"slimeflow-{stage}" in body for stage in ("model", "preprocess", "train", "evaluate")), body
+    assert "Completed" in body and "Failed" in body
+
+    # The train stage's artifacts: the reward curve as an image, the eval table, links to its manifest and its
+    # MLflow run (the MLflow UI's page of a run the tracking server holds).
+    with get_client(sync_client=True) as client:
+        subflows = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[retried.run_id])))
+        flows = {f.id: f.name for f in client.read_flows()}
+    [train] = [r for r in subflows if flows[r.flow_id] == "slimeflow-train" and r.state.is_completed()]
+    artifacts = _artifacts_of(train.id)
+    page = pages.show(f"/runs/flow-run/{train.id}", "train-artifacts", "slimeflow-train-reward-curve",
+                      tab="Artifacts")
+    assert all(key in page.inner_text("body") for key in artifacts), sorted(artifacts)
+
+    page = pages.show(f"/artifacts/artifact/{artifacts['slimeflow-train-reward-curve'].id}", "reward-curve",
+                      "slimeflow-train-reward-curve")
+    image = page.locator("img[src^='data:image/png;base64,']").first
+    image.wait_for(timeout=UI_WAIT_MS)
+    assert image.evaluate("img => img.complete && img.naturalWidth > 0"), "the reward curve did not render"
+
+    page = pages.show(f"/artifacts/artifact/{artifacts['slimeflow-train-eval'].id}", "eval-table", "increment")
+    assert page.locator("table").first.inner_text().count("avg_at_1") >= 1
+
+    manifest = retried.workdir / "manifests" / "train.json"
+    page = pages.show(f"/artifacts/artifact/{artifacts['slimeflow-train-manifest'].id}", "manifest-link",
+                      str(manifest))
+    assert page.locator(f"a[href='{manifest.resolve().as_uri()}']").count() == 1
+
+    run_url = artifacts["slimeflow-train-mlflow"].data.split("](", 1)[1].rstrip(")")
+    page = pages.show(f"/artifacts/artifact/{artifacts['slimeflow-train-mlflow'].id}", "mlflow-link", mlflow_server)
+    assert page.locator(f"a[href='{run_url}']").count() == 1
+    assert run_url.startswith(f"{mlflow_server}/#/experiments/")
+    run_id = run_url.rsplit("/", 1)[1]
+    found = httpx.get(f"{mlflow_server}/api/2.0/mlflow/runs/get", params={"run_id": run_id}, timeout=10)
+    assert found.status_code == 200 and found.json()["run"]["info"]["run_name"] == "train"
+    assert httpx.get(mlflow_server, timeout=10).status_code == 200  # the UI that opens the link's page
+
+    assert _final_state(run.id, services, timeout_s=RUN_S).is_completed()  # the form's run, on the worker
