@@ -49,7 +49,7 @@ def test_a_conversation_becomes_tokens_with_the_assistant_turns_trained(toy_mask
     assert sample.tokens == tokens and sample.reward == 0 and sample.status is Status.COMPLETED
     # The response runs from the first trained token to the end; its mask is the conversation's over that part.
     assert sample.response_length == len(tokens) - mask.index(1) and sample.loss_mask == mask[mask.index(1):]
-    trained = "".join(chr(t) for t, m in zip(sample.tokens[-sample.response_length:], sample.loss_mask) if m)
+    trained = "".join(chr(t) for t, m in zip(sample.tokens[-sample.response_length:], sample.loss_mask, strict=True) if m)
     assert "A1" in trained and "A3" in trained and "A2" not in trained and "Q" not in trained and "T1" not in trained
 
 
