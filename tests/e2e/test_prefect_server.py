@@ -838,7 +838,8 @@ def test_the_ui_shows_the_deployments_runs_a_changed_form_and_the_train_stages_a
     assert name.input_value() == "scheduled-tiny"  # prefect.yaml's default
     name.fill("from-the-form")
     page.get_by_role("button", name="Submit").click()
-    page.wait_for_url("**/runs/flow-run/**", timeout=UI_WAIT_MS)  # the UI shows the run it created
+    # The UI goes back to the deployment's page, its Runs tab (seen: .../run -> ... -> ...?tab=Runs).
+    page.wait_for_url(f"**/deployments/deployment/{deployment.id}?tab=Runs", timeout=UI_WAIT_MS)
 
     def started():
         with get_client(sync_client=True) as client:
