@@ -757,8 +757,8 @@ UI_WAIT_MS = 30_000
 @pytest.fixture(scope="module")
 def browser():
     """Headless Chromium from the system (apt-get install chromium); Playwright never downloads one here. Opt-in
-    (SLIMEFLOW_BROWSER_TEST=1): it passed alone (193 s) but once of two in the whole module the run its form
-    submitted did not appear within 30 s, cause not found yet; a flaky test must not block the suite."""
+    (SLIMEFLOW_BROWSER_TEST=1): it passed alone (193 s), but in the whole module (2 runs of 2) the run its form
+    submitted did not appear within 30 s, cause not found yet; a test that fails by order must not block the suite."""
     if not os.environ.get("SLIMEFLOW_BROWSER_TEST"):
         pytest.skip("the Prefect UI browser test is opt-in: SLIMEFLOW_BROWSER_TEST=1 (and Chromium from apt)")
     if CHROMIUM is None:
