@@ -839,7 +839,8 @@ def test_the_ui_shows_the_deployments_runs_a_changed_form_and_the_train_stages_a
     name.fill("from-the-form")
     page.get_by_role("button", name="Submit").click()
     # The UI goes back to the deployment's page, its Runs tab (seen: .../run -> ... -> ...?tab=Runs).
-    page.wait_for_url(f"**/deployments/deployment/{deployment.id}?tab=Runs", timeout=UI_WAIT_MS)
+    # (A history change, not a page load: wait for the URL alone.)
+    page.wait_for_url(f"**/deployments/deployment/{deployment.id}?tab=Runs", wait_until="commit", timeout=UI_WAIT_MS)
 
     def started():
         with get_client(sync_client=True) as client:
