@@ -99,8 +99,9 @@ def _execute(stage: str, config, settings: RunSettings, parent_run_id: str | Non
         return cached.model_dump(mode="json")
     tracker = tracker_for(settings)
     params = {stage: config.model_dump(mode="json")}
-    if getattr(config, "custom_config", None):  # what --custom-config-path set, as the file said it
-        params["custom_config"] = config.custom_config
+    custom = getattr(config, "custom_config", None)  # what --custom-config-path set, as the file said it
+    if custom:
+        params["custom_config"] = custom
     with tracker.run(stage, params, parent_run_id=parent_run_id) as run_id:
         context = StageContext(storage, workdir, settings.output, settings.show_progress,
                                log_metrics=lambda metrics, step: tracker.log_metrics(run_id, metrics, step),

@@ -50,7 +50,7 @@ def verify_checkpoint(directory: str | Path) -> bool:
     it has none (structure checked only; a warning says so). CheckpointError names each damaged file, what is
     wrong with it and what to do."""
     directory = Path(directory)
-    problems = [f"{directory / m}: missing" for m in COMPLETE_MARKERS if not (directory / m).is_file()]
+    problems = _missing_markers(directory)
     if not problems:
         problems = _checksum_problems(directory) or _structure_problems(directory)
     if problems:
@@ -70,12 +70,16 @@ def quick_problems(directory: Path) -> list[str]:
     """What verify_checkpoint would find without reading the files' bytes: markers missing, files missing or of
     another size than CHECKSUMS records (without it, than .metadata needs). For a check in a second, before a run
     starts; the contents are hashed when the checkpoint is loaded."""
-    problems = [f"{directory / m}: missing" for m in COMPLETE_MARKERS if not (directory / m).is_file()]
+    problems = _missing_markers(directory)
     if problems:
         return problems
     if (directory / CHECKSUMS).is_file():
         return _size_problems(directory)[1]
     return _structure_problems(directory)
+
+
+def _missing_markers(directory: Path) -> list[str]:
+    return [f"{directory / m}: missing" for m in COMPLETE_MARKERS if not (directory / m).is_file()]
 
 
 def _size_problems(directory: Path) -> tuple[list[ArtifactRecord], list[str]]:

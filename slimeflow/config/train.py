@@ -438,7 +438,7 @@ class TrainConfig(ConfigModel):
     sglang: SglangConfig = Field(default_factory=SglangConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    _custom_args: dict[str, Any] = PrivateAttr(default_factory=dict)
+    _custom_config: dict[str, Any] = PrivateAttr(default_factory=dict)
     _custom_overrides: dict[str, tuple[Any, Any]] = PrivateAttr(default_factory=dict)
 
     @property
@@ -450,13 +450,13 @@ class TrainConfig(ConfigModel):
     @property
     def custom_args(self) -> dict[str, Any]:
         """The plug-in settings of --custom-config-path (its keys that are not flags): attributes of slime's args."""
-        return dict(self._custom_args)
+        return dict(self._custom_config.get("settings", {}))
 
     @property
     def custom_config(self) -> dict[str, Any]:
         """What --custom-config-path's file set (custom_config.custom_config_record), {} without one: recorded in the
-        train manifest and the MLflow params."""
-        return custom_config_record(self.custom_config_path, type(self)) if self.custom_config_path else {}
+        train manifest and the MLflow params. Read once, when the config is validated."""
+        return dict(self._custom_config)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -477,7 +477,7 @@ class TrainConfig(ConfigModel):
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
         if self.custom_config_path:
-            self._custom_args = read_custom_config(self.custom_config_path, type(self))[1]
+            self._custom_config = custom_config_record(self.custom_config_path, type(self))
         checks.check_train(self)
         return self
 
