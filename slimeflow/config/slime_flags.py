@@ -206,7 +206,6 @@ NOT_YET_SUPPORTED.update({
     "--fetch-trajectory-retry-times": "an external rollout buffer service is not supported",
     "--min-batch-collection-ratio": "an external rollout buffer service is not supported",
     "--rollout-task-type": "an external rollout buffer service is not supported",
-    "--loss-mask-type": "chat-template loss masks for SFT are not supported yet",
     "--disable-rollout-global-dataset": "rollouts always read a data source (--prompt-data, or the class of "
                                         "--data-source-path, which then saves and loads its own state)",
     "--rollout-data-transport": "rollout data goes to the trainers through Ray's object store",

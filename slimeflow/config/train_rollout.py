@@ -3,7 +3,7 @@ pass-through (the groups the rollout library reads; slimeflow.config.train compo
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -34,6 +34,9 @@ class DataConfig(ConfigModel):
     """Seed of the data order and of sampling."""
     rollout_max_prompt_len: OptionalPositiveInt = None
     """Drop prompts longer than this many tokens."""
+    loss_mask_type: Literal["qwen", "qwen3", "qwen3_5", "distill_qwen"] = "qwen"
+    """The chat-template style of an SFT conversation's loss mask (slimeflow.rollout.loss_masks), read by a rollout
+    function that tokenizes conversations (slime's SFT: slime.rollout.sft_rollout.generate_rollout)."""
     data_source_path: PluginPath = None
     """A data source class in place of slimeflow's (slime's contract: cls(args) with get_samples(num_samples) ->
     list of groups, add_samples(groups), save(rollout_id), load(rollout_id), __len__); --prompt-data is then its
@@ -48,6 +51,14 @@ class DataConfig(ConfigModel):
 
 SLIME_DEFAULT_DATA_SOURCES = ("slime.rollout.data_source.RolloutDataSourceWithBuffer",
                                "slime.rollout.data_source:RolloutDataSourceWithBuffer")
+SLIME_DEFAULT_ROLLOUT_FUNCTIONS = ("slime.rollout.sglang_rollout.generate_rollout",
+                                   "slime.rollout.sglang_rollout:generate_rollout")
+"""slime's default --rollout-function-path and --eval-function-path: slimeflow's own rollout and evaluation."""
+
+
+def _slimes_default_rollout_is_ours(value: str | None) -> str | None:
+    # Named explicitly by some scripts: slime's default rollout and evaluation are what slimeflow's own do.
+    return None if value in SLIME_DEFAULT_ROLLOUT_FUNCTIONS else value
 
 
 class RolloutConfig(ConfigModel):
@@ -92,6 +103,11 @@ class RolloutConfig(ConfigModel):
     custom_rollout_log_function_path: PluginPath = None
     """log(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool; True skips the default
     rollout metrics (slime's contract)."""
+
+    @field_validator("rollout_function_path")
+    @classmethod
+    def _slimes_default_is_ours(cls, value: str | None) -> str | None:
+        return _slimes_default_rollout_is_ours(value)
 
 
 class RewardConfig(ConfigModel):
@@ -143,6 +159,11 @@ class EvalConfig(ConfigModel):
     custom_eval_rollout_log_function_path: PluginPath = None
     """log(rollout_id, args, data, extra_metrics) -> bool, data = {set: {rewards, truncated, samples}}; True skips
     the default eval metrics (slime's contract)."""
+
+    @field_validator("eval_function_path")
+    @classmethod
+    def _slimes_default_is_ours(cls, value: str | None) -> str | None:
+        return _slimes_default_rollout_is_ours(value)
 
 
 class SglangConfig(ConfigModel):

@@ -292,6 +292,16 @@ def check_train(config: TrainConfig) -> None:
     check_fault_tolerance(config)
     check_train_hooks(config)
     check_train_only(config)
+    check_loss_mask_type(config)
+
+
+def check_loss_mask_type(config: TrainConfig) -> None:
+    """--loss-mask-type is read by a rollout function that tokenizes conversations (slime's SFT rollout); slimeflow's
+    own rollout generates responses and reads none."""
+    if config.data.loss_mask_type != "qwen" and config.rollout.rollout_function_path is None:
+        raise ValueError(f"--loss-mask-type {config.data.loss_mask_type} is read by a rollout function that "
+                         "tokenizes conversations (--rollout-function-path slime.rollout.sft_rollout.generate_rollout); "
+                         "slimeflow's own rollout masks no chat template: give that function, or drop the flag")
 
 
 def check_train_only(config: TrainConfig) -> None:

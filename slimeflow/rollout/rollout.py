@@ -102,7 +102,8 @@ class RolloutContext:
                                    client=self.client, tokenizer=self.tokenizer, _slimeflow_tokenizer=self.tokenizer,
                                    weight_version=self.weight_version,
                                    _slimeflow_reward=self.scorer.reward_of,
-                                   _slimeflow_group_reward=self.scorer.rewards_of_group)
+                                   _slimeflow_group_reward=self.scorer.rewards_of_group,
+                                   _slimeflow_context=self)
             if self.api_key:
                 self.args.sglang_api_key = self.api_key
             http_utils.init_http_client(self.args)
@@ -343,7 +344,16 @@ async def generate_group(ctx: RolloutContext, group: Group, params: dict[str, An
 
 
 async def generate_rollout(ctx: RolloutContext, data: BufferedDataSource, rollout_id: int) -> RolloutResult:
-    """One rollout: `rollout_batch_size` groups that pass the filter, over-sampling as needed."""
+    """One rollout: `rollout_batch_size` groups that pass the filter, over-sampling as needed, then slime's
+    end-of-rollout hooks (slime_rollout_hooks.finish_rollout)."""
+    kept, offered, metrics = await collect_rollout(ctx, data, rollout_id)
+    return RolloutResult(groups=kept, metrics=finish_rollout(ctx, kept, metrics, offered, data))
+
+
+async def collect_rollout(ctx: RolloutContext, data: BufferedDataSource,
+                          rollout_id: int) -> tuple[list[Group], list[Group], dict[str, float]]:
+    """The generation of `generate_rollout`, without its end-of-rollout hooks: (the kept groups in prompt order,
+    every finished group offered to the filter, the rollout's metrics)."""
     config = ctx.config
     ctx.rollout_id = rollout_id
     sampler = DynamicSampler(config.batch.rollout_batch_size, config.rollout.over_sampling_batch_size,
@@ -383,7 +393,7 @@ async def generate_rollout(ctx: RolloutContext, data: BufferedDataSource, rollou
     metrics = rollout_metrics(kept, sampler.stats(), time.perf_counter() - started)
     metrics.update({"rollout/aborted_groups": len(aborted), "rollout/surplus_groups": len(surplus),
                     "rollout/partial_restarted_groups": restarted})
-    return RolloutResult(groups=kept, metrics=finish_rollout(ctx, kept, metrics, offered, data))
+    return kept, offered, metrics
 
 
 def check_failures(sampler: DynamicSampler, group: Group) -> None:

@@ -27,7 +27,6 @@ SLIME_DEFAULTS: dict[str, Any] = {
     "rollout_skip_special_tokens": False,
     "rollout_max_context_len": None,
     "rollout_global_dataset": True,
-    "loss_mask_type": "qwen",
     "sglang_dp_size": None,
     "sglang_enable_deterministic_inference": False,
     "sglang_speculative_algorithm": None,

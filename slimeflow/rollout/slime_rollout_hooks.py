@@ -126,18 +126,26 @@ def finish_rollout(ctx: Any, kept: list[list[Sample]], metrics: dict[str, float]
     post_process = ctx.config.algorithm.custom_reward_post_process_path
     if post_process is not None:
         post_process_rewards(load_plugin(post_process, "custom-reward-post-process-path"), ctx.args, kept)
-    if rollout.rollout_sample_filter_path is not None:
-        function = load_plugin(rollout.rollout_sample_filter_path, "rollout-sample-filter-path")
-        metrics["rollout/removed_samples"] = float(apply_sample_filter(function, ctx.args, kept))
-    if rollout.rollout_all_samples_process_path is not None:
-        function = load_plugin(rollout.rollout_all_samples_process_path, "rollout-all-samples-process-path")
-        process_all_samples(function, ctx.args, kept, finished or kept, slime_view(data, ctx.rollout_id))
+    filter_and_process(ctx, kept, metrics, finished, data)
     if rollout.custom_rollout_log_function_path is not None:
         function = load_plugin(rollout.custom_rollout_log_function_path, "custom-rollout-log-function-path")
         if call_rollout_log(function, ctx.rollout_id, ctx.args, [s for g in kept for s in g], metrics,
                             metrics["rollout/seconds"]):
             return {}
     return metrics
+
+
+def filter_and_process(ctx: Any, kept: list[list[Sample]], metrics: dict[str, float],
+                       finished: list[list[Sample]] | None = None, data: Any = None) -> None:
+    """The end of slime's default rollout function: --rollout-sample-filter-path on the kept groups, then
+    --rollout-all-samples-process-path on every finished group (`finished`) with `data` as slime's data source."""
+    rollout = ctx.config.rollout
+    if rollout.rollout_sample_filter_path is not None:
+        function = load_plugin(rollout.rollout_sample_filter_path, "rollout-sample-filter-path")
+        metrics["rollout/removed_samples"] = float(apply_sample_filter(function, ctx.args, kept))
+    if rollout.rollout_all_samples_process_path is not None:
+        function = load_plugin(rollout.rollout_all_samples_process_path, "rollout-all-samples-process-path")
+        process_all_samples(function, ctx.args, kept, finished or kept, slime_view(data, ctx.rollout_id))
 
 
 class SlimeDataSource:

@@ -43,6 +43,11 @@ PROVIDED = (
     "slime.rollout.rm_hub.deepscaler",
     "slime.rollout.rm_hub.f1",
     "slime.rollout.rm_hub.gpqa",
+    "slime.backends",
+    "slime.backends.sglang_utils",
+    "slime.backends.sglang_utils.external",
+    "slime.backends.megatron_utils",
+    "slime.backends.megatron_utils.loss",
 )
 """The slime modules slimeflow provides (what slime's plug-ins import)."""
 

@@ -66,18 +66,21 @@ def token_kl(config: AlgorithmConfig, inputs: AdvantageInputs) -> list[torch.Ten
 
 
 def compute_advantages(config: AlgorithmConfig, inputs: AdvantageInputs, n_samples_per_prompt: int,
-                       custom: CustomAdvantage | None = None) -> Advantages:
+                       custom: CustomAdvantage | None = None, *, post_processed: bool | None = None) -> Advantages:
     """Advantages for --advantage-estimator (or `custom`), then whitening where slime whitens.
 
-    GRPO-style and REINFORCE++-baseline rewards are group-normalised first, unless a
-    --custom-reward-post-process-path function already post-processed them. REINFORCE++ and REINFORCE++-baseline are
-    always whitened over the batch's loss-masked tokens; the others when --normalize-advantages is set. Whitening raises when no token of the batch is loss-masked in.
+    GRPO-style and REINFORCE++-baseline rewards are group-normalised first, unless they are post-processed already:
+    `post_processed` True (slime's trainer-side contract: the rollout normalised them), or, when None, a
+    --custom-reward-post-process-path function or a custom conversion to train data made them. REINFORCE++ and
+    REINFORCE++-baseline are always whitened over the batch's loss-masked tokens; the others when
+    --normalize-advantages is set. Whitening raises when no token of the batch is loss-masked in.
     """
     estimator = config.advantage_estimator
-    # --custom-reward-post-process-path (or a custom conversion to train data) already turned the rewards into what
-    # the estimator takes (slime's contract)
-    post_processed = (config.custom_reward_post_process_path or config.custom_convert_samples_to_train_data_path) \
-        is not None
+    if post_processed is None:
+        # --custom-reward-post-process-path (or a custom conversion to train data) already turned the rewards into
+        # what the estimator takes (slime's contract)
+        post_processed = (config.custom_reward_post_process_path
+                          or config.custom_convert_samples_to_train_data_path) is not None
     returns = None
     if custom is not None:
         advantages = list(custom(config, inputs))

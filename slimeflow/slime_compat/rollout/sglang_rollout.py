@@ -1,5 +1,7 @@
 """slime.rollout.sglang_rollout: `GenerateState`, `generate`, `generate_and_rm` and `get_model_url` for slime's
-custom generate functions, over the running router's (or engine's) SGLang HTTP API, as slime's.
+custom generate functions, over the running router's (or engine's) SGLang HTTP API, as slime's; and
+`generate_rollout`, slime's default rollout function, which is slimeflow's own rollout (for a rollout function that
+wraps slime's default).
 
 `args` is the namespace slimeflow gives plug-ins (slimeflow.rollout.slime_plugins.slime_args): slime's attribute
 names, with `sglang_router_ip` / `sglang_router_port` of the engine or router the rollout talks to.
@@ -13,11 +15,17 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from slimeflow.rollout.data_source import Group
+from slimeflow.rollout.rollout import collect_rollout
+from slimeflow.rollout.slime_rollout_hooks import SlimeDataSource, filter_and_process
+from slimeflow.slime_compat.rollout.base_types import RolloutFnTrainOutput
+from slimeflow.slime_compat.utils.async_utils import run
 from slimeflow.slime_compat.utils.http_utils import post
 from slimeflow.slime_compat.utils.misc import SingletonMeta, load_function
 from slimeflow.slime_compat.utils.types import Sample
 
-__all__ = ["GenerateState", "generate", "generate_and_rm", "generate_and_rm_group", "get_model_url"]
+__all__ = ["GenerateState", "generate", "generate_and_rm", "generate_and_rm_group", "generate_rollout",
+           "get_model_url"]
 
 
 def get_model_url(args: Any, model_name: str, endpoint: str = "/generate") -> str:
@@ -127,3 +135,42 @@ async def generate_and_rm_group(args: Any, group: list[Sample], sampling_params:
         for sample, reward in zip(group, await args._slimeflow_group_reward(group), strict=True):
             sample.reward = reward
     return group
+
+
+class _SlimeSourceGroups:
+    """slimeflow's data-source interface (get_groups, add_groups) over a slime data source object (a
+    --data-source-path class's, which slime passes to rollout functions as it is)."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def get_groups(self, num_groups: int) -> list[Group]:
+        return self.source.get_samples(num_groups) if num_groups else []
+
+    def add_groups(self, groups: list[Group], rollout_id: int) -> None:
+        if groups:
+            self.source.add_samples([list(group) for group in groups])
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+
+def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> RolloutFnTrainOutput:
+    """slime's default rollout function, for a --rollout-function-path function that calls it: slimeflow's own
+    rollout (dynamic sampling, partial rollouts, sample hooks and filters, as without a rollout function), then
+    slime's --rollout-sample-filter-path and --rollout-all-samples-process-path; the reward post-process and the
+    rollout log function are the caller's, as in slime. `args` must be the one slimeflow gave the rollout function
+    (it carries the rollout's engines and reward). Evaluation is slimeflow's own (--eval-prompt-data)."""
+    if evaluation:
+        raise ValueError("slime.rollout.sglang_rollout.generate_rollout(evaluation=True): slimeflow evaluates "
+                         "--eval-prompt-data itself; leave --eval-function-path unset (slime's default means the "
+                         "same), or give an evaluation function of your own")
+    ctx = getattr(args, "_slimeflow_context", None)
+    if ctx is None:
+        raise ValueError("slime.rollout.sglang_rollout.generate_rollout runs slimeflow's rollout and needs the `args` "
+                         "slimeflow passes to a --rollout-function-path function (its engines, tokenizer and "
+                         "reward); call it from such a function with the args it was given")
+    data = data_source.data if isinstance(data_source, SlimeDataSource) else _SlimeSourceGroups(data_source)
+    kept, offered, metrics = run(collect_rollout(ctx, data, rollout_id))
+    filter_and_process(ctx, kept, metrics, offered, data)
+    return RolloutFnTrainOutput(samples=kept, metrics=metrics)
