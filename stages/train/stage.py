@@ -35,6 +35,7 @@ from slimeflow.io.manifest import Manifest, content_hash
 from slimeflow.io.prompts import PromptDataset, open_prompt_sets
 from slimeflow.io.sinks import close_sinks, fan_out, open_sinks
 from slimeflow.io.storage import join
+from slimeflow.progress import step_progress
 from slimeflow.rollout.raw_data import PreparedSet, manifest_entries, prepare_data
 from slimeflow.stages.base import StageContext
 from slimeflow.stages.train import async_loop, loop
@@ -42,6 +43,7 @@ from slimeflow.stages.train.placement import create_placement
 from slimeflow.stages.train.placement_plan import flag_problems
 from slimeflow.stages.train.plots import plot_curves
 from slimeflow.stages.train.preflight import check_plugins, checkpoint_problems, replay_problems
+from slimeflow.stages.train.progress import ProgressReporter
 from slimeflow.stages.train.rollout_manager import RolloutSetup
 from slimeflow.train.backends import backend_spec
 
@@ -64,10 +66,12 @@ def run(config: TrainConfig, ctx: StageContext) -> Manifest:
         run_token = claim_root(config.checkpoint.save)  # from now on, an earlier run on this root commits nothing
         placement = None
         try:
-            with stopping_local_ray_on_termination():  # a cancel: Ray's processes killed first, then the rest
+            with (stopping_local_ray_on_termination(),  # a cancel: Ray's processes killed first, then the rest
+                  step_progress("train", num_rollout, ctx.show_progress) as update):
                 init_ray(ctx.ray_address)  # inside: a signal while Ray starts must not leave it to ray.shutdown
                 placement = create_placement(config, setup, total_steps, scratch_dir(ctx.workdir), run_token)
-                result = (async_loop if config.placement.async_ else loop).train(placement, num_rollout, history)
+                reporter = ProgressReporter(history, update)
+                result = (async_loop if config.placement.async_ else loop).train(placement, num_rollout, reporter)
                 unused = placement.unused_settings()
                 if unused:
                     log.warning("--custom-config-path %s: no plug-in read %s; check the spelling against what "
