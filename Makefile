@@ -37,7 +37,10 @@ demo: $(VENV)/.installed-real
 # `make test` runs every tier (tests/unit, tests/integration, tests/e2e), as CI does; `make test-unit` the fast one
 # (no Ray, no Prefect server, no subprocess-heavy work). pytest exits 5 when it collects no tests: that is a broken
 # suite here, and it is said so.
-PYTEST = $(BIN)/python -m pytest $(1) $(PYTEST_ARGS); rc=$$?; \
+# XDIST: a worker per core, each module whole on one worker (its module fixtures: a Prefect server, a Ray cluster),
+# in the order tests/conftest.py gives (the longest first), not xdist's (the most tests first). XDIST= runs serially.
+XDIST ?= -n auto --dist loadfile --no-loadscope-reorder
+PYTEST = $(BIN)/python -m pytest $(1) $(XDIST) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is missing or mis-selected"; exit 1; fi; exit $$rc
 
 test: $(VENV)/.installed-dev typecheck

@@ -200,3 +200,24 @@ def megatron_one_process(tiny_torch_dist, tmp_path_factory) -> dict:
     job = make_job(tmp_path_factory.mktemp("megatron-one"), "one", model["hf"], model["release"], batch,
                    two_step_config())
     return {"batch": batch, **train_job(0, 1, job)}
+
+
+LONGEST_FIRST = ("test_prefect_server.py",)
+"""Modules of several minutes: under pytest-xdist they start first, so no worker is left alone with one at the end."""
+TIER_ORDER = ("e2e", "integration", "unit")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (`make test`: a worker per core, a module to a worker), the longest modules and tiers go
+    first and the short ones fill the gaps; run in one process, the order stays the tiers' (testpaths: the fastest
+    first, so a broken unit fails the run in minutes). The Makefile passes --no-loadscope-reorder, without which
+    xdist would order the modules by their number of tests instead."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+
+    def rank(item) -> tuple[int, int]:
+        path = Path(str(item.fspath))
+        tier = TIER_ORDER.index(path.parent.name) if path.parent.name in TIER_ORDER else len(TIER_ORDER)
+        return (0 if path.name in LONGEST_FIRST else 1, tier)
+
+    items.sort(key=rank)
