@@ -171,6 +171,10 @@ class RouterProcess(_ManagedProcess):
 
 
 ENGINE_READY_TIMEOUT_S = 120.0
+PORT_ATTEMPTS = 3
+PORT_TAKEN = "address already in use"
+"""How a server's log says that its port was taken (uvicorn: "[Errno 98] error while attempting to bind on address
+(...): address already in use")."""
 
 
 def start_engine(model_path: str | Path, *, port: int | None = None, host: str = "127.0.0.1",
@@ -180,10 +184,20 @@ def start_engine(model_path: str | Path, *, port: int | None = None, host: str =
     `options` are the server's flags in Python spelling (max_batch_size=8, dtype="bfloat16", num_threads=1,
     weight_version="v0", seed=0, weights_dir=DIR, api_key=KEY: a new key when not given, `.api_key`).
     Raises RuntimeError (the server died) or TimeoutError, with its log tail.
+
+    A port chosen here (`port` None) was free when chosen, but another process on the machine can bind it before
+    the server does: a server that exits for that reason is started again on another port, up to PORT_ATTEMPTS
+    times. A port the caller gave is the caller's to fix.
     """
-    engine = launch_engine(model_path, port=port, host=host, **options)
-    engine.wait_ready("/health", timeout_s)
-    return engine
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        engine = launch_engine(model_path, port=port, host=host, **options)
+        try:
+            engine.wait_ready("/health", timeout_s)
+            return engine
+        except RuntimeError as err:
+            if port is not None or attempt == PORT_ATTEMPTS or PORT_TAKEN not in str(err).lower():
+                raise
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def launch_engine(model_path: str | Path, *, port: int | None = None, host: str = "127.0.0.1",

@@ -7,6 +7,7 @@ tests on `engine` always see the original weights.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import httpx
@@ -14,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from slimeflow.engine import launch
 from slimeflow.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
 from slimeflow.engine.launch import free_port, new_api_key, start_engine, start_router
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
@@ -65,9 +67,27 @@ def weights_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine_b(model_dir, weights_dir):
-    with start_engine(model_dir, num_threads=1, max_batch_size=32, api_key=KEY, weights_dir=weights_dir) as process:
+def taken_port():
+    """A port another process holds: engine_b's first choice, as if taken between its choice and the engine's bind."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def engine_b(model_dir, weights_dir, taken_port):
+    first_choice = iter([taken_port])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launch, "free_port", lambda host="127.0.0.1": next(first_choice, None) or free_port(host))
+        process = start_engine(model_dir, num_threads=1, max_batch_size=32, api_key=KEY, weights_dir=weights_dir)
+    with process:
         yield process
+
+
+def test_an_engine_whose_chosen_port_was_taken_starts_again_on_another(engine_b, taken_port):
+    assert engine_b.url != f"http://127.0.0.1:{taken_port}"
+    assert httpx.get(engine_b.url + "/health", timeout=5).status_code == 200
 
 
 def forward_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
