@@ -176,7 +176,10 @@ def test_slimes_default_rollout_is_slimeflows_own_under_a_wrapping_rollout_funct
     ctx = RolloutContext(cfg, CharTokenizer(), engine, scorer, concurrency=8)
     data = BufferedDataSource(DataSource(prompts("a1", "b2", "c3"), n_samples_per_prompt=2))
     result = run_rollout_function(wrap_slimes_default, ctx, data, rollout_id=0)
-    assert [[s.metadata["row_id"] for s in g] for g in result.groups] == [["row-a1"] * 2, ["row-c3"] * 2]
+    # Rounds of 2: (a1, b2) keeps a1 and drops b2, then (c3, a1 of the next epoch) keeps whichever finishes first
+    # (both are mixed; test_rollout's over-sampling test says the same).
+    rows = [[s.metadata["row_id"] for s in g] for g in result.groups]
+    assert rows[0] == ["row-a1"] * 2 and rows[1] in (["row-c3"] * 2, ["row-a1"] * 2), rows
     assert [s.reward for g in result.groups for s in g] == [1.0, 0.0, 1.0, 0.0]
     assert result.metrics["wrapped"] == 1.0
 
