@@ -53,8 +53,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _terminate(process: subprocess.Popen, log_file: Any) -> None:
-    """Stop a child: SIGTERM, then SIGKILL after 10 s. Must not reference its handle (a finalizer calls it)."""
-    if process.poll() is None:
+    """Stop a child: SIGTERM, then SIGKILL after 10 s. Must not reference its handle (a finalizer calls it).
+
+    The log of a child stopped here goes with it; the log of one that had already ended (a crash, a kill) stays on
+    disk, where the errors that quote its tail point.
+    """
+    running = process.poll() is None
+    if running:
         process.terminate()
         try:
             process.wait(10)
@@ -62,6 +67,8 @@ def _terminate(process: subprocess.Popen, log_file: Any) -> None:
             process.kill()
             process.wait(10)
     log_file.close()
+    if running:
+        Path(log_file.name).unlink(missing_ok=True)
 
 
 class _ManagedProcess:
