@@ -129,6 +129,18 @@ class _SessionRay:
     address: str | None = None
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _rank_pool():
+    """The session's Megatron worlds (megatron_steps.run_world) run in one reused set of spawned processes, stopped
+    at the session's end. SLIMEFLOW_TESTS_FRESH_RANKS=1 gives every world fresh processes instead (to tell a state
+    leak between worlds from a bug)."""
+    from megatron_steps import use_rank_pool
+
+    pool = use_rank_pool(not os.environ.get("SLIMEFLOW_TESTS_FRESH_RANKS"))
+    yield pool
+    use_rank_pool(False)
+
+
 @pytest.fixture(scope="session")
 def _session_ray():
     import ray

@@ -1,13 +1,24 @@
 """Training steps of the Megatron backend in worker processes (one per rank), for tests and benchmarks.
 
-`run_world` starts `world` processes (spawned, file:// rendezvous, bounded by a timeout, stopped by pid) that
-each build a MegatronBackend at the given TP x PP, load a torch_dist checkpoint and train on one saved batch;
-global rank 0 writes the per-step metrics and the full HF-named weights afterwards to `<out>/<tag>.pt`.
+`run_world` runs a world of `world` ranks (file:// rendezvous, bounded by a timeout) that each build a
+MegatronBackend at the given TP x PP, load a torch_dist checkpoint and train on one saved batch; global rank 0
+writes the per-step metrics and the full HF-named weights afterwards to `<out>/<tag>.pt`.
+
+The ranks run in fresh spawned processes, or, once `use_rank_pool()` was called (the test session does), in a
+RankPool's: processes spawned once that run one world after another. A spawned rank spends ~5 s of CPU importing
+torch, megatron-core and transformers before its first step, more than the tiny model's whole job; the suite runs
+some forty worlds. Every job builds and closes its own backend (process group and megatron's parallel state
+included), as a backend in one process after another does in the tests that run in-process.
 """
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
+import os
+import queue
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -123,19 +134,123 @@ def make_job(out: Path, tag: str, hf: Path, checkpoint: Path, batch, config) -> 
 def run_world(world: int, tag: str, out: Path, hf: Path, checkpoint: Path, batch, config,
               timeout: float = 240.0, work: Callable[[int, int, dict[str, Any]], Any] = train_job,
               **extra: Any) -> dict[str, Any]:
-    """Train in `world` spawned processes; rank 0's {'steps': [...], 'weights': {...}}. `work(rank, world, job)`
-    runs in each (a module-level function; the job holds `extra` too) and rank 0's result is returned."""
+    """Train in `world` ranks; rank 0's {'steps': [...], 'weights': {...}}. `work(rank, world, job)` runs in each
+    (a module-level function; the job holds `extra` too) and rank 0's result is returned."""
+    job = {**make_job(out, tag, hf, checkpoint, batch, config), "work": work, **extra}
+    if _POOL.enabled:
+        _POOL.run(world, job, timeout)
+    else:
+        _spawn_world(world, job, timeout)
+    return torch.load(out / f"{tag}.pt", weights_only=False)
+
+
+def _spawn_world(world: int, job: dict[str, Any], timeout: float) -> None:
     import torch.multiprocessing as mp
 
-    job = {**make_job(out, tag, hf, checkpoint, batch, config), "work": work, **extra}
     context = mp.start_processes(_worker, args=(world, job), nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=1.0):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{tag}: {world} ranks did not finish in {timeout} s")
+                raise TimeoutError(f"{job['tag']}: {world} ranks did not finish in {timeout} s")
     finally:
         for process in context.processes:
             if process.is_alive():
                 process.kill()
-    return torch.load(out / f"{tag}.pt", weights_only=False)
+
+
+def _serve(inbox: Any, outbox: Any) -> None:
+    """A pool process: run (rank, world, job) tasks until None or until its parent is gone; report each as (rank,
+    traceback or None). Not a daemonic process: megatron's checkpoint writer starts processes of its own."""
+    parent = os.getppid()
+    while True:
+        try:
+            task = inbox.get(timeout=2.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the session died without closing the pool
+                return
+            continue
+        if task is None:
+            return
+        rank, world, job = task
+        try:
+            _worker(rank, world, job)
+            outbox.put((rank, None))
+        except BaseException:  # reported to the caller, who then replaces the pool (other ranks may be stuck)
+            outbox.put((rank, traceback.format_exc()))
+
+
+class RankPool:
+    """Spawned processes, started on first use, that run the ranks of one world after another (rank r in process r).
+
+    A world that fails (a rank raises, or the world outlives its timeout) takes the pool down with it: its other
+    ranks may wait in a collective forever. The next world starts a new one."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.processes: list[Any] = []
+        self.inboxes: list[Any] = []
+        self.outbox: Any = None
+
+    def _grow(self, size: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        if self.outbox is None:
+            self.outbox = context.Queue()
+        while len(self.processes) < size:
+            inbox = context.Queue()
+            process = context.Process(target=_serve, args=(inbox, self.outbox))
+            process.start()
+            self.processes.append(process)
+            self.inboxes.append(inbox)
+
+    def run(self, world: int, job: dict[str, Any], timeout: float) -> None:
+        self._grow(world)
+        for rank in range(world):
+            self.inboxes[rank].put((rank, world, job))
+        deadline = time.monotonic() + timeout
+        pending = set(range(world))
+        try:
+            while pending:
+                try:
+                    rank, error = self.outbox.get(timeout=1.0)
+                except queue.Empty:
+                    dead = [r for r in pending if not self.processes[r].is_alive()]
+                    if dead:
+                        raise RuntimeError(f"{job['tag']}: rank {dead[0]}'s process died (exit code "
+                                           f"{self.processes[dead[0]].exitcode})") from None
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{job['tag']}: {world} ranks did not finish in {timeout} s") from None
+                    continue
+                if error is not None:
+                    raise RuntimeError(f"{job['tag']}: rank {rank} raised:\n{error}")
+                pending.discard(rank)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop every process of the pool (by pid: SIGKILL after a second's grace) and forget them."""
+        for inbox, process in zip(self.inboxes, self.processes, strict=True):
+            if process.is_alive():
+                try:
+                    inbox.put_nowait(None)
+                except (ValueError, OSError):
+                    pass
+        for process in self.processes:
+            process.join(1.0)
+            if process.is_alive():
+                process.kill()
+                process.join(5.0)
+        self.processes, self.inboxes, self.outbox = [], [], None
+
+
+_POOL = RankPool()
+atexit.register(_POOL.close)
+
+
+def use_rank_pool(enabled: bool = True) -> RankPool:
+    """Run the worlds of `run_world` in one reused set of processes from now on (see the module's docstring)."""
+    _POOL.enabled = enabled
+    if not enabled:
+        _POOL.close()
+    return _POOL
