@@ -1,9 +1,10 @@
 """Weight sync into an embedded engine on the same host, against a memcpy of the same bytes.
 
     .venv/bin/python benchmarks/weight_sync.py [--hidden 768] [--layers 6] [--repeats 5] [--rollouts 8]
-        [--transports tensor,shared_memory,distributed,ipc]
+        [--transports tensor,shared_memory,distributed,ipc] [--model gguf:smollm2-135m-instruct | HF_DIR]
 
-One engine process serves a random Llama-style model (float32; its size is printed). For each transport the
+One engine process serves a random Llama-style model (float32; its size is printed), or with `--model` a real one
+(a GGUF source is dequantized once into `--cache-dir`, as save_bench.py does; SmolLM2-135M is 538 MB in float32). For each transport the
 trainer side uses ("tensor": safetensors bodies over HTTP; "shared_memory": what --colocate uses, the trainer
 writes the tensors once into a /dev/shm segment that the engine checks and then serves from; "distributed":
 broadcast in a gloo group; "ipc": what colocated SGLang servers take, SGLang's /update_weights_from_tensor body of
@@ -33,8 +34,11 @@ from pathlib import Path
 
 import torch
 
+from slimeflow.checkpoint.hf_source import materialise
+from slimeflow.config.model import ModelConfig
 from slimeflow.engine.launch import new_api_key, start_engine
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.io.storage import Storage
 from slimeflow.stages.train.engines import WeightTargets
 from slimeflow.stages.train.loop import should_push
 from slimeflow.stages.train.weight_sync import WeightSync
@@ -61,7 +65,7 @@ def engine_cpu_seconds(pid: int) -> float:
 
 async def paired_seconds(sync: WeightSync, weights: dict[str, torch.Tensor], repeats: int, tag: str,
                          engine_pid: int) -> list[tuple[float, float, float, float]]:
-    """(memcpy wall, push wall, memcpy CPU, push CPU of this process and the engine's) per push, each memcpy timed
+    """(memcpy wall, push wall, memcpy CPU, push CPU of this process and the engine's, this process's alone) per push, each memcpy timed
     right before its push. Under load the wall times mostly wait for a core (each push wakes four threads in two
     processes); the CPU times count the passes over the bytes."""
     targets = {name: torch.empty_like(t) for name, t in weights.items()}
@@ -73,8 +77,9 @@ async def paired_seconds(sync: WeightSync, weights: dict[str, torch.Tensor], rep
         start, cpu, engine_cpu = time.perf_counter(), time.process_time(), engine_cpu_seconds(engine_pid)
         await sync.push(weights, f"{tag}-{i}")
         push = time.perf_counter() - start
-        push_cpu = time.process_time() - cpu + engine_cpu_seconds(engine_pid) - engine_cpu
-        rows.append((copy, push, copy_cpu, push_cpu))
+        trainer_cpu = time.process_time() - cpu
+        push_cpu = trainer_cpu + engine_cpu_seconds(engine_pid) - engine_cpu
+        rows.append((copy, push, copy_cpu, push_cpu, trainer_cpu))
     return rows
 
 
@@ -89,6 +94,17 @@ async def per_rollout_seconds(sync: WeightSync, weights: dict[str, torch.Tensor]
     return spent / rollouts
 
 
+def bench_model(args: argparse.Namespace, tmp: Path) -> Path:
+    """The HF directory the engine serves: --model's, or a random Llama-style one of --hidden and --layers."""
+    if args.model:
+        return materialise(ModelConfig(hf_checkpoint=args.model, cache_dir=str(args.cache_dir)), Storage(),
+                           args.cache_dir)
+    spec = TinyModelSpec(seed=0, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                         num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 128,
+                         intermediate_size=4 * args.hidden)
+    return build_tiny_model(tmp / "model", spec)
+
+
 def spread(values: list[float]) -> str:
     return f"{min(values):.4f}-{max(values):.4f}"
 
@@ -98,20 +114,19 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rollouts", type=int, default=8)
+    parser.add_argument("--rollouts", type=int, default=8, help="0: no per-rollout figures")
     parser.add_argument("--buffer-mb", type=float, default=512.0, help="--update-weight-buffer-size in MiB")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine and of the memcpy")
+    parser.add_argument("--model", default=None, help="an HF directory or a GGUF source (default: a random model)")
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "slimeflow" / "bench-models")
     parser.add_argument("--transports", default="tensor,shared_memory,distributed",
                         help="comma-separated, of tensor, shared_memory, distributed, ipc")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)  # the memcpy runs with the engine's thread count (OpenMP teams spin)
     print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "| load before:", os.getloadavg())
 
-    spec = TinyModelSpec(seed=0, hidden_size=args.hidden, num_hidden_layers=args.layers,
-                         num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 128,
-                         intermediate_size=4 * args.hidden)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(Path(tmp) / "model", spec)
+        model_dir = bench_model(args, Path(tmp))
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -128,26 +143,28 @@ def main() -> None:
                     try:
                         pairs = await paired_seconds(sync, weights, args.repeats, transport, engine.process.pid)
                         per_rollout = {n: [await per_rollout_seconds(sync, weights, n, args.rollouts)
-                                           for _ in range(args.repeats)] for n in (1, 4)}
+                                           for _ in range(args.repeats)] for n in ((1, 4) if args.rollouts else ())}
                         return pairs, per_rollout
                     finally:
                         await sync.aclose()
 
                 pairs, per_rollout = asyncio.run(measure())
                 copies, pushes = [row[0] for row in pairs], [row[1] for row in pairs]
-                ratios = [c / p for c, p, _, _ in pairs]
-                cpu_ratios = [c / p for _, _, c, p in pairs]
+                ratios = [c / p for c, p, *_ in pairs]
+                cpu_ratios = [c / p for _, _, c, p, _ in pairs]
+                trainer_cpu = statistics.median(row[4] for row in pairs)
                 copy_cpu, push_cpu = (statistics.median(row[k] for row in pairs) for k in (2, 3))
                 print(f"{transport}: median {statistics.median(pushes):.4f} s per update "
                       f"({nbytes / statistics.median(pushes) / 2**30:.2f} GiB/s; spread {spread(pushes)}) against "
                       f"memcpy {statistics.median(copies):.4f} s ({nbytes / statistics.median(copies) / 2**30:.2f} "
                       f"GiB/s; spread {spread(copies)}): {statistics.median(ratios):.2f}x memcpy (spread "
                       f"{min(ratios):.2f}-{max(ratios):.2f}); CPU time: memcpy {copy_cpu:.4f} s, push "
-                      f"{push_cpu:.4f} s (trainer + engine), {statistics.median(cpu_ratios):.2f}x (spread {min(cpu_ratios):.2f}-"
-                      f"{max(cpu_ratios):.2f}); weight sync per rollout over "
+                      f"{push_cpu:.4f} s (trainer {trainer_cpu:.4f} + engine), {statistics.median(cpu_ratios):.2f}x (spread {min(cpu_ratios):.2f}-"
+                      f"{max(cpu_ratios):.2f})" + ("" if not per_rollout else
+                      f"; weight sync per rollout over "
                       f"{args.rollouts} rollouts: interval 1 {statistics.median(per_rollout[1]):.4f} s "
                       f"(spread {spread(per_rollout[1])}), interval 4 {statistics.median(per_rollout[4]):.4f} s "
-                      f"(spread {spread(per_rollout[4])})")
+                      f"(spread {spread(per_rollout[4])})"))
     print("load after:", os.getloadavg())
 
 

@@ -10,16 +10,26 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from slimeflow.checkpoint.diskspace import no_space_left, ran_out_of_space
 from slimeflow.checkpoint.hf_source import INDEX_FILE, inspect_hf_dir
 from slimeflow.checkpoint.hf_write import replace_dir
 from slimeflow.checkpoint.launch import Launcher, launch
-from slimeflow.checkpoint.mapping import ModelShape, expected_hf_tensors, expert_hf_tensors, global_rules
-from slimeflow.checkpoint.worker import Job, Share
+from slimeflow.checkpoint.mapping import (
+    ModelShape,
+    expected_hf_tensors,
+    expert_hf_tensors,
+    global_rules,
+    megatron_args,
+)
+from slimeflow.checkpoint.torch_dist import save_torch_dist
+from slimeflow.checkpoint.worker import Job, Share, share_tensors
 from slimeflow.errors import CheckpointError, StageInputError
 from slimeflow.families import FamilySpec, family_for, supported_architectures
 from slimeflow.io import checkpoints
@@ -177,6 +187,30 @@ def convert_hf_to_torch_dist(source: HFSource, root: Path, processes: int = 1, m
         ranks = write_torch_dist(source, staging, processes, make_vocab_size_divisible_by, tensor_model_parallel_size,
                                  iteration, launcher, ray_address)
     return staging, ranks
+
+
+def stage_torch_dist(weights: Mapping[str, torch.Tensor], hf_dir: Path, root: Path, iteration: int,
+                     staging_name: str, make_vocab_size_divisible_by: int = 128) -> Path:
+    """convert_hf_to_torch_dist for HF-named weights in this process's memory (a training backend's save): the same
+    files, written by this process alone, with no HF file in between and no worker process (a fresh interpreter
+    importing torch cost more than writing a 538 MB model). `hf_dir`: the model's HF directory (its config gives
+    the shape). Returns the staging directory `<root>/.<staging_name>.tmp-*`; the caller publishes it."""
+    source = read_hf_source(hf_dir, make_vocab_size_divisible_by)
+    missing = sorted(set(expected_hf_tensors(source.shape)) - set(weights))
+    if missing:
+        raise CheckpointError(f"cannot save a checkpoint of {hf_dir}'s model: the weights lack {missing[:5]} "
+                              f"({len(missing)} tensors); were they taken from this architecture?")
+    args = megatron_args(source.shape, weights["model.embed_tokens.weight"].dtype, make_vocab_size_divisible_by, 1)
+    remove_abandoned(root)
+    with claimed_dir(root, staging_prefix(staging_name)) as staging:
+        try:
+            save_torch_dist(share_tensors(weights, source.shape, assign_shares(source, 1)[0]), args, staging,
+                            iteration, collective=False)
+        except BaseException as err:
+            shutil.rmtree(staging, ignore_errors=True)
+            _raise_if_out_of_space(err, staging, sum(source.sizes.values()))
+            raise
+    return staging
 
 
 def write_torch_dist(source: HFSource, staging: Path, processes: int = 1, make_vocab_size_divisible_by: int = 128,

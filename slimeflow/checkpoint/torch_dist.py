@@ -23,7 +23,7 @@ import re
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,7 +159,8 @@ def _row_chunks(key: str, rows: RowBlocks, outer: tuple[int, ...], offsets: tupl
 
 
 def save_torch_dist(tensors: MutableMapping[str, torch.Tensor | ExpertRows | RowBlocks], args: argparse.Namespace,
-                    checkpoint_dir: str | Path, iteration: int = 1, source: Source | None = None) -> None:
+                    checkpoint_dir: str | Path, iteration: int = 1, source: Source | None = None,
+                    collective: bool = True) -> None:
     """Write this rank's share of a torch_dist checkpoint into `checkpoint_dir` (collective over all ranks of the
     default process group, if there is one); its routed experts may be ExpertRows and its fused tensors RowBlocks
     (checkpoint_items). Rank r writes its items into `__<r>_<n>.distcp` (dcp_format, WRITERS files); rank 0 gathers where every
@@ -172,22 +173,19 @@ def save_torch_dist(tensors: MutableMapping[str, torch.Tensor | ExpertRows | Row
     peak resident memory is about its largest tensor, not its share (mapped pages count while mapped).
 
     `checkpoint_dir` is the checkpoint directory itself (e.g. <root>/iter_0000001); committing it (the tracker)
-    is the caller's job, after every rank has returned: slimeflow.io.checkpoints.commit.
+    is the caller's job, after every rank has returned: slimeflow.io.checkpoints.commit. `collective=False`: this
+    process writes every tensor alone, whatever process group it is in (a training rank saving the whole model).
     """
-    from torch.utils.serialization import config as serialization
-
     # megatron-core keys each layer on its own when MoE and dense layers alternate (moe_layer_freq a list).
     items = checkpoint_items(tensors, args.num_layers, not isinstance(getattr(args, "moe_layer_freq", 1), list))
     tensors.clear()
     directory = Path(checkpoint_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    distributed = torch.distributed.is_initialized()
+    distributed = collective and torch.distributed.is_initialized()
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
-    # Each tensor is a torch.save zip record, whose CRC32 costs more CPU than writing it (~0.5 GB/s against
-    # ~2 GB/s) and which no reader checks (torch.load does not verify it): skip it.
     files = _split_by_bytes(items, WRITERS)
     del items
-    with serialization.patch({"save.compute_crc32": False}), write_behind(directory, f"__{rank}_*.distcp"), \
+    with without_crc32(), write_behind(directory, f"__{rank}_*.distcp"), \
             ThreadPoolExecutor(len(files), thread_name_prefix="write") as pool:
         writes = [pool.submit(write_items, directory / f"__{rank}_{n}.distcp", share, source)
                   for n, share in enumerate(files)]
@@ -202,6 +200,14 @@ def save_torch_dist(tensors: MutableMapping[str, torch.Tensor | ExpertRows | Row
         write_synced(directory / "common.pt", lambda file: torch.save(
             {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}, file))
         write_synced(directory / MEGATRON_CONFIG, lambda file: file.write(json.dumps(_MEGATRON_BACKENDS).encode()))
+
+
+def without_crc32() -> AbstractContextManager:
+    """torch.save without the CRC32 of its zip records: it costs more CPU than the write (~0.5 GB/s against ~2 GB/s)
+    and no reader checks it (torch.load does not; our checkpoints' checksums.json covers every file)."""
+    from torch.utils.serialization import config as serialization
+
+    return serialization.patch({"save.compute_crc32": False})
 
 
 WRITERS = 2

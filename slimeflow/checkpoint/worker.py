@@ -170,6 +170,17 @@ def peak_rss_bytes() -> dict[str, int]:
     return {"peak_rss": own}
 
 
+def share_tensors(hf: Mapping[str, torch.Tensor], shape: ModelShape, share: Share
+                  ) -> dict[str, torch.Tensor | ExpertRows | RowBlocks]:
+    """The Megatron tensors of `share`, from HF-named ones: fused tensors (QKV, gate/up) as their HF rows and
+    routed experts as theirs, written unassembled (no copy of the model in memory)."""
+    tensors: dict[str, torch.Tensor | ExpertRows | RowBlocks] = dict(
+        hf_to_megatron(hf, shape, share.layers, share.globals_, dense_rules(shape), row_blocks=True))
+    if share.experts[1] > share.experts[0]:  # its slice of every MoE layer's routed experts
+        tensors.update(expert_rows(hf, shape, range(*share.experts)))
+    return tensors
+
+
 def convert_share(job: Job, rank: int) -> dict[str, Any]:
     """Convert and save rank `rank`'s share; returns the count and bytes of the tensors it held and wrote, its
     expert slice, what it read (HF tensors, bytes, the experts among them), and when (Unix time) its tensors
@@ -178,11 +189,7 @@ def convert_share(job: Job, rank: int) -> dict[str, Any]:
     dtype = getattr(torch, job.dtype)
     share = job.shares[rank]
     hf = LazySafetensors(job.hf_dir, job.weight_map)
-    # Fused tensors (QKV, gate/up) as their HF rows, and experts as theirs: written unassembled, from the maps.
-    tensors: dict[str, torch.Tensor | ExpertRows | RowBlocks] = dict(
-        hf_to_megatron(hf, shape, share.layers, share.globals_, dense_rules(shape), row_blocks=True))
-    if share.experts[1] > share.experts[0]:  # its slice of every MoE layer's routed experts, written unassembled
-        tensors.update(expert_rows(hf, shape, range(*share.experts)))
+    tensors = share_tensors(hf, shape, share)
     args = megatron_args(shape, dtype, job.make_vocab_size_divisible_by, job.tensor_model_parallel_size)
     counts = {"tensors": len(tensors), "bytes": sum(t.nbytes if isinstance(t, (ExpertRows, RowBlocks)) else
                                                     t.numel() * t.element_size() for t in tensors.values()),

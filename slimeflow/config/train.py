@@ -288,10 +288,13 @@ class WeightSyncConfig(ConfigModel):
     weights (and checked against that version)."""
     update_weight_buffer_size: PositiveInt = 512 * 1024**2
     """Bytes per weight-update bucket (a larger tensor goes alone)."""
-    update_weight_transport: Literal["nccl", "disk"] | None = None
+    update_weight_transport: Literal["nccl", "disk", "http", "shared_memory"] | None = None
     """nccl: broadcast in a process group of trainer rank 0 and the engines (gloo on CPU); disk: through
-    --sglang-weights-dir. Default: HTTP tensors to embedded engines (a /dev/shm segment with --colocate), SGLang's
-    /update_weights_from_tensor body of IPC handles to colocated SGLang servers (as slime), disk for external ones."""
+    --sglang-weights-dir; http (embedded engines): safetensors bodies to /update_weights_from_tensor; shared_memory
+    (embedded engines on trainer rank 0's host): a /dev/shm segment they serve from. Default: shared_memory for
+    embedded engines on trainer rank 0's Ray node (colocated or not; http when /dev/shm has no room), http for
+    embedded engines elsewhere, SGLang's /update_weights_from_tensor body of IPC handles to colocated SGLang servers
+    (as slime), disk for external ones. The trainer logs its choice and why."""
     custom_update_weight_post_write_path: PluginPath = None
     """hook(args, version_dir, rollout_engines), slime's post-write hook of the disk weight sync: called after a
     version's files are written to --sglang-weights-dir, before the engines load them (e.g. to publish the files on an

@@ -45,6 +45,9 @@ class WeightTargets:
     api_key: str | None = field(default=None, repr=False)
     sglang: bool = False
     """The engines are SGLang servers launched here: they read SGLang's weight formats only."""
+    node_ids: tuple[str, ...] = ()
+    """The Ray node each engine runs on, in worker_urls' order (empty: not known, as for external servers); the
+    weight sync's choice of a same-host transport rests on it."""
 
 
 class EngineDiedError(RuntimeError):

@@ -10,6 +10,7 @@ on a CPU the cores are split between the trainer ranks and the engines.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -28,6 +29,8 @@ from slimeflow.stages.train.remote import LoopError, call, hosted
 from slimeflow.stages.train.rollout_manager import RolloutSetup, rollout_manager_class
 from slimeflow.stages.train.train_actor import TrainActor
 from slimeflow.train.backends import backend_spec
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from slimeflow.rollout.types import TrainBatch
@@ -267,7 +270,8 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
     try:
         targets = call(manager.weight_targets.remote(), "starting the rollout manager (engines)")
         if actors and targets is not None:
-            call(actors[0].connect_engines.remote(targets), "connecting the trainer to the engines")
+            chosen = call(actors[0].connect_engines.remote(targets), "connecting the trainer to the engines")
+            logger.info("weight sync to the engines: %s (%s)", chosen["transport"], chosen["reason"])
             if config.fault_tolerance.use_fault_tolerance:  # a restarted engine gets the trainer's weights
                 call(manager.connect_trainer.remote(actors[0]), "connecting the rollout manager to the trainer")
     except LoopError:

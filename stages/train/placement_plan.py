@@ -154,7 +154,12 @@ def sglang_weight_problems(config: TrainConfig, sglang_engines: bool) -> list[st
     sglang, transport = config.sglang, config.weight_sync.update_weight_transport
     external = config.placement.rollout_external_engine_addrs or sglang.args.get("worker_urls")
     weights_dir = sglang.args.get("weights_dir")
-    if external or config.debug.debug_rollout_only or config.debug.debug_train_only:
+    if config.debug.debug_rollout_only or config.debug.debug_train_only:
+        return []
+    if transport in ("http", "shared_memory") and (external or sglang_engines):
+        return [f"--update-weight-transport {transport} reaches the embedded engines only; SGLang servers take nccl "
+                "or --sglang-weights-dir (and, colocated, the default IPC body)"]
+    if external:
         return []
     if not sglang_engines:
         return ["--sglang-weights-dir: read for SGLang servers (started elsewhere, or launched here where SGLang is "

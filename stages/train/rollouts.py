@@ -10,6 +10,7 @@ says where they are), versioned: version `k` is the policy that generates rollou
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from slimeflow.rollout.slime_rollout_functions import (
 from slimeflow.rollout.slime_rollout_hooks import train_batch
 from slimeflow.rollout.types import PackedBatch, Sample
 from slimeflow.stages.train.debug_data import load_rollout, row_ids, save_rollout
-from slimeflow.stages.train.engines import EngineDiedError, EngineLaunch, WeightTargets
+from slimeflow.stages.train.engines import EngineDiedError, EngineLaunch, EngineSet, WeightTargets
 from slimeflow.stages.train.fault_tolerance import HealthMonitor
 from slimeflow.stages.train.heap import freeze_startup_heap
 from slimeflow.stages.train.loop import served_version
@@ -232,8 +233,9 @@ class Rollouts:
                        if hasattr(p, "process") or hasattr(p, "state")})
 
     def weight_targets(self) -> WeightTargets:
-        """Where the trainer pushes its weights (every engine; see TrainActor.connect_engines)."""
-        return self.engines.weight_targets()
+        """Where the trainer pushes its weights (every engine, and the Ray node each runs on; see
+        TrainActor.connect_engines)."""
+        return dataclasses.replace(self.engines.weight_targets(), node_ids=engine_node_ids(self.engines))
 
     def engine_locations(self) -> dict[str, Any]:
         """Where the engines started as Ray actors run ("engines": EngineActor.where each: node, GPU ids, command;
@@ -388,3 +390,17 @@ def _resident(pids: list[int]) -> int:
 
 def _prompts(uri: str) -> list[dict[str, Any]]:
     return list(PromptDataset(uri))
+
+
+def engine_node_ids(engines: EngineSet) -> tuple[str, ...]:
+    """The Ray node each engine of `engines` runs on, in worker_urls' order: an engine actor's own node (it reports
+    it), else this actor's, which started the engine's process or thread; () when any is not known (external servers:
+    no process here), or outside Ray."""
+    workers = [p for p in engines.processes if getattr(p, "kind", "") != "router"]
+    if not ray.is_initialized() or not workers:
+        return ()
+    here = ray.get_runtime_context().get_node_id()
+    placed = [p for p in workers if hasattr(p, "actor")]
+    reported = ray.get([p.actor.where.remote() for p in placed])
+    nodes = {p.url: here for p in workers} | {p.url: where["node_id"] for p, where in zip(placed, reported, strict=True)}
+    return tuple(nodes[url] for url in engines.worker_urls) if all(url in nodes for url in engines.worker_urls) else ()

@@ -42,8 +42,8 @@ class TrainActor:
     def train(self, rollout_id: int, batch: PackedBatch) -> dict[str, float]:
         return self.trainer.train(rollout_id, batch)
 
-    def connect_engines(self, targets: WeightTargets) -> None:
-        self.trainer.connect_engines(targets)
+    def connect_engines(self, targets: WeightTargets) -> dict[str, str]:
+        return self.trainer.connect_engines(targets)
 
     def update_weights(self, version: str, restarted: list[str] | None = None) -> str:
         return self.trainer.update_weights(version, restarted)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import ray
 import torch
 
 from slimeflow.config.train import TrainConfig
@@ -22,7 +24,7 @@ from slimeflow.offload import StateOffload
 from slimeflow.rollout.slime_plugins import settings_read
 from slimeflow.stages.train.engines import WeightTargets
 from slimeflow.stages.train.heap import freeze_startup_heap
-from slimeflow.stages.train.weight_sync import WeightSync
+from slimeflow.stages.train.weight_sync import WeightSync, default_transport
 from slimeflow.supervise import parent_gone
 from slimeflow.train.backends import Backend, build_backend
 from slimeflow.train.backends.checkpoint import resolve_start
@@ -31,6 +33,17 @@ from slimeflow.train.train_step import train_on_rollout
 
 if TYPE_CHECKING:
     from slimeflow.rollout.types import PackedBatch
+
+
+logger = logging.getLogger(__name__)
+
+FLAG_TRANSPORTS = {"nccl": "distributed", "disk": "disk", "http": "tensor", "shared_memory": "shared_memory"}
+"""--update-weight-transport's values -> weight_sync.TRANSPORTS."""
+
+
+def ray_node_id() -> str | None:
+    """This process's Ray node id (None outside Ray)."""
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 class Trainer:
@@ -79,21 +92,25 @@ class Trainer:
         return train_on_rollout(self.backend, batch.unpack(), self.config, rank=self.backend.dp_rank,
                                 world_size=self.backend.dp_size, rollout_id=rollout_id, hooks=self.hooks)
 
-    def connect_engines(self, targets: WeightTargets) -> None:
-        """Make this rank the one that pushes weights to the engines of `targets` (rank 0; ranks are identical)."""
+    def connect_engines(self, targets: WeightTargets) -> dict[str, str]:
+        """Make this rank the one that pushes weights to the engines of `targets` (rank 0; ranks are identical).
+        Returns the transport chosen and why (logged here, and by the driver)."""
         sync = self.config.weight_sync
-        # As slime: colocated engines take tensors in place (SGLang's body of handles for SGLang servers, CUDA IPC on
-        # GPUs; a /dev/shm segment for the embedded engine), others by nccl.
-        colocated = None
-        if self.config.placement.colocate and targets.weights_dir is None:
-            colocated = "ipc" if targets.sglang else "shared_memory"
-        transport = {"nccl": "distributed", "disk": "disk", None: colocated}[sync.update_weight_transport]
+        node_id = ray_node_id()
+        flag = sync.update_weight_transport
+        if flag is None:  # weight_sync.default_transport: in place on the trainer's host, as slime's colocated push
+            transport, why = default_transport(targets, self.config.placement.colocate, node_id)
+        else:
+            transport, why = FLAG_TRANSPORTS[flag], f"--update-weight-transport {flag}"
         self.weight_sync = WeightSync(targets, sync.update_weight_buffer_size, transport,
                                       post_write=post_write_hook(self.config, self.hooks.args, targets),
-                                      tp_size=self.config.placement.rollout_num_gpus_per_engine)
+                                      tp_size=self.config.placement.rollout_num_gpus_per_engine, node_id=node_id,
+                                      fallback="tensor" if flag is None and transport == "shared_memory" else None)
+        logger.info("weight sync: %s (%s)", transport, why)
         self.pushed: tuple[str, dict[str, Any]] | None = None
         """With --use-fault-tolerance: the version and a host copy of the weights last pushed, for push_to."""
         self.loop = asyncio.new_event_loop()
+        return {"transport": transport, "reason": why}
 
     def update_weights(self, version: str, restarted: list[str] | None = None) -> str:
         """Push the current weights to every engine as `version` (rank 0, after connect_engines); returns the
@@ -125,8 +142,10 @@ class Trainer:
                                f"{last}")
         weights = self.pushed[1]
         main = self.weight_sync
-        targets = dataclasses.replace(main.targets, worker_urls=tuple(urls))
-        sync = WeightSync(targets, main.buffer_size, main.transport, tp_size=main.tp_size)
+        nodes = dict(zip(main.targets.worker_urls, main.targets.node_ids, strict=False))  # empty when not known
+        targets = dataclasses.replace(main.targets, worker_urls=tuple(urls),
+                                      node_ids=tuple(nodes[u] for u in urls) if all(u in nodes for u in urls) else ())
+        sync = WeightSync(targets, main.buffer_size, main.transport, tp_size=main.tp_size, node_id=main.node_id)
 
         async def push() -> str:
             try:

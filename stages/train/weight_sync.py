@@ -7,12 +7,18 @@ nccl, by broadcast in a process group of trainer rank 0 and every engine (`/init
 written to `--sglang-weights-dir` through `/update_weights_from_disk`. SGLang servers colocated with the trainer
 take SGLang's own /update_weights_from_tensor body ("ipc": each bucket one flattened bucket of handles to the
 trainer's memory, CUDA IPC on GPUs, /dev/shm on CPUs; engine/tensor_ipc.py), as slime's --colocate sends it.
-Buckets hold at most --update-weight-buffer-size bytes, as slime's.
+Buckets hold at most --update-weight-buffer-size bytes, as slime's; the shared segment, which holds a whole version
+anyway, takes it in one request.
+
+Without --update-weight-transport, embedded engines whose Ray node is trainer rank 0's take the /dev/shm segment
+whether colocated or not (`default_transport`): the host is known from the node ids the engines were started on,
+never guessed from a URL. HTTP bodies cost ~30 passes over the bytes (safetensors in, parse, copy), the segment ~2.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -29,6 +35,8 @@ from slimeflow.engine.shared_segment import LOAD_FORMAT, SegmentWriter
 from slimeflow.engine.tensor_ipc import SendBuffer, update_body
 from slimeflow.engine.weight_group import WeightGroup
 from slimeflow.stages.train.engines import WeightTargets
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BUFFER_SIZE = 512 * 1024**2
 """slime's --update-weight-buffer-size default (bytes per bucket)."""
@@ -50,6 +58,31 @@ def buckets(named_tensors: Mapping[str, Any], limit: int) -> Iterator[dict[str, 
         yield bucket
 
 
+def remote_engines(targets: WeightTargets, node_id: str | None) -> list[str]:
+    """The engine URLs not on the host of the Ray node `node_id` (trainer rank 0's): by node id where the targets
+    know each engine's, else by URL (anything but a loopback address)."""
+    if node_id is not None and len(targets.node_ids) == len(targets.worker_urls):
+        return [url for url, node in zip(targets.worker_urls, targets.node_ids, strict=True) if node != node_id]
+    return [url for url in targets.worker_urls if urlsplit(url).hostname not in ("127.0.0.1", "localhost")]
+
+
+def default_transport(targets: WeightTargets, colocate: bool, node_id: str | None) -> tuple[str, str]:
+    """(transport, why) when --update-weight-transport is not given: external servers load from disk; colocated
+    engines take tensors in place (SGLang's IPC body for SGLang servers, as slime; a /dev/shm segment for embedded
+    engines); embedded engines all on trainer rank 0's Ray node (`node_id`) the /dev/shm segment too; others HTTP."""
+    if targets.weights_dir is not None:
+        return "disk", "external SGLang servers load each version from --sglang-weights-dir"
+    if colocate:
+        return ("ipc" if targets.sglang else "shared_memory"), "the engines are colocated with the trainer"
+    known = node_id is not None and len(targets.node_ids) == len(targets.worker_urls) > 0
+    if not targets.sglang and known and not remote_engines(targets, node_id):
+        return "shared_memory", f"every engine runs on trainer rank 0's Ray node {node_id}"
+    if targets.sglang:
+        return "tensor", "SGLang servers apart from the trainer"
+    where = "unknown" if not known else f"{remote_engines(targets, node_id)} on other nodes than {node_id}"
+    return "tensor", f"engines not all on trainer rank 0's host (where they run: {where})"
+
+
 class WeightSync:
     """Pushes HF-named tensors to every engine of `targets` as one weight version, on kept HTTP clients.
 
@@ -63,7 +96,8 @@ class WeightSync:
     """
 
     def __init__(self, targets: WeightTargets, buffer_size: int = DEFAULT_BUFFER_SIZE, transport: str | None = None,
-                 post_write: Callable[[str], Any] | None = None, tp_size: int = 1):
+                 post_write: Callable[[str], Any] | None = None, tp_size: int = 1, node_id: str | None = None,
+                 fallback: str | None = None):
         transport = transport or ("tensor" if targets.weights_dir is None else "disk")
         if transport not in TRANSPORTS:
             raise ValueError(f"weight transport {transport!r} is not one of {TRANSPORTS}")
@@ -71,13 +105,15 @@ class WeightSync:
             raise ValueError("--update-weight-transport: external SGLang servers (--sglang-worker-urls) load weights "
                              "from --sglang-weights-dir only; the embedded engines take them over HTTP (the default) "
                              "or by broadcast (nccl: a gloo group on CPU)")
-        remote = [url for url in targets.worker_urls if urlsplit(url).hostname not in ("127.0.0.1", "localhost")]
+        remote = remote_engines(targets, node_id)
         if transport in ("distributed", "shared_memory", "ipc") and remote:
             raise ValueError(f"weight transport {transport} reaches engines on trainer rank 0's host only (a loopback "
                              f"gloo group, a /dev/shm file, IPC handles); {remote} are elsewhere (use the default HTTP "
                              "transport, or --update-weight-transport nccl for SGLang servers)")
         self.targets, self.buffer_size, self.transport, self.tp_size = targets, buffer_size, transport, tp_size
-        self.post_write = post_write
+        self.post_write, self.node_id = post_write, node_id
+        self.fallback = fallback
+        """The transport to use instead when /dev/shm has no room for the segment (a default choice, not a flag)."""
         self.clients = [EngineClient(url, api_key=targets.api_key) for url in targets.worker_urls]
         self.group: Any = None  # the WeightGroup of the distributed transport, made at the first push
         self.segment: Any = None  # the SegmentWriter of the shared_memory transport
@@ -91,11 +127,22 @@ class WeightSync:
             return await self._push_disk(named_tensors, version)
         # An embedded engine answers once it serves `version` (and every rollout answer is checked against the
         # rollout's version), so asking it again would only cost a round trip (~1 ms of a ~12 ms update).
-        parts = list(buckets(named_tensors, self.buffer_size))
+        # The segment holds a whole version whatever the bucket size (begin), so it goes in one request: buckets
+        # would only add round trips and a pause of the engines around them.
+        limit = self.buffer_size if self.transport != "shared_memory" else sum(
+            t.numel() * t.element_size() for t in named_tensors.values())
+        parts = list(buckets(named_tensors, limit))
         send = {"tensor": self._send_tensors, "shared_memory": self._send_shared,
                 "distributed": self._send_distributed, "ipc": self._send_ipc}[self.transport]
         if self.transport == "shared_memory":
-            self._segment().begin(named_tensors)
+            try:
+                self._segment().begin(named_tensors)
+            except OSError as err:
+                if self.fallback is None:
+                    raise
+                logger.warning("weight sync: %s; pushing over %s instead", err, self.fallback)
+                self.transport, self.fallback = self.fallback, None
+                return await self.push(named_tensors, version)
         if len(parts) > 1 and not self.paused:
             await self._all("/pause_generation")
             self.paused = True

@@ -5,6 +5,8 @@ nccl) is the same but for the flag; test_engine_control checks both transports' 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from slimeflow.config.pipeline import load_stage_config
@@ -51,3 +53,27 @@ def test_a_colocated_run_pushes_every_interval_in_buckets_through_shared_memory(
     # Pushed after rollout 1 only (and before rollout 0): (rollout_id + 1) % 2 == 0.
     assert ["time/update_weights" in r for r in rollouts] == [False, True, False]
     assert manifest.outputs["checkpoint"].endswith("iter_0000002")
+
+
+def test_the_engines_ray_node_is_where_the_rollout_manager_started_them_and_the_trainer_compares_it(local_ray):
+    """The same-host default rests on Ray's node ids: an engine process started by the RolloutManager is on that
+    actor's node, which is the trainer's on one machine; external servers have none (so never a same-host guess)."""
+    import ray
+
+    from slimeflow.stages.train.engines import EngineSet, WeightTargets
+    from slimeflow.stages.train.rollouts import engine_node_ids
+    from slimeflow.stages.train.trainer import ray_node_id
+    from slimeflow.stages.train.weight_sync import default_transport
+
+    @ray.remote(num_cpus=0)
+    def started_here() -> tuple[tuple[str, ...], str | None]:
+        engine = SimpleNamespace(url="http://127.0.0.1:1")
+        router = SimpleNamespace(url="http://127.0.0.1:9", kind="router")
+        return engine_node_ids(EngineSet([engine.url], router.url, "hf", processes=[engine, router])), ray_node_id()
+
+    nodes, manager_node = ray.get(started_here.remote())
+    trainer_node = ray_node_id()
+    assert nodes == (manager_node,) and trainer_node == manager_node is not None
+    targets = WeightTargets(("http://127.0.0.1:1",), "hf", node_ids=nodes)
+    assert default_transport(targets, colocate=False, node_id=trainer_node)[0] == "shared_memory"
+    assert engine_node_ids(EngineSet(["http://10.0.0.1:1"], "http://10.0.0.1:1", "hf", "/w")) == ()

@@ -4,6 +4,7 @@ the SGLang server and sglang-router command lines, and the flags no server would
 from __future__ import annotations
 
 import pytest
+import torch
 
 from slimeflow.config.pipeline import load_stage_config
 from slimeflow.engine.sglang_launch import (
@@ -244,6 +245,85 @@ def test_the_trainer_picks_the_transport_slime_uses_for_its_engines():
     assert chosen(True, *colocated) == ("ipc", 2)
     assert chosen(False, *colocated) == ("shared_memory", 2)
     assert chosen(False)[0] == "tensor" and chosen(True, "--update-weight-transport", "nccl")[0] == "distributed"
+
+
+def test_engines_on_the_trainers_ray_node_take_shared_memory_by_default_and_others_http():
+    """The default rests on the Ray node ids the engines were started on: all on trainer rank 0's node, the /dev/shm
+    segment (colocated or not); one elsewhere, or a node not known, HTTP; colocation and external servers as before."""
+    from slimeflow.stages.train.engines import WeightTargets
+    from slimeflow.stages.train.weight_sync import default_transport
+
+    urls = ("http://127.0.0.1:1", "http://127.0.0.1:2")
+
+    def pick(node_ids: tuple[str, ...], colocate: bool = False, trainer: str | None = "n1", **more) -> str:
+        return default_transport(WeightTargets(urls, "hf", node_ids=node_ids, **more), colocate, trainer)[0]
+
+    assert pick(("n1", "n1")) == "shared_memory"
+    assert pick(("n1", "n2")) == "tensor"  # one engine on another host
+    assert pick(()) == "tensor" and pick(("n1", "n1"), trainer=None) == "tensor"  # not known: never guessed
+    assert pick(("n1", "n1"), sglang=True) == "tensor"  # SGLang servers read no /dev/shm segment
+    assert pick((), colocate=True) == "shared_memory" and pick((), colocate=True, sglang=True) == "ipc"
+    assert pick(("n1", "n1"), weights_dir="/w") == "disk"
+    why = default_transport(WeightTargets(urls, "hf", node_ids=("n1", "n2")), False, "n1")[1]
+    assert "http://127.0.0.1:2" in why and "n1" in why
+
+
+def test_the_transport_flag_overrides_the_default_and_the_choice_is_returned(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from slimeflow.stages.train import trainer
+    from slimeflow.stages.train.engines import WeightTargets
+    from slimeflow.stages.train.placement_plan import sglang_weight_problems
+
+    monkeypatch.setattr(trainer, "ray_node_id", lambda: "n1")
+    here = WeightTargets(("http://10.0.0.5:1",), "hf", node_ids=("n1",))  # a node address, but this node
+
+    def connect(*flags: str) -> dict[str, str]:
+        actor = SimpleNamespace(config=config(*flags), hooks=SimpleNamespace(args=None))
+        with caplog.at_level("INFO", logger=trainer.__name__):
+            chosen = trainer.Trainer.connect_engines(actor, here)
+        actor.loop.close()
+        assert actor.weight_sync.transport == chosen["transport"]
+        return chosen
+
+    default = connect()
+    assert default["transport"] == "shared_memory" and "n1" in default["reason"]
+    assert f"weight sync: shared_memory ({default['reason']})" in caplog.text
+    assert connect("--update-weight-transport", "http") == {"transport": "tensor",
+                                                            "reason": "--update-weight-transport http"}
+    assert connect("--update-weight-transport", "shared_memory")["transport"] == "shared_memory"
+    monkeypatch.setattr(trainer, "ray_node_id", lambda: "n2")
+    assert connect()["transport"] == "tensor"
+    with pytest.raises(ValueError, match="trainer rank 0's host"):  # forced, with the engine on another node
+        connect("--update-weight-transport", "shared_memory")
+    assert sglang_weight_problems(config("--update-weight-transport", "http"), sglang_engines=True)
+    assert not sglang_weight_problems(config("--update-weight-transport", "http"), sglang_engines=False)
+
+
+def test_a_default_shared_memory_push_without_room_in_dev_shm_goes_over_http(monkeypatch):
+    """Only a default choice falls back (logged); a shared_memory the flag asked for raises with the fix."""
+    import asyncio
+
+    from slimeflow.stages.train import weight_sync
+    from slimeflow.stages.train.engines import WeightTargets
+
+    def full(self, named_tensors):
+        raise OSError(28, "/dev/shm has no room for a weight segment")
+
+    sent = []
+
+    async def send_tensors(self, part, version):
+        sent.append((self.transport, version))
+
+    monkeypatch.setattr(weight_sync.SegmentWriter, "begin", full)
+    monkeypatch.setattr(weight_sync.WeightSync, "_send_tensors", send_tensors)
+    targets = WeightTargets(("http://127.0.0.1:1",), "hf", node_ids=("n1",))
+    sync = weight_sync.WeightSync(targets, transport="shared_memory", node_id="n1", fallback="tensor")
+    assert asyncio.run(sync.push({"w": torch.ones(2)}, "1")) == "1"
+    assert sent == [("tensor", "1")] and sync.transport == "tensor"
+    forced = weight_sync.WeightSync(targets, transport="shared_memory", node_id="n1")
+    with pytest.raises(OSError, match="no room"):
+        asyncio.run(forced.push({"w": torch.ones(2)}, "1"))
 
 
 def test_sglang_servers_launched_here_take_the_weights_directory_into_their_weight_targets():

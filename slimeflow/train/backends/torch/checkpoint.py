@@ -28,16 +28,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from slimeflow.checkpoint import safe_pickle
-from slimeflow.checkpoint.convert import convert_hf_to_torch_dist, read_hf_source
-from slimeflow.checkpoint.hf_source import TOKENIZER_FILES
+from slimeflow.checkpoint.convert import stage_torch_dist
 from slimeflow.checkpoint.hf_write import origin_family, replace_dir
 from slimeflow.checkpoint.integrity import verify_checkpoint, write_checksums
 from slimeflow.checkpoint.mapping import ModelShape, megatron_to_hf
-from slimeflow.checkpoint.torch_dist import load_torch_dist, unstack_layers
+from slimeflow.checkpoint.torch_dist import load_torch_dist, unstack_layers, without_crc32
 from slimeflow.errors import CheckpointError
 from slimeflow.io import checkpoints
 from slimeflow.io.checkpoints import RELEASE, CheckpointRef, local_root
-from slimeflow.io.guard import HF_WEIGHTS_PREFIX, claimed_scratch, held
+from slimeflow.io.guard import held
 from slimeflow.io.storage import Storage, local_path
 from slimeflow.train.backends.checkpoint import (
     EXTRA_STATE,
@@ -54,9 +53,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RNG_STATE = "rng_state.pt"
-_HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
-                  *TOKENIZER_FILES)
-"""What the convert stage's reader needs next to the weights (config and tokenizer), copied from the HF dir."""
 
 
 def save_checkpoint(backend: TorchBackend, root: str | Path, rollout_id: int, extra_state: dict[str, Any],
@@ -112,25 +108,17 @@ def _save(backend: TorchBackend, root: Path, rollout_id: int, extra_json: str, r
 
 
 def _stage_weights(backend: TorchBackend, root: Path, rollout_id: int) -> Path:
-    """The current weights as a staged torch_dist directory, via HF safetensors and the convert stage's writer
-    (in a claimed `.hf-weights-*`, removed after; one a killed save left is removed by the next run)."""
-    from safetensors.torch import save_file
-
-    with claimed_scratch(root, HF_WEIGHTS_PREFIX) as scratch:
-        weights = {k: v.contiguous() for k, v in backend.checkpoint_weights().items()}
-        save_file(weights, str(scratch / "model.safetensors"), metadata={"format": "pt"})
-        for filename in _HF_SIDE_FILES:
-            if (backend.hf_checkpoint / filename).is_file():
-                shutil.copy2(backend.hf_checkpoint / filename, scratch / filename)
-        staged, _ = convert_hf_to_torch_dist(read_hf_source(scratch), root, processes=1, iteration=rollout_id,
-                                             staging_name=checkpoints.iteration_dirname(rollout_id))
-    return staged
+    """The current weights as a staged torch_dist directory, written from memory by the convert stage's writer
+    (convert.stage_torch_dist: the files a conversion of them would write)."""
+    return stage_torch_dist(backend.checkpoint_weights(), backend.hf_checkpoint, root, rollout_id,
+                            checkpoints.iteration_dirname(rollout_id))
 
 
 def write_side_files(side: Path, training_state: dict[str, Any], rngs: list[Any], extra_json: str) -> None:
     """slimeflow's resume state next to the Megatron files (Megatron ignores the folder)."""
     side.mkdir(parents=True, exist_ok=True)
-    torch.save(training_state, side / TRAINING_STATE)
+    with without_crc32():  # the optimizer state is 2x the weights: its CRC32 cost more than its write
+        torch.save(training_state, side / TRAINING_STATE)
     torch.save({"ranks": [_portable_rng(rng) for rng in rngs]}, side / RNG_STATE)
     (side / EXTRA_STATE).write_text(extra_json, encoding="utf-8")
 

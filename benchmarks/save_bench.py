@@ -1,0 +1,115 @@
+"""A training save of the torch backend against `cp -r` of the same bytes on the same filesystem.
+
+    .venv/bin/python benchmarks/save_bench.py [--model gguf:smollm2-135m-instruct | HF_DIR | tiny:...]
+        [--repeats 5] [--dir DIR] [--cache-dir ~/.cache/slimeflow/bench-models]
+
+The backend (torch, CPU, AdamW with its state made by one step) saves rollout i with torch/checkpoint.py's
+save_checkpoint, the path the loop's save takes: weights, optimizer and scheduler state, RNG states, extra state,
+checksums, the rename into place and the tracker. Right after each save, `cp -r` copies a fresh tree of the same
+files (a copy of that checkpoint made before the timer starts, so its pages are as cached as the backend's
+in-memory tensors are) to a new directory beside it. The figure is the median over the pairs of save seconds over
+cp seconds (goal <= 2x), in wall time and in CPU seconds (this process and its children: a save's subprocesses,
+cp), with the spread and the load average before and after. The page cache cannot be dropped here, so neither
+figure includes the disk's own write-back; both write the same bytes.
+
+`--model gguf:...` dequantizes the GGUF file once into `--cache-dir` (about a minute) and reuses it after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from slimeflow.checkpoint.hf_source import materialise
+from slimeflow.config.model import ModelConfig
+from slimeflow.config.train import TrainConfig
+from slimeflow.io.storage import Storage
+from slimeflow.train.backends.torch.backend import TorchBackend
+from slimeflow.train.backends.torch.checkpoint import save_checkpoint
+
+DEFAULT_CACHE = Path.home() / ".cache" / "slimeflow" / "bench-models"
+
+
+def model_dir(spec: str, cache_dir: Path) -> Path:
+    """An HF directory for `spec` (a GGUF source or a tiny: URI is materialised once under `cache_dir`)."""
+    return materialise(ModelConfig(hf_checkpoint=spec, cache_dir=str(cache_dir)), Storage(), cache_dir)
+
+
+def cpu_seconds() -> float:
+    """User + system seconds of this process and of its waited-for children."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def timed(work) -> tuple[float, float]:
+    start, cpu = time.perf_counter(), cpu_seconds()
+    work()
+    return time.perf_counter() - start, cpu_seconds() - cpu
+
+
+def tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def make_backend(hf_dir: Path) -> TorchBackend:
+    """The backend with AdamW's state allocated (one step on zero gradients), as after a rollout's training."""
+    config = TrainConfig(batch={"rollout_batch_size": 1, "num_rollout": 10})
+    backend = TorchBackend(hf_dir, config.optimizer, config.algorithm, config.batch, device="cpu", total_steps=10)
+    for p in backend.model.parameters():
+        p.grad = torch.zeros_like(p)
+    backend.optimizer.step()
+    backend.optimizer.zero_grad(set_to_none=True)
+    return backend
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gguf:smollm2-135m-instruct")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", default=None, help="where to save (default: a temporary directory under /tmp)")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print("command:", " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "| load before:", os.getloadavg())
+    hf_dir = model_dir(args.model, args.cache_dir)
+    backend = make_backend(hf_dir)
+    params = sum(p.numel() for p in backend.model.parameters())
+    print(f"model {hf_dir}: {params / 1e6:.1f}M parameters ({params * 4 / 1e6:.0f} MB float32)")
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root, rows = Path(tmp) / "ckpt", []
+        for i in range(args.repeats + 1):  # the first pair warms both paths up and is not counted
+            save = timed(lambda i=i: save_checkpoint(backend, root, i, {"rollout_id": i}))
+            saved = root / f"iter_{i:07d}"
+            source, target = Path(tmp) / f"src-{i}", Path(tmp) / f"dst-{i}"
+            shutil.copytree(saved, source)
+            copy = timed(lambda s=source, t=target: subprocess.run(["cp", "-r", str(s), str(t)], check=True))
+            nbytes = tree_bytes(saved)
+            for path in (saved, source, target):
+                shutil.rmtree(path)
+            if i:
+                rows.append((*save, *copy))
+                print(f"  pair {i}: save {save[0]:.2f} s ({save[1]:.2f} CPU s), cp {copy[0]:.2f} s "
+                      f"({copy[1]:.2f} CPU s), {nbytes / 1e6:.0f} MB", flush=True)
+    wall = [s / c for s, _, c, _ in rows]
+    cpu = [s / c for _, s, _, c in rows]
+    print(f"save: median {statistics.median(r[0] for r in rows):.2f} s wall, {statistics.median(r[1] for r in rows):.2f}"
+          f" CPU s; cp -r: {statistics.median(r[2] for r in rows):.2f} s wall, "
+          f"{statistics.median(r[3] for r in rows):.2f} CPU s ({nbytes / 1e6:.0f} MB); save / cp: wall "
+          f"{statistics.median(wall):.2f}x (spread {min(wall):.2f}-{max(wall):.2f}), CPU {statistics.median(cpu):.2f}x "
+          f"(spread {min(cpu):.2f}-{max(cpu):.2f}); goal <= 2x")
+    print("load after:", os.getloadavg())
+
+
+if __name__ == "__main__":
+    main()
