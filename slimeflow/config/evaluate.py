@@ -45,6 +45,9 @@ class EvaluateConfig(ConfigModel):
     """Raw eval sets: the column holding tool schemas."""
     rollout_seed: int = 42
     """Seed of the sampling (each response's seed derives from it)."""
+    engine_in_process: bool = True
+    """Serve the engine from a thread of the stage's process, as the train stage serves one engine (no second
+    interpreter importing torch and transformers: 2-3 CPU seconds of start-up); false: a process of its own."""
 
     @field_validator("rm_type")
     @classmethod

@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 from transformers import AutoTokenizer
 
 from slimeflow.checkpoint.hf_write import write_hf
 from slimeflow.config.evaluate import EvaluateConfig
 from slimeflow.config.train import DataConfig, TrainConfig
 from slimeflow.engine.client import EngineClient
-from slimeflow.engine.launch import start_engine
+from slimeflow.engine.launch import ENGINE_READY_TIMEOUT_S, EngineProcess, launch_engine_thread, start_engine
 from slimeflow.errors import CheckpointError, StageInputError
 from slimeflow.io import checkpoints
 from slimeflow.io.manifest import Manifest
@@ -28,14 +31,14 @@ from slimeflow.rollout.rollout import RolloutContext, sampling_params
 from slimeflow.stages.base import StageContext
 
 if TYPE_CHECKING:
-    from slimeflow.engine.client import EngineClient
+    from slimeflow.engine.server import EngineThread
 
 
 def run(config: EvaluateConfig, ctx: StageContext) -> Manifest:
     """Evaluate; the manifest's metrics hold eval/<set>/avg_at_<n> and eval/<set>/pass_at_<k> for every set."""
     sets, prepared = _eval_sets(config, ctx)
     model_dir, source = _model_dir(config, ctx)
-    with start_engine(str(model_dir)) as engine:
+    with _serving(str(model_dir), config.engine_in_process) as engine:
         metrics = asyncio.run(_evaluate(config, str(model_dir), EngineClient(engine.url, api_key=engine.api_key), sets))
     results = join(ctx.output, "evaluate", "results.json")
     ctx.storage.write_text(results, json.dumps({"checkpoint": source, "metrics": metrics}, indent=2))
@@ -43,6 +46,24 @@ def run(config: EvaluateConfig, ctx: StageContext) -> Manifest:
     return Manifest(stage="evaluate", outputs={"results": results, "checkpoint": source, **data_outputs},
                     counts={"sets": len(sets), "prompts": sum(len(p) for p in sets.values()), **data_counts},
                     metrics=metrics, config=config.model_dump(mode="json"))
+
+
+@contextmanager
+def _serving(model_dir: str, in_process: bool) -> Iterator[EngineProcess | EngineThread]:
+    """The engine for the evaluation: a thread of this process (the train stage's default for one engine: no second
+    interpreter importing torch and transformers) or a process of its own."""
+    if not in_process:
+        with start_engine(model_dir) as engine:
+            yield engine
+        return
+    threads = torch.get_num_threads()  # the engine's set-up sets this thread's to 1 (engine.server.build_server)
+    engine = launch_engine_thread(model_dir)
+    try:
+        engine.wait_ready("/health", ENGINE_READY_TIMEOUT_S)
+        yield engine
+    finally:
+        engine.stop()
+        torch.set_num_threads(threads)
 
 
 async def _evaluate(config: EvaluateConfig, model_dir: str, client: EngineClient, sets: dict) -> dict[str, float]:

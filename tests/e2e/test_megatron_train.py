@@ -1,8 +1,8 @@
-"""The train stage with --train-backend megatron on Ray: two TrainActors at tensor-parallel size 2, weights
-gathered from their shards and pushed to the embedded engine after every step, a checkpoint saved; and a one-rank
-run killed with SIGKILL mid-save that resumes bit-exactly, with the data order of an uninterrupted run (the pipeline's
-SIGKILL test; test_train_e2e.py's torch-backend copy of it merged here). Resuming across layouts is tested
-in-process, in test_megatron_backend.py."""
+"""The train stage with --train-backend megatron on Ray: a one-rank run killed with SIGKILL mid-save that resumes
+bit-exactly, with the data order of an uninterrupted run (the pipeline's SIGKILL test; test_train_e2e.py's
+torch-backend copy of it merged here). Resuming across layouts is tested in-process, in test_megatron_backend.py;
+every family at TP 1 and at its natural layout (TP 2 + SP, EP 2), with slime's before-train-step hook in each
+TrainActor, in test_family_matrix.py."""
 
 from __future__ import annotations
 
@@ -15,33 +15,6 @@ from train_helpers import kill_and_resume, row_ids, train_config
 from slimeflow.io.guard import ABANDONED
 
 pytestmark = pytest.mark.slow
-
-
-def test_the_train_stage_runs_the_megatron_backend_at_tp2(tmp_path, slime_plugins_importable):
-    from slimeflow.config.convert import ConvertConfig
-    from slimeflow.stages.convert.stage import run as convert_run
-    from slimeflow.stages.train.stage import run
-
-    config, ctx = train_config(tmp_path, **{
-        "num-rollout": 2, "save-interval": 2, "eval-interval": None, "rollout-batch-size": 4,
-        "n-samples-per-prompt": 4, "train-backend": "megatron", "tensor-model-parallel-size": 2,
-        "actor-num-gpus-per-node": 2,
-        "custom-megatron-before-train-step-hook-path": "slime_megatron_hooks:log_step_to_save_dir",
-        "save": str(tmp_path / "ckpt")})
-    ref = convert_run(ConvertConfig(hf_checkpoint=config.checkpoint.hf_checkpoint, save=str(tmp_path / "ref"),
-                                    processes=1), ctx).outputs["torch_dist"]
-    config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"ref_load": ref})})
-    manifest = run(config, ctx)
-    assert manifest.counts["rollouts_run"] == 2 and manifest.outputs["checkpoint"].endswith("iter_0000001")
-    # Rollout 1 was sampled by the engine with the weights the two ranks gathered and pushed after rollout 0's
-    # step: the engine's log-probs of the sampled tokens equal the trainer's (a stale or garbled push would leave
-    # them ~1e-3 apart after one step at lr 1e-3).
-    rows = [json.loads(line) for line in (ctx.workdir / "train" / "rollouts.jsonl").read_text().splitlines()]
-    drift = [r["train_rollout_logprob_abs_diff"] for r in rows]
-    assert len(drift) == 2 and max(drift) < 1e-5, drift
-    # slime's before-train-step hook ran in both TrainActors, before each rollout's one step, with the rollout id.
-    calls = (tmp_path / "ckpt" / "hook_calls.txt").read_text().split("\n")
-    assert sorted(filter(None, calls)) == ["0 0 0", "0 1 0", "1 0 0", "1 1 0"]
 
 
 def test_sigkill_mid_save_resumes_the_megatron_backend_exactly(tmp_path):
