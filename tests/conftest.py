@@ -214,7 +214,7 @@ def megatron_one_process(tiny_torch_dist, tmp_path_factory) -> dict:
     return {"batch": batch, **train_job(0, 1, job)}
 
 
-LONGEST_FIRST = ("test_prefect_server.py",)
+LONGEST_FIRST = ("test_prefect_server.py", "test_family_matrix.py")
 """Modules of several minutes: under pytest-xdist they start first, so no worker is left alone with one at the end."""
 TIER_ORDER = ("e2e", "integration", "unit")
 
