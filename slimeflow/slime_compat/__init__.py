@@ -62,7 +62,7 @@ class _SlimeAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             raise ImportError(
                 f"No module named {fullname!r}: slime is not installed, and slimeflow's slime compatibility layer "
                 f"provides only {', '.join(PROVIDED[1:])}; install slime, or import the equivalent from slimeflow "
-                "(see README, 'Coming from slime')", name=fullname)
+                "(see docs/coming-from-slime.md, 'Your plug-ins')", name=fullname)
         target_name = "slimeflow.slime_compat" + fullname[len("slime"):]
         module = importlib.import_module(target_name)
         is_package = hasattr(module, "__path__")
