@@ -835,7 +835,6 @@ def _submit_the_form(pages: Pages, deployment, services: Services):
     Submit, whose page then shows it. The run is cancelled at once, as the UI's Cancel does (it
     only has to exist: the worker's runs are the other tests'); returns it."""
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterDeploymentId
     from prefect.client.schemas.responses import SetStateStatus
     from prefect.states import Cancelling
 
@@ -846,26 +845,26 @@ def _submit_the_form(pages: Pages, deployment, services: Services):
     assert name.input_value() == "scheduled-tiny"  # prefect.yaml's default
     name.fill("from-the-form")
 
-    def created():
-        with get_client(sync_client=True) as client:
-            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                deployment_id=FlowRunFilterDeploymentId(any_=[deployment.id])))
-        return [r for r in runs if r.parameters["config"].get("name") == "from-the-form"]
-
     # Once the server has created the run, the UI goes to the deployment's Runs tab (a history change, not a page
-    # load: the browser's own location is what is waited on). Under load the UI's request can fail ("Oops.
-    # Something went wrong."); a run the server did not create is submitted once more.
-    answers: list[int] = []  # the statuses of the form's create_flow_run requests, for a failure's message
-    page.on("response", lambda r: answers.append(r.status) if r.url.endswith("/create_flow_run") else None)
+    # load: the browser's own location is what is waited on). The run is the one in the answer to the form's own
+    # create_flow_run request, read by its id: a listing of the deployment's runs would also hold the runs its
+    # schedule made. Under load the UI's request can fail ("Oops. Something went wrong."): then it is submitted once
+    # more.
+    answers: list = []  # the form's create_flow_run responses
+    page.on("response", lambda r: answers.append(r) if r.url.endswith("/create_flow_run") else None)
     left = "() => location.search.includes('tab=Runs') || document.body.innerText.includes('Something went wrong')"
     for attempt in range(2):
         page.get_by_role("button", name="Submit").click()
-        pages.wait(f"the Runs tab after Submit #{attempt + 1} (create_flow_run's answers before it: {answers})",
+        pages.wait(f"the Runs tab after Submit #{attempt + 1} (create_flow_run's answers before it: "
+                   f"{[a.status for a in answers]})",
                    f"run-form-submitted-{attempt + 1}", lambda ms: page.wait_for_function(left, timeout=ms))
-        if "tab=Runs" in page.evaluate("location.search") or created():
+        if any(a.ok for a in answers):
             break
-
-    [run] = _wait_for("the run the form submitted", created, UI_WAIT_S, services, poll_s=0.5)
+    made = [a for a in answers if a.ok]
+    assert len(made) == 1, f"the form's create_flow_run answers: {[(a.status, a.text()[:300]) for a in answers]}"
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(made[0].json()["id"])
+    assert run.deployment_id == deployment.id and run.parameters["config"]["name"] == "from-the-form", run.parameters
     with get_client(sync_client=True) as client:
         cancel = client.set_flow_run_state(run.id, Cancelling(), force=True)
     # Not waited on: a run cancelled while its process starts can stay Cancelling (the process exits on the server's
