@@ -1,6 +1,6 @@
 """One GRPO optimizer step of the real model (SmolLM2-135M-Instruct, fp32, CPU), against two references.
 
-    .venv/bin/python benchmarks/real_step.py [--rounds 3] [--sides plain,torch,megatron,trl] [--threads N]
+    .venv/bin/python benchmarks/real_step.py [--rounds 3] [--sides plain,torch,megatron,trl,torch-1t] [--threads N]
         [--model gguf:smollm2-135m-instruct | HF_DIR] [--prompts 4] [--samples-per-prompt 8] [--profile]
 
 The batch is examples/demo-real.yaml's rollout, fixed and seeded: --prompts questions of
@@ -15,6 +15,8 @@ this process's CPUs), and the sides alternate within each round, so each sees th
 - plain: the limit. A plain PyTorch step on the same micro-batch: right-padded rows, the decoder, the output
   layer on the response positions only, log-softmax, -(advantage x log-prob) averaged over tokens, backward, fused
   AdamW. Nothing else (no clipping, no entropy, no metrics).
+- torch-1t (not by default): the torch backend's step at one torch thread, what the loop gives a trainer on a
+  2-core machine (slimeflow.cluster.cpu_threads keeps a core spare).
 - torch / megatron: slimeflow's step as the TrainActor runs it with the demo's config (GRPO, --use-rollout-logprobs,
   --use-dynamic-batch-size --max-tokens-per-gpu 4096, temperature 0.8, lr 2e-5, clip 1.0): train_step.prepare
   (advantages; the demo runs no log-prob pass), accumulate_gradients (forward with entropies, loss, backward) and
