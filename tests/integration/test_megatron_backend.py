@@ -319,3 +319,32 @@ def test_slimes_megatron_hooks_run_where_slimes_actor_calls_them(converted, monk
     (_, *step0, sum0), (_, *step1, sum1) = calls[6], calls[7]
     assert step0 == [7, 0, policy, optimizer, scheduler] and step1 == [7, 1, policy, optimizer, scheduler]
     assert sum1 == sum0 and trained != sum1  # step 0 trained on zero advantages; step 1 moved the provider's model
+
+
+def test_the_output_layer_runs_on_the_response_positions_only(converted):
+    """The output layer gets the hidden states of the positions that predict a response token (one per response
+    token), not of every position, and the log-probs stay the torch backend's (float rounding: ~1e-7)."""
+    from slimeflow.train.backends.megatron.backend import kept_positions_only
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint
+    from slimeflow.train.backends.torch.backend import TorchBackend
+
+    config = make_config(batch={"micro_batch_size": 3})
+    batch = rollout_batch(converted["hf"])
+    backend = make_backend(make_job(converted["tmp"], "kept", converted["hf"], converted["release"], batch, config))
+    rows_seen: list[int] = []
+    try:
+        load_checkpoint(backend, converted["release"], weights_only=True)
+        chunk = backend.modules[0]
+        assert kept_positions_only(chunk, sequence_parallel=False)
+        assert not kept_positions_only(chunk, sequence_parallel=True)  # its input is split along the sequence
+        handle = chunk.output_layer.register_forward_hook(lambda _m, args, _out: rows_seen.append(args[0].shape[0]))
+        got = backend.compute_log_probs(batch).log_probs
+        handle.remove()
+    finally:
+        backend.close()
+    assert sum(rows_seen) == sum(batch.response_lengths) < sum(batch.total_lengths)
+    torch_backend = TorchBackend(converted["hf"], config.optimizer, config.algorithm, config.batch, seed=3,
+                                 device="cpu")
+    want = torch_backend.compute_log_probs(batch).log_probs
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)

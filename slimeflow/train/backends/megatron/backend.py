@@ -26,6 +26,7 @@ the padding mask of every micro-batch, so padding counts in no router statistic 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -416,10 +417,13 @@ class MegatronBackend:
                 padding = ~_padded(layout.mask.bool(), shape)
                 extra["padding_mask"] = stage_padding_mask(padding, unwrapped(model).pre_process,
                                                            self.sequence_parallel, tp_rank, tp_size).to(device)
-            output = model(ids.to(device), positions, None, **extra)
+            kept, chunk = keep.to(device), unwrapped(model)
+            selecting = kept_positions_only(chunk, self.sequence_parallel)
+            with output_layer_on(chunk, kept) if selecting else contextlib.nullcontext():
+                output = model(ids.to(device), positions, None, **extra)
 
             def on_output(output: torch.Tensor):
-                selected = output[..., :vocab][keep.to(device)]
+                selected = output[0, :, :vocab] if selecting else output[..., :vocab][kept]
                 return on_log_probs(indices, response_log_probs(selected, rows, layout, temperature, with_entropy))
 
             return output, on_output
@@ -567,6 +571,34 @@ def stage_padding_mask(padding: torch.Tensor, first_stage: bool, sequence_parall
         return padding
     share = padding.shape[1] // tp_size
     return padding[:, tp_rank * share: (tp_rank + 1) * share].contiguous()
+
+
+def kept_positions_only(chunk: Any, sequence_parallel: bool) -> bool:
+    """Whether `chunk` (a GPTModel) can run its output layer on the kept positions alone: it is a last stage, its
+    output layer's input is not split along the sequence over the TP ranks (sequence parallelism), and no MTP block
+    reads every position's hidden state."""
+    return (bool(getattr(chunk, "post_process", False)) and not sequence_parallel
+            and not getattr(chunk, "mtp_process", False))
+
+
+@contextlib.contextmanager
+def output_layer_on(chunk: Any, keep: torch.Tensor) -> Iterator[None]:
+    """While open, `chunk`'s output layer gets only the hidden states at `keep` ([rows, length] bool, the positions
+    that predict a response token), row by row as [kept, 1, hidden], so the model returns logits [1, kept, vocab].
+
+    Why: the log-probs need those positions only, and the output layer over every position was a fifth of the step
+    and of the log-prob passes (SmolLM2-135M, 49k vocabulary, 32 replies of <= 12 tokens to ~36-token prompts:
+    benchmarks/real_step.py). GPTModel has no argument for it (its inference path keeps only the last token), so a
+    forward pre-hook selects them; megatron's postprocess then runs unchanged on the smaller input."""
+    def select(_module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        hidden = args[0]  # [length, rows, hidden]
+        return (hidden.transpose(0, 1)[keep].unsqueeze(1), *args[1:]), kwargs
+
+    handle = chunk.output_layer.register_forward_pre_hook(select, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _padded(tensor: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
