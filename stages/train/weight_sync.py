@@ -75,11 +75,12 @@ def default_transport(targets: WeightTargets, colocate: bool, node_id: str | Non
     if colocate:
         return ("ipc" if targets.sglang else "shared_memory"), "the engines are colocated with the trainer"
     known = node_id is not None and len(targets.node_ids) == len(targets.worker_urls) > 0
-    if not targets.sglang and known and not remote_engines(targets, node_id):
+    remote = remote_engines(targets, node_id) if known else None
+    if not targets.sglang and known and not remote:
         return "shared_memory", f"every engine runs on trainer rank 0's Ray node {node_id}"
     if targets.sglang:
         return "tensor", "SGLang servers apart from the trainer"
-    where = "unknown" if not known else f"{remote_engines(targets, node_id)} on other nodes than {node_id}"
+    where = "unknown" if not known else f"{remote} on other nodes than {node_id}"
     return "tensor", f"engines not all on trainer rank 0's host (where they run: {where})"
 
 
