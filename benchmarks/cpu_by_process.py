@@ -5,6 +5,8 @@
 
 Samples /proc twice a second (each process's own utime + stime, the highest seen per pid and start time) while the
 command runs, then prints the groups: Ray workers, Megatron ranks, engines, Prefect servers and flow runs, ...
+and the machine's busy cores per minute (from /proc/stat): the minutes well under the core count are waits (a
+poll, a sleep, a lone module at the end), not work.
 A process that lives under half a second can be missed; one that is killed keeps its last sample. Every process of
 the machine is sampled: `--only` keeps those whose command line holds the given text (a fresh clone's path names
 its venv in every process it starts, Ray's included).
@@ -55,11 +57,34 @@ def sample(records: dict, now: float) -> None:
             pass  # the process ended while being read
 
 
+def busy_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores since boot: idle and iowait are not busy."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)
+
+
 def group(args: str) -> str:
     return next((name for name, text in GROUPS if text in args), "other")
 
 
-def report(records: list[dict], only: str | None) -> None:
+def timeline(points: list[list[float]]) -> None:
+    """Busy cores per minute of the run, from (time, busy jiffies) points."""
+    if len(points) < 2:
+        return
+    start = points[0][0]
+    print("busy cores per minute (of", os.cpu_count(), "):")
+    by_minute: dict[int, list[list[float]]] = collections.defaultdict(list)
+    for point in points:
+        by_minute[int((point[0] - start) // 60)].append(point)
+    for minute, pts in sorted(by_minute.items()):
+        if len(pts) > 1:
+            cores = (pts[-1][1] - pts[0][1]) / TICK / (pts[-1][0] - pts[0][0])
+            print(f"  min {minute:3d}  {cores:4.2f}  " + "#" * round(cores * 10))
+
+
+def report(records: list[dict], only: str | None, points: list[list[float]] | None = None) -> None:
+    timeline(points or [])
     kept = [r for r in records if only is None or only in r["args"]]
     groups: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     for r in kept:
@@ -79,16 +104,22 @@ def main() -> int:
     options = parser.parse_args()
     if options.report:
         with open(options.report) as f:
-            report(json.load(f), options.only)
+            data = json.load(f)
+        if isinstance(data, list):  # written before the timeline was recorded
+            data = {"processes": data, "busy": []}
+        report(data["processes"], options.only, data["busy"])
         return 0
     if not options.command or not options.out:
         parser.error("give --out FILE -- COMMAND, or --report FILE")
     records: dict = {}
+    points: list[list[float]] = []
     done = threading.Event()
 
     def loop() -> None:
         while not done.is_set():
-            sample(records, time.time())
+            now = time.time()
+            sample(records, now)
+            points.append([now, busy_jiffies()[0]])
             done.wait(0.5)
 
     sampler = threading.Thread(target=loop, daemon=True)
@@ -99,8 +130,8 @@ def main() -> int:
         done.set()
         sampler.join()
         with open(options.out, "w") as f:
-            json.dump(list(records.values()), f)
-    report(list(records.values()), options.only)
+            json.dump({"processes": list(records.values()), "busy": points}, f)
+    report(list(records.values()), options.only, points)
     return code
 
 
