@@ -180,8 +180,25 @@ def _execute(config) -> int:
     for stage, manifest in manifests.items():
         outputs = ", ".join(f"{k}={v}" for k, v in manifest["outputs"].items())
         print(f"{stage}: {outputs}")
+    if "train" in manifests:
+        for change in held_out_change(manifests["train"]):
+            print(f"train: held-out {change}")
     print(f"manifests under {config.output}/manifests; MLflow: {config.tracking_uri()}")
     return 0
+
+
+def held_out_change(train_manifest: dict) -> list[str]:
+    """'eval/SET/avg_at_1: FIRST -> LAST (N prompts)' for each held-out set the train stage evaluated: whether the run
+    made the model better is the line a user looks for first."""
+    facts = train_manifest.get("facts") or {}
+    first, last = facts.get("eval_first") or {}, facts.get("eval_last") or {}
+    lines = []
+    for key in sorted(first):
+        if key.endswith("/avg_at_1") and key in last:
+            prompts = last.get(key.removesuffix("avg_at_1") + "prompts")
+            counted = f" ({prompts:g} prompts)" if prompts is not None else ""
+            lines.append(f"{key}: {first[key]:.3f} -> {last[key]:.3f}{counted}")
+    return lines
 
 
 def _help_parser(command: str, only_stage: str | None) -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 from paths import DATA
 
-from slimeflow.cli import main
+from slimeflow.cli import held_out_change, main
 
 SEEDS = DATA / "seed_scripts"
 
@@ -69,6 +69,16 @@ def test_bad_flags_exit_2_with_every_problem_named(capsys):
     assert main(["model", "--hf-checkpoint", "tiny:llama", "--use-critic", "--nmae", "x"]) == 2
     err = capsys.readouterr().err
     assert "--use-critic: not supported yet" in err and "--nmae: unknown flag; did you mean --name?" in err
+
+
+def test_a_finished_run_says_how_each_held_out_set_changed():
+    manifest = {"facts": {
+        "eval_first": {"eval/times/avg_at_1": 0.140625, "eval/times/prompts": 64.0, "eval/math/avg_at_1": 0.5},
+        "eval_last": {"eval/times/avg_at_1": 0.84375, "eval/times/prompts": 64.0, "eval/times/truncated_rate": 0.05}}}
+    # A set evaluated first but not last (a failed last eval) has no change to tell.
+    assert held_out_change(manifest) == ["eval/times/avg_at_1: 0.141 -> 0.844 (64 prompts)"]
+    assert held_out_change({"facts": {"eval_first": {}, "eval_last": {}}}) == []
+    assert held_out_change({}) == []
 
 
 def test_run_needs_a_config_file(capsys):
