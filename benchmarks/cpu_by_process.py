@@ -51,6 +51,11 @@ def sample(records: dict, now: float) -> None:
                 with open(f"/proc/{name}/cmdline", "rb") as f:
                     args = f.read().replace(b"\0", b" ").decode(errors="replace")[:300]
                 records[key] = {"pid": int(name), "ppid": int(fields[1]), "args": args, "cpu": 0.0, "first": now}
+            if "default_worker" in records[key]["args"] and "title" not in records[key]:
+                with open(f"/proc/{name}/cmdline", "rb") as f:  # Ray retitles a worker with its actor's class
+                    title = f.read().split(b"\0")[0].decode(errors="replace")
+                if title.startswith("ray::") and title != "ray::IDLE":
+                    records[key]["title"] = title[:100]
             records[key]["cpu"] = max(records[key]["cpu"], cpu)
             records[key]["last"] = now
         except (OSError, ValueError, IndexError):
@@ -93,6 +98,13 @@ def report(records: list[dict], only: str | None, points: list[list[float]] | No
     print(f"{sum(r['cpu'] for r in kept):.0f} CPU s over {len(kept)} processes")
     for name, (cpu, count) in sorted(groups.items(), key=lambda item: -item[1][0]):
         print(f"{cpu:8.0f} CPU s {count:5d} processes  {name}")
+    actors: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for r in kept:
+        if "title" in r:
+            actors[r["title"].split(".")[0].split(":")[2]][0] += r["cpu"]
+            actors[r["title"].split(".")[0].split(":")[2]][1] += 1
+    for name, (cpu, count) in sorted(actors.items(), key=lambda item: -item[1][0]):
+        print(f"{cpu:8.0f} CPU s {count:5d} Ray actors  {name}")
 
 
 def main() -> int:
