@@ -273,6 +273,39 @@ def _s3_filesystem(config: S3Config) -> AbstractFileSystem:
     )
 
 
+NO_CREDENTIALS_FIX = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment of the process that runs the stage (the "
+    "Prefect worker's, for a deployment; the shell's, for `slimeflow run`), or save them in a Prefect Secret block "
+    "and name it with --s3-credentials-block"
+)
+
+
+class _CredentialsNamed:
+    """An s3 filesystem whose calls say which object they were for, and how to fix it, when botocore finds no
+    credentials: botocore's own "Unable to locate credentials" is raised at the first request, far from any config,
+    and names neither."""
+
+    def __init__(self, fs: AbstractFileSystem) -> None:
+        self._fs = fs
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._fs, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            # botocore comes with s3fs, which built the filesystem this wraps
+            from botocore.exceptions import NoCredentialsError
+
+            try:
+                return attribute(*args, **kwargs)
+            except NoCredentialsError as err:
+                where = f"s3://{args[0]}" if args and isinstance(args[0], str) else "s3"
+                raise StorageError(f"{where}: no S3 credentials found ({err}); {NO_CREDENTIALS_FIX}") from err
+
+        return call
+
+
 class Storage:
     """Files and objects by URI. One instance holds its filesystem clients; pass it around rather than a config.
 
@@ -289,7 +322,7 @@ class Storage:
 
     @cached_property
     def _s3(self) -> AbstractFileSystem:
-        return _s3_filesystem(self._s3_config)
+        return _CredentialsNamed(_s3_filesystem(self._s3_config))  # type: ignore[return-value]  # same calls
 
     def _locate(self, uri: str) -> tuple[AbstractFileSystem, str]:
         """The filesystem for `uri` and the path it uses (absolute posix path locally, bucket/key on s3)."""

@@ -285,6 +285,20 @@ def test_verify_tree_reports_every_bad_file(place, tmp_path):
 # -- configuration and URI helpers ----------------------------------------------------------------------------
 
 
+def test_no_s3_credentials_names_the_object_and_the_fix(moto_server, monkeypatch, tmp_path):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata probe
+    storage = Storage(S3Config(endpoint_url=moto_server, region="us-east-1"))
+    with pytest.raises(StorageError, match=r"s3://bucket/key.json: no S3 credentials found .*AWS_ACCESS_KEY_ID"
+                                           r".*--s3-credentials-block"):
+        storage.read_bytes("s3://bucket/key.json")
+    with pytest.raises(StorageError, match=r"s3://bucket/dir: no S3 credentials"):
+        storage.exists("s3://bucket/dir")
+
+
 def test_s3_config_from_env_prefers_specific_variables():
     config = S3Config.from_env(
         {
