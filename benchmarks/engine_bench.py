@@ -139,12 +139,11 @@ def _hf_batch(model, prompts: list[list[int]], max_new: int, pad_id: int, temper
         mask[row, longest - len(prompt):] = 1
     config = copy.deepcopy(model.generation_config)
     config.pad_token_id, config.eos_token_id = pad_id, list(eos_ids) if eos_ids else None
-    sampling = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0
-                else dict(do_sample=False, temperature=None, top_k=None, top_p=None))
+    config.max_new_tokens, config.do_sample = max_new, temperature > 0
+    config.temperature, config.top_k, config.top_p = (temperature, 0, 1.0) if temperature > 0 else (None, None, None)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, generation_config=config, max_new_tokens=max_new,
-                             **sampling)
+        out = model.generate(ids, attention_mask=mask, generation_config=config)
     seconds = time.perf_counter() - start
     assert eos_ids or out.shape[1] - longest == max_new, "model.generate stopped early: an EOS id was set"
     return seconds, out[:, longest:].tolist()
