@@ -140,15 +140,18 @@ class Batcher:
     """The scheduler thread and its queue; all public methods are thread-safe and return futures."""
 
     def __init__(self, loaded: LoadedModel, *, max_batch_size: int = 64, weight_version: str = "default",
-                 seed: int = 0, admission_window_s: float = ADMISSION_WINDOW_S, num_threads: int | None = None) -> None:
+                 seed: int = 0, admission_window_s: float = ADMISSION_WINDOW_S, num_threads: int | None = None,
+                 share_prefixes: bool = True) -> None:
         """`num_threads`: torch threads of the scheduler thread, which runs every forward pass; None takes the
         count of the thread that builds the batcher (torch.set_num_threads applies to the thread that calls it
-        only: a new thread starts with one per core)."""
+        only: a new thread starts with one per core). `share_prefixes`: prompts prefilled together run their
+        common first tokens once (kv_batch.prefill; SGLang's prefix cache, within one prefill)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if admission_window_s < 0:
             raise ValueError(f"admission_window_s must be >= 0, got {admission_window_s}")
         self._admission_window_s = admission_window_s
+        self._share_prefixes = share_prefixes
         self._num_threads = num_threads or torch.get_num_threads()
         self.admission_rounds = 0  # prefill rounds so far (each merges its requests into the running batch)
         self._loaded = loaded
@@ -454,7 +457,8 @@ class Batcher:
             batch, logits = kv_batch.prefill(self._forward, [unique[i][0].request.input_ids for i in rows],
                                              self._loaded.device,
                                              headroom=max(s.request.params.max_new_tokens for i in rows
-                                                          for s in unique[i]))
+                                                          for s in unique[i]),
+                                             share_prefix=self._share_prefixes)
             group = [s for i in rows for s in unique[i]]
             source = [k for k, i in enumerate(rows) for _ in unique[i]]  # the prefilled row of each of `group`
             self._sample(group, _rows(logits, source))

@@ -104,14 +104,45 @@ class KVBatch:
         return self.mask_buffer[:, :self.length]
 
 
-def prefill(forward: ModelForward, prompts: list[list[int]], device: torch.device,
-            headroom: int = 0) -> tuple[KVBatch, torch.Tensor]:
+MIN_SHARED_PREFIX = 8
+"""Leading tokens that every prompt of a prefill group must share for them to be prefilled once (a chat template's
+system prompt: 30 of the demo's 38-39 prompt tokens); shorter common prefixes save less than a second pass costs."""
+
+
+def prefill(forward: ModelForward, prompts: list[list[int]], device: torch.device, headroom: int = 0,
+            share_prefix: bool = True) -> tuple[KVBatch, torch.Tensor]:
     """Run the prompts (left-padded together) through `forward`; returns their KV batch and last logits [n, V].
 
     `headroom` is how many decode steps to reserve columns for (capped at MAX_HEADROOM; more grow on demand).
+    With `share_prefix`, the first tokens that all prompts share (at least MIN_SHARED_PREFIX of them, leaving each
+    prompt one of its own) run once, and each row continues from a copy of their cache: SGLang's prefix cache
+    within one prefill. A row is then [prefix, its padding, the rest of its prompt]: the mask hides the padding and
+    positions count real tokens only, so the logits equal a full prefill's to float rounding.
     """
+    room = min(headroom, MAX_HEADROOM)
+    shared = shared_prefix(prompts) if share_prefix and len(prompts) > 1 else 0
+    if shared < MIN_SHARED_PREFIX:
+        return _prefill(forward, prompts, device, max(len(p) for p in prompts) + room)
+    rests = [p[shared:] for p in prompts]
+    base, _ = _prefill(forward, [prompts[0][:shared]], device, shared + max(len(r) for r in rests) + room)
+    batch = gather_rows(base, [0] * len(prompts))
+    return batch, extend(forward, batch, rests)
+
+
+def shared_prefix(prompts: list[list[int]]) -> int:
+    """How many leading tokens all prompts share, at most all but the last token of the shortest."""
+    limit = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    for i in range(limit):
+        token = first[i]
+        if any(p[i] != token for p in prompts):
+            return i
+    return max(limit, 0)
+
+
+def _prefill(forward: ModelForward, prompts: list[list[int]], device: torch.device,
+             capacity: int) -> tuple[KVBatch, torch.Tensor]:
     longest = max(len(p) for p in prompts)
-    capacity = longest + min(headroom, MAX_HEADROOM)
     ids = torch.zeros((len(prompts), longest), dtype=torch.long)
     mask = torch.zeros((len(prompts), capacity), dtype=torch.long)
     for row, prompt in enumerate(prompts):
@@ -122,6 +153,25 @@ def prefill(forward: ModelForward, prompts: list[list[int]], device: torch.devic
     cache = Cache(layers=[_HeadroomLayer(capacity) for _ in range(forward.model.config.num_hidden_layers)])
     logits = forward(ids, mask[:, :longest], positions, cache)
     return KVBatch(cache=cache, mask_buffer=mask, next_positions=mask.sum(-1), length=longest), logits
+
+
+def extend(forward: ModelForward, batch: KVBatch, tokens: list[list[int]]) -> torch.Tensor:
+    """Feed row i the tokens `tokens[i]` (left-padded together after the columns in use, so padding may sit between
+    a row's earlier tokens and these); the batch grows by the longest. Returns the last logits [B, V]."""
+    longest = max(len(t) for t in tokens)
+    if batch.free < longest:
+        _grow(batch, batch.length + longest)
+    start, end = batch.length, batch.length + longest
+    ids = torch.zeros((batch.size, longest), dtype=torch.long)
+    for row, row_tokens in enumerate(tokens):
+        ids[row, longest - len(row_tokens):] = torch.tensor(row_tokens)
+        batch.mask_buffer[row, end - len(row_tokens):end] = 1
+    new_mask = batch.mask_buffer[:, start:end]
+    positions = batch.next_positions[:, None] + (new_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = forward(ids.to(batch.mask_buffer.device), batch.mask_buffer[:, :end], positions, batch.cache)
+    batch.length = end
+    batch.next_positions = batch.next_positions + new_mask.sum(-1)
+    return logits
 
 
 PREFILL_PADDING = 0.15

@@ -152,6 +152,9 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], uniforms: to
     """
     logits = logits.float()
     device = logits.device
+    if all(p.temperature == 0 for p in params):  # an evaluation's batch: no softmax, CDF or search to draw with
+        tokens = logits.argmax(dim=-1)
+        return SampleStep(tokens=tokens.tolist(), logprobs=_chosen_logprobs(logits, tokens).tolist())
     temps = torch.tensor([p.temperature for p in params], device=device)
     greedy = temps == 0
     scaled = logits / torch.where(greedy, 1.0, temps)[:, None]
@@ -164,8 +167,13 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], uniforms: to
     picked = torch.searchsorted(cdf, target, right=True).clamp(max=logits.shape[-1] - 1)
     tokens = (order.gather(1, picked) if order is not None else picked).squeeze(1)
     tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-    logprobs = scaled.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    return SampleStep(tokens=tokens.tolist(), logprobs=logprobs.tolist())
+    return SampleStep(tokens=tokens.tolist(), logprobs=_chosen_logprobs(scaled, tokens).tolist())
+
+
+def _chosen_logprobs(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(scaled)[i, tokens[i]] (one fused pass: torch's logsumexp, which would write no [B, V] result,
+    took longer on CPU)."""
+    return scaled.log_softmax(dim=-1).gather(1, tokens[:, None]).squeeze(1)
 
 
 def _truncated_sorted_probs(scaled: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:

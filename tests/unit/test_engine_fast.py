@@ -71,6 +71,44 @@ def test_native_logits_equal_transformers_through_joins_leaves_and_growth(model,
     assert 8 < forward.rotary.shape[0] <= model.config.max_position_embeddings
 
 
+def test_prompts_with_a_common_prefix_prefill_it_once_and_decode_as_if_alone(model):
+    # A chat template's system prompt: 10 shared tokens, then tails of 1, 4 and 2 tokens (padding between prefix
+    # and tail in two rows); a prompt without the prefix joins later, so the merge re-aligns the padded rows.
+    prefix = list(range(60, 70))
+    seqs = [[*prefix, 5], [*prefix, 7, 8, 9, 10], [*prefix, 11, 12]]
+    forward = NativeForward(model)
+    calls: list[int] = []
+    counted = _CountingForward(forward, calls)
+    with torch.inference_mode():
+        batch, logits = kv_batch.prefill(counted, seqs, CPU, headroom=1)
+        assert [*calls] == [1 * 10, 3 * 4]  # the prefix once, then each row's tail (left-padded to 4)
+        unshared, unshared_logits = kv_batch.prefill(forward, seqs, CPU, share_prefix=False)
+        torch.testing.assert_close(logits, unshared_logits, atol=1e-4, rtol=0)
+        for step in range(4):
+            if step == 1:
+                joiner = [[3, 1, 4, 1, 5, 9]]
+                new, new_logits = kv_batch.prefill(forward, joiner, CPU)
+                batch, seqs, logits = kv_batch.merge(batch, new), seqs + joiner, torch.cat([logits, new_logits])
+            expected = torch.stack([plain_logits(model, seq) for seq in seqs])
+            assert (logits - expected).abs().max() <= 1e-4, f"step {step}"
+            for seq, row in zip(seqs, logits, strict=True):
+                seq.append(int(row.argmax()))
+            logits = kv_batch.decode(forward, batch, [seq[-1] for seq in seqs])
+    assert kv_batch.shared_prefix([[1, 2, 3], [1, 2, 3]]) == 2  # every prompt keeps a token of its own
+    assert kv_batch.shared_prefix([[1, 2, 3], [1, 4]]) == 1
+
+
+class _CountingForward:
+    """A forward that records the tokens of each call (rows x columns) before running it."""
+
+    def __init__(self, forward: NativeForward, calls: list[int]) -> None:
+        self.forward, self.calls, self.model = forward, calls, forward.model
+
+    def __call__(self, ids, *rest):
+        self.calls.append(ids.numel())
+        return self.forward(ids, *rest)
+
+
 def test_weight_updates_reach_the_native_forward(model):
     forward = NativeForward(model)  # built before the update: it reads the model's own tensors
     prompt = PROMPTS[2]
