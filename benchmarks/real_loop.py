@@ -1,7 +1,8 @@
 """The whole loop at real size: slimeflow's train stage vs TRL's GRPOTrainer, time to a held-out accuracy target.
 
     .venv/bin/python benchmarks/real_loop.py [--seeds 1,2,3] [--target 0.5] [--max-rollouts 8] [--eval-interval 2]
-        [--max-seconds 480] [--first slimeflow|trl] [--model gguf:smollm2-135m-instruct | HF_DIR]
+        [--max-seconds 480] [--first slimeflow|trl] [--only slimeflow|trl]
+        [--model gguf:smollm2-135m-instruct | HF_DIR]
 
 The real demo (examples/demo-real.yaml, `make demo`): SmolLM2-135M-Instruct (fp32, CPU) learns to answer "What is a
 times b?" briefly; 57 training questions, 64 held out (examples/times_tables/data), rendered with the model's chat
@@ -166,6 +167,8 @@ def report(args, sides: list[SideResult]) -> None:
         print(row)
     print("CPU seconds to target (all the side's processes): "
           + ", ".join(f"{s.name} {s.target_cpu_s:.0f}" for s in sides if s.target_cpu_s is not None))
+    print("completions/s (trained, over loop seconds less evals): "
+          + ", ".join(f"{s.name} {s.completions_per_s:.2f}" for s in sides))
     for side in sides:
         print(f"{side.name} evals (step, acc): {side.evals}")
         for note in side.notes:
@@ -227,6 +230,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=lambda text: [int(x) for x in text.split(",")], default=[1, 2, 3])
     parser.add_argument("--first", choices=["slimeflow", "trl"], default="slimeflow",
                         help="the side that goes first on the first seed (then they alternate)")
+    parser.add_argument("--only", choices=["slimeflow", "trl"], default=None, help="run one side")
     parser.add_argument("--model", default="gguf:smollm2-135m-instruct", help="an HF directory or a GGUF source")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "slimeflow" / "bench-models")
     parser.add_argument("--workdir", type=Path, default=None, help="kept when given (default: a temporary dir)")
@@ -243,6 +247,7 @@ def main() -> None:
         workdir = args.workdir or Path(tmp)
         hf, train, held_out = prepare(args, workdir / "prep")
         order = ["slimeflow", "trl"] if args.first == "slimeflow" else ["trl", "slimeflow"]
+        order = [args.only] if args.only else order
         for i, seed in enumerate(args.seeds):
             seeded = argparse.Namespace(**{**vars(args), "seed": seed})
             sides = {}
@@ -258,14 +263,14 @@ def main() -> None:
                 side.notes.insert(0, f"went {'first' if not sides else 'second'}; 1-min load before "
                                      f"{load:.2f}, after {os.getloadavg()[0]:.2f}")
                 sides[name] = side
-            runs.append([sides["slimeflow"], sides["trl"]])
+            runs.append([sides[name] for name in ("slimeflow", "trl") if name in sides])
             report(seeded, runs[-1])
     print()
     for row in summary(runs):
         print(row)
-    for i, name in enumerate(["slimeflow", "TRL"]):
+    for i, side in enumerate(runs[0]):
         cpu = sorted(run[i].target_cpu_s or float("inf") for run in runs)
-        print(f"{name} CPU seconds to target, per seed sorted: {', '.join(f'{c:.0f}' for c in cpu)}")
+        print(f"{side.name} CPU seconds to target, per seed sorted: {', '.join(f'{c:.0f}' for c in cpu)}")
 
 
 if __name__ == "__main__":
