@@ -84,10 +84,14 @@ class SideResult:
     target_s: float | None = None
     evals: list[tuple[int, float]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    per_step: int = PROMPTS * SAMPLES
+    """Completions trained per step."""
+    target_cpu_s: float | None = None
+    """CPU seconds (user + system) of the side's processes from their start to the target, where measured."""
 
     @property
     def completions_per_s(self) -> float:
-        return self.steps * PROMPTS * SAMPLES / max(self.loop_s - self.eval_s, 1e-9)
+        return self.steps * self.per_step / max(self.loop_s - self.eval_s, 1e-9)
 
 
 def prepare(workdir: Path) -> tuple[str, str, str]:
@@ -124,9 +128,10 @@ def slimeflow_config(args, hf: str, train: str, held_out: str):
     return load_stage_config("train", section)
 
 
-def run_slimeflow(args, hf: str, train: str, held_out: str, workdir: Path, config=None) -> SideResult:
-    """The train stage (`config`, default slimeflow_config's) in its own process group, tailed until the target, the
-    step cap or the time cap."""
+def run_slimeflow(args, hf: str, train: str, held_out: str, workdir: Path, config=None,
+                  eval_key: str = EVAL_KEY) -> SideResult:
+    """The train stage (`config`, default slimeflow_config's) in its own process group, tailed until `eval_key`
+    reaches the target, the step cap or the time cap."""
     config = config or slimeflow_config(args, hf, train, held_out)
     workdir.mkdir(parents=True)
     (workdir / "config.json").write_text(config.model_dump_json())
@@ -137,7 +142,7 @@ def run_slimeflow(args, hf: str, train: str, held_out: str, workdir: Path, confi
         proc = subprocess.Popen([sys.executable, "-c", STAGE_SCRIPT, str(workdir / "config.json"), str(workdir)],
                                 start_new_session=True, stdout=stage_log, stderr=subprocess.STDOUT)
         try:
-            result = tail_rollouts(args, proc, log, started)
+            result = tail_rollouts(args, proc, log, started, eval_key)
         finally:
             stop_group(proc)
     from slimeflow.cluster import cpu_threads
@@ -147,7 +152,7 @@ def run_slimeflow(args, hf: str, train: str, held_out: str, workdir: Path, confi
     return result
 
 
-def tail_rollouts(args, proc: subprocess.Popen, log: Path, started: float) -> SideResult:
+def tail_rollouts(args, proc: subprocess.Popen, log: Path, started: float, eval_key: str = EVAL_KEY) -> SideResult:
     """Read rollouts.jsonl as it grows; the loop clock starts when the eval before training lands."""
     result, seen, loop_start, phases = None, 0, None, {}
     while True:
@@ -156,13 +161,14 @@ def tail_rollouts(args, proc: subprocess.Popen, log: Path, started: float) -> Si
         now = time.perf_counter()
         for line in lines[seen:]:
             record = json.loads(line)
-            if EVAL_KEY in record and loop_start is None:
+            if eval_key in record and loop_start is None:
                 loop_start = now
-                result = SideResult("slimeflow", startup_s=now - started, evals=[(0, record[EVAL_KEY])])
-            elif EVAL_KEY in record:
-                result.evals.append((record["step"], record[EVAL_KEY]))
-                if result.target_step is None and record[EVAL_KEY] >= args.target:
+                result = SideResult("slimeflow", startup_s=now - started, evals=[(0, record[eval_key])])
+            elif eval_key in record:
+                result.evals.append((record["step"], record[eval_key]))
+                if result.target_step is None and record[eval_key] >= args.target:
                     result.target_step, result.target_s = record["step"], now - loop_start
+                    result.target_cpu_s = tree_cpu_seconds(proc.pid)
             else:
                 result.steps = record["step"] + 1
                 result.eval_s += record.get("time/eval", 0.0)
@@ -184,6 +190,24 @@ def tail_rollouts(args, proc: subprocess.Popen, log: Path, started: float) -> Si
         time.sleep(0.1)
     result.notes += phase_notes(phases, result.loop_s)
     return result
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of `root` and its live descendants, their reaped children's included."""
+    tick, stats = os.sysconf("SC_CLK_TCK"), {}
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            text = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue  # ended while listed
+        fields = text[text.rindex(")") + 2:].split()
+        stats[int(name)] = (int(fields[1]), sum(int(x) for x in fields[11:15]) / tick)  # ppid; utime..cstime
+    total, frontier = 0.0, [root]
+    while frontier:
+        pid = frontier.pop()
+        total += stats.get(pid, (0, 0.0))[1]
+        frontier += [child for child, (parent, _) in stats.items() if parent == pid]
+    return total
 
 
 def phase_notes(phases: dict[str, list[float]], loop_s: float) -> list[str]:
