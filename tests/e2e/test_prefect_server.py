@@ -842,7 +842,8 @@ def _workers_paused(services: Services) -> Iterator[None]:
     The form's run needs no worker: it is cancelled before they poll again."""
     workers = [p for p in services.started if p.poll() is None and "worker" in p.args]
     for worker in workers:
-        os.killpg(worker.pid, signal.SIGSTOP)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, signal.SIGSTOP)
     try:
         yield
     finally:
