@@ -10,7 +10,7 @@ import pytest
 from conftest import S3_KEY, S3_SECRET
 
 from slimeflow.config.pipeline import load_pipeline_config
-from slimeflow.errors import ConfigError
+from slimeflow.errors import ConfigError, StorageError
 from slimeflow.io.storage import S3Config, Storage
 
 
@@ -35,13 +35,13 @@ def _stored_parameters() -> list[str]:
 def test_pipeline_reaches_s3_with_keys_from_a_secret_block_never_its_parameters(
         prefect_harness, monkeypatch, tmp_path, mlflow_uri, s3_bucket, s3_config):
     """The keys from the Secret block the config names; from the worker's environment: tests/e2e/test_prefect_server.py."""
-    from botocore.exceptions import NoCredentialsError
     from prefect.blocks.system import Secret
 
     from slimeflow.flows.runner import run_pipeline
 
     _no_keys_in_this_process(monkeypatch, tmp_path)
-    with pytest.raises(NoCredentialsError):  # the premise: without the block's keys, nothing reaches the store
+    # The premise: without the block's keys, nothing reaches the store.
+    with pytest.raises(StorageError, match="no S3 credentials found"):
         Storage(S3Config(endpoint_url=s3_config.endpoint_url)).write_text(f"{s3_bucket}/probe", "x")
     Secret(value={"access_key_id": S3_KEY, "secret_access_key": S3_SECRET}).save("s3-test", overwrite=True)
     infra = {"mlflow_tracking_uri": mlflow_uri, "s3_endpoint_url": s3_config.endpoint_url, "s3_region": "us-east-1",
