@@ -127,3 +127,36 @@ def test_cuda_tensors_travel_as_ipc_handles_named_by_device_uuid(tmp_path):
     for reader in ("sglang", "engine"):
         assert all(torch.equal(out["flattened", reader][n], t.cpu()) for n, t in sent.items()), reader
     del kept
+
+
+def test_a_shared_memory_manager_slow_to_answer_is_asked_again(monkeypatch):
+    """libshm gives the sender's torch_shm_manager one second to answer; on a busy machine it missed it. Opening the
+    same handle again is safe (the failure allocates nothing), so the engine tries MANAGER_TRIES times, and only for
+    that error."""
+    calls = []
+
+    def rebuild(*args):
+        calls.append(args)
+        if len(calls) < 3:
+            raise RuntimeError("Shared memory manager connection has timed out\nException raised from recv at ...")
+        return torch.UntypedStorage(4)
+
+    monkeypatch.setattr(tensor_ipc.reductions, "rebuild_storage_filename", rebuild)
+    assert tensor_ipc.rebuild_storage_filename_patiently("cls", "manager", "handle", 4).size() == 4
+    assert len(calls) == 3 and calls[0] == ("cls", "manager", "handle", 4)
+
+    calls.clear()
+    monkeypatch.setattr(tensor_ipc, "MANAGER_TRIES", 2)
+    with pytest.raises(RuntimeError, match="timed out"):
+        tensor_ipc.rebuild_storage_filename_patiently("cls", "manager", "handle", 4)
+    assert len(calls) == 2
+
+    def missing(*args):
+        calls.append(args)
+        raise RuntimeError("unable to open shared memory object </torch_1_2> in read-write mode")
+
+    calls.clear()
+    monkeypatch.setattr(tensor_ipc.reductions, "rebuild_storage_filename", missing)
+    with pytest.raises(RuntimeError, match="unable to open"):  # any other error stands at once
+        tensor_ipc.rebuild_storage_filename_patiently("cls", "manager", "handle", 4)
+    assert len(calls) == 1
