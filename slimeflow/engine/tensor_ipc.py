@@ -24,10 +24,10 @@ import binascii
 import importlib
 import io
 import pickle
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.multiprocessing.reductions as reductions
@@ -42,6 +42,7 @@ _SGLANG_CUDA_REBUILD = ("sglang.srt.utils.patch_torch", "sglang.srt.patch_torch"
 _ALIGN = 16
 _DEVICE_ARG = 6
 """The position of the device index in the arguments of torch's rebuild_cuda_tensor."""
+T = TypeVar("T")
 
 
 @dataclass
@@ -81,6 +82,24 @@ def metadata_class() -> type:
 # --- the sender's side ---------------------------------------------------------------------------------------------
 
 
+MANAGER_TRIES = 5
+"""How often a call into torch's shared memory manager is made before its error stands: libshm gives the
+torch_shm_manager one second to answer (a poll in its socket's recv), which a busy machine missed (load 15-24,
+three times in the suite: on the sender's side moving a buffer into /dev/shm, and on the engine's opening it)."""
+
+
+def patiently(call: Callable[..., T], *args: Any) -> T:
+    """`call(*args)`, made again when the shared memory manager did not answer within libshm's second: that failure
+    happens while connecting, before anything is allocated or moved, so the same call is safe to repeat."""
+    for attempt in range(1, MANAGER_TRIES + 1):
+        try:
+            return call(*args)
+        except RuntimeError as err:
+            if "Shared memory manager connection has timed out" not in str(err) or attempt == MANAGER_TRIES:
+                raise
+    raise AssertionError("unreachable")
+
+
 def _reduce_cpu_storage(storage: torch.UntypedStorage) -> tuple:
     """torch's file_system reduction of a CPU storage, for this pickler only: it moves the storage into a /dev/shm
     file (hence senders pass fresh buffers, never live weights) and keeps it alive for the receiver."""
@@ -88,7 +107,7 @@ def _reduce_cpu_storage(storage: torch.UntypedStorage) -> tuple:
         return reductions.reduce_storage(storage)  # raises torch's own message
     if storage.size() == 0:
         return reductions.rebuild_storage_empty, (type(storage),)
-    metadata = storage._share_filename_cpu_()
+    metadata = patiently(storage._share_filename_cpu_)
     storage._shared_incref()  # the receiver's rebuild gives it back
     reductions.shared_cache[metadata[1]] = reductions.StorageWeakRef(storage)
     return (reductions.rebuild_storage_filename, (type(storage), *metadata))
@@ -134,7 +153,7 @@ class SendBuffer:
         if self.buffer is None or self.buffer.numel() < nbytes:
             self.buffer = None  # the old one goes before the new one is allocated
             fresh = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-            fresh.untyped_storage()._share_filename_cpu_()  # into /dev/shm once; serialize then only names it
+            patiently(fresh.untyped_storage()._share_filename_cpu_)  # into /dev/shm once; then only named
             self.buffer = fresh
         return self.buffer[:nbytes]
 
@@ -196,21 +215,9 @@ def rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
     return reductions.rebuild_cuda_tensor(*args)
 
 
-MANAGER_TRIES = 5
-"""How often a /dev/shm handle is opened before its error stands: libshm gives the sender's torch_shm_manager one
-second to answer (a poll in its socket's recv), which a busy machine missed (load 15-24, twice in the suite)."""
-
-
 def rebuild_storage_filename_patiently(*args: Any) -> torch.UntypedStorage:
-    """torch's rebuild_storage_filename, tried again when the shared memory manager did not answer within libshm's
-    second: that failure allocates nothing, so opening the same handle again is safe."""
-    for attempt in range(1, MANAGER_TRIES + 1):
-        try:
-            return reductions.rebuild_storage_filename(*args)
-        except RuntimeError as err:
-            if "Shared memory manager connection has timed out" not in str(err) or attempt == MANAGER_TRIES:
-                raise
-    raise AssertionError("unreachable")
+    """torch's rebuild_storage_filename, asked again when the sender's shared memory manager is slow (patiently)."""
+    return patiently(reductions.rebuild_storage_filename, *args)
 
 
 _ALLOWED = {

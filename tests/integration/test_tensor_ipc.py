@@ -130,25 +130,39 @@ def test_cuda_tensors_travel_as_ipc_handles_named_by_device_uuid(tmp_path):
 
 
 def test_a_shared_memory_manager_slow_to_answer_is_asked_again(monkeypatch):
-    """libshm gives the sender's torch_shm_manager one second to answer; on a busy machine it missed it. Opening the
-    same handle again is safe (the failure allocates nothing), so the engine tries MANAGER_TRIES times, and only for
-    that error."""
+    """libshm gives the torch_shm_manager one second to answer; on a busy machine it missed it, on the sender's side
+    (moving a buffer into /dev/shm) and on the engine's (opening it). The failure comes before anything is allocated,
+    so both sides make the same call again, MANAGER_TRIES times, and only for that error."""
+    # The sender's side goes through it: a body is made even when the manager misses its first answer.
+    real, failures = torch.UntypedStorage._share_filename_cpu_, []
+
+    def slow_once(storage):
+        if not failures:
+            failures.append(storage)
+            raise RuntimeError("Shared memory manager connection has timed out")
+        return real(storage)
+
+    monkeypatch.setattr(torch.UntypedStorage, "_share_filename_cpu_", slow_once)
+    body, _ = tensor_ipc.update_body({"w": torch.ones(4)})
+    assert failures and body["serialized_named_tensors"]
+    monkeypatch.undo()
+
     calls = []
 
-    def rebuild(*args):
+    def slow_twice(*args):
         calls.append(args)
         if len(calls) < 3:
             raise RuntimeError("Shared memory manager connection has timed out\nException raised from recv at ...")
         return torch.UntypedStorage(4)
 
-    monkeypatch.setattr(tensor_ipc.reductions, "rebuild_storage_filename", rebuild)
+    monkeypatch.setattr(tensor_ipc.reductions, "rebuild_storage_filename", slow_twice)
     assert tensor_ipc.rebuild_storage_filename_patiently("cls", "manager", "handle", 4).size() == 4
     assert len(calls) == 3 and calls[0] == ("cls", "manager", "handle", 4)
 
     calls.clear()
     monkeypatch.setattr(tensor_ipc, "MANAGER_TRIES", 2)
     with pytest.raises(RuntimeError, match="timed out"):
-        tensor_ipc.rebuild_storage_filename_patiently("cls", "manager", "handle", 4)
+        tensor_ipc.patiently(slow_twice, "x")
     assert len(calls) == 2
 
     def missing(*args):
@@ -156,7 +170,6 @@ def test_a_shared_memory_manager_slow_to_answer_is_asked_again(monkeypatch):
         raise RuntimeError("unable to open shared memory object </torch_1_2> in read-write mode")
 
     calls.clear()
-    monkeypatch.setattr(tensor_ipc.reductions, "rebuild_storage_filename", missing)
     with pytest.raises(RuntimeError, match="unable to open"):  # any other error stands at once
-        tensor_ipc.rebuild_storage_filename_patiently("cls", "manager", "handle", 4)
+        tensor_ipc.patiently(missing, "x")
     assert len(calls) == 1
