@@ -305,7 +305,8 @@ class HeldOutCallback(TrainerCallback):
         self.result: SideResult | None = None
         self.loop_start = 0.0
 
-    def accuracy(self, model) -> float:
+    def greedy(self, model, max_new_tokens: int, **generate_kwargs):
+        """The new tokens of greedy `model.generate` over the held-out prompts, left-padded into one batch."""
         import torch
 
         pad = self.tokenizer.pad_token_id
@@ -315,10 +316,13 @@ class HeldOutCallback(TrainerCallback):
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=1,
-                                 pad_token_id=pad)
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                                 pad_token_id=pad, **generate_kwargs)
         model.train(was_training)
-        texts = self.tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+        return out[:, width:]
+
+    def accuracy(self, model) -> float:
+        texts = self.tokenizer.batch_decode(self.greedy(model, 1), skip_special_tokens=True)
         return sum(prefix_match(texts, self.labels)) / len(self.labels)
 
     def on_train_begin(self, args, state, control, model=None, **_):

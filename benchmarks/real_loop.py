@@ -191,20 +191,9 @@ class ChatHeldOutCallback(HeldOutCallback):
         self.loop_start = 0.0
 
     def accuracy(self, model) -> float:
-        import torch
-
-        pad = self.tokenizer.pad_token_id
-        width = max(map(len, self.prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in self.prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in self.prompts])
-        was_training = model.training
-        model.eval()
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
-                                 eos_token_id=sorted(self.eos), pad_token_id=pad)
-        model.train(was_training)
         right = 0
-        for row, label in zip(out[:, width:].tolist(), self.labels, strict=True):
+        replies = self.greedy(model, 12, eos_token_id=sorted(self.eos))
+        for row, label in zip(replies.tolist(), self.labels, strict=True):
             ends = [i for i, t in enumerate(row) if t in self.eos]
             reply = row[: ends[0]] if ends else row
             right += score(self.tokenizer.decode(reply, skip_special_tokens=True), label, bool(ends))
