@@ -6,6 +6,10 @@ placement_group), each TrainActor pinned to its bundle, and the engines Ray acto
 RolloutManager. On a CPU the actors ask Ray for no CPU (they alternate, and torch's threads are set explicitly, see
 `cpu_threads`) and the RolloutManager starts the embedded engines itself. With --async the two compute at once, so
 on a CPU the cores are split between the trainer ranks and the engines.
+
+A synchronous run on a CPU (no --async, no --use-fault-tolerance) hosts the RolloutManager in trainer rank 0's
+process (`rank_zero_class`): the two take turns anyway, and each Ray actor process pays 5-7 CPU s of imports
+(torch, transformers) before its first call, which a 2-core machine feels on every run.
 """
 
 from __future__ import annotations
@@ -227,10 +231,58 @@ class Placement:
             self.rollout_manager.shutdown()
         except LoopError:
             pass  # the actor is already gone; nothing left to stop
-        for actor in [self.rollout_manager.actor, *self.actor_group.actors]:
-            ray.kill(actor)
+        _kill([self.rollout_manager.actor, *self.actor_group.actors])
         if self.group is not None:
             self.group.remove()
+
+
+class Facet:
+    """One role (the RolloutManager's or trainer rank 0's) of the actor that hosts both (`rank_zero_class`): its
+    methods are the host's with the role's prefix, so `facet.generate.remote(...)` is `host.manager_generate`."""
+
+    def __init__(self, host: Any, prefix: str):
+        self.host, self.prefix = host, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.host, name if name.startswith("__") else self.prefix + name)
+
+
+def rank_zero_class(manager_cls: type, trainer_cls: type) -> type:
+    """An actor class hosting a RolloutManager (`manager_cls`) and trainer rank 0 (`trainer_cls`) in one process,
+    both already `hosted`: each keeps its own start failure, and each method raises what the role's own would.
+    The manager is built first (its engines load while it sets up), then the trainer."""
+
+    def __init__(self: Any, manager_args: tuple, trainer_args: tuple) -> None:
+        self.manager = manager_cls(*manager_args)
+        self.trainer = trainer_cls(*trainer_args)
+
+    def delegate(role: str, name: str) -> Callable[..., Any]:
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return getattr(getattr(self, role), name)(*args, **kwargs)
+
+        method.__name__ = method.__qualname__ = f"{role}_{name}"
+        return method
+
+    methods: dict[str, Any] = {"__init__": __init__, "__module__": __name__,
+                               "__doc__": f"{manager_cls.__name__} and {trainer_cls.__name__} rank 0 in one process."}
+    for role, cls in (("manager", manager_cls), ("trainer", trainer_cls)):
+        for name, member in vars(cls).items():
+            if callable(member) and not name.startswith("_"):
+                methods[f"{role}_{name}"] = delegate(role, name)
+    return type("RankZero", (), methods)
+
+
+def shares_rank_zero(config: TrainConfig, on_gpus: bool, ranks: int) -> bool:
+    """Whether the RolloutManager runs in trainer rank 0's process: on a CPU, with a trainer, when the two never
+    compute at once (no --async) and the manager never calls the trainer (--use-fault-tolerance pushes weights to a
+    restarted engine from inside a rollout)."""
+    return (not on_gpus and ranks > 0 and not config.placement.async_
+            and not config.fault_tolerance.use_fault_tolerance)
+
+
+def _kill(actors: list[Any]) -> None:
+    for handle in dict.fromkeys(a.host if isinstance(a, Facet) else a for a in actors):
+        ray.kill(handle)
 
 
 def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int, scratch: Path,
@@ -260,13 +312,23 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
     # Some backends need a process group even for one rank (megatron-core keeps its parallel state in them).
     needs_world = world > 1 or backend_spec(config.placement.train_backend).always_distributed
     init_method = (scratch / f"dist-{uuid.uuid4().hex[:8]}").resolve().as_uri() if needs_world else ""
-    manager = ray.remote(num_cpus=0)(hosted(rollout_manager_class(config))).remote(config, setup)
     ranks = 0 if config.debug.debug_rollout_only else world
+    manager_cls = hosted(rollout_manager_class(config))
+    trainer_cls = hosted(TrainActor) if ranks else TrainActor
     pinned = group.trainer_options if group else (lambda rank: {"num_cpus": 0, "num_gpus": 0})
-    actors = [ray.remote(hosted(TrainActor)).options(**pinned(rank)).remote(
-        config, setup.hf_checkpoint, rank, world, init_method, total_steps, threads, run_token,
-        str(scratch / "offload"))
-        for rank in range(ranks)]
+
+    def trainer_args(rank: int) -> tuple:
+        return (config, setup.hf_checkpoint, rank, world, init_method, total_steps, threads, run_token,
+                str(scratch / "offload"))
+
+    if shares_rank_zero(config, group is not None, ranks):
+        host: Any = ray.remote(rank_zero_class(manager_cls, trainer_cls)).options(**pinned(0)).remote(
+            (config, setup), trainer_args(0))
+        manager, first = Facet(host, "manager_"), [Facet(host, "trainer_")]
+    else:
+        manager, first = ray.remote(num_cpus=0)(manager_cls).remote(config, setup), []
+    actors = [*first, *(ray.remote(trainer_cls).options(**pinned(rank)).remote(*trainer_args(rank))
+                        for rank in range(len(first), ranks))]
     try:
         targets = call(manager.weight_targets.remote(), "starting the rollout manager (engines)")
         if actors and targets is not None:
@@ -275,8 +337,7 @@ def create_placement(config: TrainConfig, setup: RolloutSetup, total_steps: int,
             if config.fault_tolerance.use_fault_tolerance:  # a restarted engine gets the trainer's weights
                 call(manager.connect_trainer.remote(actors[0]), "connecting the rollout manager to the trainer")
     except LoopError:
-        for actor in [manager, *actors]:
-            ray.kill(actor)
+        _kill([manager, *actors])
         if group is not None:
             group.remove()
         raise
