@@ -21,7 +21,7 @@
 
 #define BLOCK_BYTES 4096 /* checked as a whole; the first non-finite element is then looked for in its block */
 
-/* Index of the first non-finite element of src[0:count] (words of `bits` bits), or -1. */
+/* Index of the first non-finite element of src[0:count] (elements of `type`), or -1. */
 #define FIRST_BAD(type, src, count, mask)                                    \
     do {                                                                      \
         const type *_s = (const type *)(src);                                 \
@@ -92,7 +92,7 @@ typedef __m128i vec;
 
 /* Copy count elements of itemsize bytes (2, 4 or 8) from src to dst, which must not overlap; returns the index of
  * the first element whose exponent bits are all set (NaN or Inf), or -1 when there is none. On a non-finite element
- * the copy stops within its block: the caller refuses the whole tensor anyway. Returns -2 for an itemsize it does
+ * the copy may stop after the block that holds it: the caller refuses the whole tensor anyway. Returns -2 for an itemsize it does
  * not take. */
 int64_t slimeflow_copy_finite(void *dst, const void *src, int64_t count, int64_t itemsize, uint64_t mask) {
     if (itemsize != 2 && itemsize != 4 && itemsize != 8) return -2;
