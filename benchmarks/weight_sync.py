@@ -6,11 +6,12 @@
 One engine process serves a random Llama-style model (float32; its size is printed), or with `--model` a real one
 (a GGUF source is dequantized once into `--cache-dir`, as save_bench.py does; SmolLM2-135M is 538 MB in float32). For each transport the
 trainer side uses ("tensor": safetensors bodies over HTTP; "shared_memory": what --colocate uses, the trainer
-writes the tensors once into a /dev/shm segment that the engine checks and then serves from; "distributed":
+writes the tensors once into a /dev/shm segment, checking them for NaN/Inf as it copies, and the engine serves from
+it; "distributed":
 broadcast in a gloo group; "ipc": what colocated SGLang servers take, SGLang's /update_weights_from_tensor body of
 flattened buckets shared through /dev/shm handles, which the engine maps and copies from), a `WeightSync` pushes the whole model `--repeats` times in buckets of `--buffer-mb`;
-every push is timed from the call to the answer of the engine that has applied it (the engine checks for NaN/Inf,
-and for the HTTP and gloo paths parses or receives the tensors and copies them into its parameters). The baseline is `Tensor.copy_` of the same tensors into preallocated ones in this process (one
+every push is timed from the call to the answer of the engine that has applied it (for the HTTP and gloo paths the
+engine parses or receives the tensors, checks them for NaN/Inf and copies them into its parameters). The baseline is `Tensor.copy_` of the same tensors into preallocated ones in this process (one
 memcpy, the least any update must do), timed just before each push, so that each pair sees the same load; the
 figure is the median of the pairs' ratios (push bytes/s over memcpy bytes/s; goal >= 0.5x), with their spread
 (min-max) and the load average before and after. The same ratio of CPU seconds (the trainer's process and every

@@ -275,13 +275,14 @@ class Batcher:
         return self._call(run)
 
     def update_weights(self, update: dict[str, torch.Tensor], weight_version: str | None,
-                       adopt: bool = False) -> Future:
+                       adopt: bool = False, checked_finite: bool = False) -> Future:
         """Check checkpoint-named tensors and put them into the model between steps, aborting running sequences
         first. The pieces of a fused tensor (a MoE layer's experts) wait until the update that completes it.
 
         Resolves to the number of aborted sequences, or fails with BadRequestError (nothing changed) when a
         name or shape does not match the model or a value is NaN or Inf. `weight_version` None keeps the current version string. `adopt`:
         parameters become views of the tensors where dtypes match (a trainer's shared segment: weights.apply_update).
+        `checked_finite`: the sender checked every value already (a trainer's segment marked so): no NaN/Inf pass.
         """
 
         def run() -> int:
@@ -292,7 +293,8 @@ class Batcher:
             ready, held = self._names.convert(update, weight_version)
             if ready:
                 check_update(self._loaded.model.state_dict(), ready)
-            check_finite(update, self._weight_version)  # here, not on another thread: one wake-up per update
+            if not checked_finite:
+                check_finite(update, self._weight_version)  # here, not on another thread: one wake-up per update
             self._names.hold(held, weight_version)
             aborted = self._abort(lambda seq: seq in self._running) if ready else 0
             self._borrowed = apply_update(self._loaded.model, ready, self._borrowed, adopt)

@@ -107,30 +107,37 @@ def load_decode_attention() -> DecodeAttention | None:
 
 
 def _build() -> Path:
+    return build_library(SOURCE, FLAGS, OPTIONAL_FLAGS)
+
+
+def build_library(path: Path, flags: tuple[str, ...], optional_flags: tuple[tuple[str, ...], ...]) -> Path:
+    """The shared library of the C file `path`, built once per machine into `cache_dir()` (STEM-HASH.so) with
+    `flags` and the first of `optional_flags` that builds; RuntimeError naming what the compiler said when none
+    does, or when there is no compiler."""
     compiler = find_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler on PATH (cc, gcc or clang; or set CC)")
-    source = SOURCE.read_bytes()
-    identity = hashlib.sha256(b"\0".join([source, repr((FLAGS, OPTIONAL_FLAGS)).encode(),
+    source = path.read_bytes()
+    identity = hashlib.sha256(b"\0".join([source, repr((flags, optional_flags)).encode(),
                                           _compiler_version(compiler), _cpu_identity()])).hexdigest()[:20]
-    target = cache_dir() / f"decode_attention-{identity}.so"
+    target = cache_dir() / f"{path.stem}-{identity}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     errors = []
-    for extra in OPTIONAL_FLAGS:
+    for extra in optional_flags:
         # Built beside the target under a temporary name, then renamed: engines starting together each build and
         # the last rename wins; none ever loads a half-written library.
         with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
             staging = Path(tmp.name)
-        result = subprocess.run([compiler, *FLAGS, *extra, "-o", str(staging), str(SOURCE), "-lm"],
+        result = subprocess.run([compiler, *flags, *extra, "-o", str(staging), str(path), "-lm"],
                                 capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         if result.returncode == 0:
             os.replace(staging, target)
             return target
         staging.unlink(missing_ok=True)
         errors.append(f"{' '.join(extra) or 'no optional flags'}: {result.stderr.strip()[-500:]}")
-    raise RuntimeError(f"{compiler} could not build {SOURCE.name}: " + " | ".join(errors))
+    raise RuntimeError(f"{compiler} could not build {path.name}: " + " | ".join(errors))
 
 
 def _compiler_version(compiler: str) -> bytes:

@@ -41,7 +41,7 @@ from slimeflow.engine.control import add_control_routes
 from slimeflow.engine.guard import API_KEY_ENV, BodyTooLargeError, Guard
 from slimeflow.engine.protocol import PromptLimits, parse_generate, to_response
 from slimeflow.engine.sampling import BadRequestError, SamplingParams
-from slimeflow.engine.shared_segment import LOAD_FORMAT, read_segment
+from slimeflow.engine.shared_segment import LOAD_FORMAT, SegmentUpdate, read_segment
 from slimeflow.engine.weights import (
     ForbiddenError,
     LoadedModel,
@@ -195,12 +195,15 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request, weight_version: str | None = None):
-        shared = request.headers.get("content-type", "").startswith("application/json")
-        if shared:
+        shared = finite = False
+        if request.headers.get("content-type", "").startswith("application/json"):
             body = await _json(request)
-            tensors = await asyncio.to_thread(_json_tensors, body, state)
+            if body.get("load_format") == LOAD_FORMAT:
+                segment = await asyncio.to_thread(_segment_update, body, state)
+                tensors, shared, finite = segment.tensors, True, segment.finite
+            else:
+                tensors = await asyncio.to_thread(tensor_ipc.named_tensors, body, tp_rank=0)
             weight_version = body.get("weight_version", weight_version)
-            shared = body.get("load_format") == LOAD_FORMAT
         else:
             payload = await request.body()
             try:
@@ -210,7 +213,9 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
                     f"the body is not safetensors bytes ({err}); send safetensors.torch.save(named_tensors)"
                 ) from None
         # The trainer never writes the slot of a segment an engine serves from (shared_segment.py): serve from it.
-        aborted = await asyncio.wrap_future(state.batcher.update_weights(tensors, weight_version, adopt=shared))
+        # It checked every value of a segment it marks finite as it wrote it: no second read of the bytes here.
+        aborted = await asyncio.wrap_future(state.batcher.update_weights(tensors, weight_version, adopt=shared,
+                                                                         checked_finite=finite))
         return {"success": True, "message": f"updated {len(tensors)} tensors; aborted {aborted} running requests"}
 
     @app.get("/get_weights_snapshot")
@@ -242,12 +247,10 @@ def _add_weight_routes(app: FastAPI, state: EngineState) -> None:
                 **state.batcher.load()}
 
 
-def _json_tensors(body: dict, state: EngineState) -> dict[str, torch.Tensor]:
-    """SGLang's JSON form: its own (tensor_ipc.py: handles to the sender's memory, load_format null or
-    "flattened_bucket"; this engine is TP rank 0) or slimeflow's /dev/shm segment (shared_segment.py)."""
+def _segment_update(body: dict, state: EngineState) -> SegmentUpdate:
+    """The JSON form with slimeflow's /dev/shm segment (shared_segment.py); SGLang's own (tensor_ipc.py: handles
+    to the sender's memory, load_format null or "flattened_bucket"; this engine is TP rank 0) is read apart."""
     entries = body.get("serialized_named_tensors")
-    if body.get("load_format") != LOAD_FORMAT:
-        return tensor_ipc.named_tensors(body, tp_rank=0)
     if not (isinstance(entries, list) and len(entries) == 1 and isinstance(entries[0], str)):
         raise BadRequestError(f"load_format {LOAD_FORMAT!r} takes one segment description in serialized_named_tensors")
     return read_segment(entries[0], state.segments)

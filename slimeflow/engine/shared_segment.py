@@ -3,9 +3,13 @@ handles SGLang's /update_weights_from_tensor takes from colocated trainers.
 
 The trainer writes each tensor of a weight version once into a file under /dev/shm (`SegmentWriter`) and sends
 each bucket's description as the one entry of SGLang's `serialized_named_tensors`, with `load_format`
-LOAD_FORMAT; the engine maps the file (`read_segment`), checks the tensors and makes its parameters views of them:
-no serialisation, no socket, no copy on the engine's side. The description is JSON (never a pickle): {"path",
-"size", "tensors": [[name, dtype, shape, offset], ...]}.
+LOAD_FORMAT; the engine maps the file (`read_segment`), checks the names and shapes and makes its parameters views
+of them: no serialisation, no socket, no copy on the engine's side. The description is JSON (never a pickle):
+{"path", "size", "tensors": [[name, dtype, shape, offset], ...], "finite": true}.
+
+The trainer checks that every value is finite while it copies it in (finite_copy.py: one pass over the bytes) and
+refuses a version that holds NaN or Inf, naming the tensors, before any engine sees it; "finite": true tells the
+engine that this check was made, so it does not read every byte again (a description without it is checked there).
 
 Because engines serve from the segment, the trainer keeps two (slots) and writes a version into the one no engine
 serves from: version k goes to slot k % 2 only once every engine has taken version k - 1 from the other slot
@@ -23,11 +27,13 @@ import os
 import shutil
 import uuid
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from slimeflow.engine.finite_copy import copy_checked
 from slimeflow.engine.sampling import BadRequestError
 from slimeflow.engine.weight_group import parse_dtype
 
@@ -37,6 +43,19 @@ LOAD_FORMAT = "slimeflow_shared_memory"
 MAPPINGS_KEPT = 2
 """Segments an engine keeps mapped: the trainer's two slots."""
 _ALIGN = 64
+
+
+class NonFiniteWeightsError(ValueError):
+    """A weight version holds NaN or Inf values: refused by the trainer before any engine read it."""
+
+
+@dataclass(frozen=True)
+class SegmentUpdate:
+    """The tensors a description names, as views of the mapped segment, and whether the trainer checked that
+    every value is finite (then the engine need not)."""
+
+    tensors: dict[str, torch.Tensor]
+    finite: bool
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -94,22 +113,33 @@ class SegmentWriter:
             self.slots[target] = _Segment(size)
         self._writing, self._offset = target, 0
 
-    def write(self, part: dict[str, torch.Tensor]) -> str:
-        """Copy `part` into the slot after the buckets written before it; its description, for the engine."""
+    def write(self, part: dict[str, torch.Tensor], version: str | None = None) -> str:
+        """Copy `part` into the slot after the buckets written before it, checking every value; its description,
+        for the engine. NonFiniteWeightsError (naming the tensors and `version`) when any holds NaN or Inf."""
         if self._writing is None:
             raise RuntimeError("SegmentWriter.write before begin: start each version with begin(all its tensors)")
         segment = self.slots[self._writing]
         assert segment is not None
-        entries = []
+        entries, bad = [], []
         for name, tensor in part.items():
             nbytes, start = _nbytes(tensor), self._offset
             if start + nbytes > segment.buffer.numel():
                 raise ValueError(f"bucket tensor {name} ({nbytes} bytes) does not fit the version begun: pass "
                                  "every tensor of the version to begin")
-            segment.buffer[start:start + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+            at = copy_checked(segment.buffer[start:start + nbytes].view(tensor.dtype).view(tensor.shape),
+                              tensor.detach())
+            if at is not None:
+                bad.append(f"{name} (element {at} of {tensor.numel()})")
             entries.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), start])
             self._offset = start + _aligned(nbytes)
-        return json.dumps({"path": str(segment.path), "size": segment.buffer.numel(), "tensors": entries})
+        if bad:
+            raise NonFiniteWeightsError(
+                f"weight version {version!r} refused before any engine read it: {len(bad)} of {len(part)} tensors "
+                f"hold NaN or Inf values, first at {', '.join(bad[:5])}; the engines keep serving the version they "
+                "had. The trainer's weights diverged: check its loss and grad norm (a lower --lr, --clip-grad) or "
+                "the checkpoint the weights came from")
+        return json.dumps({"path": str(segment.path), "size": segment.buffer.numel(), "tensors": entries,
+                           "finite": True})
 
     def mapped(self) -> None:
         """Every engine has mapped the slot being written: remove its name (the mappings, and the memory, stay)."""
@@ -143,13 +173,14 @@ def _unlink(path: Path) -> None:
         pass
 
 
-def read_segment(description: str, cache: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def read_segment(description: str, cache: dict[str, torch.Tensor]) -> SegmentUpdate:
     """The tensors a SegmentWriter described, as views of the mapped file (`cache`: mappings by path, in order of
     use, kept between updates; views outlive their mapping's entry); BadRequestError when the description is
     malformed or names another file."""
     try:
         spec = json.loads(description)
         path, size, entries = str(spec["path"]), int(spec["size"]), spec["tensors"]
+        finite = spec.get("finite") is True
     except (ValueError, KeyError, TypeError) as err:
         raise BadRequestError(f"{LOAD_FORMAT}: the description is not the trainer's segment JSON ({err})") from None
     buffer = cache.pop(path, None)
@@ -171,7 +202,7 @@ def read_segment(description: str, cache: dict[str, torch.Tensor]) -> dict[str, 
             tensors[str(name)] = buffer[int(offset):int(offset) + nbytes].view(kind).view([int(d) for d in shape])
     except (ValueError, TypeError, RuntimeError) as err:
         raise BadRequestError(f"{LOAD_FORMAT}: {err}") from None
-    return tensors
+    return SegmentUpdate(tensors, finite)
 
 
 def _map(path: str, size: int) -> torch.Tensor:

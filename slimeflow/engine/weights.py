@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from slimeflow.engine.finite_copy import all_finite
 from slimeflow.engine.sampling import BadRequestError
 from slimeflow.families.checkpoint_names import (
     CheckpointLayout,
@@ -159,19 +160,13 @@ def _inside(root: str, path: str | Path, what: str) -> Path:
 def check_finite(update: dict[str, torch.Tensor], serving: str) -> None:
     """Raise BadRequestError when a floating-point tensor of `update` holds NaN or Inf (`serving`: the version that
     keeps serving, for the message)."""
-    bad = [name for name, t in update.items() if t.is_floating_point() and not _finite(t)]
+    bad = [name for name, t in update.items() if t.is_floating_point() and not all_finite(t)]
     if bad:
         raise BadRequestError(
             f"weight update refused: {len(bad)} of {len(update)} tensors hold NaN or Inf values (e.g. {bad[:3]}); "
             f"the engine keeps serving weight version {serving!r}. The trainer's weights diverged: check its loss "
             "and grad norm (a lower --lr, --clip-grad) or the checkpoint the weights came from"
         )
-
-
-def _finite(tensor: torch.Tensor) -> bool:
-    # A sum is one read of the tensor and allocates nothing; it is finite whenever every element is (NaN and Inf
-    # propagate), so only a non-finite sum (or an overflow of large finite values) needs the exact elementwise test.
-    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def update_body_limit(model: PreTrainedModel) -> tuple[int, str]:

@@ -12,7 +12,8 @@ anyway, takes it in one request.
 
 Without --update-weight-transport, embedded engines whose Ray node is trainer rank 0's take the /dev/shm segment
 whether colocated or not (`default_transport`): the host is known from the node ids the engines were started on,
-never guessed from a URL. HTTP bodies cost ~30 passes over the bytes (safetensors in, parse, copy), the segment ~2.
+never guessed from a URL. HTTP bodies cost ~30 passes over the bytes (safetensors in, parse, copy), the segment one
+(the trainer's copy into it, which checks for NaN/Inf as it goes; shared_segment.py).
 """
 
 from __future__ import annotations
@@ -202,8 +203,9 @@ class WeightSync:
         return self.segment
 
     async def _send_shared(self, part: dict[str, Any], version: str) -> None:
-        """Write the bucket once into the shared segment's free slot; every engine serves from it after checking."""
-        body = {"serialized_named_tensors": [self.segment.write(part)], "load_format": LOAD_FORMAT,
+        """Write the bucket once into the shared segment's free slot, checking its values (NaN/Inf: refused here,
+        before any engine reads it); every engine serves from it after checking names and shapes."""
+        body = {"serialized_named_tensors": [self.segment.write(part, version)], "load_format": LOAD_FORMAT,
                 "weight_version": version, "flush_cache": False}
         await self._all("/update_weights_from_tensor", body)
         self.segment.mapped()

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from slimeflow.engine.client import EngineClient, EngineRequestError, EngineUnavailableError
 from slimeflow.engine.launch import new_api_key, start_engine
+from slimeflow.engine.shared_segment import NonFiniteWeightsError, SegmentWriter
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 from slimeflow.stages.train.engines import EngineDiedError, EngineSet, WeightTargets
 from slimeflow.stages.train.weight_sync import WeightSync, buckets
@@ -159,9 +160,10 @@ def test_bucketed_pushes_reach_the_engine_as_one_version(engine, reference, mode
 def test_shared_memory_pushes_serve_the_trainers_bytes_and_a_refused_one_keeps_the_old_version(engine, reference,
                                                                                               model_dir):
     """The engine serves from the trainer's segment (two slots, written in turn): every push arrives bit for bit,
-    a refused push leaves the served version untouched (though written into the other slot), and the next push
-    goes to fresh files; a version goes in one request whatever the bucket size, so it is refused whole; an HTTP
-    update afterwards gets storage of its own instead of writing into the segment."""
+    a push with NaN or Inf is refused by the trainer as it writes (naming the tensor) and leaves the served version
+    untouched (though written into the other slot), and the next push goes to fresh files; a version goes in one
+    request whatever the bucket size, so it is refused whole; an HTTP update afterwards gets storage of its own
+    instead of writing into the segment."""
     versions = {tag: shifted_weights(reference, seed) for tag, seed in (("a", 11), ("b", 12), ("d", 13))}
     bad = {**versions["a"], "model.norm.weight": torch.full_like(versions["a"]["model.norm.weight"], float("nan"))}
 
@@ -179,7 +181,7 @@ def test_shared_memory_pushes_serve_the_trainers_bytes_and_a_refused_one_keeps_t
             await sync.push(versions["b"], "shm-b")  # slot 1
             await served_equals(versions["b"], "shm-b")
             first_slot = sync.segment.slots[0]
-            with pytest.raises(EngineRequestError, match="keeps serving weight version 'shm-b'"):
+            with pytest.raises(NonFiniteWeightsError, match=r"version 'shm-c' refused .* model\.norm\.weight \("):
                 await sync.push(bad, "shm-c")  # written into slot 0 while the engine serves slot 1
             await served_equals(versions["b"], "shm-b")
             await sync.push(versions["d"], "shm-d")
@@ -187,7 +189,7 @@ def test_shared_memory_pushes_serve_the_trainers_bytes_and_a_refused_one_keeps_t
             await served_equals(versions["d"], "shm-d")
             sync.buffer_size = 4 * 2**20  # the segment holds the version whole: one request, refused whole
             last = {**versions["a"], "lm_head.weight": torch.full_like(versions["a"]["lm_head.weight"], float("inf"))}
-            with pytest.raises(EngineRequestError, match="keeps serving weight version 'shm-d'"):
+            with pytest.raises(NonFiniteWeightsError, match=r"1 of \d+ tensors .* lm_head\.weight \(element 0 of"):
                 await sync.push(last, "shm-e")
             assert not sync.paused
             await served_equals(versions["d"], "shm-d")
@@ -232,6 +234,26 @@ def test_shared_memory_updates_read_only_the_trainers_segment_files(engine, tmp_
         assert answer.status_code == 400 and words in answer.json()["message"]
     truncated = call(engine, "/update_weights_from_tensor", {"serialized_named_tensors": ["gASV"]})
     assert truncated.status_code == 400 and "entry does not decode" in truncated.json()["message"]
+
+
+def test_a_segment_not_marked_finite_by_the_trainer_is_checked_by_the_engine(engine, reference):
+    """Only a description with "finite": true (SegmentWriter's, written after its own check) skips the engine's
+    NaN/Inf pass: one without it, as an older trainer sends, is read and refused there."""
+    weights = {name: p.detach() for name, p in reference.named_parameters()}
+    writer = SegmentWriter()
+    try:
+        writer.begin(weights)
+        spec = json.loads(writer.write(weights, "unmarked"))
+        assert spec.pop("finite") is True
+        name, _, _, offset = next(entry for entry in spec["tensors"] if entry[0] == "model.norm.weight")
+        writer.buffer[offset:offset + 4].view(torch.float32)[0] = float("nan")  # after the trainer's check
+        answer = call(engine, "/update_weights_from_tensor", {"serialized_named_tensors": [json.dumps(spec)],
+                                                              "load_format": "slimeflow_shared_memory",
+                                                              "weight_version": "unmarked"})
+    finally:
+        writer.close()
+    assert answer.status_code == 400 and "hold NaN or Inf values (e.g. ['model.norm.weight'])" in answer.json()["message"]
+    assert greedy(engine)["meta_info"]["weight_version"] == "v0"
 
 
 def test_sglangs_tensor_body_from_this_process_serves_the_trainers_log_probs(engine, reference, model_dir):
