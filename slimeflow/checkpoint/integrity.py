@@ -123,8 +123,10 @@ def write_checksums(directory: Path, ledger: Ledger | None = None) -> list[Artif
     target = directory / CHECKSUMS
     target.parent.mkdir(parents=True, exist_ok=True)
     staged = target.with_name(f".{target.name}.tmp")
-    staged.write_text(json.dumps({"algorithm": "sha256", "files": [r.model_dump() for r in records]}, indent=1),
-                      encoding="utf-8")
+    with staged.open("wb") as file:  # fsynced, as the files it covers: the tracker may name it after a crash
+        file.write(json.dumps({"algorithm": "sha256", "files": [r.model_dump() for r in records]}, indent=1).encode())
+        file.flush()
+        os.fsync(file.fileno())
     os.replace(staged, target)
     return records
 

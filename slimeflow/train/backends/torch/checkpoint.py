@@ -129,9 +129,9 @@ def write_side_files(side: Path, training_state: dict[str, Any], rngs: list[Any]
     # The optimizer state is 2x the weights: its CRC32 cost more than its write. Write-behind: the disk writes it
     # out while torch.save is still writing, so the closing fsync finds little left to do.
     with without_crc32(), write_behind(side, TRAINING_STATE), ledger.open(side / TRAINING_STATE) as file:
-        torch.save(training_state, file)
+        torch.save(training_state, file)  # type: ignore[arg-type]  # torch calls only write, flush
     with ledger.open(side / RNG_STATE) as file:
-        torch.save({"ranks": [_portable_rng(rng) for rng in rngs]}, file)
+        torch.save({"ranks": [_portable_rng(rng) for rng in rngs]}, file)  # type: ignore[arg-type]
     with ledger.open(side / EXTRA_STATE) as file:
         file.write(extra_json.encode("utf-8"))
 
