@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import torch
 from slimeflow.checkpoint.diskspace import no_space_left, ran_out_of_space
 from slimeflow.checkpoint.hf_source import INDEX_FILE, inspect_hf_dir
 from slimeflow.checkpoint.hf_write import replace_dir
+from slimeflow.checkpoint.integrity import Ledger
 from slimeflow.checkpoint.launch import Launcher, launch
 from slimeflow.checkpoint.mapping import (
     ModelShape,
@@ -190,11 +193,15 @@ def convert_hf_to_torch_dist(source: HFSource, root: Path, processes: int = 1, m
 
 
 def stage_torch_dist(weights: Mapping[str, torch.Tensor], hf_dir: Path, root: Path, iteration: int,
-                     staging_name: str, make_vocab_size_divisible_by: int = 128) -> Path:
+                     staging_name: str, make_vocab_size_divisible_by: int = 128, ledger: Ledger | None = None,
+                     beside: Callable[[Path], object] | None = None) -> Path:
     """convert_hf_to_torch_dist for HF-named weights in this process's memory (a training backend's save): the same
     files, written by this process alone, with no HF file in between and no worker process (a fresh interpreter
     importing torch cost more than writing a 538 MB model). `hf_dir`: the model's HF directory (its config gives
-    the shape). Returns the staging directory `<root>/.<staging_name>.tmp-*`; the caller publishes it."""
+    the shape). Returns the staging directory `<root>/.<staging_name>.tmp-*`; the caller publishes it. `ledger`:
+    the data files are hashed as they are written (integrity.Ledger), for the caller's write_checksums.
+    `beside(staging)`: the caller's own files, written in a thread while the weights are (a failure of either
+    fails the staging)."""
     source = read_hf_source(hf_dir, make_vocab_size_divisible_by)
     missing = sorted(set(expected_hf_tensors(source.shape)) - set(weights))
     if missing:
@@ -204,13 +211,29 @@ def stage_torch_dist(weights: Mapping[str, torch.Tensor], hf_dir: Path, root: Pa
     remove_abandoned(root)
     with claimed_dir(root, staging_prefix(staging_name)) as staging:
         try:
-            save_torch_dist(share_tensors(weights, source.shape, assign_shares(source, 1)[0]), args, staging,
-                            iteration, collective=False)
+            with _alongside(beside, staging):
+                save_torch_dist(share_tensors(weights, source.shape, assign_shares(source, 1)[0]), args, staging,
+                                iteration, collective=False, ledger=ledger)
         except BaseException as err:
             shutil.rmtree(staging, ignore_errors=True)
             _raise_if_out_of_space(err, staging, sum(source.sizes.values()))
             raise
     return staging
+
+
+@contextmanager
+def _alongside(work: Callable[[Path], object] | None, staging: Path) -> Iterator[None]:
+    """Run `work(staging)` in a thread while the block runs; the block's error first, else `work`'s, is raised."""
+    if work is None:
+        yield
+        return
+    with ThreadPoolExecutor(1, thread_name_prefix="beside") as pool:
+        done = pool.submit(work, staging)
+        try:
+            yield
+        finally:
+            wait([done])
+        done.result()
 
 
 def write_torch_dist(source: HFSource, staging: Path, processes: int = 1, make_vocab_size_divisible_by: int = 128,

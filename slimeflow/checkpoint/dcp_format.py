@@ -24,9 +24,12 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
+
+if TYPE_CHECKING:  # integrity imports slimeflow.io: a conversion worker's start-up need not
+    from slimeflow.checkpoint.integrity import HashingFile, Ledger
 
 DCP_VERSION = "1.0.0"
 """torch.distributed.checkpoint.filesystem.CURRENT_DCP_VERSION, which torch's writer stamps on `.metadata`."""
@@ -72,9 +75,10 @@ Source = Callable[[torch.Tensor], "tuple[Path, int] | None"]
 """A tensor -> (file, offset) where its bytes lie as they are (a whole memory-mapped span of that file), or None."""
 
 
-def write_items(path: Path, items: list[TensorChunk | ByteItem | None], source: Source | None = None
-                ) -> list[Written]:
+def write_items(path: Path, items: list[TensorChunk | ByteItem | None], source: Source | None = None,
+                ledger: Ledger | None = None) -> list[Written]:
     """Write `items` into the data file `path` (created), as torch's FileSystemWriter does, and fsync it.
+    With `ledger` (and no `source`), the file is hashed while it is written (integrity.Ledger), for its checksum.
 
     A tensor whose bytes lie as they are in a file (`source`, worker.LazySafetensors.source) is copied from there
     by the kernel (copy_file_range): torch.save writes its record around a hole (skip_data), which the copy
@@ -84,32 +88,41 @@ def write_items(path: Path, items: list[TensorChunk | ByteItem | None], source: 
     Consumes `items`: each is dropped from the list once written, so that a tensor memory-mapped from an HF file
     is unmapped once it is in the checkpoint, if nothing else holds it (its pages count in this process's
     resident memory while they are mapped)."""
+    if ledger is not None and source is None:  # a copy into a hole (source) would bypass the hash
+        with ledger.open(path) as hashing:
+            return _write_items(hashing, path, items, None)
+    with open(path, "wb") as stream:
+        written = _write_items(stream, path, items, source)
+        stream.flush()
+        os.fsync(stream.fileno())
+    return written
+
+
+def _write_items(stream: BinaryIO | HashingFile, path: Path, items: list[TensorChunk | ByteItem | None],
+                 source: Source | None) -> list[Written]:
     written = []
     reader = None  # `path` to read back, opened once needed (opening `stream` "w+b" would not block on a FIFO)
     try:
-        with open(path, "wb") as stream:
-            for index, item in enumerate(items):
-                items[index] = None
-                start = stream.tell()
-                if isinstance(item, ByteItem):
-                    stream.write(item.data)
-                    written.append(Written(item.key, path.name, start, stream.tell() - start))
-                    continue
-                tensor = item.tensor
-                if not tensor.dim() == len(item.offsets) == len(item.size):
-                    raise ValueError(f"chunk of {item.key!r}: data {list(tensor.shape)} at {list(item.offsets)} has "
-                                     f"not the dimensions of its tensor, of size {list(item.size)}")
-                origin = source(tensor) if source is not None else None
-                if origin is None:
-                    torch.save(_own_storage(tensor), stream)
-                else:
-                    reader = reader if reader is not None else os.open(path, os.O_RDONLY)
-                    _save_around_hole(tensor, stream, reader, origin)
-                written.append(Written(item.key, path.name, start, stream.tell() - start, tuple(item.size),
-                                       tensor.dtype, tuple(item.offsets), tuple(tensor.shape)))
-                del item, tensor
-            stream.flush()
-            os.fsync(stream.fileno())
+        for index, item in enumerate(items):
+            items[index] = None
+            start = stream.tell()
+            if isinstance(item, ByteItem):
+                stream.write(item.data)
+                written.append(Written(item.key, path.name, start, stream.tell() - start))
+                continue
+            tensor = item.tensor
+            if not tensor.dim() == len(item.offsets) == len(item.size):
+                raise ValueError(f"chunk of {item.key!r}: data {list(tensor.shape)} at {list(item.offsets)} has "
+                                 f"not the dimensions of its tensor, of size {list(item.size)}")
+            origin = source(tensor) if source is not None else None
+            if origin is None:
+                torch.save(_own_storage(tensor), stream)  # type: ignore[arg-type]  # HashingFile: write and flush
+            else:
+                reader = reader if reader is not None else os.open(path, os.O_RDONLY)
+                _save_around_hole(tensor, stream, reader, origin)  # type: ignore[arg-type]  # never a HashingFile
+            written.append(Written(item.key, path.name, start, stream.tell() - start, tuple(item.size),
+                                   tensor.dtype, tuple(item.offsets), tuple(tensor.shape)))
+            del item, tensor
     finally:
         if reader is not None:
             os.close(reader)

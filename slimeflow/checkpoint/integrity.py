@@ -6,18 +6,23 @@ Megatron and slime ignore the file (it sits in our side folder). A checkpoint wi
 converted release/ or an older slimeflow save) is checked for structure only: every data file `.metadata` names
 exists and is long enough for the byte ranges it names; its contents are unverified, and the log says so.
 
-Cost: hashing reads every byte once, at save (right after the write, in the writer's process, while the pages are
-still cached) and again at load. sha256 runs at ~1-2 GB/s per core and the files are hashed in parallel, so a
-multi-GB checkpoint adds seconds to a save and a resume (the write and the read themselves take longer).
+Cost: a save's big files are hashed while they are written, from the bytes in memory (a Ledger of HashingFiles,
+the hash in a thread beside the write): no file is read back; files written without one are hashed from disk by
+write_checksums. A load reads every byte once more. sha256 runs at ~1-2 GB/s per core.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from slimeflow.config.base import replace
 from slimeflow.errors import CheckpointError
@@ -31,16 +36,97 @@ CHECKSUMS = "slimeflow/checksums.json"
 _HASH_THREADS = 4
 
 
-def write_checksums(directory: Path) -> list[ArtifactRecord]:
-    """Hash every file under `directory` (but the checksums file) into CHECKSUMS; call it once the directory is
-    written and before it is committed. Returns the records."""
+_CONCURRENT_HASH_BYTES = 1 << 20
+"""A write at least this big is hashed in a thread while it is written (hashlib and the write both release the GIL);
+a smaller one inline (a thread hand-off costs more than hashing it)."""
+
+
+class HashingFile:
+    """A binary file being written that hashes (sha256) what goes through it: `record` once it is complete.
+
+    Only for files written front to back through `write`: bytes put into the file any other way (a copy into a
+    hole, a seek back) are not hashed, and the record would be wrong."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self._file, self._hash, self._size = file, hashlib.sha256(), 0
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="sha256")
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        if view.nbytes < _CONCURRENT_HASH_BYTES:
+            self._hash.update(view)
+            self._file.write(view)
+        else:  # the view is valid only during this call: the hash finishes before it returns
+            hashed = self._hasher.submit(self._hash.update, view)
+            try:
+                self._file.write(view)
+            finally:
+                hashed.result()
+        self._size += view.nbytes
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def close(self) -> None:
+        self._hasher.shutdown()
+
+    @property
+    def record(self) -> ArtifactRecord:
+        """What has been written: its sha256 and size (the record's path is the caller's to set)."""
+        return ArtifactRecord(path="", sha256=self._hash.hexdigest(), size=self._size)
+
+
+class Ledger:
+    """The records of a save's files, hashed while they were written (HashingFile), for write_checksums: the
+    bytes are in memory then, so hashing them costs no read of the file. Shared by a save's writer threads."""
+
+    def __init__(self) -> None:
+        self._records: dict[Path, ArtifactRecord] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def open(self, path: Path) -> Iterator[HashingFile]:
+        """`path` created and written through a HashingFile; when the block ends without an error, the file is
+        fsynced (a checkpoint must survive a crash) and its record kept."""
+        with open(path, "wb") as file:
+            hashing = HashingFile(file)
+            try:
+                yield hashing
+                file.flush()
+                os.fsync(file.fileno())
+            finally:
+                hashing.close()
+        self.add(path, hashing.record)
+
+    def add(self, path: Path, record: ArtifactRecord) -> None:
+        with self._lock:
+            self._records[Path(path).resolve()] = record
+
+    def get(self, path: Path) -> ArtifactRecord | None:
+        with self._lock:
+            return self._records.get(Path(path).resolve())
+
+
+def write_checksums(directory: Path, ledger: Ledger | None = None) -> list[ArtifactRecord]:
+    """Write CHECKSUMS for every file under `directory` (but the checksums file); call it once the directory is
+    written and before it is committed. A file that `ledger` hashed while it was written, and that still has the
+    size it had then, takes the ledger's record; the others are hashed from disk. Returns the records."""
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.relative_to(directory).as_posix() != CHECKSUMS)
-    records = _hash(directory, [p.relative_to(directory).as_posix() for p in files])
+    records = _hash(directory, [p.relative_to(directory).as_posix() for p in files], ledger)
     target = directory / CHECKSUMS
     target.parent.mkdir(parents=True, exist_ok=True)
     staged = target.with_name(f".{target.name}.tmp")
-    staged.write_text(json.dumps({"algorithm": "sha256", "files": [r.model_dump() for r in records]}, indent=1),
-                      encoding="utf-8")
+    with staged.open("wb") as file:  # fsynced, as the files it covers: the tracker may name it after a crash
+        file.write(json.dumps({"algorithm": "sha256", "files": [r.model_dump() for r in records]}, indent=1).encode())
+        file.flush()
+        os.fsync(file.fileno())
     os.replace(staged, target)
     return records
 
@@ -132,11 +218,15 @@ def _structure_problems(directory: Path) -> list[str]:
     return problems
 
 
-def _hash(directory: Path, names: list[str]) -> list[ArtifactRecord]:
-    """Records of `names` (relative to `directory`), hashed in parallel (hashlib releases the GIL)."""
+def _hash(directory: Path, names: list[str], ledger: Ledger | None = None) -> list[ArtifactRecord]:
+    """Records of `names` (relative to `directory`): `ledger`'s where it has one of the file's current size, the
+    others hashed from disk, in parallel (hashlib releases the GIL)."""
     storage = Storage()
 
     def one(name: str) -> ArtifactRecord:
+        known = ledger.get(directory / name) if ledger is not None else None
+        if known is not None and known.size == (directory / name).stat().st_size:
+            return replace(known, path=name)
         return replace(storage.sha256(str(directory / name)), path=name)
 
     with ThreadPoolExecutor(min(_HASH_THREADS, max(len(names), 1))) as pool:

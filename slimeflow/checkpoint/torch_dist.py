@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,9 @@ from slimeflow.checkpoint.dcp_format import (
     write_synced,
 )
 from slimeflow.supervise import periodically
+
+if TYPE_CHECKING:  # integrity imports slimeflow.io: a conversion worker's start-up need not
+    from slimeflow.checkpoint.integrity import Ledger
 
 CHECKPOINT_VERSION = 3.0
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -160,7 +164,7 @@ def _row_chunks(key: str, rows: RowBlocks, outer: tuple[int, ...], offsets: tupl
 
 def save_torch_dist(tensors: MutableMapping[str, torch.Tensor | ExpertRows | RowBlocks], args: argparse.Namespace,
                     checkpoint_dir: str | Path, iteration: int = 1, source: Source | None = None,
-                    collective: bool = True) -> None:
+                    collective: bool = True, ledger: Ledger | None = None) -> None:
     """Write this rank's share of a torch_dist checkpoint into `checkpoint_dir` (collective over all ranks of the
     default process group, if there is one); its routed experts may be ExpertRows and its fused tensors RowBlocks
     (checkpoint_items). Rank r writes its items into `__<r>_<n>.distcp` (dcp_format, WRITERS files); rank 0 gathers where every
@@ -175,6 +179,7 @@ def save_torch_dist(tensors: MutableMapping[str, torch.Tensor | ExpertRows | Row
     `checkpoint_dir` is the checkpoint directory itself (e.g. <root>/iter_0000001); committing it (the tracker)
     is the caller's job, after every rank has returned: slimeflow.io.checkpoints.commit. `collective=False`: this
     process writes every tensor alone, whatever process group it is in (a training rank saving the whole model).
+    `ledger`: the data files are hashed while they are written, for integrity.write_checksums (dcp_format.write_items).
     """
     # megatron-core keys each layer on its own when MoE and dense layers alternate (moe_layer_freq a list).
     items = checkpoint_items(tensors, args.num_layers, not isinstance(getattr(args, "moe_layer_freq", 1), list))
@@ -187,7 +192,7 @@ def save_torch_dist(tensors: MutableMapping[str, torch.Tensor | ExpertRows | Row
     del items
     with without_crc32(), write_behind(directory, f"__{rank}_*.distcp"), \
             ThreadPoolExecutor(len(files), thread_name_prefix="write") as pool:
-        writes = [pool.submit(write_items, directory / f"__{rank}_{n}.distcp", share, source)
+        writes = [pool.submit(write_items, directory / f"__{rank}_{n}.distcp", share, source, ledger)
                   for n, share in enumerate(files)]
         written = [item for write in writes for item in write.result()]
     gathered: list[list[Written]] | None = [[] for _ in range(world)] if rank == 0 else None

@@ -196,3 +196,30 @@ def test_a_run_claiming_its_root_removes_the_staging_killed_saves_left_and_keeps
         assert live.is_dir()
     assert not [p for p in left if p.exists()]
     assert all(p.is_dir() for p in others)
+
+
+def test_a_save_fsyncs_every_file_and_reads_none_back_for_its_checksums(saved, tmp_path, monkeypatch):
+    # The tracker may name a checkpoint only once its bytes are on disk; the checksums of the data files and the
+    # side files come from the bytes in memory as they were written (integrity.Ledger), not from a second read
+    # (Megatron's small index files, written apart, are hashed from disk).
+    hf_dir, _, _ = saved
+    backend = make_backend(hf_dir)
+    fsynced, real_fsync = set(), os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: fsynced.add(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    read_back, real_sha256 = [], Storage.sha256
+    monkeypatch.setattr(Storage, "sha256", lambda self, uri: read_back.append(Path(uri).name) or real_sha256(self, uri))
+    ref = save_checkpoint(backend, tmp_path / "save", 1, {"rollout_id": 1})
+    assert sorted(read_back) == [".metadata", "common.pt", "metadata.json"]
+    directory = Path(ref.uri)
+    saved_files = {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()}
+    synced = {_in_staging(path) for path in fsynced if ".iter_0000001.tmp-" in path}
+    assert saved_files == synced - {"slimeflow/.checksums.json.tmp"} | {"slimeflow/checksums.json"}
+    monkeypatch.undo()
+    assert ckpt.verify_checkpoint(directory)
+
+
+def _in_staging(path: str) -> str:
+    """`path` (a file in the staging directory of iteration 1) relative to that directory."""
+    parts = Path(path).parts
+    at = next(i for i, part in enumerate(parts) if part.startswith(".iter_0000001.tmp-"))
+    return Path(*parts[at + 1:]).as_posix()

@@ -30,9 +30,9 @@ import torch
 from slimeflow.checkpoint import safe_pickle
 from slimeflow.checkpoint.convert import stage_torch_dist
 from slimeflow.checkpoint.hf_write import origin_family, replace_dir
-from slimeflow.checkpoint.integrity import verify_checkpoint, write_checksums
+from slimeflow.checkpoint.integrity import Ledger, verify_checkpoint, write_checksums
 from slimeflow.checkpoint.mapping import ModelShape, megatron_to_hf
-from slimeflow.checkpoint.torch_dist import load_torch_dist, unstack_layers, without_crc32
+from slimeflow.checkpoint.torch_dist import load_torch_dist, unstack_layers, without_crc32, write_behind
 from slimeflow.errors import CheckpointError
 from slimeflow.io import checkpoints
 from slimeflow.io.checkpoints import RELEASE, CheckpointRef, local_root
@@ -88,12 +88,16 @@ def save_checkpoint(backend: TorchBackend, root: str | Path, rollout_id: int, ex
 def _save(backend: TorchBackend, root: Path, rollout_id: int, extra_json: str, rngs: list[Any],
           before_commit: Callable[[], None] | None) -> CheckpointRef:
     name = checkpoints.iteration_dirname(rollout_id)
-    staged = _stage_weights(backend, root, rollout_id)
+    ledger = Ledger()  # every file is hashed as it is written, from memory: none is read back for its checksum
+    training_state = backend.training_state()
+    # The side files (the optimizer state: 2/3 of the bytes) are written beside the weights, in a thread of their
+    # own: each file's write, hash and fsync are one stream, and the streams overlap.
+    staged = _stage_weights(backend, root, rollout_id, ledger, beside=lambda staging: write_side_files(
+        staging / SIDE_DIR, training_state, rngs, extra_json, ledger))
     target = root / name
     try:
         with held(staged):  # claimed until it is moved into place: a killed save's is removed by the next run
-            write_side_files(staged / SIDE_DIR, backend.training_state(), rngs, extra_json)
-            write_checksums(staged)  # last: it covers every other file
+            write_checksums(staged, ledger)  # last: it covers every other file
             if before_commit is not None:
                 before_commit()
             if target.exists():  # a rollout saved before is redone (--start-rollout-id): say so, never silently
@@ -107,20 +111,29 @@ def _save(backend: TorchBackend, root: Path, rollout_id: int, extra_json: str, r
         raise
 
 
-def _stage_weights(backend: TorchBackend, root: Path, rollout_id: int) -> Path:
+def _stage_weights(backend: TorchBackend, root: Path, rollout_id: int, ledger: Ledger,
+                   beside: Callable[[Path], object]) -> Path:
     """The current weights as a staged torch_dist directory, written from memory by the convert stage's writer
-    (convert.stage_torch_dist: the files a conversion of them would write)."""
+    (convert.stage_torch_dist: the files a conversion of them would write), each data file hashed into `ledger`;
+    `beside(staging)` writes the rest meanwhile."""
     return stage_torch_dist(backend.checkpoint_weights(), backend.hf_checkpoint, root, rollout_id,
-                            checkpoints.iteration_dirname(rollout_id))
+                            checkpoints.iteration_dirname(rollout_id), ledger=ledger, beside=beside)
 
 
-def write_side_files(side: Path, training_state: dict[str, Any], rngs: list[Any], extra_json: str) -> None:
-    """slimeflow's resume state next to the Megatron files (Megatron ignores the folder)."""
+def write_side_files(side: Path, training_state: dict[str, Any], rngs: list[Any], extra_json: str,
+                     ledger: Ledger | None = None) -> None:
+    """slimeflow's resume state next to the Megatron files (Megatron ignores the folder), each file fsynced (the
+    tracker may name this checkpoint only once its bytes are on disk) and hashed into `ledger` as it is written."""
     side.mkdir(parents=True, exist_ok=True)
-    with without_crc32():  # the optimizer state is 2x the weights: its CRC32 cost more than its write
-        torch.save(training_state, side / TRAINING_STATE)
-    torch.save({"ranks": [_portable_rng(rng) for rng in rngs]}, side / RNG_STATE)
-    (side / EXTRA_STATE).write_text(extra_json, encoding="utf-8")
+    ledger = ledger if ledger is not None else Ledger()
+    # The optimizer state is 2x the weights: its CRC32 cost more than its write. Write-behind: the disk writes it
+    # out while torch.save is still writing, so the closing fsync finds little left to do.
+    with without_crc32(), write_behind(side, TRAINING_STATE), ledger.open(side / TRAINING_STATE) as file:
+        torch.save(training_state, file)  # type: ignore[arg-type]  # torch calls only write, flush
+    with ledger.open(side / RNG_STATE) as file:
+        torch.save({"ranks": [_portable_rng(rng) for rng in rngs]}, file)  # type: ignore[arg-type]
+    with ledger.open(side / EXTRA_STATE) as file:
+        file.write(extra_json.encode("utf-8"))
 
 
 def _portable_rng(state: dict[str, Any]) -> dict[str, Any]:
