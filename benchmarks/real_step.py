@@ -34,7 +34,8 @@ Each side's step: median wall seconds and tokens/s (prompt + response tokens of 
 step: one no-grad log-prob pass over the batch (what slimeflow runs for the old policy without
 --use-rollout-logprobs and for the reference model with --use-kl-loss or --kl-coef > 0; TRL's
 _get_per_token_logps_and_entropies for its old and reference log-probs). --profile: per-phase seconds of the torch
-backend's step and torch.profiler's top operators.
+backend's step and torch.profiler's top operators, and the top operators of a plain and a Megatron step (the sides
+run).
 """
 
 from __future__ import annotations
@@ -301,6 +302,19 @@ def profile_torch(backend, batch: TrainBatch, config: TrainConfig) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
+def profile_operators(steps: dict[str, Callable[[], None]], names: tuple[str, ...] = ("plain", "megatron")) -> None:
+    """torch.profiler's top operators by self CPU time of one step of each side in `names` that runs, with the
+    total self CPU time: where one side spends CPU that another does not."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name in (n for n in names if n in steps):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            steps[name]()
+        table = prof.key_averages()
+        print(f"{name} step, self CPU {sum(e.self_cpu_time_total for e in table) / 1e6:.3f} s; top operators:")
+        print(table.table(sort_by="self_cpu_time_total", row_limit=25))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gguf:smollm2-135m-instruct", help="an HF directory or a GGUF source")
@@ -313,7 +327,7 @@ def main() -> int:
     parser.add_argument("--samples-per-prompt", type=int, default=8)
     parser.add_argument("--max-response", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile", action="store_true", help="per-phase times and top operators (torch backend)")
+    parser.add_argument("--profile", action="store_true", help="per-phase times and top operators (torch backend; plain and megatron operators)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -379,6 +393,8 @@ def measure(args: argparse.Namespace, model_dir: Path, config: TrainConfig, batc
     load_after = os.getloadavg()
     if args.profile and "torch" in sides:
         profile_torch(torch_backend, batch, config)
+    if args.profile:
+        profile_operators(steps)
 
     limit = statistics.median(walls["plain"]) if "plain" in walls else None
     for name in steps:

@@ -174,6 +174,32 @@ def test_a_saved_checkpoint_resumes_the_next_rollout_exactly(converted, one_proc
     assert all(torch.equal(again_weights[k], expected_weights[k]) for k in expected_weights)
 
 
+
+def test_adam_steps_with_the_fused_kernel_on_a_cpu_after_a_resume_too(converted, tmp_path):
+    """Without Transformer Engine or Apex megatron-core builds torch's AdamW unfused (its per-parameter loop); the
+    backend switches host parameters to the fused kernel, the torch backend's, and again after loading a state
+    whose param groups were saved without the flag (as Megatron-LM and slime save them), which the load restores."""
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
+
+    config = make_config(batch={"micro_batch_size": 4, "global_batch_size": 8}, optimizer={"lr": LR})
+    batch = make_batch()
+    job = make_job(tmp_path, "fused", converted["hf"], converted["release"], batch, config)
+    backend = make_backend(job)
+    try:
+        groups = backend.optimizer.optimizer.param_groups  # the torch AdamW inside megatron's FP32Optimizer
+        assert groups and all(g["fused"] is True for g in groups)
+        load_checkpoint(backend, converted["release"], weights_only=True)
+        train_steps(backend, batch, config, 0, 1)
+        for group in groups:
+            group["fused"] = None  # torch's default, as a checkpoint of Megatron-LM's torch-Adam run records it
+        ref = save_checkpoint(backend, tmp_path / "save", 0, {"rollout_id": 0})
+        load_checkpoint(backend, ref)
+        loaded = backend.optimizer.optimizer.param_groups
+        assert all(g["fused"] is True for g in loaded)
+    finally:
+        backend.close()
+
+
 def deterministic_job(rank: int, world: int, job: dict) -> dict:
     """train_job, with what --deterministic-mode switched on while the backend lived and what was left after."""
     from slimeflow.train.backends.megatron.checkpoint import load_checkpoint

@@ -66,6 +66,7 @@ from slimeflow.train.backends.common import (
 )
 from slimeflow.train.backends.megatron import checkpoint as megatron_checkpoint
 from slimeflow.train.backends.megatron.core_settings import (
+    fuse_host_adam,
     in_precision,
     optimizer_config,
     transformer_fields,
@@ -262,7 +263,10 @@ class MegatronBackend:
         return wrapped
 
     def _megatron_optimizer(self):
-        return get_megatron_optimizer(optimizer_config(self.optimizer_config, self.parallel, self.kernels), self.model)
+        optimizer = get_megatron_optimizer(optimizer_config(self.optimizer_config, self.parallel, self.kernels),
+                                           self.model)
+        fuse_host_adam(optimizer)
+        return optimizer
 
     def _param_scheduler(self, total_steps: int | None):
         """Megatron's schedule of the learning rate (backend.schedule.lr_at) and of weight decay (constant; set

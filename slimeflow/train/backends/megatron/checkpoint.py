@@ -183,6 +183,8 @@ def load_checkpoint(backend: MegatronBackend, ref_or_uri: CheckpointRef | str | 
     unless weights_only, for an iteration checkpoint without the Megatron backend's resume state."""
     from megatron.core import dist_checkpointing
 
+    from slimeflow.train.backends.megatron.core_settings import fuse_host_adam
+
     ref = ref_or_uri if isinstance(ref_or_uri, CheckpointRef) else checkpoints.resolve(Storage(), str(ref_or_uri))
     directory = local_root(ref.uri)
     verify_checkpoint(directory)
@@ -205,6 +207,7 @@ def load_checkpoint(backend: MegatronBackend, ref_or_uri: CheckpointRef | str | 
             return {}
         optimizer_state = loaded["optimizer"] if own is None else _optimizer_across_split(own, loaded["optimizer"])
         backend.optimizer.load_state_dict(optimizer_state)
+        fuse_host_adam(backend.optimizer)  # the loaded param groups carry the flag they were saved with
         backend.scheduler.load_state_dict(loaded["opt_param_scheduler"])
     if with_rng:
         from megatron.core import tensor_parallel
