@@ -52,8 +52,11 @@ class _LogProbEntropy(torch.autograd.Function):
         local = torch.where(here, local, torch.zeros_like(local))
         entropy = logits.new_zeros((0,))
         entropy_softmax = expected_logit = None
+        # The full distribution's softmax: the entropy's, and the log-probs' too when no mask renormalises them.
+        full = _softmax(logits, group) if with_entropy or keep_mask is None else None
         if with_entropy:
-            top, total, entropy_softmax = _softmax(logits, group)
+            assert full is not None
+            top, total, entropy_softmax = full
             expected_logit = (entropy_softmax * logits).sum(dim=-1, keepdim=True)
             _all_reduce(expected_logit, dist.ReduceOp.SUM, group)
             entropy = (top + total.log() - expected_logit).squeeze(-1)
@@ -61,7 +64,10 @@ class _LogProbEntropy(torch.autograd.Function):
         if keep_mask is not None:
             scored = logits.masked_fill(~keep_mask, float("-inf"))
             scored[rows[here], local[here]] = logits[rows[here], local[here]]
-        top, total, softmax = _softmax(scored, group)
+            top, total, softmax = _softmax(scored, group)
+        else:
+            assert full is not None
+            top, total, softmax = full
         target = (scored - top)[rows, local].masked_fill(~here, 0.0)
         _all_reduce(target, dist.ReduceOp.SUM, group)
         log_probs = target - total.squeeze(-1).log()
@@ -70,19 +76,24 @@ class _LogProbEntropy(torch.autograd.Function):
             ctx.mark_non_differentiable(entropy)
             entropy_softmax = expected_logit = None
         ctx.keep_entropy_grad = keep_entropy_grad
+        ctx.set_materialize_grads(False)  # an output the loss does not use (the entropy as a metric) costs nothing
         ctx.save_for_backward(softmax, here, local, entropy_softmax, expected_logit,
                               logits if keep_entropy_grad else None)
         return log_probs, entropy
 
     @staticmethod
-    def backward(ctx: Any, grad_log_probs: torch.Tensor,
-                 grad_entropy: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None]:
+    def backward(ctx: Any, grad_log_probs: torch.Tensor | None,
+                 grad_entropy: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None, None, None, None]:
+        """None for an output the loss does not use (set_materialize_grads(False)): its term is skipped."""
         softmax, here, local, entropy_softmax, expected_logit, logits = ctx.saved_tensors
-        grad = -softmax
-        grad[torch.arange(grad.size(0), device=grad.device), local] += here.to(grad.dtype)
-        grad = grad * grad_log_probs.reshape(-1, 1)
-        if ctx.keep_entropy_grad and grad_entropy.numel():
-            grad = grad + entropy_softmax * (expected_logit - logits) * grad_entropy.reshape(-1, 1)
+        grad = None
+        if grad_log_probs is not None:
+            grad = -softmax
+            grad[torch.arange(grad.size(0), device=grad.device), local] += here.to(grad.dtype)
+            grad = grad * grad_log_probs.reshape(-1, 1)
+        if ctx.keep_entropy_grad and grad_entropy is not None and grad_entropy.numel():
+            entropy_term = entropy_softmax * (expected_logit - logits) * grad_entropy.reshape(-1, 1)
+            grad = entropy_term if grad is None else grad + entropy_term
         return grad, None, None, None, None, None
 
 

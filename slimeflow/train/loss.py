@@ -261,7 +261,8 @@ def policy_loss(config: AlgorithmConfig, inputs: LossInputs, reduce: Reduce,
     metrics.update(pg_loss=pg_loss, pg_clipfrac=agg(clipfrac), ppo_kl=agg(ppo_kl.detach()))
     if inputs.entropy is not None:
         entropy = agg(torch.cat(inputs.entropy))
-        loss = loss - config.entropy_coef * entropy
+        if config.entropy_coef:  # at 0 the term adds nothing, and its backward over [tokens, vocab] is skipped
+            loss = loss - config.entropy_coef * entropy
         metrics["entropy"] = entropy
     elif config.entropy_coef:
         raise ValueError(f"--entropy-coef {config.entropy_coef} needs the per-token entropy of every sample")

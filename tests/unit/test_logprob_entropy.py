@@ -47,6 +47,26 @@ def test_values_and_gradients_equal_autograd_over_log_softmax(masked, chunk_size
     torch.testing.assert_close(fused_in.grad, ref_in.grad)
 
 
+@pytest.mark.parametrize("used", ["log_probs", "entropy"])
+def test_an_output_the_loss_leaves_out_changes_nothing(used):
+    """The entropy computed beside the log-probs (one softmax for both) leaves the log-probs and their gradient
+    exactly as without it; each output alone back-propagates what autograd gives for it."""
+    logits, tokens, _ = case()
+    alone_in, both_in, ref_in = (logits.clone().requires_grad_() for _ in range(3))
+    both = log_probs_and_entropy(both_in, tokens, with_entropy=True)
+    ref = reference(ref_in, tokens)
+    if used == "log_probs":
+        alone = log_probs_and_entropy(alone_in, tokens)
+        alone[0].sum().backward()
+        both[0].sum().backward()
+        ref[0].sum().backward()
+        assert torch.equal(both[0], alone[0]) and torch.equal(both_in.grad, alone_in.grad)
+    else:
+        both[1].sum().backward()
+        ref[1].sum().backward()
+    torch.testing.assert_close(both_in.grad, ref_in.grad)
+
+
 def test_metric_only_entropy_has_no_gradient_and_half_precision_is_upcast():
     logits, tokens, _ = case()
     half = logits.to(torch.bfloat16).requires_grad_()

@@ -89,6 +89,16 @@ def test_kl_loss_and_entropy_terms():
     approx(out.loss, pg - 0.01 * 0.75 + 0.2 * 0.1)
 
 
+def test_at_entropy_coef_0_the_entropy_is_a_metric_and_out_of_the_loss():
+    inputs = hand_batch()
+    inputs.log_probs = [lp.requires_grad_() for lp in inputs.log_probs]
+    inputs.entropy = [t(0.5, 0.5).requires_grad_(), t(1.0, 1.0, 1.0).requires_grad_()]
+    out = run(AlgorithmConfig(eps_clip_high=0.28), inputs)
+    approx(out.metrics["entropy"], 0.75)
+    out.loss.backward()
+    assert all(e.grad is None for e in inputs.entropy)  # nothing flows back through the entropy (its [T, V] backward)
+
+
 def test_gspo_uses_the_sequence_ratio():
     out = run(AlgorithmConfig(advantage_estimator="gspo", eps_clip=1.0, eps_clip_high=1.0), hand_batch())
     r0 = math.sqrt(1.5 * 0.5)  # exp(mean log ratio)
