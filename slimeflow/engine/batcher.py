@@ -155,7 +155,7 @@ class Batcher:
         self._num_threads = num_threads or torch.get_num_threads()
         self.admission_rounds = 0  # prefill rounds so far (each merges its requests into the running batch)
         self._loaded = loaded
-        self._forward = select_forward(loaded.model)
+        self._forward = select_forward(loaded.model, self._num_threads)
         self._names = UpdateNames(loaded.model)  # checkpoint names in updates and snapshots
         self._max_batch_size = max_batch_size
         self._weight_version = weight_version

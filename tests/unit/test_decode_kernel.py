@@ -8,8 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slimeflow.engine import decode_kernel
-from slimeflow.engine.native import NativeForward, _onednn_linear
+from slimeflow.engine import decode_kernel, native
+from slimeflow.engine.native import (
+    CALIBRATION_ROWS,
+    CPU_KERNELS,
+    CalibratedLinear,
+    NativeForward,
+    _onednn_linear,
+)
 from slimeflow.engine.weights import load_model
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
 
@@ -110,12 +116,53 @@ def test_a_failing_build_says_what_the_compiler_said(tmp_path, monkeypatch):
     assert list((tmp_path / "cache" / "slimeflow" / "kernels").iterdir()) == []
 
 
-def test_cpu_linear_is_onednn_and_matches_f_linear(tmp_path):
+def test_the_native_forward_runs_each_linear_on_a_measured_cpu_kernel_that_matches_f_linear(tmp_path):
     model_dir = build_tiny_model(tmp_path / "tiny", TinyModelSpec(family="qwen2", seed=1))
     forward = NativeForward(load_model(model_dir, device="cpu").model, decode_attention=False)
-    assert forward.linear is (_onednn_linear if torch.backends.mkldnn.is_available() else F.linear)
+    if not torch.backends.mkldnn.is_available():
+        assert forward.linear is F.linear
+        return
+    assert isinstance(forward.linear, CalibratedLinear)
+    config = forward.model.config
+    assert (config.vocab_size, config.hidden_size) in forward.linear.names  # the output layer is timed too
+    assert all(len(names) == len(CALIBRATION_ROWS) and set(names) <= set(CPU_KERNELS)
+               for names in forward.linear.names.values())
     gen = torch.Generator().manual_seed(0)
     x, weight, bias = torch.randn(6, 3, 64, generator=gen), torch.randn(96, 64, generator=gen), torch.randn(96)
     with torch.inference_mode():
         torch.testing.assert_close(_onednn_linear(x, weight, bias), F.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(_onednn_linear(x[:, 1], weight), F.linear(x[:, 1], weight), atol=1e-5, rtol=1e-5)
+
+
+def _slow_linear(x, weight, bias=None):
+    for _ in range(7):  # the same product, seven times: CPU time a timer cannot miss
+        out = F.linear(x, weight, bias)
+    return out
+
+
+@pytest.mark.parametrize("slow_first", [True, False])
+def test_calibration_keeps_the_faster_kernel_for_every_shape_and_row_count(slow_first, monkeypatch):
+    # Names unique to this test: the process-wide cache is keyed by them.
+    kernels = {f"slow-{slow_first}": _slow_linear, f"fast-{slow_first}": F.linear}
+    if not slow_first:
+        kernels = dict(reversed(kernels.items()))
+    monkeypatch.setattr(native, "CALIBRATION_FLOP", 2 * 64 * 96 * 48)  # the larger weight's 512 rows: not timed
+    small, large = (torch.randn(32, 48), None), (torch.randn(96, 48), torch.randn(96))
+    linear = native.calibrate_linear([small, large, (torch.randn(32, 48), None)], kernels, threads=1)
+    assert linear.names == {(32, 48): (f"fast-{slow_first}",) * 4, (96, 48): (f"fast-{slow_first}",) * 4}
+    x = torch.randn(5, 48)
+    torch.testing.assert_close(linear(x, *large), F.linear(x, *large))
+
+
+def test_a_call_runs_the_kernel_chosen_at_the_nearest_row_count():
+    called = []
+
+    def kernel(bucket):
+        return lambda x, weight, bias=None: called.append(bucket) or F.linear(x, weight, bias)
+
+    linear = CalibratedLinear({(4, 3): tuple(kernel(rows) for rows in CALIBRATION_ROWS)}, {})
+    weight = torch.randn(4, 3)
+    for rows in (1, 2, 3, 7, 20, 30, 64, 180, 200, 4096):
+        linear(torch.randn(rows, 3), weight)
+    linear(torch.randn(16, 4, 3), weight)  # 64 rows in a [B, T, hidden] input
+    assert called == [1, 1, 8, 8, 8, 64, 64, 64, 512, 512, 64]

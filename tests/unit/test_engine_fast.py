@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from slimeflow.engine import kv_batch, native
@@ -96,6 +97,25 @@ def test_prompts_with_a_common_prefix_prefill_it_once_and_decode_as_if_alone(mod
             logits = kv_batch.decode(forward, batch, [seq[-1] for seq in seqs])
     assert kv_batch.shared_prefix([[1, 2, 3], [1, 2, 3]]) == 2  # every prompt keeps a token of its own
     assert kv_batch.shared_prefix([[1, 2, 3], [1, 4]]) == 1
+
+
+def test_a_padded_prefill_runs_the_linear_layers_on_real_tokens_and_the_last_layer_on_last_tokens(model):
+    forward = NativeForward(model)
+    rows: dict[int, list[int]] = {}  # weight's output size -> rows of each call
+
+    def counting(x, weight, bias=None):
+        rows.setdefault(weight.shape[0], []).append(x.numel() // x.shape[-1])
+        return F.linear(x, weight, bias)
+
+    forward.linear = counting
+    with torch.inference_mode():
+        _, logits = kv_batch.prefill(forward, [list(p) for p in PROMPTS], CPU, share_prefix=False)
+    real, layers, config = sum(len(p) for p in PROMPTS), model.config.num_hidden_layers, model.config
+    mlp = rows[config.intermediate_size]  # gate and up: every layer, twice
+    assert mlp == [real] * (2 * (layers - 1)) + [len(PROMPTS)] * 2  # 18 real tokens of 3 x 11 columns
+    assert rows[config.vocab_size] == [len(PROMPTS)]
+    expected = torch.stack([plain_logits(model, p) for p in PROMPTS])
+    assert (logits - expected).abs().max() <= 1e-4
 
 
 class _CountingForward:
