@@ -72,13 +72,18 @@ def push(manager, version: str) -> dict[str, torch.Tensor]:
 def strike(manager, rank: int, sig: signal.Signals, monkeypatch) -> threading.Thread:
     """Send `sig` to engine `rank`'s process once it has requests running (from a thread: the rollout runs here).
 
-    The rollout cannot return before the signal is sent: under load, engine `rank` could otherwise finish its share
-    (and the rollout end) between the busy check and the signal, and no health check would see the engine lost. And
-    the signal goes at once when the rollout has generated everything before a poll saw the engine busy (a fast
-    share), rather than after the poll's deadline."""
+    The rollout cannot return before the signal is sent and the health checks have seen it: under load, engine
+    `rank` could otherwise finish its share (and the rollout end) between the busy check and the signal, or before a
+    check, and no health check would see the engine lost. And the signal goes at once when the rollout has generated
+    everything before a poll saw the engine busy (a fast share), rather than after the poll's deadline."""
     engine = manager.engines.processes[rank]
     headers = {"Authorization": f"Bearer {manager.engines.api_key}"}
     sent, generated = threading.Event(), threading.Event()
+    recovered = len(manager.monitor.recoveries)
+
+    def noticed() -> bool:
+        """The health checks saw the engine lost: restarted it (with fault tolerance) or failed the rollout."""
+        return manager.monitor.failure is not None or len(manager.monitor.recoveries) > recovered
 
     def when_busy():
         deadline = time.monotonic() + 60
@@ -97,7 +102,10 @@ def strike(manager, rank: int, sig: signal.Signals, monkeypatch) -> threading.Th
     async def until_sent(*args, **kwargs):
         result = await unsent(*args, **kwargs)
         generated.set()
-        while not sent.is_set():  # cancellable: a failed health check cancels the rollout here too
+        # Held open, as a longer rollout would be, until the health checks have seen the strike: a fast engine can
+        # finish its share before the signal lands (cancellable: a failed health check cancels the rollout here).
+        deadline = time.monotonic() + 60
+        while not sent.is_set() or (not noticed() and time.monotonic() < deadline):
             await asyncio.sleep(0.01)
         return result
 
