@@ -43,9 +43,16 @@ XDIST ?= -n auto --dist loadfile --no-loadscope-reorder
 PYTEST = $(BIN)/python -m pytest $(1) $(XDIST) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is missing or mis-selected"; exit 1; fi; exit $$rc
 
-test: $(VENV)/.installed-dev typecheck
+# The type check runs beside pytest (one core for about a minute and a half, while pytest's first minutes leave
+# some of the cores idle): its report follows pytest's, and either failing fails `make test`.
+test: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
-	$(call PYTEST,)
+	@$(TYPECHECK) > $(VENV)/typecheck.log 2>&1 & typecheck=$$!; \
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS); rc=$$?; \
+	wait $$typecheck; typecheck_rc=$$?; echo "$$ $(TYPECHECK)"; cat $(VENV)/typecheck.log; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is missing or mis-selected"; exit 1; fi; \
+	if [ $$rc -eq 0 ] && [ $$typecheck_rc -ne 0 ]; then echo "the type check failed (above)"; exit $$typecheck_rc; fi; \
+	exit $$rc
 
 test-unit: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
@@ -55,8 +62,9 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 
 # The RL library and the train stage: the Backend protocol holds only if both backends type-check against it.
+TYPECHECK = $(BIN)/mypy slimeflow/train stages/train
 typecheck: $(VENV)/.installed-dev
-	$(BIN)/mypy slimeflow/train stages/train
+	$(TYPECHECK)
 
 clean:
 	rm -rf $(VENV) runs build dist *.egg-info
