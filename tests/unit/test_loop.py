@@ -39,6 +39,9 @@ class Recorder:
         self.calls.append(("save", rollout_id))
         return f"iter_{rollout_id}"
 
+    def wait_for_save(self):
+        self.calls.append(("wait_for_save",))
+
     def update_weights(self, version):
         self.calls.append(("update", version))
 
@@ -79,7 +82,7 @@ def test_the_loop_runs_in_slimes_order_and_reports_every_rollout():
                      "generate", "train", "update",
                      "generate", "train", "save", "update", "eval",
                      "generate", "train", "update",
-                     "generate", "train", "save", "update", "eval"]
+                     "generate", "train", "save", "update", "eval", "wait_for_save"]
     assert ("train", 2, "batch-2") in recorder.calls and ("update", 4) in recorder.calls
     assert [r[0] for r in reports.rollouts] == [0, 1, 2, 3] and reports.evals == [0, 2, 4]
     assert result.checkpoint == "iter_3" and result.row_ids[1] == [["row-1"]]
