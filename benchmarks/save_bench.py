@@ -109,13 +109,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root, async_root, rows, async_rows = Path(tmp) / "ckpt", Path(tmp) / "async-ckpt", [], []
         for i in range(args.repeats + 1):  # the first pair warms both paths up and is not counted
+            if i % 2:  # the two saves take turns going first: the second writes behind the first's writeback
+                blocking, to_durable = timed_async_save(backend, async_root, i)
             save = timed(lambda i=i: save_checkpoint(backend, root, i, {"rollout_id": i}))
-            start = time.perf_counter()
-            save_checkpoint(backend, async_root, i, {"rollout_id": i}, async_save=True)
-            blocking = time.perf_counter() - start
-            backend.wait_for_save()
-            to_durable = time.perf_counter() - start
-            shutil.rmtree(async_root / f"iter_{i:07d}")
+            if not i % 2:
+                blocking, to_durable = timed_async_save(backend, async_root, i)
             saved = root / f"iter_{i:07d}"
             source, target = Path(tmp) / f"src-{i}", Path(tmp) / f"dst-{i}"
             shutil.copytree(saved, source)
@@ -144,6 +142,17 @@ def main() -> None:
           f"(spread {min(durable_wall):.2f}-{max(durable_wall):.2f})")
     report_async(rows, async_rows)
     print("load after:", os.getloadavg())
+
+
+def timed_async_save(backend: TorchBackend, root: Path, i: int) -> tuple[float, float]:
+    """An --async-save of rollout `i` under `root`: (seconds until it returns, seconds until it is committed)."""
+    start = time.perf_counter()
+    save_checkpoint(backend, root, i, {"rollout_id": i}, async_save=True)
+    blocking = time.perf_counter() - start
+    backend.wait_for_save()
+    to_durable = time.perf_counter() - start
+    shutil.rmtree(root / f"iter_{i:07d}")
+    return blocking, to_durable
 
 
 def report_async(rows: list[tuple[float, ...]], async_rows: list[tuple[float, float]]) -> None:

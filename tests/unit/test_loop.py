@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from slimeflow.config.train import TrainConfig
 from slimeflow.stages.train import loop
+from slimeflow.stages.train import placement as placement_module
+from slimeflow.stages.train.remote import LoopError
 
 
 class Recorder:
@@ -222,3 +226,25 @@ def test_a_run_killed_between_a_save_and_its_report_keeps_the_saved_rollouts_lin
     # Started again from the same checkpoint (killed once more, later): the line is not written twice.
     RolloutLog(path).started(2, evaluates_first=True, saved=saves[1]["report"])
     assert [r["step"] for r in RolloutLog(path).read() if "rollout/reward_mean" in r] == [0, 1]
+
+
+@pytest.mark.parametrize("outcome", ["ends", "too_slow", "failed"])
+def test_a_stopping_run_lets_the_async_commit_in_flight_end_and_says_when_it_did_not(outcome, caplog):
+    asked = []
+
+    class Trainers:
+        def wait_for_save(self, timeout=None):
+            asked.append(timeout)
+            if outcome == "failed":
+                raise LoopError("committing the last checkpoint (--async-save) failed: OSError: disk gone")
+            return outcome == "ends"
+
+    config = TrainConfig.model_validate({"batch": {"rollout_batch_size": 1, "num_rollout": 2},
+                                         "checkpoint": {"async_save": True}})
+    placement = placement_module.Placement(config, rollout_manager=None, actor_group=Trainers())
+    with caplog.at_level("WARNING"):
+        placement._let_commit_end()
+    assert asked == [placement_module.COMMIT_GRACE_S]
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert ("resumes from the previous checkpoint" in warned) == (outcome != "ends")
+    assert ("disk gone" in warned) == (outcome == "failed")
