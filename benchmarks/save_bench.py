@@ -1,4 +1,4 @@
-"""A training save of the torch backend against `cp -r` of the same bytes on the same filesystem.
+"""A training save of the torch backend, synchronous and with --async-save, against `cp -r` of the same bytes.
 
     .venv/bin/python benchmarks/save_bench.py [--model gguf:smollm2-135m-instruct | HF_DIR | tiny:...]
         [--repeats 5] [--dir DIR] [--cache-dir ~/.cache/slimeflow/bench-models]
@@ -13,6 +13,12 @@ cp), with the spread and the load average before and after. A third figure times
 every copied file: a save fsyncs its files (a checkpoint must survive a crash), a bare cp leaves them in the page
 cache, so this is the like-for-like durable copy. The page cache cannot be dropped here, so every read comes from
 it; all three write the same bytes.
+
+An --async-save (`save_checkpoint(..., async_save=True)`) is timed twice: its blocking time (until the call
+returns: what the training loop waits for, the snapshot of weights and optimizer state into reused host buffers)
+and its time to durable (until `wait_for_save` returns: the checkpoint written, hashed, fsynced, renamed and
+committed). The blocking time is compared with bare `cp -r`, the time to durable with cp + fsync. Here nothing
+runs beside the background commit; in a run, training shares the cores with it.
 
 `--model gguf:...` dequantizes the GGUF file once into `--cache-dir` (about a minute) and reuses it after.
 """
@@ -101,9 +107,13 @@ def main() -> None:
     params = sum(p.numel() for p in backend.model.parameters())
     print(f"model {hf_dir}: {params / 1e6:.1f}M parameters ({params * 4 / 1e6:.0f} MB float32)")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        root, rows = Path(tmp) / "ckpt", []
+        root, async_root, rows, async_rows = Path(tmp) / "ckpt", Path(tmp) / "async-ckpt", [], []
         for i in range(args.repeats + 1):  # the first pair warms both paths up and is not counted
+            if i % 2:  # the two saves take turns going first: the second writes behind the first's writeback
+                blocking, to_durable = timed_async_save(backend, async_root, i)
             save = timed(lambda i=i: save_checkpoint(backend, root, i, {"rollout_id": i}))
+            if not i % 2:
+                blocking, to_durable = timed_async_save(backend, async_root, i)
             saved = root / f"iter_{i:07d}"
             source, target = Path(tmp) / f"src-{i}", Path(tmp) / f"dst-{i}"
             shutil.copytree(saved, source)
@@ -115,8 +125,10 @@ def main() -> None:
                 shutil.rmtree(path)
             if i:
                 rows.append((*save, *copy, *durable))
-                print(f"  pair {i}: save {save[0]:.2f} s ({save[1]:.2f} CPU s), cp {copy[0]:.2f} s "
-                      f"({copy[1]:.2f} CPU s), cp + fsync {durable[0]:.2f} s, {nbytes / 1e6:.0f} MB", flush=True)
+                async_rows.append((blocking, to_durable))
+                print(f"  pair {i}: save {save[0]:.2f} s ({save[1]:.2f} CPU s), async save {blocking:.2f} s blocking "
+                      f"/ {to_durable:.2f} s to durable, cp {copy[0]:.2f} s ({copy[1]:.2f} CPU s), cp + fsync "
+                      f"{durable[0]:.2f} s, {nbytes / 1e6:.0f} MB", flush=True)
     wall = [r[0] / r[2] for r in rows]
     cpu = [r[1] / r[3] for r in rows]
     durable_wall = [r[0] / r[4] for r in rows]
@@ -128,7 +140,29 @@ def main() -> None:
     print(f"cp -r then fsync of every copied file (a durable copy, as a save is): "
           f"{statistics.median(r[4] for r in rows):.2f} s wall; save / that: {statistics.median(durable_wall):.2f}x "
           f"(spread {min(durable_wall):.2f}-{max(durable_wall):.2f})")
+    report_async(rows, async_rows)
     print("load after:", os.getloadavg())
+
+
+def timed_async_save(backend: TorchBackend, root: Path, i: int) -> tuple[float, float]:
+    """An --async-save of rollout `i` under `root`: (seconds until it returns, seconds until it is committed)."""
+    start = time.perf_counter()
+    save_checkpoint(backend, root, i, {"rollout_id": i}, async_save=True)
+    blocking = time.perf_counter() - start
+    backend.wait_for_save()
+    to_durable = time.perf_counter() - start
+    shutil.rmtree(root / f"iter_{i:07d}")
+    return blocking, to_durable
+
+
+def report_async(rows: list[tuple[float, ...]], async_rows: list[tuple[float, float]]) -> None:
+    """--async-save: blocking time over bare cp (goal <= 2x), time to durable over cp + fsync, per pair."""
+    blocking = [a[0] / r[2] for a, r in zip(async_rows, rows, strict=True)]
+    durable = [a[1] / r[4] for a, r in zip(async_rows, rows, strict=True)]
+    print(f"async save: blocking median {statistics.median(a[0] for a in async_rows):.2f} s, / cp -r "
+          f"{statistics.median(blocking):.2f}x (spread {min(blocking):.2f}-{max(blocking):.2f}); goal <= 2x")
+    print(f"async save: to durable median {statistics.median(a[1] for a in async_rows):.2f} s, / cp + fsync "
+          f"{statistics.median(durable):.2f}x (spread {min(durable):.2f}-{max(durable):.2f})")
 
 
 if __name__ == "__main__":

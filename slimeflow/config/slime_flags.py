@@ -148,7 +148,7 @@ NOT_YET_SUPPORTED.update({flag: _MEGATRON for flag in (
     "--decoder-first-pipeline-num-layers", "--distributed-timeout-minutes",
     "--megatron-deepgemm-forward-layers", "--megatron-deepgemm-forward-modules",
     "--megatron-deepgemm-moe-forward-layers", "--megatron-deepgemm-moe-forward-modules", "--padded-vocab-size",
-    "--recompute-loss-function", "--async-save", "--balance-by-flops", "--use-stateless-adam",
+    "--recompute-loss-function", "--balance-by-flops", "--use-stateless-adam",
 )})
 NOT_YET_SUPPORTED.update({flag: _NEW_ATTENTION for flag in (
     "--use-gated-attention", "--apply-layernorm-1p", "--attention-output-gate", "--qwen-gdn-backend")})

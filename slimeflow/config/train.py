@@ -224,6 +224,12 @@ class CheckpointConfig(ConfigModel):
     """Checkpoint root the actor saves to."""
     save_interval: OptionalPositiveInt = None
     """Save every this many rollouts."""
+    async_save: bool = False
+    """Write, hash, fsync and commit each checkpoint in a background thread while training goes on: the save blocks
+    only while it copies what it writes (the torch backend: weights and optimizer state into host buffers, the
+    checkpoint's size in host memory; the Megatron backend: every rank's shards written, the hashing and commit in
+    the background). The tracker still moves only once the checkpoint is on disk; the next save, the end of the run
+    and its stop wait for the commit, and a failed commit is raised there."""
     start_rollout_id: int | None = Field(None, ge=0)
     """Override the rollout id to start from (default: from the loaded checkpoint)."""
 

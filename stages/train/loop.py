@@ -88,6 +88,7 @@ def train(placement: Placement, num_rollout: int, report: Reporter) -> LoopResul
                 result.eval_history[rollout_id + 1] = evaluate(rollout_manager, rollout_id + 1, report, served)
         result.last_metrics = {**rollout_metrics, **train_metrics, **timer.seconds}
         report.rollout(rollout_id, result.last_metrics)
+    actor_group.wait_for_save()  # --async-save: the last checkpoint is committed before the run ends
     return result
 
 

@@ -36,6 +36,10 @@ from slimeflow.train.backends import backend_spec
 
 logger = logging.getLogger(__name__)
 
+COMMIT_GRACE_S = 4.0
+"""How long a stopping run (SIGTERM, an error) lets an --async-save commit in flight end before its trainers are
+killed; within the driver's own stop deadline (cli.STOP_DEADLINE_S). A commit killed midway commits nothing."""
+
 if TYPE_CHECKING:
     from slimeflow.rollout.types import TrainBatch
 
@@ -170,6 +174,15 @@ class ActorGroup:
     def save(self, rollout_id: int, extra_state: dict[str, Any]) -> str:
         return self._all("save", rollout_id, extra_state, what=f"saving checkpoint {rollout_id}")[0]
 
+    def wait_for_save(self, timeout: float | None = None) -> bool:
+        """Until every rank's --async-save commit in flight has ended (a LoopError when one failed); False when
+        `timeout` seconds passed first (the commit goes on)."""
+        refs = [a.wait_for_save.remote() for a in self.actors]
+        if timeout is not None and len(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0]) < len(refs):
+            return False
+        call(refs, "committing the last checkpoint (--async-save)")
+        return True
+
     def plugin_settings_read(self) -> list[str]:
         return sorted({name for names in self._all("plugin_settings_read", what="asking which plug-in settings "
                                                    "were read") for name in names})
@@ -201,6 +214,9 @@ class NoTrainer:
     def save(self, rollout_id: int, extra_state: dict[str, Any]) -> None:
         return None
 
+    def wait_for_save(self, timeout: float | None = None) -> bool:
+        return True
+
     def update_weights(self, version: int) -> None:
         pass
 
@@ -227,6 +243,8 @@ class Placement:
         return sorted(set(custom) - read)
 
     def shutdown(self) -> None:
+        if self.config.checkpoint.async_save:
+            self._let_commit_end()
         try:
             self.rollout_manager.shutdown()
         except LoopError:
@@ -234,6 +252,17 @@ class Placement:
         _kill([self.rollout_manager.actor, *self.actor_group.actors])
         if self.group is not None:
             self.group.remove()
+
+
+    def _let_commit_end(self) -> None:
+        """A run stopped midway (SIGTERM, an error) lets an --async-save commit in flight end, for up to
+        COMMIT_GRACE_S, before its trainers are killed: either way the tracker names a complete checkpoint."""
+        try:
+            if not self.actor_group.wait_for_save(timeout=COMMIT_GRACE_S):
+                logger.warning("the checkpoint commit in flight (--async-save) did not end within %.0f s and is "
+                               "abandoned: the run resumes from the previous checkpoint", COMMIT_GRACE_S)
+        except LoopError as err:
+            logger.warning("%s; the run resumes from the previous checkpoint", err)
 
 
 class Facet:

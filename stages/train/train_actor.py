@@ -54,5 +54,8 @@ class TrainActor:
     def save(self, rollout_id: int, extra_state: dict[str, Any]) -> str:
         return self.trainer.save(rollout_id, extra_state)
 
+    def wait_for_save(self) -> None:
+        self.trainer.wait_for_save()
+
     def plugin_settings_read(self) -> list[str]:
         return self.trainer.plugin_settings_read()

@@ -165,8 +165,13 @@ class Trainer:
             raise ValueError(f"rollout {rollout_id}: the trainer was asked to save a checkpoint, but --save is not set")
         self._onload()
         ref = self.backend.save_checkpoint(save, rollout_id, {**extra_state, "rollout_id": rollout_id},
-                                           before_commit=self.check_may_commit)
+                                           before_commit=self.check_may_commit,
+                                           async_save=self.config.checkpoint.async_save)
         return ref.uri
+
+    def wait_for_save(self) -> None:
+        """Until this rank's --async-save commit in flight has ended (its error raised)."""
+        self.backend.wait_for_save()
 
     def check_may_commit(self) -> None:
         """Refuse to commit a checkpoint once this actor's job is gone or another run has claimed --save.

@@ -10,6 +10,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,9 @@ from slimeflow.checkpoint.torch_dist import read_common, tensor_metadata
 from slimeflow.config.train import TrainConfig
 from slimeflow.errors import CheckpointError
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
+from slimeflow.io import checkpoints
+from slimeflow.io.guard import OWNER_FILENAME, claim_root
+from slimeflow.io.storage import Storage
 from slimeflow.train.backends.checkpoint import resolve_start
 from slimeflow.train.backends.torch import checkpoint as ckpt
 from slimeflow.train.backends.torch.backend import TorchBackend
@@ -196,3 +200,48 @@ def test_saving_over_an_existing_checkpoint_says_so(copy, caplog):
         save_checkpoint(make_backend(hf_dir), root, 1, {"rollout_id": 1})
     assert any("replacing the checkpoint" in r.getMessage() and "iter_0000001" in r.getMessage()
                for r in caplog.records)
+
+
+KILLED_MID_COMMIT = """
+import sys, time
+from pathlib import Path
+from slimeflow.config.train import TrainConfig
+from slimeflow.train.backends.torch.backend import TorchBackend
+from slimeflow.train.backends.torch.checkpoint import save_checkpoint
+
+hf_dir, root, marker = (Path(a) for a in sys.argv[1:])
+config = TrainConfig(batch={"rollout_batch_size": 2, "num_rollout": 4})
+backend = TorchBackend(hf_dir, config.optimizer, config.algorithm, config.batch, seed=5, device="cpu", total_steps=4)
+save_checkpoint(backend, root, 1, {"rollout_id": 1})
+
+def staged():  # everything written, fsynced and hashed: the moment before the rename and the tracker
+    marker.touch()
+    time.sleep(600)
+
+save_checkpoint(backend, root, 2, {"rollout_id": 2}, before_commit=staged, async_save=True)
+time.sleep(600)  # training would go on here
+"""
+
+
+@pytest.mark.slow  # ~20 s: a fresh interpreter imports torch and transformers
+def test_a_process_killed_during_an_async_commit_resumes_from_the_previous_checkpoint(saved, tmp_path):
+    hf_dir, _ = saved
+    root, marker = tmp_path / "save", tmp_path / "staged"
+    script = tmp_path / "save.py"
+    script.write_text(KILLED_MID_COMMIT)
+    process = subprocess.Popen([sys.executable, str(script), str(hf_dir), str(root), str(marker)])
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), f"the background commit never reached its last step (exit code {process.poll()})"
+    finally:
+        process.kill()  # SIGKILL
+        process.wait()
+    assert [p.name for p in root.glob(".iter_0000002.tmp-*")]  # staged in full, never renamed
+    latest = checkpoints.find_latest(Storage(), str(root))
+    assert latest is not None and latest.iteration == 1 and checkpoints.read_tracker(Storage(), str(root)) == 1
+    assert not (root / "iter_0000002").exists()
+    claim_root(root)  # the next run removes what the killed commit staged
+    assert sorted(p.name for p in root.iterdir()) == [OWNER_FILENAME, "iter_0000001", checkpoints.TRACKER_FILENAME]
+    assert load_checkpoint(make_backend(hf_dir), str(root)) == {"rollout_id": 1}

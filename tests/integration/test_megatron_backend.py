@@ -200,6 +200,44 @@ def test_adam_steps_with_the_fused_kernel_on_a_cpu_after_a_resume_too(converted,
         backend.close()
 
 
+def test_an_async_save_commits_in_the_background_what_a_sync_save_commits(converted, tmp_path):
+    """--async-save in the Megatron backend: the shards are written before the save returns, the hashing, side files
+    and commit run in the background (the tracker moves at its end), and the checkpoint equals a synchronous one."""
+    import threading
+
+    from slimeflow.checkpoint.integrity import CHECKSUMS
+    from slimeflow.checkpoint.torch_dist import read_dcp_metadata
+    from slimeflow.io import checkpoints
+    from slimeflow.io.storage import Storage
+    from slimeflow.train.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
+
+    config = make_config(batch={"micro_batch_size": 4, "global_batch_size": 8}, optimizer={"lr": LR})
+    batch = make_batch()
+    backend = make_backend(make_job(tmp_path, "async", converted["hf"], converted["release"], batch, config))
+    try:
+        load_checkpoint(backend, converted["release"], weights_only=True)
+        train_steps(backend, batch, config, 0, 1)
+        sync = save_checkpoint(backend, tmp_path / "sync", 0, {"rollout_id": 0})
+        proceed = threading.Event()
+        ref = save_checkpoint(backend, tmp_path / "async", 0, {"rollout_id": 0}, before_commit=proceed.wait,
+                              async_save=True)
+        assert checkpoints.read_tracker(Storage(), str(tmp_path / "async")) is None
+        train_steps(backend, batch, config, 0, 1)  # training goes on while rank 0 commits
+        proceed.set()
+        backend.wait_for_save()
+        assert checkpoints.find_latest(Storage(), str(tmp_path / "async")) == ref
+        written, expected = Path(ref.uri), Path(sync.uri)
+        names = sorted(p.relative_to(written).as_posix() for p in written.rglob("*") if p.is_file())
+        assert names == sorted(p.relative_to(expected).as_posix() for p in expected.rglob("*") if p.is_file())
+        for name in names:  # .metadata records its own staging path and save id; its checksum follows
+            if name not in (".metadata", CHECKSUMS):
+                assert (written / name).read_bytes() == (expected / name).read_bytes(), name
+        assert read_dcp_metadata(written).state_dict_metadata == read_dcp_metadata(expected).state_dict_metadata
+        assert load_checkpoint(backend, ref) == {"rollout_id": 0}
+    finally:
+        backend.close()
+
+
 def deterministic_job(rank: int, world: int, job: dict) -> dict:
     """train_job, with what --deterministic-mode switched on while the backend lived and what was left after."""
     from slimeflow.train.backends.megatron.checkpoint import load_checkpoint

@@ -77,7 +77,7 @@ def test_the_next_rollout_is_asked_for_before_training_and_weights_wait_for_it()
         ("update", 0), ("generate", 0, 0),
         ("result", 0), ("generate", 1, 0), ("train", 0, "batch-0"), ("wait", 1), ("update", 1),
         ("result", 1), ("generate", 2, 1), ("train", 1, "batch-1"), ("wait", 2), ("update", 2),
-        ("result", 2), ("train", 2, "batch-2"), ("state", 2), ("save", 2), ("update", 3),
+        ("result", 2), ("train", 2, "batch-2"), ("state", 2), ("save", 2), ("update", 3), ("wait_for_save",),
     ]
 
 

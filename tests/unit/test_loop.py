@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from slimeflow.config.train import TrainConfig
 from slimeflow.stages.train import loop
+from slimeflow.stages.train import placement as placement_module
+from slimeflow.stages.train.remote import LoopError
 
 
 class Recorder:
@@ -38,6 +42,9 @@ class Recorder:
     def save(self, rollout_id, extra):
         self.calls.append(("save", rollout_id))
         return f"iter_{rollout_id}"
+
+    def wait_for_save(self):
+        self.calls.append(("wait_for_save",))
 
     def update_weights(self, version):
         self.calls.append(("update", version))
@@ -79,7 +86,7 @@ def test_the_loop_runs_in_slimes_order_and_reports_every_rollout():
                      "generate", "train", "update",
                      "generate", "train", "save", "update", "eval",
                      "generate", "train", "update",
-                     "generate", "train", "save", "update", "eval"]
+                     "generate", "train", "save", "update", "eval", "wait_for_save"]
     assert ("train", 2, "batch-2") in recorder.calls and ("update", 4) in recorder.calls
     assert [r[0] for r in reports.rollouts] == [0, 1, 2, 3] and reports.evals == [0, 2, 4]
     assert result.checkpoint == "iter_3" and result.row_ids[1] == [["row-1"]]
@@ -219,3 +226,25 @@ def test_a_run_killed_between_a_save_and_its_report_keeps_the_saved_rollouts_lin
     # Started again from the same checkpoint (killed once more, later): the line is not written twice.
     RolloutLog(path).started(2, evaluates_first=True, saved=saves[1]["report"])
     assert [r["step"] for r in RolloutLog(path).read() if "rollout/reward_mean" in r] == [0, 1]
+
+
+@pytest.mark.parametrize("outcome", ["ends", "too_slow", "failed"])
+def test_a_stopping_run_lets_the_async_commit_in_flight_end_and_says_when_it_did_not(outcome, caplog):
+    asked = []
+
+    class Trainers:
+        def wait_for_save(self, timeout=None):
+            asked.append(timeout)
+            if outcome == "failed":
+                raise LoopError("committing the last checkpoint (--async-save) failed: OSError: disk gone")
+            return outcome == "ends"
+
+    config = TrainConfig.model_validate({"batch": {"rollout_batch_size": 1, "num_rollout": 2},
+                                         "checkpoint": {"async_save": True}})
+    placement = placement_module.Placement(config, rollout_manager=None, actor_group=Trainers())
+    with caplog.at_level("WARNING"):
+        placement._let_commit_end()
+    assert asked == [placement_module.COMMIT_GRACE_S]
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert ("resumes from the previous checkpoint" in warned) == (outcome != "ends")
+    assert ("disk gone" in warned) == (outcome == "failed")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +13,8 @@ import pytest
 import torch
 
 from slimeflow.checkpoint.hf_write import write_hf
+from slimeflow.checkpoint.integrity import CHECKSUMS
+from slimeflow.checkpoint.torch_dist import read_dcp_metadata
 from slimeflow.config.train import TrainConfig
 from slimeflow.errors import CheckpointError
 from slimeflow.families.tiny import TinyModelSpec, build_tiny_model
@@ -223,3 +227,83 @@ def _in_staging(path: str) -> str:
     parts = Path(path).parts
     at = next(i for i, part in enumerate(parts) if part.startswith(".iter_0000001.tmp-"))
     return Path(*parts[at + 1:]).as_posix()
+
+
+def test_an_async_save_writes_what_a_sync_save_would_while_training_goes_on(saved, tmp_path):
+    # --async-save: the save returns once it holds its own copy; training then changes the weights and the
+    # optimizer state while the copy is written, and the checkpoint still holds the state at the save, byte for byte.
+    hf_dir, _, _ = saved
+    backend = make_backend(hf_dir)
+    train_on_rollout(backend, make_batch(0), CONFIG)
+    sync = save_checkpoint(backend, tmp_path / "sync", 1, EXTRA)
+    proceed = threading.Event()
+    ref = save_checkpoint(backend, tmp_path / "async", 1, EXTRA, before_commit=proceed.wait, async_save=True)
+    assert checkpoints.find_latest(Storage(), str(tmp_path / "async")) is None  # not committed yet
+    assert not Path(ref.uri).exists()
+    train_on_rollout(backend, make_batch(1), CONFIG)  # the originals change under the pending commit
+    proceed.set()
+    backend.wait_for_save()
+    assert checkpoints.find_latest(Storage(), str(tmp_path / "async")) == ref
+    assert _files(Path(ref.uri)) == _files(Path(sync.uri))
+    written, expected_metadata = read_dcp_metadata(Path(ref.uri)), read_dcp_metadata(Path(sync.uri))
+    assert written.state_dict_metadata == expected_metadata.state_dict_metadata
+    assert written.storage_data == expected_metadata.storage_data
+    resumed = make_backend(hf_dir)
+    assert load_checkpoint(resumed, ref.root) == EXTRA
+    expected = make_backend(hf_dir)
+    load_checkpoint(expected, sync.root)
+    for name, weight in expected.named_weights().items():
+        assert torch.equal(resumed.named_weights()[name], weight), name
+    # the buffers of the first snapshot are reused by the next one (no new host memory per save)
+    buffers = dict(backend.save_snapshot._buffers)
+    save_checkpoint(backend, tmp_path / "async", 2, {"rollout_id": 2}, async_save=True)
+    backend.wait_for_save()
+    assert all(backend.save_snapshot._buffers[key] is buffer for key, buffer in buffers.items())
+
+
+def test_a_new_save_waits_for_the_commit_in_flight(saved, tmp_path):
+    hf_dir, _, _ = saved
+    backend = make_backend(hf_dir)
+    root, proceed = tmp_path / "save", threading.Event()
+    save_checkpoint(backend, root, 1, {"rollout_id": 1}, before_commit=proceed.wait, async_save=True)
+    second = threading.Thread(target=save_checkpoint, args=(backend, root, 2, {"rollout_id": 2}))
+    second.start()
+    second.join(timeout=1.0)
+    assert second.is_alive()  # blocked behind checkpoint 1's commit
+    assert checkpoints.read_tracker(Storage(), str(root)) is None
+    proceed.set()
+    second.join(timeout=60)
+    assert not second.is_alive()
+    assert [r.iteration for r in checkpoints.list_checkpoints(Storage(), str(root))] == [1, 2]
+    assert checkpoints.read_tracker(Storage(), str(root)) == 2
+
+
+def test_a_failed_background_commit_is_raised_with_its_cause_and_commits_nothing(saved, tmp_path):
+    hf_dir, _, _ = saved
+    backend = make_backend(hf_dir)
+    root = tmp_path / "save"
+    first = save_checkpoint(backend, root, 1, {"rollout_id": 1})
+
+    def disk_gone():
+        raise OSError(28, "No space left on device")
+
+    save_checkpoint(backend, root, 2, {"rollout_id": 2}, before_commit=disk_gone, async_save=True)
+    with pytest.raises(CheckpointError, match=r"checkpoint 2 under .*failed in the background.*No space left") as err:
+        save_checkpoint(backend, root, 3, {"rollout_id": 3})  # the next save reports it, and does not save
+    assert isinstance(err.value.__cause__, OSError)
+    assert checkpoints.find_latest(Storage(), str(root)) == first
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000001", checkpoints.TRACKER_FILENAME]
+    save_checkpoint(backend, root, 2, {"rollout_id": 2}, before_commit=disk_gone, async_save=True)
+    with pytest.raises(CheckpointError, match="No space left"):  # the end of the run reports it as well
+        backend.wait_for_save()
+    backend.wait_for_save()  # reported once: nothing pending now
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    """Every file's bytes but .metadata's (every save records its own staging path and a random save id there) and
+    its checksum."""
+    files = {p.relative_to(directory).as_posix(): p.read_bytes() for p in sorted(directory.rglob("*"))
+             if p.is_file() and p.name != ".metadata"}
+    checksums = json.loads(files.pop(CHECKSUMS))
+    files[CHECKSUMS] = json.dumps([r for r in checksums["files"] if r["path"] != ".metadata"]).encode()
+    return files

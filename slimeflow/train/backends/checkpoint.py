@@ -10,7 +10,9 @@ Each backend's own module (torch/checkpoint.py, megatron/checkpoint.py) writes a
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,8 @@ from slimeflow.errors import CheckpointError
 from slimeflow.io import checkpoints
 from slimeflow.io.checkpoints import CheckpointRef, local_root
 from slimeflow.io.storage import Storage
+
+logger = logging.getLogger(__name__)
 
 SIDE_DIR = "slimeflow"
 """slimeflow's resume state inside a checkpoint directory (Megatron ignores the folder)."""
@@ -45,6 +49,46 @@ def read_extra_state(directory: Path) -> dict[str, Any]:
     path = directory / SIDE_DIR / EXTRA_STATE
     with reading(path):
         return json.loads(path.read_text(encoding="utf-8"))
+
+
+class BackgroundCommit:
+    """--async-save: at most one checkpoint's write, hash, fsync and commit running in a thread of its own while
+    training goes on (the trainer blocked only while the save took its snapshot).
+
+    The thread is not a daemon: an interpreter that exits normally finishes the commit first. A process killed
+    before the commit ends leaves the previous checkpoint the latest, as a killed synchronous save does (the commit
+    keeps the synchronous save's order: files fsynced, checksums, rename, then the tracker). A failed commit is
+    raised by the next `wait`, with its cause, never dropped."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-commit")
+        self._pending: tuple[str, Future[object]] | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def start(self, what: str, commit: Callable[[], object]) -> None:
+        """Run `commit` (the rest of the save of `what`, e.g. "checkpoint 3 under /root") in the thread; the caller
+        has waited for the previous one."""
+        if self._pending is not None:
+            raise RuntimeError(f"{what}: the commit of {self._pending[0]} is still pending; wait for it first")
+        self._pending = (what, self._pool.submit(commit))
+
+    def wait(self) -> None:
+        """Until the pending commit (if any) has ended; CheckpointError, from its cause, when it failed: the
+        checkpoint was not committed and the previous one stays the latest."""
+        if self._pending is None:
+            return
+        what, future = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except BaseException as err:
+            raise CheckpointError(
+                f"the asynchronous save (--async-save) of {what} failed in the background and was not committed "
+                f"(the previous checkpoint stays the latest): {type(err).__name__}: {err}") from err
+        logger.info("%s is committed (--async-save)", what)
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from slimeflow.config.train import BatchConfig
+from slimeflow.errors import CheckpointError
 from slimeflow.rollout.types import TrainBatch
 from slimeflow.train.logprob_entropy import log_probs_and_entropy
 from slimeflow.train.packing import pack_micro_batches
 
 if TYPE_CHECKING:
+    from slimeflow.train.backends.checkpoint import BackgroundCommit
     from slimeflow.train.backends.protocol import Backend
 
 
@@ -105,6 +107,32 @@ def init_process_group(rank: int, world_size: int, init_method: str | None, devi
     backend = "nccl" if device.type == "cuda" else "gloo"
     torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     return True
+
+
+def raise_on_every_rank(error: BaseException | None, rank: int, world_size: int, what: str) -> None:
+    """Raise rank 0's `error` on rank 0, and on every other rank a RuntimeError saying `what` and rank 0's error.
+    Collective when world_size > 1 (rank 0 broadcasts whether it failed)."""
+    if world_size > 1:
+        status = [None if error is None else f"{type(error).__name__}: {error}"]
+        torch.distributed.broadcast_object_list(status, src=0)
+        if rank != 0 and status[0] is not None:
+            raise RuntimeError(f"{what}: {status[0]}")
+    if error is not None:
+        raise error
+
+
+def wait_for_commit(commit: BackgroundCommit, rank: int, world_size: int, collective: bool) -> None:
+    """BackgroundCommit.wait on this rank (rank 0 is the one that commits); `collective`: every rank calls it and
+    every rank raises when rank 0's commit failed (raise_on_every_rank)."""
+    error = None
+    try:
+        commit.wait()
+    except CheckpointError as err:
+        error = err
+    if collective:
+        raise_on_every_rank(error, rank, world_size, "rank 0's previous checkpoint commit (--async-save) failed")
+    elif error is not None:
+        raise error
 
 
 def plan_micro_batches(batch: BatchConfig, lengths: list[int]) -> list[list[int]]:

@@ -127,9 +127,17 @@ class Backend(Protocol):
     # -- checkpoints, weights, memory -----------------------------------------------------------------------------
 
     def save_checkpoint(self, root: str | Path, rollout_id: int, extra_state: dict[str, Any],
-                        before_commit: Callable[[], None] | None = None) -> CheckpointRef:
+                        before_commit: Callable[[], None] | None = None, async_save: bool = False) -> CheckpointRef:
         """Save `<root>/iter_{rollout_id:07d}` in torch_dist layout with everything a resume needs and commit it;
-        `before_commit` runs just before the commit and may abandon it by raising. Collective."""
+        `before_commit` runs just before the commit and may abandon it by raising. Collective. A previous
+        `async_save`'s commit is waited for first (its error raised). With `async_save` (--async-save) it returns
+        once what it writes is a consistent copy that training cannot change; the rest (hashes, fsyncs, the rename
+        and the tracker, in the synchronous save's order) runs in the background until `wait_for_save`."""
+        ...
+
+    def wait_for_save(self) -> None:
+        """Until this rank's --async-save commit in flight (if any) has ended; CheckpointError, from its cause, when
+        it failed (the previous checkpoint then stays the latest). Not collective: a rank without one returns."""
         ...
 
     def load_checkpoint(self, ref_or_uri: CheckpointRef | str | Path, weights_only: bool = False) -> dict[str, Any]:

@@ -52,7 +52,7 @@ from slimeflow.families.megatron import gpt_model_from_args
 from slimeflow.io.checkpoints import CheckpointRef, local_root
 from slimeflow.offload import module_tensors, optimizer_tensors
 from slimeflow.rollout.types import TrainBatch
-from slimeflow.train.backends.checkpoint import resolve_start
+from slimeflow.train.backends.checkpoint import BackgroundCommit, resolve_start
 from slimeflow.train.backends.common import (
     LogProbs,
     RowLayout,
@@ -113,6 +113,7 @@ class MegatronBackend:
         self.hf_checkpoint, self.temperature, self.seed = Path(hf_checkpoint), temperature, seed
         self.optimizer_config, self.algorithm, self.batch, self.parallel = optimizer, algorithm, batch, parallel
         self.rank, self.world_size = rank, world_size
+        self.background_commit = BackgroundCommit()  # --async-save: rank 0's commit in flight
         self.device = default_device()
         self.kernels = kernels or Kernels.detect()  # the layer spec and fused kernels this machine runs
         problems = kernel_problems(parallel, self.kernels)
@@ -500,9 +501,13 @@ class MegatronBackend:
     # -- checkpoints and weights ----------------------------------------------------------------------------------
 
     def save_checkpoint(self, root: str | Path, rollout_id: int, extra_state: dict[str, Any],
-                        before_commit: Callable[[], None] | None = None) -> CheckpointRef:
+                        before_commit: Callable[[], None] | None = None, async_save: bool = False) -> CheckpointRef:
         """megatron/checkpoint.py's save_checkpoint of this rank's shards."""
-        return megatron_checkpoint.save_checkpoint(self, root, rollout_id, extra_state, before_commit)
+        return megatron_checkpoint.save_checkpoint(self, root, rollout_id, extra_state, before_commit, async_save)
+
+    def wait_for_save(self) -> None:
+        """megatron/checkpoint.py's wait_for_save of this rank."""
+        megatron_checkpoint.wait_for_save(self)
 
     def load_checkpoint(self, ref_or_uri: CheckpointRef | str | Path, weights_only: bool = False) -> dict[str, Any]:
         """megatron/checkpoint.py's load_checkpoint into this rank's shards."""

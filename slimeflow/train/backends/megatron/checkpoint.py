@@ -44,6 +44,7 @@ from slimeflow.train.backends.checkpoint import (
     read_extra_state,
     reading,
 )
+from slimeflow.train.backends.common import raise_on_every_rank, wait_for_commit
 from slimeflow.train.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -116,17 +117,23 @@ def _rng_with_tracker() -> dict[str, Any]:
 
 
 def save_checkpoint(backend: MegatronBackend, root: str | Path, rollout_id: int, extra_state: dict[str, Any],
-                    before_commit: Callable[[], None] | None = None) -> CheckpointRef:
+                    before_commit: Callable[[], None] | None = None, async_save: bool = False) -> CheckpointRef:
     """Save weights, optimizer, schedule, RNG and `extra_state` as `<root>/iter_{rollout_id:07d}`, then commit it.
 
     Collective: every rank calls it and writes its shards; rank 0 stages, adds the side files and commits.
     Every rank gets the committed checkpoint, or the error rank 0 met. `before_commit` as in Backend.save_checkpoint.
+    First the previous `async_save`'s commit is waited for (its error raised on every rank). With `async_save`,
+    every rank writes its shards as without (megatron-core's writer, collective and fsynced: the staged files are
+    the snapshot training cannot change); rank 0's BackgroundCommit then adds the side files, hashes every file,
+    and renames and commits, while training goes on; the returned reference is committed once `wait_for_save`
+    returns.
     """
     from megatron.core import dist_checkpointing
 
     from slimeflow.train.backends.megatron.shims import in_process_write_results
 
     extra_json = json.dumps(extra_state)  # fail before writing anything
+    wait_for_save(backend, collective=True)
     root_path, name = local_root(root), checkpoints.iteration_dirname(rollout_id)
     with ExitStack() as stack:
         staged = None
@@ -142,19 +149,37 @@ def save_checkpoint(backend: MegatronBackend, root: str | Path, rollout_id: int,
                 dist_checkpointing.save(_sharded_state(backend, rollout_id, False, True), str(staged),
                                         sharded_strategy=("torch_dist", 1), content_metadata=SHARDING)
             torch.distributed.barrier()
-            if backend.rank == 0:
+            if backend.rank == 0 and async_save:
+                # the claim goes with the commit: the staging directory stays claimed until it is moved into place
+                claim = stack.pop_all()
+                backend.background_commit.start(f"checkpoint {rollout_id} under {root}", lambda: _commit_claimed(
+                    claim, root_path, staged, rollout_id, extra_json, before_commit))
+            elif backend.rank == 0:
                 _commit(root_path, staged, rollout_id, extra_json, before_commit)
         except BaseException as err:
             error = err
             if backend.rank == 0:
                 shutil.rmtree(staged, ignore_errors=True)
-    status = [None if error is None else f"{type(error).__name__}: {error}"]
-    torch.distributed.broadcast_object_list(status, src=0)
-    if error is not None:
-        raise error
-    if status[0] is not None:
-        raise RuntimeError(f"rank 0 failed to save checkpoint {rollout_id} under {root}: {status[0]}")
+    raise_on_every_rank(error, backend.rank, backend.world_size,
+                        f"rank 0 failed to save checkpoint {rollout_id} under {root}")
     return CheckpointRef(root=str(root), iteration=rollout_id, uri=str(Path(root) / name))
+
+
+def wait_for_save(backend: MegatronBackend, collective: bool = False) -> None:
+    """Until this rank's --async-save commit in flight (rank 0's; none elsewhere) has ended; CheckpointError, from
+    its cause, when it failed. `collective`: every rank calls it and every rank raises rank 0's error."""
+    wait_for_commit(backend.background_commit, backend.rank, backend.world_size, collective)
+
+
+def _commit_claimed(claim: ExitStack, root: Path, staged: Path, rollout_id: int, extra_json: str,
+                    before_commit: Callable[[], None] | None) -> None:
+    """_commit in the background, releasing the staging directory's claim after (removed first, if it failed)."""
+    with claim:
+        try:
+            _commit(root, staged, rollout_id, extra_json, before_commit)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
 
 
 def _commit(root: Path, staged: Path, rollout_id: int, extra_json: str,

@@ -23,6 +23,7 @@ from slimeflow.families.hf import load_causal_lm
 from slimeflow.io.checkpoints import CheckpointRef
 from slimeflow.offload import module_tensors, optimizer_tensors
 from slimeflow.rollout.types import TrainBatch
+from slimeflow.train.backends.checkpoint import BackgroundCommit
 from slimeflow.train.backends.common import (
     LogProbs,
     RowLayout,
@@ -105,6 +106,8 @@ class TorchBackend:
         # on-policy distillation's teacher (--opd-type megatron): the policy's architecture, the teacher's weights
         self.teacher_model = self._load_reference(algorithm.opd_teacher_load) if algorithm.needs_teacher else None
         self.plugins = LossPlugins.load(algorithm, plugin_args)  # plugin_args: slime's args
+        self.background_commit = BackgroundCommit()  # --async-save: the commit in flight
+        self.save_snapshot = torch_checkpoint.Snapshot()  # --async-save: the copy it writes
 
     @classmethod
     def build(cls, config: TrainConfig, hf_checkpoint: str, args: RankArgs, hooks: TrainHooks | None) -> Self:
@@ -260,9 +263,13 @@ class TorchBackend:
         self.scheduler.load_state_dict(state["scheduler"])
 
     def save_checkpoint(self, root: str | Path, rollout_id: int, extra_state: dict[str, Any],
-                        before_commit: Callable[[], None] | None = None) -> CheckpointRef:
+                        before_commit: Callable[[], None] | None = None, async_save: bool = False) -> CheckpointRef:
         """torch/checkpoint.py's save_checkpoint of this backend."""
-        return torch_checkpoint.save_checkpoint(self, root, rollout_id, extra_state, before_commit)
+        return torch_checkpoint.save_checkpoint(self, root, rollout_id, extra_state, before_commit, async_save)
+
+    def wait_for_save(self) -> None:
+        """torch/checkpoint.py's wait_for_save of this rank."""
+        torch_checkpoint.wait_for_save(self)
 
     def load_checkpoint(self, ref_or_uri: CheckpointRef | str | Path, weights_only: bool = False) -> dict[str, Any]:
         """torch/checkpoint.py's load_checkpoint into this backend."""

@@ -45,6 +45,7 @@ from slimeflow.train.backends.checkpoint import (
     read_extra_state,
     reading,
 )
+from slimeflow.train.backends.common import raise_on_every_rank, wait_for_commit
 from slimeflow.train.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -56,44 +57,65 @@ RNG_STATE = "rng_state.pt"
 
 
 def save_checkpoint(backend: TorchBackend, root: str | Path, rollout_id: int, extra_state: dict[str, Any],
-                    before_commit: Callable[[], None] | None = None) -> CheckpointRef:
+                    before_commit: Callable[[], None] | None = None, async_save: bool = False) -> CheckpointRef:
     """Save weights, optimizer, scheduler, RNG and `extra_state` as `<root>/iter_{rollout_id:07d}`, then commit it.
 
     Collective: every data-parallel rank calls it (rank 0 writes, the others hand over their RNG states) and
     every rank gets the committed checkpoint, or the error rank 0 met. `extra_state` must be JSON-serialisable.
     `before_commit` runs on rank 0 once everything is staged, just before the directory is moved into place: an
     error it raises abandons the save as any other failure does (the previous checkpoint stays the latest).
+    First the previous `async_save`'s commit is waited for (its error raised on every rank). With `async_save`,
+    rank 0 copies what it will write (Snapshot) and returns; the same files are written, fsynced and committed,
+    in the same order, by its BackgroundCommit, and the returned reference is committed once `wait_for_save`
+    returns.
     """
     extra_json = json.dumps(extra_state)  # fail before writing anything
+    wait_for_save(backend, collective=True)
     rngs = _gather_objects(rng_state(), backend.world_size)
     error, ref = None, None
     if backend.rank == 0:
         try:
-            ref = _save(backend, local_root(root), rollout_id, extra_json, rngs, before_commit)
+            ref = _save_or_start(backend, local_root(root), rollout_id, extra_json, rngs, before_commit, async_save)
         except BaseException as err:
             error = err
-    if backend.world_size > 1:
-        status = [None if error is None else f"{type(error).__name__}: {error}"]
-        torch.distributed.broadcast_object_list(status, src=0)
-        if backend.rank != 0 and status[0] is not None:
-            raise RuntimeError(f"rank 0 failed to save checkpoint {rollout_id} under {root}: {status[0]}")
-    if error is not None:
-        raise error
+    raise_on_every_rank(error, backend.rank, backend.world_size, f"rank 0 failed to save checkpoint {rollout_id} under {root}")
     if ref is None:  # ranks > 0: the same reference rank 0 committed
         ref = CheckpointRef(root=str(root), iteration=rollout_id,
                             uri=str(Path(root) / checkpoints.iteration_dirname(rollout_id)))
     return ref
 
 
-def _save(backend: TorchBackend, root: Path, rollout_id: int, extra_json: str, rngs: list[Any],
+def wait_for_save(backend: TorchBackend, collective: bool = False) -> None:
+    """Until this rank's --async-save commit in flight (rank 0's; none elsewhere) has ended; CheckpointError, from
+    its cause, when it failed. `collective`: every rank calls it and every rank raises rank 0's error."""
+    wait_for_commit(backend.background_commit, backend.rank, backend.world_size, collective)
+
+
+def _save_or_start(backend: TorchBackend, root: Path, rollout_id: int, extra_json: str, rngs: list[Any],
+                   before_commit: Callable[[], None] | None, async_save: bool) -> CheckpointRef:
+    """The committed checkpoint; with `async_save`, the one whose commit has started (wait_for_save)."""
+    weights, training_state = backend.checkpoint_weights(), backend.training_state()
+    if not async_save:
+        return _save(weights, training_state, backend.hf_checkpoint, root, rollout_id, extra_json, rngs,
+                     before_commit)
+    snapshot = backend.save_snapshot.take({"weights": weights, "state": training_state})
+    backend.background_commit.start(
+        f"checkpoint {rollout_id} under {root}",
+        lambda: _save(snapshot["weights"], snapshot["state"], backend.hf_checkpoint, root, rollout_id, extra_json,
+                      rngs, before_commit))
+    return CheckpointRef(root=str(root), iteration=rollout_id,
+                         uri=str(root / checkpoints.iteration_dirname(rollout_id)))
+
+
+def _save(weights: dict[str, torch.Tensor], training_state: dict[str, Any], hf_dir: Path, root: Path,
+          rollout_id: int, extra_json: str, rngs: list[Any],
           before_commit: Callable[[], None] | None) -> CheckpointRef:
     name = checkpoints.iteration_dirname(rollout_id)
     ledger = Ledger()  # every file is hashed as it is written, from memory: none is read back for its checksum
-    training_state = backend.training_state()
     # The side files (the optimizer state: 2/3 of the bytes) are written beside the weights, in a thread of their
     # own: each file's write, hash and fsync are one stream, and the streams overlap.
-    staged = _stage_weights(backend, root, rollout_id, ledger, beside=lambda staging: write_side_files(
-        staging / SIDE_DIR, training_state, rngs, extra_json, ledger))
+    staged = stage_torch_dist(weights, hf_dir, root, rollout_id, name, ledger=ledger, beside=lambda staging:
+                              write_side_files(staging / SIDE_DIR, training_state, rngs, extra_json, ledger))
     target = root / name
     try:
         with held(staged):  # claimed until it is moved into place: a killed save's is removed by the next run
@@ -111,13 +133,29 @@ def _save(backend: TorchBackend, root: Path, rollout_id: int, extra_json: str, r
         raise
 
 
-def _stage_weights(backend: TorchBackend, root: Path, rollout_id: int, ledger: Ledger,
-                   beside: Callable[[Path], object]) -> Path:
-    """The current weights as a staged torch_dist directory, written from memory by the convert stage's writer
-    (convert.stage_torch_dist: the files a conversion of them would write), each data file hashed into `ledger`;
-    `beside(staging)` writes the rest meanwhile."""
-    return stage_torch_dist(backend.checkpoint_weights(), backend.hf_checkpoint, root, rollout_id,
-                            checkpoints.iteration_dirname(rollout_id), ledger=ledger, beside=beside)
+class Snapshot:
+    """--async-save's copy of what a save writes (weights, optimizer state), taken while the trainer waits, so
+    training may change the originals while the copy is written. The copies live in host buffers kept from one
+    save to the next (the next save waits for the commit that reads them): refilling warm buffers runs at memcpy
+    speed, new ones pay a page fault per page. Costs the checkpoint's size in host memory while --async-save is on.
+    On a GPU the optimizer state is saved as host tensors (a load maps it to the backend's device either way)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def take(self, tree: Any, path: tuple[Any, ...] = ()) -> Any:
+        """`tree` (dicts, lists and tuples of tensors and plain values) with every tensor copied into a buffer."""
+        if isinstance(tree, torch.Tensor):
+            buffer = self._buffers.get(path)
+            if buffer is None or buffer.shape != tree.shape or buffer.dtype != tree.dtype \
+                    or buffer.stride() != tree.stride():
+                buffer = self._buffers[path] = torch.empty_like(tree, device="cpu")
+            return buffer.copy_(tree.detach())
+        if isinstance(tree, dict):
+            return {key: self.take(value, (*path, key)) for key, value in tree.items()}
+        if type(tree) in (list, tuple):  # not a named tuple: rebuilt from its items
+            return type(tree)(self.take(value, (*path, i)) for i, value in enumerate(tree))
+        return tree
 
 
 def write_side_files(side: Path, training_state: dict[str, Any], rngs: list[Any], extra_json: str,
