@@ -21,8 +21,10 @@ def test_sigkill_mid_async_run_with_partial_rollouts_then_resume_loses_and_repea
 
     # Two rollouts generated ahead; 8 groups asked for, two at a time, 4 kept: the others are aborted (unsent or
     # halfway) and continued later. (Responses stop at random on an eighth of the bytes: their lengths differ.)
+    # Saved with --async-save, as slime's async scripts save: each commit runs beside training, the tracker moves
+    # once it is durable, and the run's end waits for the last one (the synchronous save is every other run's).
     config, _ = train_config(tmp_path / "prep", **{
-        "num-rollout": 5, "save-interval": 2, "eval-interval": None, "rollout-batch-size": 4,
+        "num-rollout": 5, "save-interval": 2, "async-save": True, "eval-interval": None, "rollout-batch-size": 4,
         "n-samples-per-prompt": 2, "async": True, "async-buffer-size": 2, "use-tis": True,
         "partial-rollout": True, "over-sampling-batch-size": 8, "rollout-max-response-len": 16,
         "rollout-stop-token-ids": list(range(0, 256, 8)),
