@@ -229,12 +229,16 @@ def _in_staging(path: str) -> str:
     return Path(*parts[at + 1:]).as_posix()
 
 
-def test_an_async_save_writes_what_a_sync_save_would_while_training_goes_on(saved, tmp_path):
+def test_an_async_save_writes_what_a_sync_save_would_while_training_goes_on(saved, tmp_path, monkeypatch):
     # --async-save: the save returns once it holds its own copy; training then changes the weights and the
     # optimizer state while the copy is written, and the checkpoint still holds the state at the save, byte for byte.
     hf_dir, _, _ = saved
     backend = make_backend(hf_dir)
     train_on_rollout(backend, make_batch(0), CONFIG)
+    # Both saves record one RNG state: in the full suite another test's thread in this process drew from Python's
+    # global RNG between the two saves, and the two rng_state.pt files differed for that reason alone.
+    state = ckpt.rng_state()
+    monkeypatch.setattr(ckpt, "rng_state", lambda: state)
     sync = save_checkpoint(backend, tmp_path / "sync", 1, EXTRA)
     proceed = threading.Event()
     ref = save_checkpoint(backend, tmp_path / "async", 1, EXTRA, before_commit=proceed.wait, async_save=True)
