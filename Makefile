@@ -40,17 +40,17 @@ demo: $(VENV)/.installed-real
 # XDIST: a worker per core, each module whole on one worker (its module fixtures: a Prefect server, a Ray cluster),
 # in the order tests/conftest.py gives (the longest first), not xdist's (the most tests first). XDIST= runs serially.
 XDIST ?= -n auto --dist loadfile --no-loadscope-reorder
-PYTEST = $(BIN)/python -m pytest $(1) $(XDIST) $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is missing or mis-selected"; exit 1; fi; exit $$rc
+NO_TESTS = if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is missing or mis-selected"; exit 1; fi
+PYTEST = $(BIN)/python -m pytest $(1) $(XDIST) $(PYTEST_ARGS); rc=$$?; $(NO_TESTS); exit $$rc
 
-# The type check runs beside pytest (one core for about a minute and a half, while pytest's first minutes leave
-# some of the cores idle): its report follows pytest's, and either failing fails `make test`.
+# The type check runs beside pytest, not before it (alone, it held one core for about 85 s while the other idled):
+# its report follows pytest's, and either failing fails `make test`.
 test: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 	@$(TYPECHECK) > $(VENV)/typecheck.log 2>&1 & typecheck=$$!; \
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS); rc=$$?; \
 	wait $$typecheck; typecheck_rc=$$?; echo "$$ $(TYPECHECK)"; cat $(VENV)/typecheck.log; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: the suite is missing or mis-selected"; exit 1; fi; \
+	$(NO_TESTS); \
 	if [ $$rc -eq 0 ] && [ $$typecheck_rc -ne 0 ]; then echo "the type check failed (above)"; exit $$typecheck_rc; fi; \
 	exit $$rc
 

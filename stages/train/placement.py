@@ -253,7 +253,6 @@ class Placement:
         if self.group is not None:
             self.group.remove()
 
-
     def _let_commit_end(self) -> None:
         """A run stopped midway (SIGTERM, an error) lets an --async-save commit in flight end, for up to
         COMMIT_GRACE_S, before its trainers are killed: either way the tracker names a complete checkpoint."""
