@@ -15,6 +15,11 @@ compared token by token. Two workloads:
   asks; model.generate stops when every row has. A static batch runs until its longest row; only the tokens each
   request asked for (up to and including its EOS) are counted for both.
 
+With --samples-per-prompt N (and --model), the workload is a GRPO rollout's instead of an evaluation's: requests/N
+questions, each sent N times and sampled at the demo's rollout temperature, as slime's rollout sends a group's
+samples; model.generate gets the same repeated rows in one batch, as TRL's GRPOTrainer generates. The engine
+prefills a group's shared prompt once; model.generate prefills every row.
+
 The engine runs as a subprocess reached over HTTP (its time includes HTTP and JSON), and again in this process
 (its Batcher driven directly), so the HTTP share is visible; every side computes with --threads torch threads on
 one long-lived thread: the engine's scheduler thread (model.generate runs on the in-process one; see hf_batch). The HTTP
@@ -28,7 +33,7 @@ parsing, scheduling and responses; not the client's). A last equal-lengths row s
 prefill (runs of one new token) and each later token's step, the two ratios the whole-run one is made of.
 
     .venv/bin/python benchmarks/engine_bench.py [--max-new-tokens 128] [--threads 1] [--one-by-one 8] [--repeats 3]
-        [--model gguf:smollm2-135m-instruct --max-new-tokens 12]
+        [--model gguf:smollm2-135m-instruct --max-new-tokens 12 [--samples-per-prompt 8]]
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ QUESTIONS = Path(__file__).resolve().parent.parent / "examples" / "times_tables"
 """times-eval.jsonl (the demo's 64 held-out questions), then times-train.jsonl when more requests are asked for."""
 
 API_KEY = new_api_key()  # the engine's; every request sends it
+ROLLOUT_TEMPERATURE = 0.8
+"""The real demo's --rollout-temperature (examples/demo-real.yaml), for the rollout workload (--samples-per-prompt)."""
 
 
 @dataclass(frozen=True)
@@ -107,12 +114,22 @@ def chat_prompts(model_dir: Path, n: int) -> list[list[int]]:
 def build_workload(args: argparse.Namespace, model_dir: Path, eos_ids: tuple[int, ...]) -> Workload:
     n, max_new = args.requests, args.max_new_tokens
     if args.model is None:
+        if args.samples_per_prompt != 1:
+            raise SystemExit("--samples-per-prompt groups the real model's chat prompts: give --model too")
         prompts, lengths = make_workload(n, max_new)
         return Workload("tiny llama hidden 256, 4 layers; prompts 16-64 byte tokens", prompts,
                         1.0 if args.temperature is None else args.temperature, lengths, False, eos_ids)
-    prompts = chat_prompts(model_dir, n)
-    return Workload(f"{args.model}; the demo's times-table questions through the chat template", prompts,
-                    0.0 if args.temperature is None else args.temperature, [max_new] * n, True, eos_ids)
+    group = args.samples_per_prompt
+    if n % group:
+        raise SystemExit(f"--requests {n} is not a multiple of --samples-per-prompt {group}: every prompt's group is "
+                         "whole; pick a multiple")
+    # A rollout's groups: each question sent `group` times in a row, as the rollout sends a group's samples.
+    prompts = [prompt for prompt in chat_prompts(model_dir, n // group) for _ in range(group)]
+    default_t = 0.0 if group == 1 else ROLLOUT_TEMPERATURE
+    label = ("the demo's times-table questions through the chat template" if group == 1 else
+             f"{n // group} of the demo's times-table questions x {group} samples each (a rollout's groups)")
+    return Workload(f"{args.model}; {label}", prompts, default_t if args.temperature is None else args.temperature,
+                    [max_new] * n, True, eos_ids)
 
 
 def hf_batch(batcher: Batcher, model, prompts: list[list[int]], max_new: int, pad_id: int, temperature: float,
@@ -199,7 +216,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "slimeflow" / "bench-models",
                         help="where a GGUF source is dequantized (once)")
     parser.add_argument("--temperature", type=float, default=None,
-                        help="both sides' temperature (0: greedy); default 1 on the tiny model, 0 with --model")
+                        help="both sides' temperature (0: greedy); default 1 on the tiny model, 0 with --model, "
+                             f"{ROLLOUT_TEMPERATURE} with --samples-per-prompt above 1")
+    parser.add_argument("--samples-per-prompt", type=int, default=1,
+                        help="with --model: requests/N questions, each sent N times (a GRPO rollout's groups, as "
+                             "slime's --n-samples-per-prompt); model.generate gets the same repeated rows, as TRL's "
+                             "GRPOTrainer batches them")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # this thread only orchestrates: see hf_batch
     load_before = os.getloadavg()[0]

@@ -23,7 +23,10 @@ import base64
 import binascii
 import importlib
 import io
+import logging
+import os
 import pickle
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -33,6 +36,8 @@ import torch
 import torch.multiprocessing.reductions as reductions
 
 from slimeflow.engine.sampling import BadRequestError
+
+log = logging.getLogger(__name__)
 
 FLATTENED_BUCKET = "flattened_bucket"
 LOAD_FORMATS = (None, FLATTENED_BUCKET)
@@ -82,22 +87,34 @@ def metadata_class() -> type:
 # --- the sender's side ---------------------------------------------------------------------------------------------
 
 
-MANAGER_TRIES = 5
-"""How often a call into torch's shared memory manager is made before its error stands: libshm gives the
-torch_shm_manager one second to answer (a poll in its socket's recv), which a busy machine missed (load 15-24,
-three times in the suite: on the sender's side moving a buffer into /dev/shm, and on the engine's opening it)."""
+MANAGER_PATIENCE_S = 60.0
+"""How long a call into torch's shared memory manager is made again before its error stands. libshm gives the
+torch_shm_manager one second to answer (a poll in its socket's recv), which a busy machine missed: at load 14-24, on
+the sender's side moving a buffer into /dev/shm and on the engine's opening it, for five seconds in a row once (the
+manager's process not scheduled, or its pages read back in). A manager stopped for 3 s and then continued answers
+the next call at once (its late reply is read then), so waiting is what helps, not giving up."""
+TIMED_OUT = "Shared memory manager connection has timed out"
 
 
 def patiently(call: Callable[..., T], *args: Any) -> T:
-    """`call(*args)`, made again when the shared memory manager did not answer within libshm's second: that failure
-    happens while connecting, before anything is allocated or moved, so the same call is safe to repeat."""
-    for attempt in range(1, MANAGER_TRIES + 1):
+    """`call(*args)`, made again while the shared memory manager does not answer within libshm's second, for up to
+    MANAGER_PATIENCE_S: that failure happens while connecting, before anything is allocated or moved, so the same
+    call is safe to repeat. Any other error stands at once."""
+    deadline, warned = time.monotonic() + MANAGER_PATIENCE_S, False
+    while True:
         try:
             return call(*args)
         except RuntimeError as err:
-            if "Shared memory manager connection has timed out" not in str(err) or attempt == MANAGER_TRIES:
+            if TIMED_OUT not in str(err):
                 raise
-    raise AssertionError("unreachable")
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"torch's shared memory manager (torch_shm_manager, a child of process "
+                                   f"{os.getpid()}) did not answer for {MANAGER_PATIENCE_S:.0f} s: is the machine "
+                                   f"overloaded, or the manager stopped? ({TIMED_OUT})") from err
+            if not warned:
+                log.warning("torch's shared memory manager did not answer within a second (a busy machine?); "
+                            "asking again for up to %.0f s", MANAGER_PATIENCE_S)
+                warned = True
 
 
 def _reduce_cpu_storage(storage: torch.UntypedStorage) -> tuple:
