@@ -73,14 +73,8 @@ class _LogProbEntropy(torch.autograd.Function):
         target = (scored - top)[rows, local].masked_fill(~here, 0.0)
         _all_reduce(target, dist.ReduceOp.SUM, group)
         log_probs = target - total.squeeze(-1).log()
-        keep_entropy_grad = with_entropy and entropy_grad
-        if not keep_entropy_grad:
-            ctx.mark_non_differentiable(entropy)
-            entropy_softmax = expected_logit = None
-        ctx.keep_entropy_grad = keep_entropy_grad
-        ctx.set_materialize_grads(False)  # an output the loss does not use (the entropy as a metric) costs nothing
-        ctx.save_for_backward(softmax, here, local, entropy_softmax, expected_logit,
-                              logits if keep_entropy_grad else None)
+        _keep_for_backward(ctx, entropy, with_entropy and entropy_grad, softmax, here, local, entropy_softmax,
+                           expected_logit, logits)
         return log_probs, entropy
 
     @staticmethod
@@ -111,16 +105,23 @@ def _whole_vocabulary(ctx: Any, logits: torch.Tensor, tokens: torch.Tensor, rows
     if with_entropy:  # H = log Z - E_p[z]; the row-wise dot product makes no [T, V] temporary
         expected_logit = torch.einsum("tv,tv->t", softmax, logits).unsqueeze(-1)
         entropy = log_total - expected_logit.squeeze(-1)
-    keep_entropy_grad = with_entropy and entropy_grad
+    _keep_for_backward(ctx, entropy, with_entropy and entropy_grad, softmax, torch.ones_like(tokens, dtype=torch.bool),
+                       tokens, softmax, expected_logit, logits)
+    return log_probs, entropy
+
+
+def _keep_for_backward(ctx: Any, entropy: torch.Tensor, keep_entropy_grad: bool, softmax: torch.Tensor,
+                       here: torch.Tensor, local: torch.Tensor, entropy_softmax: torch.Tensor | None,
+                       expected_logit: torch.Tensor | None, logits: torch.Tensor) -> None:
+    """What backward reads: the log-probs' softmax and targets, and the entropy's terms only when its gradient is
+    wanted (otherwise the entropy is a metric, out of the graph)."""
     if not keep_entropy_grad:
         ctx.mark_non_differentiable(entropy)
-        expected_logit = None
+        entropy_softmax = expected_logit = None
     ctx.keep_entropy_grad = keep_entropy_grad
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(softmax, torch.ones_like(tokens, dtype=torch.bool), tokens,
-                          softmax if keep_entropy_grad else None, expected_logit,
+    ctx.set_materialize_grads(False)  # an output the loss does not use (the entropy as a metric) costs nothing
+    ctx.save_for_backward(softmax, here, local, entropy_softmax, expected_logit,
                           logits if keep_entropy_grad else None)
-    return log_probs, entropy
 
 
 def log_probs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, *, with_entropy: bool = False,
